@@ -1,0 +1,45 @@
+# Two commands set everything up on a fresh machine:
+#   make book   build the HTML book into _build/html, executing every chapter fresh
+#   make test   ruff, unit and property tests, and nbval over every chapter
+# Both create .venv (or use VENV=$$CONDA_PREFIX for the conda route) and install what they need.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.minisrv-installed
+export PATH := $(abspath $(BIN)):$(PATH)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: book test setup dot clean
+
+book: setup
+	rm -rf _build/.jupyter_cache _build/html _build/jupyter_execute
+	$(BIN)/jupyter-book build -W -n --keep-going .
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+setup: $(STAMP) dot
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# Colab and conda bring their own torch; only a bare environment gets the CPU wheel.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[book,test,train]"
+	touch $@
+
+# The graphviz `dot` binary draws the architecture and radix-tree figures.
+dot:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq graphviz; \
+	  else \
+	    echo "error: the graphviz 'dot' binary is missing. Install it with" \
+	         "'sudo apt-get install graphviz', 'brew install graphviz', or" \
+	         "'conda install -c conda-forge graphviz'." >&2; exit 1; \
+	  fi; }
+
+clean:
+	rm -rf _build .pytest_cache .hypothesis

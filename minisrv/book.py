@@ -1,0 +1,72 @@
+"""Helpers for the chapters: show a component's source, pick a device, glue numbers into prose.
+
+The chapters import these so that a notebook stays a few lines of glue around the package.
+Nothing in the serving core imports this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import Any
+
+# The repository is named here and nowhere else in the package; `tests/test_book.py` checks
+# that `_config.yml` and every chapter's Colab setup cell agree with it.
+REPO_URL = "https://github.com/minisrv/minisrv"
+COLAB_PIP_SPEC = f"minisrv[viz] @ git+{REPO_URL}"
+
+SETUP_CELL = f'''\
+# Colab: install minisrv (weights included) from the repository; harmless elsewhere.
+import importlib.util, subprocess, sys
+if importlib.util.find_spec("minisrv") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "{COLAB_PIP_SPEC}"], check=True)
+from minisrv.book import default_device
+DEVICE = default_device()'''
+"""Source of the first cell of every chapter (tagged ``remove-cell`` so the HTML hides it)."""
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible (e.g. on Colab), else ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def source_of(obj: Any) -> str:
+    """The dedented source text of a function, method, class or module."""
+    target = getattr(obj, "__func__", obj)  # bound/class methods -> the function
+    if isinstance(target, property):
+        target = target.fget
+    try:
+        return textwrap.dedent(inspect.getsource(target))
+    except (OSError, TypeError) as err:
+        raise TypeError(f"cannot show the source of {obj!r}: {err}") from err
+
+
+def show_source(obj: Any) -> Any:
+    """Display ``obj``'s source with syntax highlighting, the way chapters present a component.
+
+    Returns an IPython ``Code`` object, so it renders as highlighted HTML in Jupyter and in
+    the built book, and as plain text in a terminal.
+    """
+    from IPython.display import Code
+
+    return Code(source_of(obj), language="python")
+
+
+def glue(name: str, value: Any, display: bool = True) -> None:
+    """Make ``value`` quotable in the prose as ``{glue:}`name```.
+
+    Uses myst-nb's ``glue`` when it is installed (the book build); elsewhere (Colab) it just
+    shows the value, so the same notebook runs in both places.
+    """
+    try:
+        from myst_nb import glue as _glue
+    except ImportError:
+        if display:
+            from IPython.display import display as _display
+
+            _display(value)
+        return
+    _glue(name, value, display=display)

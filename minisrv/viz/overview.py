@@ -1,0 +1,171 @@
+"""Diagrams for the overview: the server's architecture and the map of chapters.
+
+Both are drawn from the small tables below, so when a chapter lands, adding one row here
+updates the README picture, the intro and the overview chapter together.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import graphviz
+
+
+class Chapter(NamedTuple):
+    file: str  # notebook stem under chapters/
+    title: str  # short title used in diagrams
+    question: str  # the question the chapter answers
+    modules: tuple[str, ...]  # minisrv modules it builds
+
+
+CHAPTERS: tuple[Chapter, ...] = (
+    Chapter("00_overview", "The server at a glance",
+            "What does an inference server do, and what model do we serve?",
+            ("model", "tokenizer", "train")),
+    Chapter("01_kv_cache", "KV cache and batching",
+            "How big is the KV cache, and why must a server batch?",
+            ("configs", "kvsize", "roofline")),
+    Chapter("02_scheduler", "The scheduler loop",
+            "How does continuous batching keep the GPU busy?",
+            ("scheduler", "backends", "engine", "workloads")),
+)
+
+
+class Component(NamedTuple):
+    name: str  # box label
+    module: str  # minisrv module that implements it
+    chapter: str | None  # chapter file that builds it; None while no chapter does yet
+
+
+COMPONENTS: dict[str, Component] = {
+    "api": Component("Client API\n(generate)", "engine", "02_scheduler"),
+    "tokenizer": Component("Tokenizer", "tokenizer", "00_overview"),
+    "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler", "02_scheduler"),
+    "worker": Component("Model worker\n(CityLM forward)", "model", "00_overview"),
+    "kvpool": Component("KV pool\n(token slots)", "kvpool", None),
+    "radix": Component("Radix cache\n(RadixAttention)", "radix", None),
+    "attention": Component("Attention backend", "model", "00_overview"),
+    "detokenizer": Component("Detokenizer", "tokenizer", "00_overview"),
+}
+
+
+def _chapter_number(file: str) -> str:
+    return file.split("_", 1)[0]
+
+
+def _component_label(comp: Component) -> str:
+    where = (f"ch. {_chapter_number(comp.chapter)} · minisrv/{comp.module}.py"
+             if comp.chapter else f"minisrv/{comp.module}.py · not built yet")
+    return f"{comp.name}\n{where}"
+
+
+def architecture_diagram() -> graphviz.Digraph:
+    """The serving stack of the lecture's architecture slide, as minisrv builds it.
+
+    Requests flow down from the client to the model worker and answers flow back up.
+    Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
+    """
+    g = graphviz.Digraph("architecture", graph_attr={"rankdir": "TB", "nodesep": "0.35",
+                                                     "ranksep": "0.45"},
+                         node_attr={"shape": "box", "style": "rounded,filled",
+                                    "fontname": "Helvetica", "fontsize": "10"},
+                         edge_attr={"fontname": "Helvetica", "fontsize": "9",
+                                    "color": "#374151"})
+    for key, comp in COMPONENTS.items():
+        built = comp.chapter is not None
+        g.node(key, _component_label(comp),
+               fillcolor="#dbeafe" if built else "#f3f4f6",
+               color="#1d4ed8" if built else "#9ca3af",
+               fontcolor="black" if built else "#6b7280",
+               style="rounded,filled" if built else "rounded,filled,dashed")
+    with g.subgraph() as row:
+        row.attr(rank="same")
+        row.node("tokenizer")
+        row.node("detokenizer")
+    with g.subgraph(name="cluster_worker") as w:
+        w.attr(label="model worker (GPU or CPU)", style="dashed", color="#6b7280",
+               fontname="Helvetica", fontsize="10")
+        w.node("worker")
+        with w.subgraph() as row:
+            row.attr(rank="same")
+            for key in ("kvpool", "radix", "attention"):
+                row.node(key)
+    g.edge("api", "tokenizer", label=" prompt text")
+    g.edge("tokenizer", "scheduler", label=" token ids")
+    g.edge("scheduler", "worker", label=" next batch")
+    g.edge("worker", "scheduler", label=" new tokens", constraint="false")
+    for key in ("kvpool", "radix", "attention"):
+        g.edge("worker", key, arrowhead="none", style="dotted")
+    g.edge("scheduler", "detokenizer", label=" streamed tokens")
+    g.edge("detokenizer", "api", label=" text", constraint="false")
+    return g
+
+
+def chapter_map() -> graphviz.Digraph:
+    """The chapters in reading order, each with the question it answers and its modules."""
+    g = graphviz.Digraph("chapters", graph_attr={"rankdir": "LR"},
+                         node_attr={"shape": "box", "style": "rounded,filled",
+                                    "fillcolor": "#eef2ff", "fontname": "Helvetica",
+                                    "fontsize": "10"})
+    for ch in CHAPTERS:
+        modules = ", ".join(f"{m}.py" for m in ch.modules)
+        g.node(ch.file, f"{_chapter_number(ch.file)} · {ch.title}\n{ch.question}\n{modules}")
+    for before, after in zip(CHAPTERS, CHAPTERS[1:]):
+        g.edge(before.file, after.file)
+    return g
+
+
+def training_record() -> dict:
+    """The record ``python -m minisrv.train`` saved beside the shipped weights."""
+    import json
+    from importlib import resources
+
+    from minisrv.model import META_FILE
+
+    text = (resources.files("minisrv") / "weights" / META_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def plot_training(record: dict):
+    """Training and validation loss of the shipped CityLM against the optimisation step."""
+    import matplotlib.pyplot as plt
+
+    history = record["history"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(history["step"], history["train_loss"], label="training countries")
+    ax.plot(history["step"], history["val_loss"], label="held-out countries")
+    ax.set_xlabel("optimisation step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_title("CityLM training")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def generation_table(model, tok, codes, max_new_tokens: int = 80):
+    """What CityLM writes after ``"XX:"`` for each country, next to the true list.
+
+    ``correct`` counts how many cities, from the first, the model names in the right order:
+    for a training country it measures memorisation, which is all a lookup model can do.
+    """
+    import pandas as pd
+
+    from minisrv.data import load_cities
+
+    cities = load_cities()
+    rows = []
+    for code in codes:
+        out = model.reference_generate(tok.encode(f"{code}:"), max_new_tokens)
+        text = tok.decode(out).split("\n")[0].strip()
+        generated = [c.strip() for c in text.split(",") if c.strip()]
+        truth = cities[code]
+        correct = 0
+        for got, want in zip(generated, truth):
+            if got != want:
+                break
+            correct += 1
+        rows.append({"country": code, "CityLM continues": text,
+                     "correct in order": f"{correct} of {min(len(generated), len(truth))}"})
+    return pd.DataFrame(rows).set_index("country")
