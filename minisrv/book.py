@@ -17,11 +17,16 @@ COLAB_PIP_SPEC = f"minisrv[viz] @ git+{REPO_URL}"
 
 SETUP_CELL = f'''\
 # Colab: install minisrv (weights included) from the repository; harmless elsewhere.
-import importlib.util, subprocess, sys
+import importlib.util
+import subprocess
+import sys
+
 if importlib.util.find_spec("minisrv") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
                     "{COLAB_PIP_SPEC}"], check=True)
-from minisrv.book import default_device
+
+from minisrv.book import default_device  # noqa: E402  (importable only after the install)
+
 DEVICE = default_device()'''
 """Source of the first cell of every chapter (tagged ``remove-cell`` so the HTML hides it)."""
 

@@ -49,27 +49,35 @@ def parallel_samples(tok: Tokenizer, n_samples: int, question: str = "JP:") -> l
 
 
 def chat_turns(model, tok: Tokenizer, n_turns: int,
-               max_answer_tokens: int = 60) -> tuple[list[list[int]], list[list[int]]]:
+               max_answer_tokens: int = 40) -> tuple[list[list[int]], list[list[int]]]:
     """Pattern 2: a multi-turn chat; turn k's prompt = turn k-1's prompt + answer + question.
 
-    Each "question" is a new country code and each answer is CityLM's greedy continuation,
-    cut after its first line. Returns (prompts, answers) as token ids, one per turn.
+    Each "question" is a new country code and each answer is CityLM's greedy continuation.
+    Like a chat client that shows only complete sentences, the answer is kept up to its last
+    complete city (at most ``max_answer_tokens`` generated) and ends with a newline, so every
+    turn starts on a fresh line. Returns (prompts, answers) as token ids, one per turn.
     """
     _check_positive("n_turns", n_turns)
-    newline = tok.encode("\n", bos=False)[0]
     prompts: list[list[int]] = []
     answers: list[list[int]] = []
     history = tok.encode(system_prompt())
     for turn in range(n_turns):
         prompt = history + tok.encode(f"{USER_COUNTRIES[turn % len(USER_COUNTRIES)]}:", bos=False)
-        answer = model.reference_generate(prompt, max_answer_tokens)
-        if newline in answer:
-            answer = answer[: answer.index(newline) + 1]
-        answer = [t for t in answer if t != tok.eos_id]
+        generated = model.reference_generate(prompt, max_answer_tokens)
+        answer = tok.encode(_complete_line(tok.decode(generated), generated[-1] == tok.eos_id),
+                            bos=False)
         prompts.append(prompt)
         answers.append(answer)
         history = prompt + answer
     return prompts, answers
+
+
+def _complete_line(text: str, finished: bool) -> str:
+    """The first line of ``text``, cut back to its last complete city unless it ended."""
+    line, newline, _ = text.partition("\n")
+    if not (newline or finished) and "," in line:
+        line = line.rsplit(",", 1)[0]
+    return line + "\n"
 
 
 def repeated_prefill(prompts: Sequence[Sequence[int]],

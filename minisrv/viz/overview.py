@@ -144,7 +144,7 @@ def plot_training(record: dict):
     return fig
 
 
-def generation_table(model, tok, codes, max_new_tokens: int = 80):
+def generation_table(model, tok, codes, max_new_tokens: int = 160):
     """What CityLM writes after ``"XX:"`` for each country, next to the true list.
 
     ``correct`` counts how many cities, from the first, the model names in the right order:
@@ -167,5 +167,5 @@ def generation_table(model, tok, codes, max_new_tokens: int = 80):
                 break
             correct += 1
         rows.append({"country": code, "CityLM continues": text,
-                     "correct in order": f"{correct} of {min(len(generated), len(truth))}"})
+                     "correct in order": f"{correct} of {len(truth)}"})
     return pd.DataFrame(rows).set_index("country")

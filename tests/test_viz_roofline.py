@@ -1,0 +1,55 @@
+"""The chapter's figures and widget must draw for every choice a reader can make."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("ipywidgets")
+
+from minisrv.configs import GPUS, H100, L4, LLAMA3_8B, LLAMA3_70B, MODELS  # noqa: E402
+from minisrv.viz import roofline as viz  # noqa: E402
+
+
+def test_format_bytes_uses_binary_units() -> None:
+    assert viz.format_bytes(131_072) == "128 KiB"
+    assert viz.format_bytes(2.5 * 2**20) == "2.5 MiB"
+    assert viz.format_bytes(4 * 2**30) == "4 GiB"
+    assert viz.format_bytes(512) == "512 B"
+
+
+def test_kv_table_has_one_row_per_model_and_the_pitfall_ratio() -> None:
+    table = viz.kv_table()
+    assert list(table.index) == list(MODELS)
+    assert table.loc["LLaMA-3-8B", "KV / token"] == "128 KiB"
+    assert table.loc["LLaMA-3-70B", "2·L·d_model formula / true"] == "8x"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("gpu", list(GPUS))
+def test_roofline_draws_for_every_model_and_gpu(model, gpu) -> None:
+    """Including the combinations where the weights or a single request do not fit."""
+    fig = viz.plot_roofline(MODELS[model], GPUS[gpu], contexts=(16, 131072), batch=4096)
+    assert len(fig.axes) == 2
+    assert viz.summary_line(MODELS[model], GPUS[gpu], 131072, 4096)
+
+
+def test_roofline_marks_the_memory_wall_at_max_concurrent_requests() -> None:
+    fig = viz.plot_roofline(LLAMA3_8B, H100, contexts=(1024,))
+    walls = [line.get_xdata()[0] for line in fig.axes[0].lines if line.get_linestyle() == "--"]
+    assert walls == [476]
+
+
+def test_memory_budget_and_intensity_plots_render_to_png() -> None:
+    assert viz.plot_memory_budget(LLAMA3_70B, L4, 8192, 64)._repr_png_().startswith(b"\x89PNG")
+    assert viz.plot_intensity_roofline(LLAMA3_8B, H100)._repr_png_().startswith(b"\x89PNG")
+
+
+def test_widget_offers_every_model_gpu_and_dtype() -> None:
+    box = viz.roofline_widget()
+    controls = [w for row in box.children[0].children for w in row.children]
+    options = {c.description: list(c.options) for c in controls}
+    assert options["model"] == list(MODELS)
+    assert options["GPU"] == list(GPUS)
+    assert options["dtype"] == list(viz.DTYPES)
+    assert 1024 in options["context"] and 16 in options["batch"]
