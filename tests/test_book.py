@@ -98,3 +98,14 @@ def test_show_source_refuses_builtins_clearly() -> None:
 def test_setup_cell_is_valid_python_installing_from_the_repository() -> None:
     compile(book.SETUP_CELL, "<setup>", "exec")
     assert book.REPO_URL in book.SETUP_CELL
+
+
+def test_chapter_map_and_readme_picture_list_every_chapter() -> None:
+    from minisrv.viz.overview import CHAPTERS as MAP
+
+    assert [f"chapters/{c.file}" for c in MAP] == [f"chapters/{p.stem}" for p in CHAPTERS]
+    picture = (ROOT / "images" / "chapters.svg").read_text()
+    intro = (ROOT / "intro.md").read_text()
+    for chapter in MAP:
+        assert chapter.title in picture, "regenerate: python -m minisrv.viz.overview"
+        assert f"chapters/{chapter.file}.ipynb" in intro, f"intro.md's map lacks {chapter.file}"

@@ -128,12 +128,16 @@ def training_record() -> dict:
 
 def plot_training(record: dict):
     """Training and validation loss of the shipped CityLM against the optimisation step."""
+    import math
+
     import matplotlib.pyplot as plt
 
     history = record["history"]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(history["step"], history["train_loss"], label="training countries")
     ax.plot(history["step"], history["val_loss"], label="held-out countries")
+    vocab = record["tokenizer"]["vocab_size"]
+    ax.axhline(math.log(vocab), color="grey", linestyle="--", label=f"uniform guess (ln {vocab})")
     ax.set_xlabel("optimisation step")
     ax.set_ylabel("cross-entropy (nats per character)")
     ax.set_title("CityLM training")
@@ -169,3 +173,15 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
         rows.append({"country": code, "CityLM continues": text,
                      "correct in order": f"{correct} of {len(truth)}"})
     return pd.DataFrame(rows).set_index("country")
+
+
+def write_readme_picture(path: str = "images/chapters.svg") -> None:
+    """Regenerate the README's chapter map (``python -m minisrv.viz.overview``)."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(chapter_map().pipe(format="svg"))
+
+
+if __name__ == "__main__":
+    write_readme_picture()

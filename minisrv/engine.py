@@ -1,0 +1,285 @@
+"""The engine: the public face of minisrv, a model (or a simulated GPU) plus a scheduler.
+
+``Engine.generate`` takes token prompts and returns the generated ids in prompt order; how
+the requests were batched never changes them (each equals ``model.reference_generate`` of
+the request alone). ``Engine.run_workload`` and ``simulate`` replay a ``Workload`` and
+return the metrics of the run; with a ``SimBackend`` that is a GPU-scale experiment that
+runs in about a second.
+
+Only the options built so far are accepted; the keyword names are already the final ones,
+and later chapters add values (``policy="lpm"``, ``cache="radix"``, ``overlap=True``).
+Every argument is validated before anything is queued, so a bad call raises ValueError and
+leaves the engine exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from minisrv.backends import ModelBackend, SimBackend
+from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.metrics import RunMetrics, summarize
+from minisrv.request import Req
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler import MODES, Backend, Scheduler, SchedulerStats, StepRecord
+from minisrv.workloads import Workload
+
+__all__ = ["POLICIES", "CACHES", "Engine", "RunResult", "simulate"]
+
+POLICIES: tuple[str, ...] = ("fcfs",)
+CACHES: tuple[str, ...] = ("none",)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One replayed workload: its requests (with token times), its steps and its metrics."""
+
+    mode: str
+    max_running: int
+    requests: list[Req]
+    trace: list[StepRecord]
+    metrics: RunMetrics
+
+
+class Engine:
+    """A model and a scheduler behind one ``generate`` call.
+
+    ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
+    ``SimBackend``. ``kv_capacity``: KV tokens available; ``max_running``: cap on the running
+    batch; ``mode``: one of ``MODES``. ``policy``, ``cache`` and ``overlap`` accept the values
+    built so far (``POLICIES``, ``CACHES``, ``False``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv_capacity: int = 4000,
+        max_running: int = 8,
+        policy: str = "fcfs",
+        cache: str = "none",
+        mode: str = "prefill-first",
+        overlap: bool = False,
+        *,
+        record_trace: bool = True,
+    ) -> None:
+        _check_choice("policy", policy, POLICIES)
+        _check_choice("cache", cache, CACHES)
+        _check_choice("mode", mode, MODES)
+        if overlap is not False:
+            raise ValueError(f"unsupported overlap={overlap!r}; supported values: False")
+        backend = model if isinstance(model, Backend) else ModelBackend(model)
+        self.scheduler = Scheduler(
+            backend,
+            kv_capacity=kv_capacity,
+            max_running=max_running,
+            mode=mode,
+            record_trace=record_trace,
+        )
+        self.policy, self.cache, self.overlap = policy, cache, overlap
+        self._next_rid = 0
+
+    # ----------------------------------------------------------------- views
+    @property
+    def backend(self) -> Backend:
+        """What computes the steps."""
+        return self.scheduler.backend
+
+    @property
+    def mode(self) -> str:
+        return self.scheduler.mode
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.scheduler.kv_capacity
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Totals over every step this engine has run (steps, tokens, ...)."""
+        return self.scheduler.stats
+
+    @property
+    def trace(self) -> list[StepRecord]:
+        """One record per step this engine has run, oldest first."""
+        return self.scheduler.trace
+
+    # ----------------------------------------------------------------- serving
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | None = None,
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        arrival_steps: Sequence[float] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt; return the new ids per prompt, in prompt order.
+
+        ``max_new_tokens``: one int for all, or one per prompt; ``None`` takes it from
+        ``sampling`` (16 without). ``sampling``: one ``SamplingParams`` for all or one per
+        prompt (greedy by default); an explicit ``max_new_tokens`` overrides its length.
+        ``arrival_steps``: when each request arrives, in steps from now (default: all now).
+        ``on_token(i, token)`` is called for every token as soon as it exists (streaming).
+        A generated ``<eos>`` ends a request and is included, unless ``ignore_eos``.
+        """
+        reqs = self.make_requests(prompts, max_new_tokens, sampling, arrival_steps)
+        index = {id(req): i for i, req in enumerate(reqs)}
+        stream = None
+        if on_token is not None:
+            def stream(req: Req, token: int) -> None:
+                on_token(index[id(req)], token)
+
+        self.serve(reqs, stream)
+        return [list(req.output) for req in reqs]
+
+    def make_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        arrival_steps: Sequence[float] | None = None,
+    ) -> list[Req]:
+        """Validated ``Req`` objects for ``generate``'s arguments; nothing is queued yet."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
+        n = len(prompts)
+        clean = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+        params = _per_request_params(n, max_new_tokens, sampling)
+        arrivals = _per_request_arrivals(n, arrival_steps)
+        base = self.scheduler.clock
+        first = self._next_rid
+        self._next_rid += n
+        return [
+            Req(rid=first + i, prompt=clean[i], params=params[i], arrival=base + arrivals[i])
+            for i in range(n)
+        ]
+
+    def serve(
+        self,
+        reqs: Sequence[Req],
+        on_token: Callable[[Req, int], None] | None = None,
+        progress: bool = False,
+    ) -> list[Req]:
+        """Submit ``reqs`` and run the loop until all have finished.
+
+        Every request is checked before any is queued. If anything fails mid-run (a
+        streaming callback raising, an interrupt) the call's requests are withdrawn and
+        their memory freed before the error propagates, so the engine stays usable.
+        """
+        for req in reqs:
+            self.scheduler.check(req)
+        scheduler = self.scheduler
+        scheduler.on_token = on_token
+        try:
+            for req in reqs:
+                scheduler.submit(req)
+            scheduler.run(progress=progress)
+        except BaseException:
+            scheduler.abort(reqs)
+            raise
+        finally:
+            scheduler.on_token = None
+        return list(reqs)
+
+    def run_workload(self, workload: Workload, progress: bool = False) -> RunResult:
+        """Replay ``workload`` (arrivals relative to now); return requests, steps, metrics.
+
+        Every request runs to its ``output_lens`` entry (``ignore_eos``), so all modes
+        produce the same tokens and differ only in when they compute them.
+        """
+        params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in workload.output_lens]
+        reqs = self.make_requests(workload.prompts, None, params, workload.arrivals)
+        first_step = len(self.trace)
+        self.serve(reqs, progress=progress)
+        trace = self.trace[first_step:]
+        metrics = summarize(reqs, trace, self.max_running)
+        return RunResult(self.mode, self.max_running, reqs, trace, metrics)
+
+
+def simulate(
+    workload: Workload,
+    *,
+    mode: str = "prefill-first",
+    max_running: int = 64,
+    kv_capacity: int | None = None,
+    cfg: ModelConfig = LLAMA3_8B,
+    gpu: GPUSpec = H100,
+    dtype_bytes: float = 2,
+    progress: bool = False,
+) -> RunResult:
+    """Serve ``workload`` on a simulated GPU (roofline step times); arrivals in seconds.
+
+    ``kv_capacity=None`` uses all memory left after the weights (LLaMA-3-8B on an H100:
+    about 488k tokens), so by default only ``max_running`` limits the batch.
+    """
+    backend = SimBackend(cfg, gpu, dtype_bytes)
+    capacity = backend.kv_capacity() if kv_capacity is None else kv_capacity
+    engine = Engine(backend, kv_capacity=capacity, max_running=max_running, mode=mode)
+    return engine.run_workload(workload, progress=progress)
+
+
+# --------------------------------------------------------------------- argument checks
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; supported values: {', '.join(allowed)}")
+
+
+def _check_prompt(i: int, prompt: object) -> list[int]:
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError(f"prompt {i} is empty (encode at least <bos>)")
+    if all(type(token) is int for token in ids):  # the common case, checked fast
+        return ids
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ValueError(f"prompt {i} holds {token!r}, which is not a token id")
+    return [int(token) for token in ids]
+
+
+def _per_request(n: int, name: str, value: Any) -> list[Any]:
+    """``value`` repeated ``n`` times, or checked to hold exactly ``n`` entries."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _per_request_params(
+    n: int,
+    max_new_tokens: int | Sequence[int] | None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+) -> list[SamplingParams]:
+    params = _per_request(n, "sampling", sampling if sampling is not None else SamplingParams())
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling for prompt {i} must be a SamplingParams, got {p!r}")
+    if max_new_tokens is None:
+        return params
+    lengths = _per_request(n, "max_new_tokens", max_new_tokens)
+    out = []
+    for i, (p, m) in enumerate(zip(params, lengths, strict=True)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"max_new_tokens for prompt {i} must be an int >= 1, got {m!r}")
+        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=int(m)))
+    return out
+
+
+def _per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list[float]:
+    if arrival_steps is None:
+        return [0.0] * n
+    if isinstance(arrival_steps, numbers.Real):
+        raise ValueError("arrival_steps must hold one arrival per prompt")
+    arrivals = _per_request(n, "arrival_steps", arrival_steps)
+    for i, a in enumerate(arrivals):
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not a >= 0:
+            raise ValueError(f"arrival_steps[{i}] must be a number >= 0, got {a!r}")
+    return [float(a) for a in arrivals]
