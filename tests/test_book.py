@@ -109,3 +109,13 @@ def test_chapter_map_and_readme_picture_list_every_chapter() -> None:
     for chapter in MAP:
         assert chapter.title in picture, "regenerate: python -m minisrv.viz.overview"
         assert f"chapters/{chapter.file}.ipynb" in intro, f"intro.md's map lacks {chapter.file}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_checks_the_numbers_it_quotes(path: Path) -> None:
+    """Quoted numbers come from cells whose output nbval compares (tag nbval-check-output);
+    the markers live in tags, not in comments the reader would see."""
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    checked = [c for c in cells if "nbval-check-output" in c.metadata.get("tags", [])]
+    assert checked, f"{path.name} checks none of its outputs"
+    assert not [c for c in cells if "NBVAL_" in c.source], "use cell tags, not NBVAL_ comments"
