@@ -3,10 +3,13 @@
 Both answer the scheduler the same way (one next token per request and the step's cost),
 so every scheduling decision is made by the same ``Scheduler`` code at both scales.
 
-* ``ModelBackend`` runs CityLM. For now it loops over the batch, one forward per request,
-  each request with its own ``DenseKVCache``: simple, and trivially identical to running
-  the request alone. The selective-batching chapter replaces the loop with one forward
-  over all new tokens of the step.
+* ``PerRequestBackend`` runs CityLM the plainest way: one forward per request of the batch,
+  each request with its own ``DenseKVCache``. It is the scheduler chapter's first backend,
+  trivially identical to running each request alone, and the baseline ``ModelBackend`` is
+  measured against.
+* ``ModelBackend`` runs CityLM: one forward per step over all new tokens of all requests
+  (selective batching, ``CityLM.forward_flat``), their K/V in a shared ``KVPool`` whose
+  slots the scheduler hands out. Outputs still equal running each request alone.
 * ``SimBackend`` runs nothing. Each step takes the time the roofline model gives for that
   batch (LLaMA-3-8B on an H100 by default) and every request emits dummy tokens until its
   ``max_new_tokens``, so output lengths are fixed in advance by the workload.
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.kvpool import KVPool, SlotAllocator
 from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
 from minisrv.request import Req
 from minisrv.roofline import step_cost_from_totals
@@ -28,15 +32,16 @@ from minisrv.scheduler import Batch, BatchResult
 if TYPE_CHECKING:
     from minisrv.model import CityLM, DenseKVCache
 
-__all__ = ["ModelBackend", "SimBackend"]
+__all__ = ["ModelBackend", "PerRequestBackend", "SimBackend"]
 
 
-class ModelBackend:
+class PerRequestBackend:
     """Runs each step on a real CityLM, one forward per request of the batch.
 
-    Keeps per request a KV cache and, for sampled requests, the private random generator
-    (``make_generator``), so a request's tokens depend only on its own prompt and seed: the
-    outputs equal ``model.reference_generate`` whatever else shares the batch.
+    Keeps per request a growing ``DenseKVCache`` and, for sampled requests, the private
+    random generator (``make_generator``), so a request's tokens depend only on its own
+    prompt and seed: the outputs equal ``model.reference_generate`` whatever else shares the
+    batch. It stores no KV pool, so the scheduler's slot accounting is pure bookkeeping.
     """
 
     time_unit = "step"
@@ -57,11 +62,12 @@ class ModelBackend:
         device = self.model.device
         with torch.inference_mode():
             for req in batch.prefill:
-                cache = self._caches[req] = self.model.new_cache()
-                generator = self._generators[req] = make_generator(req.params)
+                cache = self._caches[req] = self.model.new_cache()  # fresh after a retraction
+                if req not in self._generators:  # a retracted request keeps its generator
+                    self._generators[req] = make_generator(req.params)
                 ids = req.fill_ids
                 logits = self.model(torch.tensor(ids, dtype=torch.long, device=device), cache)
-                tokens.append(sample_next(logits[-1], req.params, generator))
+                tokens.append(sample_next(logits[-1], req.params, self._generators[req]))
                 computed += len(ids)
             for req in batch.decode:
                 last = torch.tensor([req.output[-1]], dtype=torch.long, device=device)
@@ -79,6 +85,71 @@ class ModelBackend:
     def live_requests(self) -> int:
         """Requests whose KV cache is held right now."""
         return len(self._caches)
+
+
+class ModelBackend:
+    """Runs each step on a real CityLM: one flat forward over every request of the batch.
+
+    The KV of all requests lives in one ``KVPool`` built by ``attach_kv`` (the scheduler
+    calls it with its ``kv_capacity``) and indexed by each request's ``kv_slots``.
+    ``attention`` is ``"padded"`` (one masked attention call per layer) or ``"loop"`` (one
+    per request). For sampled requests the backend keeps the private random generator
+    (``make_generator``), across retractions too, so a request's tokens depend only on its
+    own prompt and seed: the outputs equal ``model.reference_generate`` whatever else
+    shares the batch.
+    """
+
+    time_unit = "step"
+    cost_unit = "tokens"
+
+    def __init__(self, model: CityLM, attention: str = "padded") -> None:
+        from minisrv.model import ATTENTION_KINDS
+
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
+        self.model = model
+        self.attention = attention
+        self.eos_id: int | None = model.eos_id
+        self.max_context: int | None = model.config.max_seq_len
+        self.vocab_size: int | None = model.config.vocab_size
+        self.pool: KVPool | None = None
+        self._generators: dict[Req, torch.Generator | None] = {}
+
+    def attach_kv(self, capacity: int) -> SlotAllocator:
+        """Allocate the KV pool (``capacity`` token slots) on the model's device."""
+        self.pool = KVPool.for_model(self.model, capacity)
+        return self.pool.allocator
+
+    def run(self, batch: Batch) -> BatchResult:
+        """Prefill the new requests and decode the running ones in ONE forward pass.
+
+        A prefill computes its ``fill_ids`` (prompt, plus output kept from before a
+        retraction); a decode computes its last output token. Cost = tokens computed.
+        """
+        from minisrv.model import FlatBatch
+
+        if self.pool is None:
+            raise ValueError("ModelBackend has no KV pool: the scheduler calls attach_kv first")
+        new_ids = [req.fill_ids for req in batch.prefill] + [[r.output[-1]] for r in batch.decode]
+        reqs = batch.reqs
+        flat = FlatBatch(new_ids, [req.kv_slots for req in reqs], self.model.device)
+        logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
+        for req in batch.prefill:
+            if req not in self._generators:  # a retracted request keeps its generator
+                self._generators[req] = make_generator(req.params)
+        tokens = [
+            sample_next(row, req.params, self._generators[req]) for row, req in zip(logits, reqs)
+        ]
+        return BatchResult(next_tokens=tokens, cost=float(flat.num_tokens), elapsed=1.0)
+
+    def release(self, req: Req) -> None:
+        """Forget the request's generator (its KV slots are the scheduler's to free)."""
+        self._generators.pop(req, None)
+
+    @property
+    def live_requests(self) -> int:
+        """Requests admitted and not yet finished (running or retracted)."""
+        return len(self._generators)
 
 
 class SimBackend:

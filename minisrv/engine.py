@@ -48,9 +48,14 @@ class Engine:
     """A model and a scheduler behind one ``generate`` call.
 
     ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
-    ``SimBackend``. ``kv_capacity``: KV tokens available; ``max_running``: cap on the running
+    ``SimBackend``. ``kv_capacity``: KV token slots; ``max_running``: cap on the running
     batch; ``mode``: one of ``MODES``. ``policy``, ``cache`` and ``overlap`` accept the values
     built so far (``POLICIES``, ``CACHES``, ``False``).
+
+    ``admission`` is ``"budget"`` (SGLang's estimate, with retraction when it proves too
+    optimistic; the default) or ``"reserve"`` (promise every request its worst case);
+    ``new_token_ratio``, ``ratio_decay`` and ``min_ratio`` tune the estimate (see
+    ``Scheduler``).
     """
 
     def __init__(
@@ -64,6 +69,10 @@ class Engine:
         overlap: bool = False,
         *,
         record_trace: bool = True,
+        admission: str = "budget",
+        new_token_ratio: float = 0.7,
+        ratio_decay: float = 0.001,
+        min_ratio: float = 0.1,
     ) -> None:
         _check_choice("policy", policy, POLICIES)
         _check_choice("cache", cache, CACHES)
@@ -77,6 +86,10 @@ class Engine:
             max_running=max_running,
             mode=mode,
             record_trace=record_trace,
+            admission=admission,
+            new_token_ratio=new_token_ratio,
+            ratio_decay=ratio_decay,
+            min_ratio=min_ratio,
         )
         self.policy, self.cache, self.overlap = policy, cache, overlap
         self._next_rid = 0
@@ -212,15 +225,20 @@ def simulate(
     gpu: GPUSpec = H100,
     dtype_bytes: float = 2,
     progress: bool = False,
+    admission: str = "reserve",
 ) -> RunResult:
     """Serve ``workload`` on a simulated GPU (roofline step times); arrivals in seconds.
 
     ``kv_capacity=None`` uses all memory left after the weights (LLaMA-3-8B on an H100:
-    about 488k tokens), so by default only ``max_running`` limits the batch.
+    about 488k tokens), so by default only ``max_running`` limits the batch. ``admission``
+    defaults to ``"reserve"``, the scheduler-loop chapter's rule; pass ``"budget"`` for
+    SGLang's estimated admission with retraction.
     """
     backend = SimBackend(cfg, gpu, dtype_bytes)
     capacity = backend.kv_capacity() if kv_capacity is None else kv_capacity
-    engine = Engine(backend, kv_capacity=capacity, max_running=max_running, mode=mode)
+    engine = Engine(
+        backend, kv_capacity=capacity, max_running=max_running, mode=mode, admission=admission
+    )
     return engine.run_workload(workload, progress=progress)
 
 

@@ -10,7 +10,8 @@ weight (``from_hf_llama``).
 ``CityLM.forward`` processes new tokens of ONE request against that request's
 ``DenseKVCache``. The pieces it is made of (``project_qkv``, ``grouped_attention``,
 ``rope_cos_sin`` ...) are public so that the serving engine can run the same layers over a
-flat batch of many requests with its own KV layout, and get the same numbers.
+flat batch of many requests with its own KV layout, and get the same numbers:
+``CityLM.forward_flat`` is that forward (selective batching over a shared ``KVPool``).
 
 ``reference_generate`` decodes one request alone. It is the correctness oracle of the book:
 every batched, cached, retracted or overlapped run is compared with it token by token.
@@ -19,13 +20,14 @@ every batched, cached, retracted or overlapped run is compared with it token by 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,9 @@ from torch import nn
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.sampling import SamplingParams, make_generator, sample_next
 from minisrv.tokenizer import EOS_ID, Tokenizer
+
+if TYPE_CHECKING:
+    from minisrv.kvpool import KVPool
 
 WEIGHTS_FILE = "citylm.safetensors"
 META_FILE = "citylm.json"
@@ -227,6 +232,155 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
 
+# ----------------------------------------------------------------------------- flat batch
+
+ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded")
+"""How ``CityLM.forward_flat`` attends: one call per request, or one padded call for all."""
+
+
+class FlatBatch:
+    """The new tokens of many requests laid end to end, with where their KV lives.
+
+    ``new_ids[r]`` are request r's tokens to compute this step (a whole prompt for a prefill,
+    one token for a decode, anything in between for a chunk). ``slots[r]`` lists ALL of
+    request r's KV slots in position order: the first ``len(slots[r]) - len(new_ids[r])``
+    already hold its prefix, the last ``len(new_ids[r])`` receive the new tokens' K/V. So a
+    token's position is its index in ``slots[r]``, which is what RoPE needs.
+
+    Everything the forward needs (flat ids, positions, write slots, and the index tensors of
+    the padded attention) is computed here once per step and shared by all layers.
+    """
+
+    def __init__(
+        self,
+        new_ids: Sequence[Sequence[int]],
+        slots: Sequence[Sequence[int]],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if len(new_ids) != len(slots):
+            raise ValueError(f"{len(new_ids)} requests' ids but {len(slots)} slot lists")
+        if not new_ids:
+            raise ValueError("a flat batch needs at least one request")
+        self.device = torch.device(device)
+        self.new_lens: list[int] = []
+        self.cached_lens: list[int] = []
+        write: list[int] = []
+        positions: list[int] = []
+        for r, (ids, req_slots) in enumerate(zip(new_ids, slots)):
+            n_new, n_all = len(ids), len(req_slots)
+            if n_new == 0:
+                raise ValueError(f"request {r} of the batch has no new tokens")
+            if n_all < n_new:
+                raise ValueError(f"request {r}: {n_new} new tokens but only {n_all} slots")
+            self.new_lens.append(n_new)
+            self.cached_lens.append(n_all - n_new)
+            write.extend(req_slots[n_all - n_new :])
+            positions.extend(range(n_all - n_new, n_all))
+        if len(set(write)) != len(write):
+            raise ValueError("two new tokens of the batch are written to the same KV slot")
+        self.max_slot = max(max(s) for s in slots)  # checked against the pool by the forward
+        if min(min(s) for s in slots) < 0:
+            raise ValueError("KV slot indices must be >= 0")
+        flat_ids = [int(t) for ids in new_ids for t in ids]
+        self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)
+        self.slots = [torch.tensor(list(s), dtype=torch.long, device=self.device) for s in slots]
+        ends = list(itertools.accumulate(self.new_lens))
+        self.starts = [end - n for end, n in zip(ends, self.new_lens)]
+        self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
+        self._padded: tuple[torch.Tensor, ...] | None = None
+
+    def __len__(self) -> int:
+        """Requests in the batch."""
+        return len(self.new_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in all (the rows of the flat matrix)."""
+        return int(self.ids.shape[0])
+
+    def padded_index(self) -> tuple[torch.Tensor, ...]:
+        """Index tensors of the padded attention, built on first use.
+
+        Returns ``(row_b, row_t, key_slots, mask)``: flat token i sits at row ``row_t[i]`` of
+        request ``row_b[i]``'s padded block; ``key_slots`` [B, S_max] are every request's
+        slots padded with slot 0; ``mask`` [B, 1, T_max, S_max] lets query t of request b
+        see keys at positions <= its own. Padding rows see the request's last real position
+        (never an empty row, so softmax gives no NaN); their outputs are dropped.
+        """
+        if self._padded is None:
+            dev = self.device
+            n_b = len(self.new_lens)
+            t_max = max(self.new_lens)
+            s_max = max(len(s) for s in self.slots)
+            row_b = torch.repeat_interleave(
+                torch.arange(n_b, device=dev), torch.tensor(self.new_lens, device=dev)
+            )
+            row_t = torch.cat([torch.arange(n, device=dev) for n in self.new_lens])
+            key_slots = torch.zeros(n_b, s_max, dtype=torch.long, device=dev)
+            for b, s in enumerate(self.slots):
+                key_slots[b, : s.shape[0]] = s
+            cached = torch.tensor(self.cached_lens, device=dev)[:, None]
+            last = torch.tensor(self.new_lens, device=dev)[:, None] - 1
+            t = torch.arange(t_max, device=dev)[None, :]
+            query_pos = cached + torch.minimum(t, last)  # [B, T_max]
+            key_pos = torch.arange(s_max, device=dev)
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+            self._padded = (row_b, row_t, key_slots, mask[:, None])
+        return self._padded
+
+    def __repr__(self) -> str:
+        return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
+
+
+def flat_attention_loop(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """Attention of a flat batch, one request at a time: the plain, obviously right version.
+
+    ``q`` [T, n_heads, head_dim]; ``k_layer``/``v_layer`` [capacity, n_kv_heads, head_dim]
+    are one layer of the pool, already holding this step's new K/V. Request r's queries see
+    its own slots only: all of its prefix, and its new tokens causally. Returns
+    [T, n_heads * head_dim]. Costs one small attention call per request per layer.
+    """
+    outs = []
+    for start, n_new, n_cached, slots in zip(
+        batch.starts, batch.new_lens, batch.cached_lens, batch.slots
+    ):
+        mask = causal_mask(n_cached, n_new, q.device)
+        outs.append(
+            grouped_attention(q[start : start + n_new], k_layer[slots], v_layer[slots], mask)
+        )
+    return torch.cat(outs, dim=0)
+
+
+def flat_attention_padded(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """The same attention as ``flat_attention_loop`` in ONE call for the whole batch.
+
+    Requests are padded to the longest new-token run (T_max) and the longest context
+    (S_max) and a boolean mask hides what each query must not see; PyTorch's
+    ``scaled_dot_product_attention`` then runs once per layer whatever the batch size. The
+    price is wasted work on padding when lengths differ a lot (a long prefill beside many
+    decodes); ragged kernels (FlashInfer, ``flex_attention``) avoid it on a GPU.
+    """
+    row_b, row_t, key_slots, mask = batch.padded_index()
+    n_b, t_max = key_slots.shape[0], mask.shape[2]
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    group = n_heads // k_layer.shape[1]
+    q_pad = q.new_zeros(n_b, t_max, n_heads, head_dim)
+    q_pad[row_b, row_t] = q
+    k = k_layer[key_slots].repeat_interleave(group, dim=2)  # [B, S_max, n_heads, head_dim]
+    v = v_layer[key_slots].repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )  # [B, n_heads, T_max, head_dim]
+    out = out.transpose(1, 2)[row_b, row_t]  # [T, n_heads, head_dim]
+    return out.reshape(out.shape[0], n_heads * head_dim)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -348,6 +502,57 @@ class CityLM(nn.Module):
                 k, v = cache.update(i, k, v)
             x = x + layer.attn.wo(grouped_attention(q, k, v, mask))
             x = x + layer.mlp(layer.mlp_norm(x))
+        return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def forward_flat(
+        self,
+        batch: FlatBatch,
+        pool: KVPool,
+        *,
+        attention: str = "padded",
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Selective batching (ORCA): one forward over the new tokens of many requests.
+
+        All new tokens form one [T_total, d] matrix, so embeddings, norms, projections, the
+        MLP and the LM head each run once for the whole step. Only attention is per request:
+        each token is rotated by its own position, its K/V are written to its request's
+        slot in ``pool``, and it attends to its own request's slots (``attention="loop"``:
+        one call per request; ``"padded"``: one masked call for all). Returns logits
+        [T_total, vocab], or [requests, vocab] for each request's last token with
+        ``last_only`` (all a decoder needs). Checks run before the pool is written.
+        """
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
+        cfg = self.config
+        want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        have = (pool.k.shape[0], pool.k.shape[2], pool.k.shape[3])
+        if have != want:
+            raise ValueError(f"pool shaped for (layers, kv_heads, head_dim)={have}, model {want}")
+        if pool.k.dtype != self.dtype or pool.k.device != self.device:
+            raise ValueError(
+                f"pool is {pool.k.dtype} on {pool.k.device}, model {self.dtype} on {self.device}"
+            )
+        if batch.max_slot >= pool.capacity:
+            raise ValueError(f"slot {batch.max_slot} is outside the pool (0..{pool.capacity - 1})")
+        longest = max(c + n for c, n in zip(batch.cached_lens, batch.new_lens))
+        if longest > cfg.max_seq_len:
+            raise ValueError(f"a request reaches {longest} tokens, max_seq_len={cfg.max_seq_len}")
+        ids = batch.ids.to(self.device)
+        self.check_ids(ids)
+        attend = flat_attention_loop if attention == "loop" else flat_attention_padded
+        positions, write = batch.positions.to(self.device), batch.write_slots.to(self.device)
+        cos, sin = self.rope_cos_sin(positions)
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn.project_qkv(layer.attn_norm(x), cos, sin)
+            pool.k[i, write] = k
+            pool.v[i, write] = v
+            x = x + layer.attn.wo(attend(q, batch, pool.k[i], pool.v[i]))
+            x = x + layer.mlp(layer.mlp_norm(x))
+        if last_only:
+            x = x[batch.last_rows.to(self.device)]
         return self.lm_head(self.norm(x))
 
     @torch.inference_mode()

@@ -41,6 +41,8 @@ class Req:
     state: str = PENDING
     admitted_at: float | None = None  # clock when its prefill step started
     finish_reason: str | None = None  # "length" or "eos"
+    kv_slots: list[int] = field(default_factory=list)  # KV pool slots, in position order
+    retractions: int = 0  # times it was pushed back to the queue to free memory
 
     @property
     def prompt_len(self) -> int:
@@ -62,10 +64,15 @@ class Req:
         """The tokens a prefill must compute: the prompt, plus any output kept from before.
 
         A fresh request has no output yet, so this is its prompt. A request that was pushed
-        back to the queue (a later chapter's retraction) keeps its output and prefills it
-        again as if it were part of the prompt, which is why its final output is unchanged.
+        back to the queue by a retraction keeps its output and prefills it again as if it were
+        part of the prompt, which is why its final output is unchanged.
         """
         return [*self.prompt, *self.output]
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Output tokens it may still generate (``max_new_tokens`` minus those it has)."""
+        return self.params.max_new_tokens - len(self.output)
 
     @property
     def kv_reservation(self) -> int:

@@ -23,9 +23,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from minisrv.kvpool import SlotAllocator
 from minisrv.request import ABORTED, FINISHED, PENDING, RUNNING, WAITING, Req
 
 __all__ = [
+    "ADMISSIONS",
+    "CLIP_MAX_NEW_TOKENS",
     "MODES",
     "Backend",
     "Batch",
@@ -37,6 +40,15 @@ __all__ = [
 
 MODES: tuple[str, ...] = ("static", "prefill-first", "mixed")
 """How steps are formed: request-level batching, SGLang's default, and ORCA's mixed steps."""
+
+ADMISSIONS: tuple[str, ...] = ("reserve", "budget")
+"""How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
+
+CLIP_MAX_NEW_TOKENS = 4096
+"""SGLang's cap on how many future tokens one request is assumed to still need."""
+
+RETRACT_DECODE_STEPS = 20
+"""After a retraction the ratio is re-estimated as if each survivor decodes this many more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +98,12 @@ class Backend(Protocol):
         ...
 
     def release(self, req: Req) -> None:
-        """Forget everything kept for ``req`` (its KV cache, its random generator)."""
+        """Forget everything kept for ``req`` (its random generator, any private state)."""
         ...
+
+    # Optional: ``attach_kv(capacity) -> SlotAllocator``. A backend that stores KV (the real
+    # model's pool) builds its pool there and returns the pool's allocator, so the slots the
+    # scheduler hands out index its tensors. Without it the scheduler counts slots alone.
 
 
 class StepRecord(NamedTuple):
@@ -104,6 +120,9 @@ class StepRecord(NamedTuple):
     kv_reserved: int  # KV tokens promised to the requests running in this step
     prefill_tokens: int  # tokens the prefills computed
     cost: float  # backend cost of the step (tokens, or seconds)
+    kv_used: int = 0  # KV slots held while the step ran (its new tokens included)
+    new_token_ratio: float = 0.0  # the admission estimate in force during the step
+    retracted: tuple[int, ...] = ()  # request ids pushed back to the queue before the step
 
     @property
     def duration(self) -> float:
@@ -120,9 +139,9 @@ class StepRecord(NamedTuple):
 class SchedulerStats:
     """Running totals over everything the scheduler has executed.
 
-    ``cached_tokens``, ``retractions`` and ``wasted_tokens`` stay 0 here; they belong to the
-    prefix cache and the retraction of later chapters, and are kept so every engine reports
-    the same fields.
+    ``cached_tokens`` stays 0 until a prefix cache exists. ``retractions`` counts requests
+    pushed back to the queue to free memory, ``wasted_tokens`` the KV they threw away (and
+    must compute again when they are re-admitted).
     """
 
     steps: int = 0
@@ -152,9 +171,21 @@ class SchedulerStats:
 class Scheduler:
     """The main loop of an inference server, independent of what computes the tokens.
 
-    ``kv_capacity`` is the number of KV tokens the backend can hold; each running request
-    reserves its prompt plus ``max_new_tokens`` of them. ``max_running`` caps the running
-    batch. ``mode`` is one of ``MODES``. ``record_trace`` keeps one ``StepRecord`` per step.
+    ``kv_capacity`` is the number of KV token slots; ``max_running`` caps the running batch;
+    ``mode`` is one of ``MODES``. ``record_trace`` keeps one ``StepRecord`` per step.
+
+    ``admission`` chooses how memory is promised (``ADMISSIONS``):
+
+    * ``"reserve"``: a request is admitted only if its prompt plus ``max_new_tokens`` fit
+      beside everyone else's worst case. Nothing ever runs out, but memory sits idle for
+      outputs that end early.
+    * ``"budget"`` (SGLang): running requests are assumed to need only ``new_token_ratio``
+      of their remaining tokens. The ratio starts at ``new_token_ratio``, falls by
+      ``ratio_decay`` each decode step down to ``min_ratio``, and is re-estimated upwards
+      whenever memory runs out and requests must be retracted.
+
+    Either way every running request holds real slots of a ``SlotAllocator`` (the backend's
+    KV pool when it has one), one per token whose K/V exist.
     """
 
     def __init__(
@@ -165,11 +196,18 @@ class Scheduler:
         max_running: int,
         mode: str = "prefill-first",
         record_trace: bool = True,
+        admission: str = "reserve",
+        new_token_ratio: float = 0.7,
+        ratio_decay: float = 0.001,
+        min_ratio: float = 0.1,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; supported modes: {', '.join(MODES)}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {admission!r}; supported: {', '.join(ADMISSIONS)}")
         _check_positive_int("max_running", max_running)
         _check_positive_int("kv_capacity", kv_capacity)
+        _check_ratios(new_token_ratio, ratio_decay, min_ratio)
         self.backend = backend
         self.kv_capacity = kv_capacity
         self.max_running = max_running
@@ -178,7 +216,13 @@ class Scheduler:
         self.clock = 0.0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.kv_reserved = 0  # KV tokens promised to running requests
+        self.kv_reserved = 0  # KV tokens promised to running requests (worst case)
+        self.admission = admission
+        self.init_ratio, self.ratio_decay, self.min_ratio = new_token_ratio, ratio_decay, min_ratio
+        self.new_token_ratio = new_token_ratio
+        attach = getattr(backend, "attach_kv", None)
+        self.kv: SlotAllocator = attach(kv_capacity) if attach else SlotAllocator(kv_capacity)
+        self._retracted_now: list[Req] = []  # retracted while forming the current step
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
         self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
@@ -246,7 +290,8 @@ class Scheduler:
         if not batch:
             return None
         paused = self._paused(batch)
-        kv_reserved = self.kv_reserved
+        kv_reserved, kv_used, ratio = self.kv_reserved, self.kv.used_count, self.new_token_ratio
+        retracted = tuple(req.rid for req in self._retracted_now)
         prefill_tokens = sum(req.seq_len for req in batch.prefill)
         start = self.clock
         result = self.backend.run(batch)
@@ -265,6 +310,9 @@ class Scheduler:
             kv_reserved=kv_reserved,
             prefill_tokens=prefill_tokens,
             cost=result.cost,
+            kv_used=kv_used,
+            new_token_ratio=ratio,
+            retracted=retracted,
         )
         if self.record_trace:
             self.trace.append(record)
@@ -305,36 +353,120 @@ class Scheduler:
           running requests wait; otherwise everyone running decodes.
         * ``mixed``: newly admitted requests prefill in the same step as the running ones
           decode.
+
+        Before any step that decodes, every running request gets a slot for its next token
+        (``prepare_decode``), retracting requests if the pool is short. A mixed step that
+        had to retract admits nobody: the memory it just freed is already spoken for.
         """
-        decoding = list(self.running)  # prefilled in an earlier step
-        if self.mode == "static" and decoding:
-            return Batch([], decoding)
+        self._retracted_now = []
+        if self.mode == "static" and self.running:
+            return Batch([], self.prepare_decode())
+        if self.mode == "mixed":
+            decoding = self.prepare_decode() if self.running else []
+            new = [] if self._retracted_now else self.admit()
+            return Batch(new, decoding)
         new = self.admit()
-        if new and self.mode != "mixed":
+        if new:
             return Batch(new, [])
-        return Batch(new, decoding)
+        return Batch([], self.prepare_decode() if self.running else [])
 
     def admit(self) -> list[Req]:
-        """Admit waiting requests in FCFS order while a slot and KV memory are free.
+        """Admit waiting requests in FCFS order while a batch place and KV memory are free.
 
-        Each admitted request reserves its prompt plus ``max_new_tokens`` KV tokens, so a
-        running request can never run out of memory mid-generation. Admission stops at the
-        first request that does not fit (no overtaking), which keeps FCFS fair. A later
-        chapter replaces this method with SGLang's budgeted admission and retraction.
+        With ``admission="reserve"`` each request reserves its prompt plus
+        ``max_new_tokens``, so no running request can ever run out of memory. With
+        ``"budget"`` the test is ``admission_budget()``: a request needs its prompt (plus
+        any output kept from before a retraction) and its remaining ``max_new_tokens``,
+        clipped. Either way its prefill's slots are allocated here, and admission stops at
+        the first request that does not fit (no overtaking), which keeps FCFS fair.
         """
         new: list[Req] = []
-        free_slots = self.max_running - len(self.running)
-        while self.waiting and len(new) < free_slots:
+        free_places = self.max_running - len(self.running)
+        budget = self.admission_budget() if self.admission == "budget" else 0.0
+        while self.waiting and len(new) < free_places:
             req = self.waiting[0]
-            if self.kv_reserved + req.kv_reservation > self.kv_capacity:
+            fill = req.seq_len
+            if self.admission == "reserve":
+                if self.kv_reserved + req.kv_reservation > self.kv_capacity:
+                    break
+            else:
+                need = fill + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS)
+                if need > budget:
+                    break
+                budget -= need
+            if fill > self.kv.free_count:
                 break
             self.waiting.popleft()
+            req.kv_slots = self.kv.alloc(fill)
             self.kv_reserved += req.kv_reservation
             req.state = RUNNING
             req.admitted_at = self.clock
             new.append(req)
         self.running.extend(new)
         return new
+
+    def admission_budget(self) -> float:
+        """SGLang's estimate of the KV tokens a new request may still claim.
+
+        Free slots minus what the running requests are expected to need before they end:
+        each one's remaining ``max_new_tokens`` (clipped) times ``new_token_ratio``. A low
+        ratio is a bet that most requests stop well before their limit; when the bet fails,
+        ``prepare_decode`` retracts.
+        """
+        expected = sum(
+            min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for req in self.running
+        )
+        return self.kv.free_count - expected * self.new_token_ratio
+
+    def prepare_decode(self) -> list[Req]:
+        """Give every running request a slot for its next token; retract if there are too few.
+
+        Retraction frees the request with the fewest generated tokens first (the least work
+        lost), the longest prompt breaking ties (the most memory won). It keeps its output
+        and goes back to the head of the queue; on re-admission it prefills prompt plus
+        output and continues exactly where it stopped. After a retraction the ratio is
+        re-estimated from what the survivors have actually decoded; otherwise it decays.
+        Returns the requests that decode this step.
+        """
+        retracted = []
+        while self.kv.free_count < len(self.running):
+            victim = self.retraction_victim(self.running)
+            self.running.remove(victim)
+            self.retract(victim)
+            retracted.append(victim)
+        if retracted:
+            self._retracted_now.extend(retracted)
+            self.waiting.extendleft(reversed(retracted))
+            self.new_token_ratio = self._reestimated_ratio()
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        slots = self.kv.alloc(len(self.running))
+        for req, slot in zip(self.running, slots):
+            req.kv_slots.append(slot)
+        return list(self.running)
+
+    @staticmethod
+    def retraction_victim(running: list[Req]) -> Req:
+        """The request to retract first: fewest generated tokens, then the longest prompt."""
+        return min(running, key=lambda r: (len(r.output), -r.prompt_len))
+
+    def retract(self, req: Req) -> None:
+        """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
+        self.stats.retractions += 1
+        self.stats.wasted_tokens += len(req.kv_slots)
+        self.kv.free(req.kv_slots)
+        req.kv_slots = []
+        self.kv_reserved -= req.kv_reservation
+        req.retractions += 1
+        req.state = WAITING
+
+    def _reestimated_ratio(self) -> float:
+        """SGLang's reset: decoded so far plus a few more steps each, over what they may need."""
+        if not self.running:
+            return self.init_ratio
+        decoded = sum(len(req.output) for req in self.running)
+        limit = sum(req.max_new_tokens for req in self.running)
+        return min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / limit)
 
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
         """Append each request's new token, stream it, and stop and free finished requests.
@@ -386,9 +518,13 @@ class Scheduler:
                 self._free(req, ABORTED)
             else:
                 req.state = ABORTED
+                if req.retractions:  # retracted while running: may still hold a generator
+                    self.backend.release(req)
         self.running = [req for req in self.running if req.state == RUNNING]
 
     def _free(self, req: Req, state: str) -> None:
+        self.kv.free(req.kv_slots)
+        req.kv_slots = []
         self.kv_reserved -= req.kv_reservation
         req.state = state
         self.backend.release(req)
@@ -412,6 +548,18 @@ class Scheduler:
         stats.generated_tokens += len(batch)
         stats.busy_time += result.elapsed
         stats.cost += result.cost
+
+
+def _check_ratios(init: float, decay: float, floor: float) -> None:
+    for name, value in (("new_token_ratio", init), ("ratio_decay", decay), ("min_ratio", floor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if not 0 <= init <= 1:
+        raise ValueError(f"new_token_ratio must be in [0, 1], got {init}")
+    if not 0 <= floor <= init:
+        raise ValueError(f"min_ratio must be in [0, new_token_ratio={init}], got {floor}")
+    if decay < 0:
+        raise ValueError(f"ratio_decay must be >= 0, got {decay}")
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -28,6 +28,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("02_scheduler", "The scheduler loop",
             "How does continuous batching keep the GPU busy?",
             ("scheduler", "backends", "engine", "workloads")),
+    Chapter("03_selective_batching", "Selective batching and the KV pool",
+            "How does one forward pass serve many requests, and how many fit in memory?",
+            ("model", "kvpool", "scheduler", "backends")),
 )
 
 
@@ -42,7 +45,7 @@ COMPONENTS: dict[str, Component] = {
     "tokenizer": Component("Tokenizer", "tokenizer", "00_overview"),
     "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler", "02_scheduler"),
     "worker": Component("Model worker\n(CityLM forward)", "model", "00_overview"),
-    "kvpool": Component("KV pool\n(token slots)", "kvpool", None),
+    "kvpool": Component("KV pool\n(token slots)", "kvpool", "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "radix", None),
     "attention": Component("Attention backend", "model", "00_overview"),
     "detokenizer": Component("Detokenizer", "tokenizer", "00_overview"),

@@ -1,0 +1,235 @@
+"""Figures and widgets of the selective-batching chapter: step times, the KV pool over time.
+
+Everything here only draws or drives what the package computes: ``decode_step_seconds``
+times a step, the ``Engine`` runs the pool experiments, and each run is checked against
+``reference_generate`` before it is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from minisrv.engine import Engine
+from minisrv.model import CityLM
+from minisrv.viz.roofline import BookFigure
+from minisrv.workloads import Workload
+
+ATTENTION_COLORS = {"padded": "#1f77b4", "loop": "#ff7f0e"}
+ATTENTION_LABELS = {"padded": "one padded attention call", "loop": "attention loop per request"}
+
+
+def plot_decode_step_times(
+    table: Mapping[str, Mapping[int, float]], device: str = "cpu"
+) -> BookFigure:
+    """Per-request time of a decode step against batch size, one line per attention kind.
+
+    ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
+    Left: the whole step; right: divided by the batch, relative to batch 1.
+    """
+    fig = BookFigure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for attention, times in table.items():
+        sizes = sorted(times)
+        color, label = ATTENTION_COLORS.get(attention), ATTENTION_LABELS.get(attention, attention)
+        left.plot(sizes, [times[b] * 1e3 for b in sizes], "o-", color=color, label=label)
+        base = times[sizes[0]] / sizes[0]
+        right.plot(sizes, [times[b] / b / base for b in sizes], "o-", color=color, label=label)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in the decode step (batch size)")
+        ax.legend(fontsize=8)
+    left.set_ylabel("step time (ms)")
+    left.set_title(f"One decode step of CityLM on {device}")
+    right.axhline(1.0, color="grey", lw=0.8, ls=":")
+    right.set_ylabel("time per request (x batch 1)")
+    right.set_title("What batching saves per request")
+    return fig
+
+
+@dataclass(frozen=True)
+class PoolRun:
+    """One pool experiment: the engine after the run and whether outputs matched."""
+
+    engine: Engine
+    outputs: list[list[int]]
+    identical: int  # requests whose tokens equal reference_generate
+    total: int
+
+    @property
+    def check(self) -> str:
+        """The sentence every experiment prints."""
+        return f"outputs identical to each request alone: {self.identical} of {self.total}"
+
+
+def run_pool(
+    model: CityLM,
+    workload: Workload,
+    reference: Sequence[Sequence[int]],
+    *,
+    capacity: int = 120,
+    ratio: float = 0.7,
+    decay: float = 0.01,
+    max_running: int = 8,
+    admission: str = "budget",
+    mode: str = "prefill-first",
+) -> PoolRun:
+    """Serve ``workload`` with a pool of ``capacity`` slots and compare with ``reference``."""
+    engine = Engine(
+        model,
+        kv_capacity=capacity,
+        max_running=max_running,
+        mode=mode,
+        admission=admission,
+        new_token_ratio=ratio,
+        ratio_decay=decay,
+        min_ratio=min(ratio, 0.1),
+    )
+    outputs = engine.generate(workload.prompts, workload.output_lens)
+    same = sum(list(a) == list(b) for a, b in zip(outputs, reference))
+    return PoolRun(engine, outputs, same, len(reference))
+
+
+def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
+    """Used slots and running requests per step (top), ``new_token_ratio`` (bottom).
+
+    Red lines mark the steps before which requests were retracted.
+    """
+    trace, sched = run.engine.trace, run.engine.scheduler
+    steps = [s.index for s in trace]
+    fig = BookFigure(figsize=(10, 5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
+    top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
+                label=f"pool capacity {sched.kv_capacity}")
+    top.set_ylabel("KV slots (tokens)")
+    running = top.twinx()
+    running.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
+                 color="#2ca02c", label="running requests")
+    running.set_ylabel("running requests", color="#2ca02c")
+    bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
+                label="new_token_ratio")
+    bottom.set_ylabel("new_token_ratio")
+    bottom.set_xlabel("step")
+    bottom.set_ylim(0, 1.05)
+    retract_steps = [s.index for s in trace if s.retracted]
+    for i, x in enumerate(retract_steps):
+        for ax in (top, bottom):
+            ax.axvline(x, color="#d62728", lw=0.8, alpha=0.7,
+                       label="retraction" if i == 0 and ax is bottom else None)
+    handles = top.get_legend_handles_labels()[0] + running.get_legend_handles_labels()[0]
+    top.legend(handles=handles, loc="upper right", fontsize=8)
+    bottom.legend(loc="upper right", fontsize=8)
+    stats = run.engine.stats
+    top.set_title(title or (
+        f"{stats.retractions} retractions, {stats.wasted_tokens} tokens recomputed, "
+        f"{stats.steps} steps"
+    ))
+    return fig
+
+
+def pool_sweep(
+    model: CityLM,
+    workload: Workload,
+    reference: Sequence[Sequence[int]],
+    capacities: Sequence[int],
+    ratios: Sequence[float | None],
+    *,
+    decay: float = 0.001,
+    max_running: int = 8,
+) -> tuple[pd.DataFrame, int, int]:
+    """Serve ``workload`` for every capacity and initial ratio (``None``: reserve admission).
+
+    Returns one row per run (steps, mean decode batch, retractions, recomputed tokens) and
+    the count of runs whose outputs all matched, out of all runs.
+    """
+    from tqdm.auto import tqdm
+
+    rows, all_same = [], 0
+    jobs = [(c, r) for c in capacities for r in ratios]
+    for capacity, ratio in tqdm(jobs, desc="pool sweep", leave=False):
+        run = run_pool(
+            model, workload, reference, capacity=capacity, ratio=1.0 if ratio is None else ratio,
+            decay=decay, max_running=max_running,
+            admission="reserve" if ratio is None else "budget",
+        )
+        decodes = [len(s.decode) for s in run.engine.trace if s.decode]
+        stats = run.engine.stats
+        rows.append({
+            "capacity": capacity,
+            "initial ratio": "reserve" if ratio is None else f"{ratio:g}",
+            "steps": stats.steps,
+            "mean decode batch": round(sum(decodes) / len(decodes), 2),
+            "retractions": stats.retractions,
+            "recomputed tokens": stats.wasted_tokens,
+        })
+        all_same += run.identical == run.total
+    return pd.DataFrame(rows), all_same, len(jobs)
+
+
+def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
+    """Concurrency (mean decode batch) and waste (recomputed tokens) per capacity and ratio."""
+    fig = BookFigure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    labels = list(dict.fromkeys(sweep["initial ratio"]))
+    width = 0.8 / len(labels)
+    capacities = sorted(set(sweep["capacity"]))
+    for i, label in enumerate(labels):
+        part = sweep[sweep["initial ratio"] == label].set_index("capacity").loc[capacities]
+        xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(capacities))]
+        name = "reserve (no estimate)" if label == "reserve" else f"ratio {label}"
+        left.bar(xs, part["mean decode batch"], width, label=name)
+        right.bar(xs, part["recomputed tokens"], width, label=name)
+    for ax in (left, right):
+        ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
+        ax.set_xlabel("KV pool capacity (tokens)")
+    left.set_ylabel("mean decode batch (requests)")
+    left.set_title("Concurrency")
+    right.set_ylabel("recomputed tokens")
+    right.set_title("Waste from retraction")
+    left.legend(fontsize=8)
+    return fig
+
+
+def pool_widget(
+    model: CityLM,
+    workload: Workload,
+    reference: Sequence[Sequence[int]],
+    capacity: int = 120,
+    ratio: float = 0.7,
+    decay: float = 0.01,
+    max_running: int = 8,
+):
+    """Sliders for pool capacity, initial ratio, decay and max running; each change re-serves
+    the workload on CityLM (a second or two) and redraws. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
+    style = {"description_width": "initial"}
+    controls = {
+        "capacity": widgets.IntSlider(value=capacity, min=smallest, max=600, step=10,
+                                      description="pool capacity (tokens)", style=style,
+                                      continuous_update=False),
+        "ratio": widgets.FloatSlider(value=ratio, min=0.05, max=1.0, step=0.05,
+                                     description="initial new_token_ratio", style=style,
+                                     continuous_update=False),
+        "decay": widgets.FloatLogSlider(value=decay, base=10, min=-4, max=-1, step=0.25,
+                                        description="decay per decode step", style=style,
+                                        continuous_update=False),
+        "max_running": widgets.IntSlider(value=max_running, min=1, max=16,
+                                         description="max running", style=style,
+                                         continuous_update=False),
+    }
+
+    def redraw(capacity: int, ratio: float, decay: float, max_running: int) -> None:
+        run = run_pool(model, workload, reference, capacity=capacity, ratio=ratio, decay=decay,
+                       max_running=max_running)
+        print(run.check)
+        display(plot_pool_run(run))
+
+    output = widgets.interactive_output(redraw, controls)
+    boxes = list(controls.values())
+    return widgets.VBox([widgets.HBox(boxes[:2]), widgets.HBox(boxes[2:]), output])
