@@ -123,7 +123,7 @@ class ModelBackend:
     def run(self, batch: Batch) -> BatchResult:
         """Prefill the new requests and decode the running ones in ONE forward pass.
 
-        A prefill computes its ``fill_ids`` (prompt, plus output kept from before a
+        A prefill computes its ``fill_ids`` (its uncached prompt, plus output kept from before a
         retraction); a decode computes its last output token. Cost = tokens computed.
         """
         from minisrv.model import FlatBatch
@@ -193,8 +193,11 @@ class SimBackend:
         new = attended = cached = 0
         for req in batch.prefill:
             n = len(req.prompt) + len(req.output)
-            new += n
-            attended += n * (n + 1) // 2  # causal attention within the prompt
+            hit = req.cached_len  # prefix KV read from the cache, not computed
+            fill = n - hit
+            new += fill
+            cached += hit
+            attended += fill * hit + fill * (fill + 1) // 2  # the prefix, then causal
             tokens.append((req.rid * 7919 + n) % vocab)
         for req in batch.decode:
             n = len(req.prompt) + len(req.output)

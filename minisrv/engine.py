@@ -22,6 +22,7 @@ from typing import Any
 from minisrv.backends import ModelBackend, SimBackend
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.metrics import RunMetrics, summarize
+from minisrv.radix import PrefixCache
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Backend, Scheduler, SchedulerStats, StepRecord
@@ -30,7 +31,7 @@ from minisrv.workloads import Workload
 __all__ = ["POLICIES", "CACHES", "Engine", "RunResult", "simulate"]
 
 POLICIES: tuple[str, ...] = ("fcfs",)
-CACHES: tuple[str, ...] = ("none",)
+CACHES: tuple[str, ...] = ("none", "radix")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class Engine:
     optimistic; the default) or ``"reserve"`` (promise every request its worst case);
     ``new_token_ratio``, ``ratio_decay`` and ``min_ratio`` tune the estimate (see
     ``Scheduler``).
+
+    ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
+    ``minisrv.radix``); ``record_tree=True`` records every tree operation in
+    ``engine.tree.events``, for drawing the tree as it changes.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class Engine:
         new_token_ratio: float = 0.7,
         ratio_decay: float = 0.001,
         min_ratio: float = 0.1,
+        record_tree: bool = False,
     ) -> None:
         _check_choice("policy", policy, POLICIES)
         _check_choice("cache", cache, CACHES)
@@ -90,6 +96,8 @@ class Engine:
             new_token_ratio=new_token_ratio,
             ratio_decay=ratio_decay,
             min_ratio=min_ratio,
+            cache=cache,
+            record_tree=record_tree,
         )
         self.policy, self.cache, self.overlap = policy, cache, overlap
         self._next_rid = 0
@@ -116,6 +124,11 @@ class Engine:
     def stats(self) -> SchedulerStats:
         """Totals over every step this engine has run (steps, tokens, ...)."""
         return self.scheduler.stats
+
+    @property
+    def tree(self) -> PrefixCache:
+        """The prefix cache (a ``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
+        return self.scheduler.tree
 
     @property
     def trace(self) -> list[StepRecord]:

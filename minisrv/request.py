@@ -43,6 +43,9 @@ class Req:
     finish_reason: str | None = None  # "length" or "eos"
     kv_slots: list[int] = field(default_factory=list)  # KV pool slots, in position order
     retractions: int = 0  # times it was pushed back to the queue to free memory
+    cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
+    cache_node: object | None = None  # the cache node locking that prefix while it runs
+    cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
 
     @property
     def prompt_len(self) -> int:
@@ -61,13 +64,15 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
-        """The tokens a prefill must compute: the prompt, plus any output kept from before.
+        """The tokens a prefill must compute: the prompt, plus any output kept from before,
+        minus the first ``cached_len`` tokens whose KV the prefix cache already holds.
 
-        A fresh request has no output yet, so this is its prompt. A request that was pushed
-        back to the queue by a retraction keeps its output and prefills it again as if it were
-        part of the prompt, which is why its final output is unchanged.
+        A fresh request has no output yet, so this is its prompt (or its uncached suffix). A
+        request that was pushed back to the queue by a retraction keeps its output and
+        prefills it again as if it were part of the prompt, which is why its final output is
+        unchanged.
         """
-        return [*self.prompt, *self.output]
+        return [*self.prompt, *self.output][self.cached_len:]
 
     @property
     def remaining_new_tokens(self) -> int:

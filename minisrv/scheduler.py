@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from minisrv.kvpool import SlotAllocator
+from minisrv.radix import CACHES, MatchResult, make_cache
 from minisrv.request import ABORTED, FINISHED, PENDING, RUNNING, WAITING, Req
 
 __all__ = [
@@ -139,7 +140,8 @@ class StepRecord(NamedTuple):
 class SchedulerStats:
     """Running totals over everything the scheduler has executed.
 
-    ``cached_tokens`` stays 0 until a prefix cache exists. ``retractions`` counts requests
+    ``cached_tokens`` counts prompt tokens whose KV came from the prefix cache instead of a
+    prefill (always 0 with ``cache="none"``). ``retractions`` counts requests
     pushed back to the queue to free memory, ``wasted_tokens`` the KV they threw away (and
     must compute again when they are re-admitted).
     """
@@ -186,6 +188,10 @@ class Scheduler:
 
     Either way every running request holds real slots of a ``SlotAllocator`` (the backend's
     KV pool when it has one), one per token whose K/V exist.
+
+    ``cache`` is ``"none"`` or ``"radix"`` (``minisrv.radix``): with the radix cache a request's
+    first ``cached_len`` slots are shared prefix slots owned by the tree, and only the rest are
+    its own; ``record_tree`` keeps the tree's event log for drawings.
     """
 
     def __init__(
@@ -200,11 +206,15 @@ class Scheduler:
         new_token_ratio: float = 0.7,
         ratio_decay: float = 0.001,
         min_ratio: float = 0.1,
+        cache: str = "none",
+        record_tree: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; supported modes: {', '.join(MODES)}")
         if admission not in ADMISSIONS:
             raise ValueError(f"unknown admission {admission!r}; supported: {', '.join(ADMISSIONS)}")
+        if cache not in CACHES:
+            raise ValueError(f"unknown cache {cache!r}; supported: {', '.join(CACHES)}")
         _check_positive_int("max_running", max_running)
         _check_positive_int("kv_capacity", kv_capacity)
         _check_ratios(new_token_ratio, ratio_decay, min_ratio)
@@ -222,6 +232,8 @@ class Scheduler:
         self.new_token_ratio = new_token_ratio
         attach = getattr(backend, "attach_kv", None)
         self.kv: SlotAllocator = attach(kv_capacity) if attach else SlotAllocator(kv_capacity)
+        # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
+        self.tree = make_cache(cache, on_evict=self.kv.free, record=record_tree)
         self._retracted_now: list[Req] = []  # retracted while forming the current step
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
@@ -292,7 +304,7 @@ class Scheduler:
         paused = self._paused(batch)
         kv_reserved, kv_used, ratio = self.kv_reserved, self.kv.used_count, self.new_token_ratio
         retracted = tuple(req.rid for req in self._retracted_now)
-        prefill_tokens = sum(req.seq_len for req in batch.prefill)
+        prefill_tokens = sum(len(req.fill_ids) for req in batch.prefill)
         start = self.clock
         result = self.backend.run(batch)
         self.clock = start + result.elapsed
@@ -379,25 +391,35 @@ class Scheduler:
         any output kept from before a retraction) and its remaining ``max_new_tokens``,
         clipped. Either way its prefill's slots are allocated here, and admission stops at
         the first request that does not fit (no overtaking), which keeps FCFS fair.
+
+        With a prefix cache the request first looks up its longest cached prefix
+        (``match_prefix_of``) and locks it; only the rest is allocated and prefilled. When the
+        pool is short, unlocked cached prefixes are evicted (LRU) before giving up.
         """
         new: list[Req] = []
         free_places = self.max_running - len(self.running)
         budget = self.admission_budget() if self.admission == "budget" else 0.0
         while self.waiting and len(new) < free_places:
             req = self.waiting[0]
-            fill = req.seq_len
+            match = self.match_prefix_of(req)
+            fill = req.seq_len - match.length
             if self.admission == "reserve":
-                if self.kv_reserved + req.kv_reservation > self.kv_capacity:
-                    break
+                fits = self.kv_reserved + req.kv_reservation <= self.kv_capacity
             else:
                 need = fill + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS)
-                if need > budget:
-                    break
+                fits = need <= budget
                 budget -= need
-            if fill > self.kv.free_count:
+            if fits and fill > self.kv.free_count:
+                self.tree.evict(fill - self.kv.free_count)
+            if not fits or fill > self.kv.free_count:
+                self.tree.unlock(match.node)
                 break
             self.waiting.popleft()
-            req.kv_slots = self.kv.alloc(fill)
+            req.kv_slots = [*match.values, *self.kv.alloc(fill)]
+            req.cached_len, req.cache_node = match.length, match.node
+            if not req.output:  # a first admission (a retracted request has output)
+                req.cached_prompt_tokens = match.length
+            self.stats.cached_tokens += match.length
             self.kv_reserved += req.kv_reservation
             req.state = RUNNING
             req.admitted_at = self.clock
@@ -405,18 +427,73 @@ class Scheduler:
         self.running.extend(new)
         return new
 
+    def match_prefix_of(self, req: Req) -> MatchResult:
+        """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
+        compute (the forward over that token yields the logits of the next one)."""
+        self.tree.event_label = f"r{req.rid}"
+        match = self.tree.match_prefix([*req.prompt, *req.output][: req.seq_len - 1])
+        self.tree.lock(match.node)
+        return match
+
+    def cache_prefill(self, req: Req) -> None:
+        """Right after ``req``'s prefill, put its KV in the cache so that requests arriving
+        from the next step on can reuse it, and switch ``req`` to the cache's copy.
+
+        Where the tree already held some of these tokens (another request prefilled the same
+        text meanwhile), ``req``'s duplicate slots are freed and the tree's used instead;
+        then ``req`` locks the longer prefix and releases the old lock.
+        """
+        tree = self.tree
+        tree.event_label = f"r{req.rid}"
+        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        already = tree.insert(tokens, req.kv_slots)
+        match = tree.match_prefix(tokens)
+        if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
+            return
+        self.kv.free(req.kv_slots[req.cached_len:already])
+        req.kv_slots[: match.length] = match.values
+        tree.lock(match.node)
+        tree.unlock(req.cache_node)
+        req.cached_len, req.cache_node = match.length, match.node
+
+    def cache_finished(self, req: Req) -> None:
+        """Give a finished request's KV (prompt + output) to the cache, then unlock.
+
+        Its KV is not freed but kept for the next turn of a chat or any request with the same
+        prefix; it becomes evictable. Slots duplicating what the tree already held are freed
+        (with ``NoCache`` that is all of them).
+        """
+        self.tree.event_label = f"r{req.rid}"
+        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        already = self.tree.insert(tokens, req.kv_slots)
+        self.kv.free(req.kv_slots[req.cached_len:already])
+        self._unlock(req)
+
+    def release_kv(self, req: Req) -> None:
+        """Free the slots ``req`` owns and unlock its cached prefix (retraction, abort)."""
+        self.kv.free(req.kv_slots[req.cached_len:])
+        self._unlock(req)
+
+    def _unlock(self, req: Req) -> None:
+        if req.cache_node is not None:
+            self.tree.event_label = f"r{req.rid}"
+            self.tree.unlock(req.cache_node)
+        req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
     def admission_budget(self) -> float:
         """SGLang's estimate of the KV tokens a new request may still claim.
 
-        Free slots minus what the running requests are expected to need before they end:
-        each one's remaining ``max_new_tokens`` (clipped) times ``new_token_ratio``. A low
+        Free slots, plus cached prefixes that could be evicted, minus what the running
+        requests are expected to need before they end: each one's remaining
+        ``max_new_tokens`` (clipped) times ``new_token_ratio``. A low
         ratio is a bet that most requests stop well before their limit; when the bet fails,
         ``prepare_decode`` retracts.
         """
         expected = sum(
             min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for req in self.running
         )
-        return self.kv.free_count - expected * self.new_token_ratio
+        available = self.kv.free_count + self.tree.evictable_size()
+        return available - expected * self.new_token_ratio
 
     def prepare_decode(self) -> list[Req]:
         """Give every running request a slot for its next token; retract if there are too few.
@@ -430,6 +507,9 @@ class Scheduler:
         """
         retracted = []
         while self.kv.free_count < len(self.running):
+            self.tree.event_label = "decode"
+            if self.tree.evict(len(self.running) - self.kv.free_count):
+                continue  # cached prefixes nobody uses go before running requests
             victim = self.retraction_victim(self.running)
             self.running.remove(victim)
             self.retract(victim)
@@ -453,9 +533,8 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
         self.stats.retractions += 1
-        self.stats.wasted_tokens += len(req.kv_slots)
-        self.kv.free(req.kv_slots)
-        req.kv_slots = []
+        self.stats.wasted_tokens += len(req.kv_slots) - req.cached_len
+        self.release_kv(req)
         self.kv_reserved -= req.kv_reservation
         req.retractions += 1
         req.state = WAITING
@@ -493,6 +572,10 @@ class Scheduler:
             else:
                 continue
             finished.append(req)
+        done = {id(req) for req in finished}
+        for req in batch.prefill:
+            if id(req) not in done:
+                self.cache_prefill(req)
         for req in finished:
             self._free(req, FINISHED)
         if finished:
@@ -523,8 +606,10 @@ class Scheduler:
         self.running = [req for req in self.running if req.state == RUNNING]
 
     def _free(self, req: Req, state: str) -> None:
-        self.kv.free(req.kv_slots)
-        req.kv_slots = []
+        if state == FINISHED:
+            self.cache_finished(req)
+        else:
+            self.release_kv(req)
         self.kv_reserved -= req.kv_reservation
         req.state = state
         self.backend.release(req)

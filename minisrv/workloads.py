@@ -40,6 +40,11 @@ __all__ = [
     "citylm_workload",
     "notes_trace_workload",
     "summarize_lengths",
+    "shared_prompt_workload",
+    "chat_sessions_workload",
+    "few_shot_workload",
+    "parallel_sampling_workload",
+    "PREFIX_WORKLOADS",
 ]
 
 ARRIVALS: tuple[str, ...] = ("poisson", "fixed", "all-at-once")
@@ -235,6 +240,142 @@ def notes_trace_workload(tok: Tokenizer) -> Workload:
     return Workload(
         "notes-trace", prompts, [3, 5, 3], [0.0, 0.0, 2.0], "3 requests, max 2 running"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# The serving patterns whose prompts share prefixes (the RadixAttention chapter).
+# Request ``i`` arrives at step ``arrivals[i]``; the lists are in arrival order.
+
+
+def shared_prompt_workload(
+    tok: Tokenizer, n_users: int = 16, output_len: int = 16, arrival_every: float = 1.0,
+    n_cities: int = 3,
+) -> Workload:
+    """Many users, one system prompt: the three-country few-shot header of
+    ``patterns.system_prompt``, then each user's own question (a country code, followed by
+    0-2 of its cities once the codes run out, so no two prompts are equal).
+    """
+    from minisrv.data import country_line
+    from minisrv.patterns import USER_COUNTRIES, system_prompt
+
+    _check_count(n_users)
+    _check_steps(output_len, arrival_every)
+    head = system_prompt(n_cities)
+    prompts = []
+    for i in range(n_users):
+        code = USER_COUNTRIES[i % len(USER_COUNTRIES)]
+        extra = (i // len(USER_COUNTRIES)) % 3
+        question = f"{code}:" if extra == 0 else country_line(code, extra) + ","
+        prompts.append(tok.encode(head + question))
+    arrivals = [i * arrival_every for i in range(n_users)]
+    return Workload("shared-prompt", prompts, [output_len] * n_users, arrivals,
+                    f"{n_users} users sharing a {len(tok.encode(head))}-token system prompt")
+
+
+def chat_sessions_workload(
+    model, tok: Tokenizer, n_sessions: int = 8, n_turns: int = 4, max_answer_tokens: int = 10,
+    turn_gap: float = 48.0, message_cities: int = 1,
+) -> Workload:
+    """``n_sessions`` independent chats of ``n_turns`` turns: turn ``t``'s prompt is turn
+    ``t - 1``'s prompt + its answer + the user's new message.
+
+    A message is one more example line (a country and ``message_cities`` of its cities; none
+    when 0) and a question (a country code). Session ``s`` opens with its own line, so
+    sessions share nothing but ``<bos>`` and all reuse comes from a session's own history.
+    Answers are CityLM's greedy continuation (``model.reference_generate``), kept up to the
+    last complete city and a newline, as in ``patterns.chat_turns``; a request's
+    ``max_new_tokens`` is its answer's length. Every
+    session's turn ``t`` arrives at step ``t * turn_gap``; request ``i`` is turn
+    ``i // n_sessions`` of session ``i % n_sessions``.
+    """
+    from minisrv.data import SHOWCASE_COUNTRIES, country_line
+    from minisrv.patterns import _complete_line
+
+    _check_count(n_sessions)
+    _check_count(n_turns)
+    _check_steps(max_answer_tokens, turn_gap)
+    if message_cities < 0:
+        raise ValueError(f"message_cities must be >= 0, got {message_cities}")
+    codes = SHOWCASE_COUNTRIES
+    histories = [tok.encode(country_line(codes[s % len(codes)], 1) + "\n")
+                 for s in range(n_sessions)]
+    prompts: list[list[int]] = []
+    outputs: list[int] = []
+    arrivals: list[float] = []
+    for turn in range(n_turns):
+        for s in range(n_sessions):
+            example = codes[(s + 1 + 3 * turn) % len(codes)]
+            code = codes[(s + 2 + 3 * turn) % len(codes)]
+            line = country_line(example, message_cities) + "\n" if message_cities else ""
+            prompt = histories[s] + tok.encode(f"{line}{code}:", bos=False)
+            generated = model.reference_generate(prompt, max_answer_tokens)
+            finished = bool(generated) and generated[-1] == tok.eos_id
+            answer = tok.encode(_complete_line(tok.decode(generated), finished), bos=False)
+            prompts.append(prompt)
+            outputs.append(len(answer))
+            arrivals.append(turn * turn_gap)
+            histories[s] = prompt + answer
+    return Workload("chat-sessions", prompts, outputs, arrivals,
+                    f"{n_sessions} chat sessions x {n_turns} turns")
+
+
+def few_shot_workload(
+    tok: Tokenizer, n_groups: int = 4, per_group: int = 8, output_len: int = 16,
+    group_gap: float = 0.0, interleave: bool = False, n_cities: int = 3,
+) -> Workload:
+    """Few-shot prompting: each group's requests share the same two example lines and ask
+    different countries. Requests come in waves ``group_gap`` steps apart: by default a wave
+    is one whole group (its requests arrive together); with ``interleave`` a wave holds one
+    request of every group, so the groups alternate.
+    """
+    from minisrv.data import SHOWCASE_COUNTRIES, country_line
+
+    _check_count(n_groups)
+    _check_count(per_group)
+    _check_steps(output_len, max(group_gap, 1.0))
+    codes = SHOWCASE_COUNTRIES
+    rows: list[tuple[int, int, list[int]]] = []  # (group, member, prompt)
+    for g in range(n_groups):
+        shots = (codes[(2 * g) % len(codes)], codes[(2 * g + 1) % len(codes)])
+        head = "".join(country_line(code, n_cities) + "\n" for code in shots)
+        askable = [c for c in codes if c not in shots]
+        for m in range(per_group):
+            code = askable[m % len(askable)]
+            extra = (m // len(askable)) % 3
+            question = f"{code}:" if extra == 0 else country_line(code, extra) + ","
+            rows.append((g, m, tok.encode(head + question)))
+    if interleave:
+        rows.sort(key=lambda row: (row[1], row[0]))
+    prompts = [row[2] for row in rows]
+    arrivals = [float(row[1] if interleave else row[0]) * group_gap for row in rows]
+    order = "interleaved" if interleave else "group by group"
+    return Workload("few-shot", prompts, [output_len] * len(rows), arrivals,
+                    f"{n_groups} few-shot groups x {per_group} requests, {order}")
+
+
+def parallel_sampling_workload(
+    tok: Tokenizer, n_samples: int = 8, question: str = "JP:", output_len: int = 16,
+) -> Workload:
+    """One prompt (system prompt + ``question``) sent ``n_samples`` times at once, as when
+    sampling several answers to pick the best."""
+    from minisrv.patterns import parallel_samples
+
+    _check_count(n_samples)
+    _check_steps(output_len, 1.0)
+    prompts = parallel_samples(tok, n_samples, question) if n_samples else []
+    return Workload("parallel-sampling", prompts, [output_len] * n_samples, [0.0] * n_samples,
+                    f"one prompt sampled {n_samples} times")
+
+
+PREFIX_WORKLOADS: tuple[str, ...] = (
+    "shared-prompt", "chat-sessions", "few-shot", "parallel-sampling")
+
+
+def _check_steps(output_len: int, gap: float) -> None:
+    if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1:
+        raise ValueError(f"output length must be an int >= 1, got {output_len!r}")
+    if not gap >= 0:
+        raise ValueError(f"arrival gap must be >= 0, got {gap}")
 
 
 def _check_count(n: int) -> None:

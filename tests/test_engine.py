@@ -136,7 +136,7 @@ def test_arrival_steps_delay_admission(model) -> None:
         ({"max_running": 0}, "max_running must be >= 1"),
         ({"mode": "chunked"}, "unknown mode 'chunked'; supported values: static, prefill-first"),
         ({"policy": "lpm"}, "unknown policy 'lpm'; supported values: fcfs"),
-        ({"cache": "radix"}, "unknown cache 'radix'; supported values: none"),
+        ({"cache": "lru"}, "unknown cache 'lru'; supported values: none, radix"),
         ({"overlap": True}, "unsupported overlap=True"),
         ({"kv_capacity": -5}, "kv_capacity must be >= 1"),
     ],

@@ -31,6 +31,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("03_selective_batching", "Selective batching and the KV pool",
             "How does one forward pass serve many requests, and how many fit in memory?",
             ("model", "kvpool", "scheduler", "backends")),
+    Chapter("04_radix_attention", "RadixAttention",
+            "How does a server reuse the KV of prefixes it has already computed?",
+            ("radix", "scheduler", "workloads")),
 )
 
 
@@ -46,7 +49,7 @@ COMPONENTS: dict[str, Component] = {
     "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler", "02_scheduler"),
     "worker": Component("Model worker\n(CityLM forward)", "model", "00_overview"),
     "kvpool": Component("KV pool\n(token slots)", "kvpool", "03_selective_batching"),
-    "radix": Component("Radix cache\n(RadixAttention)", "radix", None),
+    "radix": Component("Radix cache\n(RadixAttention)", "radix", "04_radix_attention"),
     "attention": Component("Attention backend", "model", "00_overview"),
     "detokenizer": Component("Detokenizer", "tokenizer", "00_overview"),
 }

@@ -1,0 +1,544 @@
+"""RadixAttention's prefix cache: a radix tree of token runs whose nodes hold KV slots.
+
+Serving patterns repeat prefixes (a shared system prompt, a chat's history, few-shot
+examples). SGLang keeps the KV of every finished prefix in a radix tree (a compressed trie):
+each edge is a run of tokens, each node stores the KV slots of its edge's tokens, and the
+path from the root to a node spells a prefix. A new prompt walks the tree to find its longest
+cached prefix; only the rest is prefilled.
+
+Three rules keep the tree safe to share:
+
+* **Reference counts.** A running request *locks* the node where its cached prefix ends; the
+  lock walks to the root, so no node on the path can be evicted while the request reads it.
+* **Sizes.** Every cached token is either *protected* (on a locked path) or *evictable*;
+  ``lock``/``unlock`` move a node's tokens between the two, so the scheduler knows at once how
+  much memory it could reclaim.
+* **LRU eviction.** ``evict(n)`` removes least-recently-used unlocked leaves (a heap keyed by
+  last access) until ``n`` tokens are free; a parent that becomes an unlocked leaf joins the
+  heap. The root is never evicted.
+
+The tree runs standalone (values may be ``None`` or any ints; nothing is allocated), which
+is how the book draws it and the tests drive it; the engine passes real KV slot ids and an
+``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
+same interface that caches nothing (``Engine(cache="none")``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "TreeNode",
+    "MatchResult",
+    "SizeInfo",
+    "NodeView",
+    "TreeEvent",
+    "PrefixCache",
+    "RadixCache",
+    "NoCache",
+    "CACHES",
+    "make_cache",
+]
+
+EvictCallback = Callable[[list[Any]], None]
+
+
+class TreeNode:
+    """One node of the tree: the edge from its parent (``key``, a token run) and its KV.
+
+    ``value[i]`` is the KV slot (or any payload) of token ``key[i]``. ``children`` is keyed by
+    each child's first token, which is unique among siblings in a radix tree, so a lookup
+    costs one dict access per edge.
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access",
+                 "removed")
+
+    def __init__(self, node_id: int, key: tuple[int, ...], value: list[Any],
+                 parent: TreeNode | None, last_access: int) -> None:
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.removed = False  # set on eviction: the node no longer belongs to the tree
+
+    @property
+    def is_leaf(self) -> bool:
+        """True when no edge continues below this node."""
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access})")
+
+
+class MatchResult(NamedTuple):
+    """What ``match_prefix`` found."""
+
+    length: int  # leading tokens of the query whose KV is cached
+    node: TreeNode  # node where the match ends (the root when nothing matched); lock it
+    values: list[Any]  # the cached value (KV slot) of each of those ``length`` tokens
+
+
+class SizeInfo(NamedTuple):
+    """How the cached tokens split between what may and may not be evicted."""
+
+    evictable: int  # tokens on unlocked nodes: memory the scheduler can reclaim
+    protected: int  # tokens on locked paths: in use by running requests
+
+    @property
+    def total(self) -> int:
+        """All cached tokens."""
+        return self.evictable + self.protected
+
+
+class NodeView(NamedTuple):
+    """A frozen copy of one node, for drawings of past states of the tree."""
+
+    id: int  # node id (the root is 0)
+    parent: int | None  # parent's id; None for the root
+    key: tuple[int, ...]  # the edge's tokens
+    lock_ref: int  # running requests using this node
+    last_access: int  # logical clock of the last match or insert that walked here
+
+
+class TreeEvent(NamedTuple):
+    """One recorded operation (``RadixCache(record=True)``), for the book's diagrams."""
+
+    step: int  # logical clock when the operation ran
+    op: str  # "match", "insert", "lock", "unlock" or "evict"
+    label: str  # the cache's ``event_label`` at the time (e.g. which request)
+    length: int  # tokens matched, already cached, locked/unlocked, or freed
+    path: tuple[int, ...]  # ids of the nodes walked, root excluded, in order
+    split: tuple[int, ...]  # ids of nodes created by splitting an edge
+    inserted: tuple[int, ...]  # ids of new leaves
+    evicted: tuple[NodeView, ...]  # nodes removed, as they were just before
+    tree: tuple[NodeView, ...]  # the whole tree after the operation
+
+
+class PrefixCache(ABC):
+    """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
+
+    Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
+    leading tokens that were already cached. The cache keeps ``values[k:]`` and hands them to
+    ``on_evict`` when it evicts them; ``values[:k]`` duplicate what the tree already holds and
+    stay the caller's to free.
+    """
+
+    root: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of ``tokens``."""
+
+    @abstractmethod
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
+        """Cache ``tokens``; return how many leading tokens were already cached."""
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (one more user)."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``."""
+
+    @abstractmethod
+    def evict(self, n_tokens: int) -> int:
+        """Free at least ``n_tokens`` if possible; return the tokens actually freed."""
+
+    @abstractmethod
+    def size_info(self) -> SizeInfo:
+        """Evictable and protected token counts."""
+
+    def evictable_size(self) -> int:
+        """Tokens that ``evict`` could free right now."""
+        return self.size_info().evictable
+
+    def protected_size(self) -> int:
+        """Tokens locked by running requests."""
+        return self.size_info().protected
+
+    def total_size(self) -> int:
+        """All cached tokens."""
+        return self.size_info().total
+
+
+class RadixCache(PrefixCache):
+    """A radix tree of cached token runs with reference counts and LRU eviction.
+
+    Args:
+        on_evict: called with the list of values of every evicted node (the engine passes
+            a function that frees those KV slots); ``None`` in standalone mode.
+        record: keep an event log (``events``) with a snapshot of the tree after each
+            operation. Meant for diagrams of small trees: each snapshot copies the tree.
+
+    Costs: ``match_prefix`` and ``insert`` are O(length of the query) plus one dict lookup
+    per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
+    keeps a lazy heap of (last access, node) entries: an entry whose node has since been
+    touched, locked, extended or removed is skipped when popped, so no operation scans the
+    whole tree (the heap is compacted when stale entries outnumber the nodes).
+    """
+
+    def __init__(self, on_evict: EvictCallback | None = None, record: bool = False) -> None:
+        self.on_evict = on_evict
+        self.record = record
+        self.events: list[TreeEvent] = []
+        self.event_label = ""
+        self._ids = itertools.count()
+        self.clock = 0
+        self.root = TreeNode(next(self._ids), (), [], None, 0)
+        self.n_nodes = 1
+        self._evictable = 0
+        self._protected = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
+
+    # ----------------------------------------------------------------- lookups
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Find the longest cached prefix of ``tokens``.
+
+        When the match ends inside an edge, that edge is split so the match ends exactly on
+        a node: the caller can then lock precisely the matched prefix. Every node on the path
+        counts as just used (LRU).
+
+        Args:
+            tokens: the query, e.g. a prompt's token ids.
+
+        Returns:
+            ``MatchResult(length, node, values)``: how many leading tokens are cached, the
+            node where they end (the root when none), and their values (KV slots) in order.
+        """
+        key = tuple(tokens)
+        self.clock += 1
+        node, length, values, path, split = self._walk(key, collect=True)
+        self._log("match", length, path, split)
+        return MatchResult(length, node, values)
+
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
+        """Cache ``tokens`` with their ``values`` (one per token; ``None``: standalone mode).
+
+        Args:
+            tokens: the token run to cache, e.g. a prompt, or prompt + output.
+            values: the KV slot of each token; defaults to ``None`` per token.
+
+        Returns:
+            How many leading tokens were already cached. The tree keeps the values of the
+            rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
+        """
+        key = tuple(tokens)
+        if values is None:
+            vals: list[Any] = [None] * len(key)
+        else:
+            vals = list(values)
+            if len(vals) != len(key):
+                raise ValueError(f"insert got {len(key)} tokens but {len(vals)} values; "
+                                 "give one value (KV slot) per token")
+        self.clock += 1
+        node, length, _, path, split = self._walk(key, collect=False)
+        inserted: tuple[int, ...] = ()
+        if length < len(key):
+            leaf = TreeNode(next(self._ids), key[length:], vals[length:], node, self.clock)
+            node.children[key[length]] = leaf
+            self.n_nodes += 1
+            self._evictable += len(leaf.key)
+            self._push(leaf)
+            inserted = (leaf.id,)
+            path = path + inserted
+        self._log("insert", length, path, split, inserted=inserted)
+        return length
+
+    def _walk(self, key: tuple[int, ...], collect: bool
+              ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """Follow ``key`` from the root, splitting the last edge if the match ends inside it.
+
+        Returns (end node, matched length, matched values if ``collect``, path ids, split ids).
+        """
+        node = self.root
+        node.last_access = self.clock
+        pos = 0
+        values: list[Any] = []
+        path: list[int] = []
+        split: list[int] = []
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            edge = child.key
+            n = len(edge)
+            if key[pos:pos + n] == edge:
+                matched = n
+            else:
+                matched = 1  # the first token matched (it is the child's dict key)
+                limit = min(n, len(key) - pos)
+                while matched < limit and edge[matched] == key[pos + matched]:
+                    matched += 1
+            if matched < n:
+                child = self._split(child, matched)
+                split.append(child.id)
+            child.last_access = self.clock
+            if not child.children:
+                self._push(child)
+            if collect:
+                values.extend(child.value)
+            path.append(child.id)
+            pos += matched
+            node = child
+            if matched < n:
+                break
+        return node, pos, values, tuple(path), tuple(split)
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
+
+        The old node object keeps the lower part, so a caller holding it (e.g. a lock taken
+        before the split) still refers to the same prefix end. The upper node inherits the
+        lock count, since every lock on ``child`` also covered its whole edge; sizes do not
+        change.
+        """
+        parent = child.parent
+        assert parent is not None  # the root is never split: its edge is empty
+        upper = TreeNode(next(self._ids), child.key[:at], child.value[:at], parent,
+                         child.last_access)
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[at:]
+        child.value = child.value[at:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        self.n_nodes += 1
+        return upper
+
+    # ------------------------------------------------------------ reference counts
+    def lock(self, node: TreeNode) -> None:
+        """One more running request uses the prefix ending at ``node``: protect the path.
+
+        A node whose count goes from 0 to 1 moves its tokens from evictable to protected.
+        """
+        self._check_live(node)
+        length = 0
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            if walker.lock_ref == 0:
+                self._evictable -= len(walker.key)
+                self._protected += len(walker.key)
+            walker.lock_ref += 1
+            length += len(walker.key)
+            walker = walker.parent
+        self._log("lock", length, self._path_to(node), ())
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
+        self._check_live(node)
+        if node is not self.root and node.lock_ref == 0:
+            raise ValueError(f"unlock of node {node.id}, which is not locked")
+        length = 0
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            walker.lock_ref -= 1
+            if walker.lock_ref == 0:
+                self._protected -= len(walker.key)
+                self._evictable += len(walker.key)
+                if not walker.children:
+                    self._push(walker)
+            length += len(walker.key)
+            walker = walker.parent
+        self._log("unlock", length, self._path_to(node), ())
+
+    def _check_live(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"expected a TreeNode from match_prefix, got {node!r}")
+        if node.removed:
+            raise ValueError(f"node {node.id} was evicted; match the prefix again")
+        walker = node
+        while walker.parent is not None:
+            walker = walker.parent
+        if walker is not self.root:
+            raise ValueError(f"node {node.id} belongs to another cache")
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, n_tokens: int) -> int:
+        """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed.
+
+        Whole leaves are removed, so slightly more than ``n_tokens`` may be freed; fewer when
+        the tree has not enough evictable tokens. A parent left as an unlocked leaf becomes a
+        candidate in turn. Each removed node's values go to ``on_evict``.
+
+        Returns:
+            The number of tokens freed.
+        """
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"evict needs a token count >= 0, got {n_tokens!r}")
+        freed = 0
+        evicted: list[NodeView] = []
+        while freed < n_tokens and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not self._evictable_leaf(node) or stamp != node.last_access:
+                continue  # stale entry
+            if self.record:
+                evicted.append(self._view(node))
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            node.removed = True
+            node.parent = None
+            self.n_nodes -= 1
+            self._evictable -= len(node.key)
+            freed += len(node.key)
+            if self.on_evict is not None:
+                self.on_evict(node.value)
+            if not parent.children:
+                self._push(parent)
+        if freed or n_tokens:
+            self._log("evict", freed, (), (), evicted=tuple(evicted))
+        return freed
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return (not node.removed and node is not self.root and not node.children
+                and node.lock_ref == 0)
+
+    def _push(self, node: TreeNode) -> None:
+        """Offer ``node`` to the eviction heap (checked again when popped)."""
+        if not self._evictable_leaf(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 2 * self.n_nodes + 64:
+            self._heap = [entry for entry in self._heap
+                          if self._evictable_leaf(entry[2]) and entry[0] == entry[2].last_access]
+            heapq.heapify(self._heap)
+
+    # --------------------------------------------------------------------- sizes
+    def size_info(self) -> SizeInfo:
+        """Evictable and protected token counts, kept up to date by every operation."""
+        return SizeInfo(self._evictable, self._protected)
+
+    def reset(self) -> None:
+        """Drop every unlocked node (their values go to ``on_evict``)."""
+        self.evict(self._evictable)
+
+    # ------------------------------------------------------------ introspection
+    def nodes(self) -> list[TreeNode]:
+        """All nodes, root first, parents before children (depth-first)."""
+        out: list[TreeNode] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(sorted(node.children.values(), key=lambda c: c.key[0], reverse=True))
+        return out
+
+    def cached_sequences(self) -> list[tuple[int, ...]]:
+        """The token sequence spelled by every leaf: what the cache can serve in full."""
+        out: list[tuple[int, ...]] = []
+        for node in self.nodes():
+            if node is not self.root and not node.children:
+                out.append(self.prefix_of(node))
+        return out
+
+    def prefix_of(self, node: TreeNode) -> tuple[int, ...]:
+        """The tokens on the path from the root to ``node``."""
+        parts: list[tuple[int, ...]] = []
+        walker: TreeNode | None = node
+        while walker is not None:
+            parts.append(walker.key)
+            walker = walker.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        """A frozen copy of the tree (root first), for drawing it later."""
+        return tuple(self._view(node) for node in self.nodes())
+
+    def to_graphviz(self, tokenizer: Any = None, event: TreeEvent | None = None, **kwargs: Any):
+        """Draw the tree (see ``minisrv.viz.radix.to_graphviz``; needs the graphviz package)."""
+        from minisrv.viz.radix import to_graphviz
+
+        return to_graphviz(self if event is None else event, tokenizer=tokenizer, **kwargs)
+
+    def _view(self, node: TreeNode) -> NodeView:
+        parent = None if node.parent is None else node.parent.id
+        return NodeView(node.id, parent, node.key, node.lock_ref, node.last_access)
+
+    def _path_to(self, node: TreeNode) -> tuple[int, ...]:
+        ids: list[int] = []
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            ids.append(walker.id)
+            walker = walker.parent
+        return tuple(reversed(ids))
+
+    def _log(self, op: str, length: int, path: tuple[int, ...], split: tuple[int, ...],
+             inserted: tuple[int, ...] = (), evicted: tuple[NodeView, ...] = ()) -> None:
+        if self.record:
+            self.events.append(TreeEvent(self.clock, op, self.event_label, length, path,
+                                         split, inserted, evicted, self.snapshot()))
+
+    def __repr__(self) -> str:
+        info = self.size_info()
+        return (f"RadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
+                f"protected={info.protected})")
+
+
+class NoCache(PrefixCache):
+    """The same interface, caching nothing: every prompt is prefilled in full.
+
+    ``insert`` reports every token as "already cached", which under the ownership rule of
+    ``PrefixCache`` means the caller keeps (and frees) all its values: nothing is retained.
+    """
+
+    def __init__(self, on_evict: EvictCallback | None = None, record: bool = False) -> None:
+        self.on_evict = on_evict
+        self.root = TreeNode(0, (), [], None, 0)
+        self.events: list[TreeEvent] = []
+        self.event_label = ""
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Nothing is ever cached: length 0 at the root."""
+        return MatchResult(0, self.root, [])
+
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
+        """Keep nothing; the caller remains the owner of all ``values``."""
+        if values is not None and len(values) != len(tokens):
+            raise ValueError(f"insert got {len(tokens)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
+        return len(tokens)
+
+    def lock(self, node: TreeNode) -> None:
+        """Only the root exists; locking it protects nothing."""
+        if node is not self.root:
+            raise ValueError("NoCache has no nodes but its root to lock")
+
+    def unlock(self, node: TreeNode) -> None:
+        """Only the root exists; unlocking it releases nothing."""
+        if node is not self.root:
+            raise ValueError("NoCache has no nodes but its root to unlock")
+
+    def evict(self, n_tokens: int) -> int:
+        """Nothing to free."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"evict needs a token count >= 0, got {n_tokens!r}")
+        return 0
+
+    def size_info(self) -> SizeInfo:
+        """Always empty."""
+        return SizeInfo(0, 0)
+
+    def __repr__(self) -> str:
+        return "NoCache()"
+
+
+CACHES: dict[str, type[PrefixCache]] = {"radix": RadixCache, "none": NoCache}
+
+
+def make_cache(kind: str, on_evict: EvictCallback | None = None,
+               record: bool = False) -> PrefixCache:
+    """The cache named by ``Engine(cache=...)``: ``"radix"`` or ``"none"``."""
+    if kind not in CACHES:
+        raise ValueError(f"unknown cache {kind!r}; supported: {', '.join(CACHES)}")
+    return CACHES[kind](on_evict=on_evict, record=record)  # type: ignore[call-arg]

@@ -1,0 +1,154 @@
+"""The engine with the radix cache: same tokens as without it and as each request alone,
+fewer tokens prefilled when prompts share prefixes, and never a leaked or shared slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisrv.backends import SimBackend
+from minisrv.configs import CITYLM, LLAMA3_8B
+from minisrv.engine import Engine
+from minisrv.model import CityLM
+from minisrv.radix import RadixCache
+from minisrv.request import FINISHED, Req
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler import MODES, Scheduler
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def model() -> CityLM:
+    torch.manual_seed(2)
+    cfg = CITYLM.with_(n_layers=2, d_model=32, head_dim=8, d_ff=64, max_seq_len=96)
+    net = CityLM(cfg).to(torch.float64).eval()
+    net.reset_parameters(std=0.3)
+    return net
+
+
+def tree_slots(sched: Scheduler) -> list[int]:
+    tree = sched.tree
+    return [v for node in tree.nodes()[1:] for v in node.value] if isinstance(
+        tree, RadixCache) else []
+
+
+def check_pool(sched: Scheduler) -> None:
+    """Every used slot is held by exactly one owner: the tree, or one running request."""
+    kv, tree = sched.kv, sched.tree
+    cached = tree_slots(sched)
+    own = [s for req in sched.running for s in req.kv_slots[req.cached_len:]]
+    assert len(cached) == tree.total_size()
+    assert len(set(cached) | set(own)) == len(cached) + len(own) == kv.used_count
+    for req in sched.running:  # a running request's cached prefix is the tree's, locked
+        assert set(req.kv_slots[:req.cached_len]) <= set(cached)
+        assert req.cache_node is not None
+    assert all(not req.kv_slots for req in sched.waiting)
+
+
+def serve_checked(engine: Engine, reqs: list[Req]) -> None:
+    sched = engine.scheduler
+    for req in reqs:
+        sched.submit(req)
+    while sched.step() is not None:
+        check_pool(sched)
+    assert sched.tree.protected_size() == 0  # everything unlocked once all finished
+    assert sched.kv.used_count == sched.tree.total_size()  # only the tree holds slots
+    sched.tree.evict(sched.tree.total_size())
+    assert sched.kv.used_count == 0
+
+
+shared = st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=12)
+workloads = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # which shared prefix
+        st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=6),  # own suffix
+        st.integers(1, 16),  # max_new_tokens
+        st.booleans(),  # ignore_eos
+        st.integers(0, 6),  # arrival step
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefixes=st.lists(shared, min_size=3, max_size=3), spec=workloads,
+       slack=st.integers(0, 60), mode=st.sampled_from(MODES), max_running=st.integers(1, 6))
+def test_radix_outputs_equal_each_request_alone_and_no_slot_leaks(
+    model, prefixes, spec, slack, mode, max_running
+) -> None:
+    prompts = [[0, *prefixes[k], *own] for k, own, _, _, _ in spec]
+    longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))
+    engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
+                    cache="radix")
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=e) for _, _, m, e, _ in spec]
+    reqs = engine.make_requests(prompts, None, params, [a for *_, a in spec])
+    serve_checked(engine, reqs)
+    assert all(req.state == FINISHED for req in reqs)
+    for req, prompt, (_, _, m, e, _) in zip(reqs, prompts, spec):
+        assert req.output == model.reference_generate(prompt, m, ignore_eos=e)
+    assert engine.backend.live_requests == 0
+
+
+def test_cache_on_and_off_give_the_same_tokens_and_the_cache_prefills_less(model) -> None:
+    head = list(range(10, 40))
+    prompts = [[0, *head, 40 + i] for i in range(6)]
+    outs, stats = {}, {}
+    for cache in ("none", "radix"):
+        engine = Engine(model, kv_capacity=400, max_running=2, cache=cache)
+        outs[cache] = engine.generate(prompts, 8)
+        stats[cache] = engine.stats
+    assert outs["none"] == outs["radix"] == [model.reference_generate(p, 8) for p in prompts]
+    assert stats["none"].cached_tokens == 0 and stats["none"].hit_rate == 0
+    # the first two prefill together; the other four find <bos> + head (31 tokens) cached
+    assert stats["radix"].cached_tokens == 4 * 31
+    assert stats["radix"].prefill_tokens == stats["none"].prefill_tokens - 4 * 31
+    assert stats["radix"].hit_rate == pytest.approx(4 * 31 / (6 * 32))
+
+
+def test_a_prompt_seen_in_full_still_prefills_its_last_token(model) -> None:
+    engine = Engine(model, kv_capacity=200, cache="radix")
+    prompt = [0, 5, 6, 7, 8]
+    first = engine.generate([prompt], 6)
+    again = engine.generate([prompt], 6)
+    assert first == again == [model.reference_generate(prompt, 6)]
+    assert engine.stats.cached_tokens == 4  # all but the last prompt token
+    follow = prompt + first[0][:-1] + [9]  # the next turn reuses prompt + answer
+    engine.generate([follow], 3)
+    assert engine.stats.cached_tokens == 4 + len(follow) - 1
+
+
+def test_a_small_pool_evicts_old_prefixes_and_records_the_tree(model) -> None:
+    engine = Engine(model, kv_capacity=40, max_running=1, cache="radix", record_tree=True)
+    prompts = [[0, *range(2 + 10 * i, 12 + 10 * i)] for i in range(4)]
+    outs = engine.generate(prompts, 6)
+    assert outs == [model.reference_generate(p, 6) for p in prompts]
+    tree = engine.tree
+    assert tree.total_size() <= 40
+    events = [e.op for e in tree.events]
+    assert "evict" in events and "lock" in events and "insert" in events
+    assert {e.label for e in tree.events if e.op == "insert"} >= {"r0", "r3"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 20), st.integers(1, 30)),
+                     min_size=1, max_size=12),
+       slack=st.integers(0, 60), mode=st.sampled_from(MODES))
+def test_the_simulator_with_the_cache_keeps_the_accounting(lens, slack, mode) -> None:
+    prompts = [[7 + k] * 10 + [3] * p for k, p, _ in lens]
+    capacity = max(len(p) + m for p, (_, _, m) in zip(prompts, lens)) + slack
+    engine = Engine(SimBackend(LLAMA3_8B), kv_capacity=capacity, max_running=4, mode=mode,
+                    new_token_ratio=0.3, cache="radix")
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for _, _, m in lens]
+    reqs = engine.make_requests(prompts, None, params)
+    serve_checked(engine, reqs)
+    assert [len(r.output) for r in reqs] == [m for _, _, m in lens]
+
+
+def test_unknown_cache_is_rejected(model) -> None:
+    with pytest.raises(ValueError, match="cache"):
+        Engine(model, cache="lru")

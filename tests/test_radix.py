@@ -1,0 +1,253 @@
+"""The radix cache against a plain oracle: the set of every cached prefix.
+
+A radix tree is only an efficient encoding of "which token prefixes have KV". The oracle
+keeps that set explicitly (prefix tuple -> value of its last token) and the state machine
+checks, after every random operation, that the tree answers exactly as the set would.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minisrv.radix import MatchResult, NoCache, RadixCache, make_cache
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def closure(seq: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """Every non-empty prefix of ``seq``."""
+    return {seq[:i] for i in range(1, len(seq) + 1)}
+
+
+def lcp_with(prefixes: dict[tuple[int, ...], int], tokens: list[int]) -> int:
+    n = 0
+    while n < len(tokens) and tuple(tokens[: n + 1]) in prefixes:
+        n += 1
+    return n
+
+
+tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=9)
+
+
+class RadixMachine(RuleBasedStateMachine):
+    """Random insert / match / lock / unlock / evict against the prefix-set oracle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed: list[int] = []
+        self.cache = RadixCache(on_evict=self.freed.extend)
+        self.prefixes: dict[tuple[int, ...], int] = {}  # cached prefix -> its last value
+        self.locks: list[tuple[object, tuple[int, ...]]] = []  # (node, prefix it ends)
+        self.next_value = 0
+
+    def protected_prefixes(self) -> set[tuple[int, ...]]:
+        out: set[tuple[int, ...]] = set()
+        for _, prefix in self.locks:
+            out |= closure(prefix)
+        return out
+
+    @rule(tokens=tokens_st)
+    def insert(self, tokens: list[int]) -> None:
+        values = list(range(self.next_value, self.next_value + len(tokens)))
+        self.next_value += len(tokens)
+        expected = lcp_with(self.prefixes, tokens)
+        assert self.cache.insert(tokens, values) == expected
+        for i in range(expected, len(tokens)):
+            self.prefixes[tuple(tokens[: i + 1])] = values[i]
+
+    @rule(tokens=tokens_st)
+    def match(self, tokens: list[int]) -> None:
+        result = self.cache.match_prefix(tokens)
+        expected = lcp_with(self.prefixes, tokens)
+        assert result.length == expected
+        assert result.values == [self.prefixes[tuple(tokens[: i + 1])] for i in range(expected)]
+        assert self.cache.prefix_of(result.node) == tuple(tokens[:expected])
+
+    @rule(tokens=tokens_st)
+    def lock(self, tokens: list[int]) -> None:
+        result = self.cache.match_prefix(tokens)
+        self.cache.lock(result.node)
+        self.locks.append((result.node, tuple(tokens[: result.length])))
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i: int) -> None:
+        node, _ = self.locks.pop(i % len(self.locks))
+        self.cache.unlock(node)
+
+    @rule(n=st.integers(0, 20))
+    def evict(self, n: int) -> None:
+        before = dict(self.prefixes)
+        evictable = self.cache.evictable_size()
+        self.freed.clear()
+        freed = self.cache.evict(n)
+        after = {p: before[p] for p in map(tuple, self._cached_prefixes())}
+        assert freed == len(before) - len(after)
+        assert freed >= min(n, evictable)
+        assert self.protected_prefixes() <= set(after)  # a locked prefix is never evicted
+        assert sorted(self.freed) == sorted(before[p] for p in before if p not in after)
+        self.prefixes = after
+
+    @rule()
+    def evict_everything(self) -> None:
+        self.cache.evict(self.cache.evictable_size())
+        assert self.cache.evictable_size() == 0
+        assert self.cache.total_size() == self.cache.protected_size()
+        assert set(self._cached_prefixes()) == self.protected_prefixes()
+        self.prefixes = {p: self.prefixes[p] for p in self.protected_prefixes()}
+
+    def _cached_prefixes(self) -> set[tuple[int, ...]]:
+        out: set[tuple[int, ...]] = set()
+        for seq in self.cache.cached_sequences():
+            out |= closure(seq)
+        return out
+
+    @invariant()
+    def sizes_add_up(self) -> None:
+        info = self.cache.size_info()
+        assert info.evictable + info.protected == self.cache.total_size() == len(self.prefixes)
+        assert info.protected == len(self.protected_prefixes())
+
+    @invariant()
+    def tree_is_the_oracle(self) -> None:
+        assert self._cached_prefixes() == set(self.prefixes)
+
+
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_notes_exercise_6() -> None:
+    """"abcde", "abcxy", "abfg" give ab -> {c -> {de, xy}, fg}; "abcxz" matches 4, splits xy."""
+    cache = RadixCache()
+    assert [cache.insert(chars(w)) for w in ("abcde", "abcxy", "abfg")] == [0, 3, 2]
+    edges = {"".join(map(chr, cache.prefix_of(n))) for n in cache.nodes()[1:]}
+    assert edges == {"ab", "abc", "abcde", "abcxy", "abfg"}
+    result = cache.match_prefix(chars("abcxz"))
+    assert result.length == 4
+    assert "".join(map(chr, result.node.key)) == "x"
+    assert "".join(map(chr, cache.prefix_of(result.node))) == "abcx"
+    assert [len(c.key) for c in result.node.children.values()] == [1]  # "y" below "x"
+    assert cache.total_size() == 9
+
+
+def test_lru_evicts_least_recent_leaf_and_keeps_the_hot_prefix() -> None:
+    freed: list[int] = []
+    cache = RadixCache(on_evict=freed.extend)
+    cache.insert(chars("sysA"), [1, 2, 3, 4])
+    cache.insert(chars("sysB"), [1, 2, 3, 5])
+    cache.insert(chars("sysC"), [1, 2, 3, 6])
+    cache.match_prefix(chars("sysA"))  # A recently used; B is now the oldest leaf
+    assert cache.evict(1) == 1
+    assert freed == [5]
+    assert cache.match_prefix(chars("sysB")).length == 3
+    assert cache.evict(2) == 2  # C, then A; "sys" still has no lock but keeps its children..
+    assert cache.evict(3) == 3  # .. until it becomes a leaf itself
+    assert cache.total_size() == 0
+    assert sorted(freed) == [1, 2, 3, 4, 5, 6]
+
+
+def test_locked_path_survives_and_split_keeps_the_lock() -> None:
+    cache = RadixCache()
+    cache.insert(chars("abcdef"))
+    node = cache.match_prefix(chars("abcdef")).node
+    cache.lock(node)
+    assert cache.protected_size() == 6
+    cache.match_prefix(chars("abcz"))  # splits the locked edge after "abc"
+    assert cache.protected_size() == 6 and cache.evictable_size() == 0
+    assert cache.evict(100) == 0
+    cache.unlock(node)
+    assert cache.evictable_size() == 6
+    assert cache.evict(1) == 3  # the whole leaf "def" goes
+    assert cache.evict(1) == 3
+
+
+def test_bad_input_raises_and_leaves_the_tree_intact() -> None:
+    cache = RadixCache()
+    cache.insert(chars("abc"))
+    before = cache.snapshot()
+    with pytest.raises(ValueError, match="values"):
+        cache.insert(chars("abcd"), [1, 2])
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(cache.match_prefix(chars("abc")).node)
+    with pytest.raises(ValueError, match="token count"):
+        cache.evict(-1)
+    other = RadixCache()
+    other.insert(chars("x"))
+    with pytest.raises(ValueError, match="another cache"):
+        cache.lock(other.match_prefix(chars("x")).node)
+    assert [(v.id, v.key, v.lock_ref) for v in cache.snapshot()] == [
+        (v.id, v.key, v.lock_ref) for v in before]
+    evicted = cache.match_prefix(chars("abc")).node
+    cache.evict(3)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.lock(evicted)
+
+
+def test_no_cache_twin_keeps_nothing() -> None:
+    cache = make_cache("none")
+    assert isinstance(cache, NoCache)
+    assert cache.insert(chars("abc"), [7, 8, 9]) == 3  # caller keeps (and frees) all slots
+    assert cache.match_prefix(chars("abc")) == MatchResult(0, cache.root, [])
+    cache.lock(cache.root)
+    cache.unlock(cache.root)
+    assert cache.evict(10) == 0 and cache.total_size() == 0
+    with pytest.raises(ValueError, match="unknown cache"):
+        make_cache("lru")
+
+
+def test_event_log_records_path_split_insert_and_eviction() -> None:
+    cache = RadixCache(record=True)
+    cache.event_label = "A"
+    cache.insert(chars("abcde"))
+    cache.event_label = "B"
+    cache.insert(chars("abxy"))
+    cache.evict(2)
+    insert_a, insert_b, evict = cache.events
+    assert insert_a.op == "insert" and insert_a.label == "A" and len(insert_a.inserted) == 1
+    assert insert_b.length == 2 and len(insert_b.split) == 1 and len(insert_b.inserted) == 1
+    assert evict.op == "evict" and evict.length == 3
+    assert [v.key for v in evict.evicted] == [tuple(chars("cde"))]
+    assert len(evict.tree) == 3  # root, "ab", "xy"
+
+
+def test_many_touches_keep_the_eviction_heap_small() -> None:
+    cache = RadixCache()
+    for i in range(20):
+        cache.insert([i, 1, 2])
+    for _ in range(500):
+        for i in range(20):
+            cache.match_prefix([i, 1, 2])
+    assert len(cache._heap) <= 2 * cache.n_nodes + 65
+    assert cache.evict(60) == 60
+
+
+def test_drawing_marks_split_inserted_locked_and_evicted_nodes() -> None:
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz.radix import COLORS, event_caption, to_graphviz
+
+    tok = Tokenizer()
+    cache = RadixCache(record=True)
+    cache.insert(tok.encode("FR: Paris\nJP:"))
+    cache.event_label = "B"
+    node = cache.match_prefix(tok.encode("FR: Paris\nUS:")).node
+    cache.lock(node)
+    cache.insert(tok.encode("FR: Paris\nUS: New York"))
+    source = to_graphviz(cache, tok).source  # coloured by the last event: the insert
+    assert "US: New York" in source and "FR: Paris⏎" in source
+    assert COLORS["inserted"] in source and "lock 1" in source
+    split_event = cache.events[1]
+    assert COLORS["split"] in to_graphviz(split_event, tok).source
+    assert event_caption(split_event).startswith("t=2 · B: match: matched 11 tokens")
+    cache.unlock(node)
+    cache.evict(100)
+    ghosts = to_graphviz(cache.events[-1], tok).source
+    assert "(evicted)" in ghosts and "dashed" in ghosts
+    assert "(evicted)" not in to_graphviz(cache.snapshot()).source  # a snapshot has no event
+    ids = " ".join(str(t) for t in tok.encode("FR", bos=False))
+    assert ids in to_graphviz(split_event).source  # without a tokenizer: the token ids
