@@ -18,6 +18,7 @@ _PUBLIC = {
     "SamplingParams": "minisrv.sampling",
     "ModelConfig": "minisrv.configs",
     "Engine": "minisrv.engine",
+    "RadixCache": "minisrv.radix",
 }
 
 __all__ = sorted(_PUBLIC)
