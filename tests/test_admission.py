@@ -8,14 +8,12 @@ is ever leaked or shared.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisrv.backends import ModelBackend, SimBackend
-from minisrv.configs import CITYLM, LLAMA3_8B
+from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
-from minisrv.model import CityLM
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
@@ -23,13 +21,7 @@ from minisrv.scheduler import MODES, Scheduler
 VOCAB = 61
 
 
-@pytest.fixture(scope="module")
-def model() -> CityLM:
-    torch.manual_seed(1)
-    cfg = CITYLM.with_(n_layers=2, d_model=32, head_dim=8, d_ff=64, max_seq_len=96)
-    net = CityLM(cfg).to(torch.float64).eval()
-    net.reset_parameters(std=0.3)
-    return net
+MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture
 
 
 def check_pool(sched: Scheduler) -> None:

@@ -8,23 +8,12 @@ forces retractions, and sampled requests must survive them with their random str
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minisrv.backends import ModelBackend, PerRequestBackend
-from minisrv.configs import CITYLM
 from minisrv.engine import Engine
-from minisrv.model import CityLM
 from minisrv.sampling import SamplingParams
 
-
-@pytest.fixture(scope="module")
-def model() -> CityLM:
-    torch.manual_seed(1)
-    cfg = CITYLM.with_(vocab_size=61, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                       head_dim=8, d_ff=64, max_seq_len=96)
-    net = CityLM(cfg).to(torch.float64).eval()
-    net.reset_parameters(std=0.3)
-    return net
+MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture
 
 
 PROMPTS = [[0, 5, 6], [0, 7], [0, 8, 9, 10], [0, 11], [0, 12, 13], [0, 14]]

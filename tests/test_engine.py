@@ -7,12 +7,10 @@ The central promise: however requests are batched, each one's tokens equal
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisrv.backends import ModelBackend
-from minisrv.configs import CITYLM
 from minisrv.engine import Engine
 from minisrv.model import CityLM
 from minisrv.sampling import SamplingParams
@@ -21,17 +19,7 @@ from minisrv.scheduler import MODES
 VOCAB = 61
 
 
-@pytest.fixture(scope="module")
-def model() -> CityLM:
-    """Random weights, scaled up so greedy outputs vary and <eos> (id 1) sometimes wins."""
-    torch.manual_seed(0)
-    cfg = CITYLM.with_(
-        vocab_size=VOCAB, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-        d_ff=64, max_seq_len=96,
-    )
-    net = CityLM(cfg).to(torch.float64).eval()
-    net.reset_parameters(std=0.3)
-    return net
+MODEL_SEED = 0  # the random CityLM of conftest's `model` fixture
 
 
 def reference(model: CityLM, prompt: list[int], params: SamplingParams) -> list[int]:
