@@ -140,8 +140,10 @@ class StepRecord(NamedTuple):
 class SchedulerStats:
     """Running totals over everything the scheduler has executed.
 
-    ``cached_tokens`` counts prompt tokens whose KV came from the prefix cache instead of a
-    prefill (always 0 with ``cache="none"``). ``retractions`` counts requests
+    ``cached_tokens`` counts tokens whose KV came from the prefix cache instead of a prefill,
+    re-admissions after a retraction included (always 0 with ``cache="none"``); ``hit_rate``
+    uses first admissions only: cached prompt tokens / all prompt tokens, the lecture's
+    definition. ``retractions`` counts requests
     pushed back to the queue to free memory, ``wasted_tokens`` the KV they threw away (and
     must compute again when they are re-admitted).
     """
@@ -150,7 +152,9 @@ class SchedulerStats:
     prefill_steps: int = 0  # steps that prefilled at least one request
     prefill_tokens: int = 0  # prompt tokens computed
     decode_tokens: int = 0  # tokens produced by decode steps
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache instead of computed
+    cached_tokens: int = 0  # tokens served from a prefix cache instead of computed
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache at admission
     retractions: int = 0
     wasted_tokens: int = 0  # tokens computed and then thrown away
     finished: int = 0  # requests completed
@@ -160,9 +164,8 @@ class SchedulerStats:
 
     @property
     def hit_rate(self) -> float:
-        """Share of prompt tokens that came from the cache rather than being computed."""
-        total = self.cached_tokens + self.prefill_tokens
-        return self.cached_tokens / total if total else 0.0
+        """Share of admitted requests' prompt tokens that were found in the prefix cache."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Every field plus ``hit_rate``, e.g. for a table in a chapter."""
@@ -419,6 +422,8 @@ class Scheduler:
             req.cached_len, req.cache_node = match.length, match.node
             if not req.output:  # a first admission (a retracted request has output)
                 req.cached_prompt_tokens = match.length
+                self.stats.prompt_tokens += len(req.prompt)
+                self.stats.cached_prompt_tokens += match.length
             self.stats.cached_tokens += match.length
             self.kv_reserved += req.kv_reservation
             req.state = RUNNING

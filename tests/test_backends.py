@@ -38,3 +38,16 @@ def test_per_request_backend_costs_prompt_tokens_for_prefill_and_one_per_decode(
     engine = Engine(PerRequestBackend(model), max_running=2)
     engine.generate([[0, 5, 6, 7]], sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert [s.cost for s in engine.trace] == [4, 1, 1]
+
+
+def test_hit_rate_counts_each_prompt_once_despite_retractions(model) -> None:
+    """The lecture's hit rate: cached prompt tokens / prompt tokens, first admissions only."""
+    shared = [0, 5, 6, 7, 8, 9]
+    prompts = [shared + [10 + i] for i in range(6)]
+    engine = Engine(model, kv_capacity=48, max_running=6, cache="radix")
+    engine.generate(prompts, sampling=SamplingParams(max_new_tokens=12, ignore_eos=True))
+    stats = engine.stats
+    assert stats.retractions > 0
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert 0 < stats.hit_rate == stats.cached_prompt_tokens / stats.prompt_tokens <= 1
+    assert stats.cached_tokens >= stats.cached_prompt_tokens  # re-admissions hit the cache too
