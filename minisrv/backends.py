@@ -55,6 +55,10 @@ class PerRequestBackend:
         self._caches: dict[Req, DenseKVCache] = {}
         self._generators: dict[Req, torch.Generator | None] = {}
 
+    def attach_kv(self, capacity: int) -> None:
+        """No shared pool: each request grows its own cache, so slots are bookkeeping only."""
+        return None
+
     def run(self, batch: Batch) -> BatchResult:
         """Prefill the new requests, decode the running ones; cost = tokens computed."""
         tokens: list[int] = []
@@ -174,6 +178,10 @@ class SimBackend:
         self.max_context: int | None = cfg.max_seq_len or None
         self.vocab_size: int | None = cfg.vocab_size or None
         self._vocab = max(cfg.vocab_size, 2)
+
+    def attach_kv(self, capacity: int) -> None:
+        """No KV is stored: the scheduler's slot counts are the whole simulation of memory."""
+        return None
 
     def kv_capacity(self) -> int:
         """KV tokens that fit in the GPU memory left after the weights (an upper bound)."""

@@ -20,18 +20,25 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from minisrv.backends import ModelBackend, SimBackend
+from minisrv.checks import check_int, is_int
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.metrics import RunMetrics, summarize
-from minisrv.radix import PrefixCache
+from minisrv.prefix_cache import PrefixCache
+from minisrv.radix import CACHES
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import MODES, Backend, Scheduler, SchedulerStats, StepRecord
+from minisrv.scheduler import (
+    MODES,
+    POLICIES,
+    Backend,
+    EngineConfig,
+    Scheduler,
+    SchedulerStats,
+    StepRecord,
+)
 from minisrv.workloads import Workload
 
-__all__ = ["POLICIES", "CACHES", "Engine", "RunResult", "simulate"]
-
-POLICIES: tuple[str, ...] = ("fcfs",)
-CACHES: tuple[str, ...] = ("none", "radix")
+__all__ = ["POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "RunResult", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -49,57 +56,19 @@ class Engine:
     """A model and a scheduler behind one ``generate`` call.
 
     ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
-    ``SimBackend``. ``kv_capacity``: KV token slots; ``max_running``: cap on the running
-    batch; ``mode``: one of ``MODES``. ``policy``, ``cache`` and ``overlap`` accept the values
-    built so far (``POLICIES``, ``CACHES``, ``False``).
-
-    ``admission`` is ``"budget"`` (SGLang's estimate, with retraction when it proves too
-    optimistic; the default) or ``"reserve"`` (promise every request its worst case);
-    ``new_token_ratio``, ``ratio_decay`` and ``min_ratio`` tune the estimate (see
-    ``Scheduler``).
+    ``SimBackend``. The options are those of ``EngineConfig`` (``kv_capacity``,
+    ``max_running``, ``policy``, ``cache``, ``mode``, ``admission``, ...), given as keywords
+    or as one ``config``; an unknown option is an error that lists the valid ones.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
-    ``minisrv.radix``); ``record_tree=True`` records every tree operation in
-    ``engine.tree.events``, for drawing the tree as it changes.
+    ``minisrv.radix``). To watch the tree change, attach the book's recorder to
+    ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``).
     """
 
-    def __init__(
-        self,
-        model: Any,
-        kv_capacity: int = 4000,
-        max_running: int = 8,
-        policy: str = "fcfs",
-        cache: str = "none",
-        mode: str = "prefill-first",
-        overlap: bool = False,
-        *,
-        record_trace: bool = True,
-        admission: str = "budget",
-        new_token_ratio: float = 0.7,
-        ratio_decay: float = 0.001,
-        min_ratio: float = 0.1,
-        record_tree: bool = False,
-    ) -> None:
-        _check_choice("policy", policy, POLICIES)
-        _check_choice("cache", cache, CACHES)
-        _check_choice("mode", mode, MODES)
-        if overlap is not False:
-            raise ValueError(f"unsupported overlap={overlap!r}; supported values: False")
+    def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_options(config, **options)
         backend = model if isinstance(model, Backend) else ModelBackend(model)
-        self.scheduler = Scheduler(
-            backend,
-            kv_capacity=kv_capacity,
-            max_running=max_running,
-            mode=mode,
-            record_trace=record_trace,
-            admission=admission,
-            new_token_ratio=new_token_ratio,
-            ratio_decay=ratio_decay,
-            min_ratio=min_ratio,
-            cache=cache,
-            record_tree=record_tree,
-        )
-        self.policy, self.cache, self.overlap = policy, cache, overlap
+        self.scheduler = Scheduler(backend, self.config)
         self._next_rid = 0
 
     # ----------------------------------------------------------------- views
@@ -110,15 +79,23 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        return self.scheduler.mode
+        return self.config.mode
 
     @property
     def max_running(self) -> int:
-        return self.scheduler.max_running
+        return self.config.max_running
 
     @property
     def kv_capacity(self) -> int:
-        return self.scheduler.kv_capacity
+        return self.config.kv_capacity
+
+    @property
+    def policy(self) -> str:
+        return self.config.policy
+
+    @property
+    def cache(self) -> str:
+        return self.config.cache
 
     @property
     def stats(self) -> SchedulerStats:
@@ -230,37 +207,28 @@ class Engine:
 
 def simulate(
     workload: Workload,
+    config: EngineConfig | None = None,
     *,
-    mode: str = "prefill-first",
-    max_running: int = 64,
-    kv_capacity: int | None = None,
     cfg: ModelConfig = LLAMA3_8B,
     gpu: GPUSpec = H100,
     dtype_bytes: float = 2,
     progress: bool = False,
-    admission: str = "reserve",
+    **options: Any,
 ) -> RunResult:
     """Serve ``workload`` on a simulated GPU (roofline step times); arrivals in seconds.
 
-    ``kv_capacity=None`` uses all memory left after the weights (LLaMA-3-8B on an H100:
-    about 488k tokens), so by default only ``max_running`` limits the batch. ``admission``
-    defaults to ``"reserve"``, the scheduler-loop chapter's rule; pass ``"budget"`` for
-    SGLang's estimated admission with retraction.
+    ``options`` are those of ``EngineConfig``, with its defaults, except ``kv_capacity``:
+    left out, it is all the memory the GPU has after the weights (LLaMA-3-8B on an H100:
+    about 488k tokens), which is what a real server would give its pool.
     """
     backend = SimBackend(cfg, gpu, dtype_bytes)
-    capacity = backend.kv_capacity() if kv_capacity is None else kv_capacity
-    engine = Engine(
-        backend, kv_capacity=capacity, max_running=max_running, mode=mode, admission=admission
-    )
+    if "kv_capacity" not in options and config is None:
+        options["kv_capacity"] = backend.kv_capacity()
+    engine = Engine(backend, config, **options)
     return engine.run_workload(workload, progress=progress)
 
 
 # --------------------------------------------------------------------- argument checks
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; supported values: {', '.join(allowed)}")
-
-
 def _check_prompt(i: int, prompt: object) -> list[int]:
     if isinstance(prompt, str) or not isinstance(prompt, Sequence):
         raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
@@ -270,7 +238,7 @@ def _check_prompt(i: int, prompt: object) -> list[int]:
     if all(type(token) is int for token in ids):  # the common case, checked fast
         return ids
     for token in ids:
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+        if not is_int(token):
             raise ValueError(f"prompt {i} holds {token!r}, which is not a token id")
     return [int(token) for token in ids]
 
@@ -298,9 +266,8 @@ def _per_request_params(
     lengths = _per_request(n, "max_new_tokens", max_new_tokens)
     out = []
     for i, (p, m) in enumerate(zip(params, lengths, strict=True)):
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
-            raise ValueError(f"max_new_tokens for prompt {i} must be an int >= 1, got {m!r}")
-        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=int(m)))
+        m = check_int(f"max_new_tokens for prompt {i}", m, minimum=1)
+        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=m))
     return out
 
 

@@ -21,9 +21,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minisrv.request import Req
-from minisrv.scheduler import StepRecord
+from minisrv.scheduler import StepRecord, hit_rate
 
-__all__ = ["RunMetrics", "summarize", "slot_utilisation", "mean_decode_batch", "itl_values"]
+__all__ = [
+    "RunMetrics",
+    "summarize",
+    "slot_utilisation",
+    "mean_decode_batch",
+    "itl_values",
+    "request_hit_rate",
+]
 
 
 @dataclass(frozen=True)
@@ -95,3 +102,9 @@ def summarize(reqs: Sequence[Req], trace: Sequence[StepRecord], max_running: int
         p99_itl=float(np.percentile(itl, 99)) if itl.size else 0.0,
         max_itl=float(itl.max()) if itl.size else 0.0,
     )
+
+
+def request_hit_rate(reqs: Sequence[Req]) -> float:
+    """The hit rate of any group of requests (one turn of a chat, one worker's share):
+    their cached prompt tokens at first admission over their prompt tokens."""
+    return hit_rate(sum(r.cached_prompt_tokens for r in reqs), sum(r.prompt_len for r in reqs))

@@ -21,15 +21,34 @@ The tree runs standalone (values may be ``None`` or any ints; nothing is allocat
 is how the book draws it and the tests drive it; the engine passes real KV slot ids and an
 ``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
 same interface that caches nothing (``Engine(cache="none")``).
+
+The tree draws nothing and records nothing itself. Like SGLang publishing KV-cache events,
+it reports each operation (what it matched, split, inserted, locked or evicted) to an
+optional ``listener``; ``minisrv.viz.radix.TreeRecorder`` is the listener that keeps the log
+and the snapshots the book draws. Every operation takes an optional ``tag`` (e.g. the
+request it serves) that is passed through to the listener and used for nothing else.
 """
+
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from minisrv.checks import check_choice, check_int
+from minisrv.prefix_cache import (
+    EvictCallback,
+    MatchResult,
+    NoCache,
+    NodeView,
+    PrefixCache,
+    SizeInfo,
+    TreeEvent,
+    TreeListener,
+    TreeNode,
+)
 
 __all__ = [
     "TreeNode",
@@ -37,138 +56,14 @@ __all__ = [
     "SizeInfo",
     "NodeView",
     "TreeEvent",
+    "TreeListener",
     "PrefixCache",
     "RadixCache",
     "NoCache",
+    "Cache",
     "CACHES",
     "make_cache",
 ]
-
-EvictCallback = Callable[[list[Any]], None]
-
-
-class TreeNode:
-    """One node of the tree: the edge from its parent (``key``, a token run) and its KV.
-
-    ``value[i]`` is the KV slot (or any payload) of token ``key[i]``. ``children`` is keyed by
-    each child's first token, which is unique among siblings in a radix tree, so a lookup
-    costs one dict access per edge.
-    """
-
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access",
-                 "removed")
-
-    def __init__(self, node_id: int, key: tuple[int, ...], value: list[Any],
-                 parent: TreeNode | None, last_access: int) -> None:
-        self.id = node_id
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict[int, TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = last_access
-        self.removed = False  # set on eviction: the node no longer belongs to the tree
-
-    @property
-    def is_leaf(self) -> bool:
-        """True when no edge continues below this node."""
-        return not self.children
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
-                f"last_access={self.last_access})")
-
-
-class MatchResult(NamedTuple):
-    """What ``match_prefix`` found."""
-
-    length: int  # leading tokens of the query whose KV is cached
-    node: TreeNode  # node where the match ends (the root when nothing matched); lock it
-    values: list[Any]  # the cached value (KV slot) of each of those ``length`` tokens
-
-
-class SizeInfo(NamedTuple):
-    """How the cached tokens split between what may and may not be evicted."""
-
-    evictable: int  # tokens on unlocked nodes: memory the scheduler can reclaim
-    protected: int  # tokens on locked paths: in use by running requests
-
-    @property
-    def total(self) -> int:
-        """All cached tokens."""
-        return self.evictable + self.protected
-
-
-class NodeView(NamedTuple):
-    """A frozen copy of one node, for drawings of past states of the tree."""
-
-    id: int  # node id (the root is 0)
-    parent: int | None  # parent's id; None for the root
-    key: tuple[int, ...]  # the edge's tokens
-    lock_ref: int  # running requests using this node
-    last_access: int  # logical clock of the last match or insert that walked here
-
-
-class TreeEvent(NamedTuple):
-    """One recorded operation (``RadixCache(record=True)``), for the book's diagrams."""
-
-    step: int  # logical clock when the operation ran
-    op: str  # "match", "insert", "lock", "unlock" or "evict"
-    label: str  # the cache's ``event_label`` at the time (e.g. which request)
-    length: int  # tokens matched, already cached, locked/unlocked, or freed
-    path: tuple[int, ...]  # ids of the nodes walked, root excluded, in order
-    split: tuple[int, ...]  # ids of nodes created by splitting an edge
-    inserted: tuple[int, ...]  # ids of new leaves
-    evicted: tuple[NodeView, ...]  # nodes removed, as they were just before
-    tree: tuple[NodeView, ...]  # the whole tree after the operation
-
-
-class PrefixCache(ABC):
-    """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
-
-    Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
-    leading tokens that were already cached. The cache keeps ``values[k:]`` and hands them to
-    ``on_evict`` when it evicts them; ``values[:k]`` duplicate what the tree already holds and
-    stay the caller's to free.
-    """
-
-    root: TreeNode
-
-    @abstractmethod
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``tokens``."""
-
-    @abstractmethod
-    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
-        """Cache ``tokens``; return how many leading tokens were already cached."""
-
-    @abstractmethod
-    def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (one more user)."""
-
-    @abstractmethod
-    def unlock(self, node: TreeNode) -> None:
-        """Undo one ``lock(node)``."""
-
-    @abstractmethod
-    def evict(self, n_tokens: int) -> int:
-        """Free at least ``n_tokens`` if possible; return the tokens actually freed."""
-
-    @abstractmethod
-    def size_info(self) -> SizeInfo:
-        """Evictable and protected token counts."""
-
-    def evictable_size(self) -> int:
-        """Tokens that ``evict`` could free right now."""
-        return self.size_info().evictable
-
-    def protected_size(self) -> int:
-        """Tokens locked by running requests."""
-        return self.size_info().protected
-
-    def total_size(self) -> int:
-        """All cached tokens."""
-        return self.size_info().total
 
 
 class RadixCache(PrefixCache):
@@ -177,8 +72,8 @@ class RadixCache(PrefixCache):
     Args:
         on_evict: called with the list of values of every evicted node (the engine passes
             a function that frees those KV slots); ``None`` in standalone mode.
-        record: keep an event log (``events``) with a snapshot of the tree after each
-            operation. Meant for diagrams of small trees: each snapshot copies the tree.
+        listener: told about every operation (a ``TreeListener``, e.g. the book's
+            ``TreeRecorder``); ``None`` costs nothing. It may be set later, too.
 
     Costs: ``match_prefix`` and ``insert`` are O(length of the query) plus one dict lookup
     per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
@@ -187,11 +82,10 @@ class RadixCache(PrefixCache):
     whole tree (the heap is compacted when stale entries outnumber the nodes).
     """
 
-    def __init__(self, on_evict: EvictCallback | None = None, record: bool = False) -> None:
+    def __init__(self, on_evict: EvictCallback | None = None,
+                 listener: TreeListener | None = None) -> None:
         self.on_evict = on_evict
-        self.record = record
-        self.events: list[TreeEvent] = []
-        self.event_label = ""
+        self.listener = listener
         self._ids = itertools.count()
         self.clock = 0
         self.root = TreeNode(next(self._ids), (), [], None, 0)
@@ -202,7 +96,7 @@ class RadixCache(PrefixCache):
         self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
 
     # ----------------------------------------------------------------- lookups
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
         """Find the longest cached prefix of ``tokens``.
 
         When the match ends inside an edge, that edge is split so the match ends exactly on
@@ -211,6 +105,7 @@ class RadixCache(PrefixCache):
 
         Args:
             tokens: the query, e.g. a prompt's token ids.
+            tag: passed to the listener (e.g. the request's name); nothing else.
 
         Returns:
             ``MatchResult(length, node, values)``: how many leading tokens are cached, the
@@ -219,15 +114,17 @@ class RadixCache(PrefixCache):
         key = tuple(tokens)
         self.clock += 1
         node, length, values, path, split = self._walk(key, collect=True)
-        self._log("match", length, path, split)
+        self._report("match", tag, length, path, split)
         return MatchResult(length, node, values)
 
-    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
+               tag: str = "") -> int:
         """Cache ``tokens`` with their ``values`` (one per token; ``None``: standalone mode).
 
         Args:
             tokens: the token run to cache, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
+            tag: passed to the listener; nothing else.
 
         Returns:
             How many leading tokens were already cached. The tree keeps the values of the
@@ -252,7 +149,7 @@ class RadixCache(PrefixCache):
             self._push(leaf)
             inserted = (leaf.id,)
             path = path + inserted
-        self._log("insert", length, path, split, inserted=inserted)
+        self._report("insert", tag, length, path, split, inserted=inserted)
         return length
 
     def _walk(self, key: tuple[int, ...], collect: bool
@@ -317,7 +214,7 @@ class RadixCache(PrefixCache):
         return upper
 
     # ------------------------------------------------------------ reference counts
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode, *, tag: str = "") -> None:
         """One more running request uses the prefix ending at ``node``: protect the path.
 
         A node whose count goes from 0 to 1 moves its tokens from evictable to protected.
@@ -332,9 +229,9 @@ class RadixCache(PrefixCache):
             walker.lock_ref += 1
             length += len(walker.key)
             walker = walker.parent
-        self._log("lock", length, self._path_to(node), ())
+        self._report("lock", tag, length, self._path_to(node), ())
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode, *, tag: str = "") -> None:
         """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
         self._check_live(node)
         if node is not self.root and node.lock_ref == 0:
@@ -350,7 +247,7 @@ class RadixCache(PrefixCache):
                     self._push(walker)
             length += len(walker.key)
             walker = walker.parent
-        self._log("unlock", length, self._path_to(node), ())
+        self._report("unlock", tag, length, self._path_to(node), ())
 
     def _check_live(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):
@@ -364,7 +261,7 @@ class RadixCache(PrefixCache):
             raise ValueError(f"node {node.id} belongs to another cache")
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, n_tokens: int) -> int:
+    def evict(self, n_tokens: int, *, tag: str = "") -> int:
         """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed.
 
         Whole leaves are removed, so slightly more than ``n_tokens`` may be freed; fewer when
@@ -374,15 +271,14 @@ class RadixCache(PrefixCache):
         Returns:
             The number of tokens freed.
         """
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"evict needs a token count >= 0, got {n_tokens!r}")
+        n_tokens = check_int("evict's token count", n_tokens, minimum=0)
         freed = 0
         evicted: list[NodeView] = []
         while freed < n_tokens and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not self._evictable_leaf(node) or stamp != node.last_access:
                 continue  # stale entry
-            if self.record:
+            if self.listener is not None:
                 evicted.append(self._view(node))
             parent = node.parent
             assert parent is not None
@@ -397,7 +293,7 @@ class RadixCache(PrefixCache):
             if not parent.children:
                 self._push(parent)
         if freed or n_tokens:
-            self._log("evict", freed, (), (), evicted=tuple(evicted))
+            self._report("evict", tag, freed, (), (), evicted=tuple(evicted))
         return freed
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
@@ -455,12 +351,6 @@ class RadixCache(PrefixCache):
         """A frozen copy of the tree (root first), for drawing it later."""
         return tuple(self._view(node) for node in self.nodes())
 
-    def to_graphviz(self, tokenizer: Any = None, event: TreeEvent | None = None, **kwargs: Any):
-        """Draw the tree (see ``minisrv.viz.radix.to_graphviz``; needs the graphviz package)."""
-        from minisrv.viz.radix import to_graphviz
-
-        return to_graphviz(self if event is None else event, tokenizer=tokenizer, **kwargs)
-
     def _view(self, node: TreeNode) -> NodeView:
         parent = None if node.parent is None else node.parent.id
         return NodeView(node.id, parent, node.key, node.lock_ref, node.last_access)
@@ -473,11 +363,11 @@ class RadixCache(PrefixCache):
             walker = walker.parent
         return tuple(reversed(ids))
 
-    def _log(self, op: str, length: int, path: tuple[int, ...], split: tuple[int, ...],
-             inserted: tuple[int, ...] = (), evicted: tuple[NodeView, ...] = ()) -> None:
-        if self.record:
-            self.events.append(TreeEvent(self.clock, op, self.event_label, length, path,
-                                         split, inserted, evicted, self.snapshot()))
+    def _report(self, op: str, tag: str, length: int, path: tuple[int, ...],
+                split: tuple[int, ...], inserted: tuple[int, ...] = (),
+                evicted: tuple[NodeView, ...] = ()) -> None:
+        if self.listener is not None:
+            self.listener(self, TreeEvent(op, tag, length, path, split, inserted, evicted))
 
     def __repr__(self) -> str:
         info = self.size_info()
@@ -485,60 +375,12 @@ class RadixCache(PrefixCache):
                 f"protected={info.protected})")
 
 
-class NoCache(PrefixCache):
-    """The same interface, caching nothing: every prompt is prefilled in full.
-
-    ``insert`` reports every token as "already cached", which under the ownership rule of
-    ``PrefixCache`` means the caller keeps (and frees) all its values: nothing is retained.
-    """
-
-    def __init__(self, on_evict: EvictCallback | None = None, record: bool = False) -> None:
-        self.on_evict = on_evict
-        self.root = TreeNode(0, (), [], None, 0)
-        self.events: list[TreeEvent] = []
-        self.event_label = ""
-
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """Nothing is ever cached: length 0 at the root."""
-        return MatchResult(0, self.root, [])
-
-    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None) -> int:
-        """Keep nothing; the caller remains the owner of all ``values``."""
-        if values is not None and len(values) != len(tokens):
-            raise ValueError(f"insert got {len(tokens)} tokens but {len(values)} values; "
-                             "give one value (KV slot) per token")
-        return len(tokens)
-
-    def lock(self, node: TreeNode) -> None:
-        """Only the root exists; locking it protects nothing."""
-        if node is not self.root:
-            raise ValueError("NoCache has no nodes but its root to lock")
-
-    def unlock(self, node: TreeNode) -> None:
-        """Only the root exists; unlocking it releases nothing."""
-        if node is not self.root:
-            raise ValueError("NoCache has no nodes but its root to unlock")
-
-    def evict(self, n_tokens: int) -> int:
-        """Nothing to free."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"evict needs a token count >= 0, got {n_tokens!r}")
-        return 0
-
-    def size_info(self) -> SizeInfo:
-        """Always empty."""
-        return SizeInfo(0, 0)
-
-    def __repr__(self) -> str:
-        return "NoCache()"
+Cache = Literal["none", "radix"]
+CACHES: tuple[Cache, ...] = ("none", "radix")
+"""``Engine(cache=...)``: RadixAttention's tree, or no prefix cache at all."""
 
 
-CACHES: dict[str, type[PrefixCache]] = {"radix": RadixCache, "none": NoCache}
-
-
-def make_cache(kind: str, on_evict: EvictCallback | None = None,
-               record: bool = False) -> PrefixCache:
-    """The cache named by ``Engine(cache=...)``: ``"radix"`` or ``"none"``."""
-    if kind not in CACHES:
-        raise ValueError(f"unknown cache {kind!r}; supported: {', '.join(CACHES)}")
-    return CACHES[kind](on_evict=on_evict, record=record)  # type: ignore[call-arg]
+def make_cache(kind: Cache, on_evict: EvictCallback | None = None) -> PrefixCache:
+    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the radix tree's slots."""
+    check_choice("cache", kind, CACHES)
+    return RadixCache(on_evict=on_evict) if kind == "radix" else NoCache()

@@ -11,16 +11,33 @@ separate bookkeeping that could drift out of step with what actually ran.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from minisrv.sampling import SamplingParams
 
-__all__ = ["PENDING", "WAITING", "RUNNING", "FINISHED", "ABORTED", "Req", "SamplingParams"]
+if TYPE_CHECKING:
+    from minisrv.radix import TreeNode
 
-PENDING = "pending"
-WAITING = "waiting"
-RUNNING = "running"
-FINISHED = "finished"
-ABORTED = "aborted"
+__all__ = [
+    "ReqState", "PENDING", "WAITING", "RUNNING", "FINISHED", "ABORTED", "Req", "SamplingParams",
+]
+
+
+class ReqState(str, Enum):
+    """Where a request is in its life; a ``str`` so it prints and compares as its name."""
+
+    PENDING = "pending"  # submitted, its arrival time not reached yet
+    WAITING = "waiting"  # arrived, queued for admission (again, after a retraction)
+    RUNNING = "running"  # admitted: holds KV slots and computes a token each step it is in
+    FINISHED = "finished"  # stopped on <eos> or its length limit
+    ABORTED = "aborted"  # withdrawn by the caller before it finished
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PENDING, WAITING, RUNNING, FINISHED, ABORTED = ReqState
 
 
 @dataclass(eq=False, slots=True)
@@ -38,13 +55,13 @@ class Req:
     arrival: float = 0.0  # in the scheduler's clock units (steps, or simulated seconds)
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # clock after each output token
-    state: str = PENDING
+    state: ReqState = ReqState.PENDING
     admitted_at: float | None = None  # clock when its prefill step started
     finish_reason: str | None = None  # "length" or "eos"
     kv_slots: list[int] = field(default_factory=list)  # KV pool slots, in position order
     retractions: int = 0  # times it was pushed back to the queue to free memory
     cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
-    cache_node: object | None = None  # the cache node locking that prefix while it runs
+    cache_node: TreeNode | None = None  # the cache node locking that prefix while it runs
     cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
 
     @property

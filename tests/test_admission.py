@@ -40,6 +40,7 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
         sched.submit(req)
     while sched.step() is not None:
         check_pool(sched)
+        sched.check_integrity()
     assert sched.idle and sched.kv.used_count == 0 and sched.kv_reserved == 0
 
 

@@ -137,7 +137,7 @@ def test_bad_engine_options_are_refused(model, kwargs, message) -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ({"prompts": [[0, 5]], "max_new_tokens": 0}, "max_new_tokens for prompt 0 must be an int"),
+        ({"prompts": [[0, 5]], "max_new_tokens": 0}, "max_new_tokens for prompt 0 must be >= 1"),
         ({"prompts": [[0, 5], [0]], "max_new_tokens": [3]}, "max_new_tokens has 1 entries for 2"),
         ({"prompts": [[0, 5], []]}, "prompt 1 is empty"),
         ({"prompts": ["abc"]}, "prompt 0 must be a list of token ids"),

@@ -46,6 +46,7 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
         sched.submit(req)
     while sched.step() is not None:
         check_pool(sched)
+        sched.check_integrity()
     assert sched.tree.protected_size() == 0  # everything unlocked once all finished
     assert sched.kv.used_count == sched.tree.total_size()  # only the tree holds slots
     sched.tree.evict(sched.tree.total_size())
@@ -115,15 +116,20 @@ def test_a_prompt_seen_in_full_still_prefills_its_last_token(model) -> None:
 
 
 def test_a_small_pool_evicts_old_prefixes_and_records_the_tree(model) -> None:
-    engine = Engine(model, kv_capacity=40, max_running=1, cache="radix", record_tree=True)
+    from minisrv.viz.radix import TreeRecorder
+
+    engine = Engine(model, kv_capacity=40, max_running=1, cache="radix")
+    recorder = TreeRecorder(engine.tree)
     prompts = [[0, *range(2 + 10 * i, 12 + 10 * i)] for i in range(4)]
     outs = engine.generate(prompts, 6)
     assert outs == [model.reference_generate(p, 6) for p in prompts]
-    tree = engine.tree
-    assert tree.total_size() <= 40
-    events = [e.op for e in tree.events]
+    assert engine.tree.total_size() <= 40
+    events = [e.op for e in recorder.events]
     assert "evict" in events and "lock" in events and "insert" in events
-    assert {e.label for e in tree.events if e.op == "insert"} >= {"r0", "r3"}
+    assert {e.label for e in recorder.events if e.op == "insert"} >= {"r0", "r3"}
+    evicted = sum(e.length for e in recorder.events if e.op == "evict")
+    assert engine.stats.evicted_tokens == evicted > 0
+    engine.scheduler.check_integrity()
 
 
 @settings(max_examples=25, deadline=None)

@@ -201,19 +201,33 @@ def test_no_cache_twin_keeps_nothing() -> None:
         make_cache("lru")
 
 
-def test_event_log_records_path_split_insert_and_eviction() -> None:
-    cache = RadixCache(record=True)
-    cache.event_label = "A"
-    cache.insert(chars("abcde"))
-    cache.event_label = "B"
-    cache.insert(chars("abxy"))
+def test_the_listener_hears_path_split_insert_and_eviction() -> None:
+    heard = []
+    cache = RadixCache(listener=lambda tree, event: heard.append((event, tree.n_nodes)))
+    cache.insert(chars("abcde"), tag="A")
+    cache.insert(chars("abxy"), tag="B")
     cache.evict(2)
-    insert_a, insert_b, evict = cache.events
-    assert insert_a.op == "insert" and insert_a.label == "A" and len(insert_a.inserted) == 1
+    (insert_a, _), (insert_b, _), (evict, nodes_after) = heard
+    assert insert_a.op == "insert" and insert_a.tag == "A" and len(insert_a.inserted) == 1
     assert insert_b.length == 2 and len(insert_b.split) == 1 and len(insert_b.inserted) == 1
-    assert evict.op == "evict" and evict.length == 3
+    assert evict.op == "evict" and evict.length == 3 and evict.tag == ""
     assert [v.key for v in evict.evicted] == [tuple(chars("cde"))]
-    assert len(evict.tree) == 3  # root, "ab", "xy"
+    assert nodes_after == 3  # root, "ab", "xy": the listener sees the tree after the operation
+
+
+def test_the_recorder_keeps_a_snapshot_per_operation() -> None:
+    from minisrv.viz.radix import TreeRecorder
+
+    cache = RadixCache()
+    recorder = TreeRecorder(cache)
+    cache.insert(chars("abcde"), tag="A")
+    cache.insert(chars("abxy"), tag="B")
+    cache.evict(2)
+    assert [e.op for e in recorder.events] == ["insert", "insert", "evict"]
+    assert [e.label for e in recorder.events] == ["A", "B", ""]
+    assert len(recorder.events[-1].tree) == 3 and recorder.events[0].step == 1
+    with pytest.raises(ValueError, match="only a RadixCache"):
+        TreeRecorder(NoCache())
 
 
 def test_many_touches_keep_the_eviction_heap_small() -> None:
@@ -229,24 +243,24 @@ def test_many_touches_keep_the_eviction_heap_small() -> None:
 
 def test_drawing_marks_split_inserted_locked_and_evicted_nodes() -> None:
     from minisrv.tokenizer import Tokenizer
-    from minisrv.viz.radix import COLORS, event_caption, to_graphviz
+    from minisrv.viz.radix import COLORS, TreeRecorder, event_caption, to_graphviz
 
     tok = Tokenizer()
-    cache = RadixCache(record=True)
+    cache = RadixCache()
+    recorder = TreeRecorder(cache)
     cache.insert(tok.encode("FR: Paris\nJP:"))
-    cache.event_label = "B"
-    node = cache.match_prefix(tok.encode("FR: Paris\nUS:")).node
-    cache.lock(node)
-    cache.insert(tok.encode("FR: Paris\nUS: New York"))
-    source = to_graphviz(cache, tok).source  # coloured by the last event: the insert
+    node = cache.match_prefix(tok.encode("FR: Paris\nUS:"), tag="B").node
+    cache.lock(node, tag="B")
+    cache.insert(tok.encode("FR: Paris\nUS: New York"), tag="B")
+    source = to_graphviz(recorder, tok).source  # coloured by the last event: the insert
     assert "US: New York" in source and "FR: Paris⏎" in source
     assert COLORS["inserted"] in source and "lock 1" in source
-    split_event = cache.events[1]
+    split_event = recorder.events[1]
     assert COLORS["split"] in to_graphviz(split_event, tok).source
     assert event_caption(split_event).startswith("t=2 · B: match: matched 11 tokens")
     cache.unlock(node)
     cache.evict(100)
-    ghosts = to_graphviz(cache.events[-1], tok).source
+    ghosts = to_graphviz(recorder.events[-1], tok).source
     assert "(evicted)" in ghosts and "dashed" in ghosts
     assert "(evicted)" not in to_graphviz(cache.snapshot()).source  # a snapshot has no event
     ids = " ".join(str(t) for t in tok.encode("FR", bos=False))

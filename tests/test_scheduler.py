@@ -44,6 +44,9 @@ class ScriptedBackend:
         tokens = [EOS if self.eos_at.get(r.rid) == len(r.output) else 7 for r in batch.reqs]
         return BatchResult(tokens, cost=float(len(batch)), elapsed=1.0)
 
+    def attach_kv(self, capacity: int) -> None:
+        return None
+
     def release(self, req: Req) -> None:
         self.released.append(req.rid)
 
@@ -51,7 +54,8 @@ class ScriptedBackend:
 def make_scheduler(mode: str = "prefill-first", max_running: int = 2, kv_capacity: int = 1000,
                    eos_at: dict[int, int] | None = None) -> tuple[Scheduler, ScriptedBackend]:
     backend = ScriptedBackend(eos_at)
-    sched = Scheduler(backend, kv_capacity=kv_capacity, max_running=max_running, mode=mode)
+    sched = Scheduler(backend, kv_capacity=kv_capacity, max_running=max_running, mode=mode,
+                      admission="reserve", debug=True)
     backend.scheduler = sched
     return sched, backend
 

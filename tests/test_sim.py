@@ -13,6 +13,8 @@ from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Batch
 from minisrv.workloads import gpu_scale_workload
 
+GPU = {"max_running": 64, "admission": "reserve"}  # the scheduler-loop chapter's setting
+
 
 @pytest.fixture(scope="module")
 def busy():
@@ -22,7 +24,7 @@ def busy():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sim_invariants(busy, mode) -> None:
-    run = simulate(busy, mode=mode, max_running=64)
+    run = simulate(busy, mode=mode, **GPU)
     assert [len(r.output) for r in run.requests] == busy.output_lens
     assert all(r.finished for r in run.requests)
     starts = [s.start for s in run.trace]
@@ -51,8 +53,8 @@ def test_default_kv_capacity_is_the_memory_left_after_the_weights() -> None:
 
 
 def test_continuous_batching_beats_static_under_load(busy) -> None:
-    static = simulate(busy, mode="static").metrics
-    continuous = simulate(busy, mode="prefill-first").metrics
+    static = simulate(busy, mode="static", **GPU).metrics
+    continuous = simulate(busy, mode="prefill-first", **GPU).metrics
     assert continuous.throughput > 2 * static.throughput
     assert continuous.mean_batch > 3 * static.mean_batch
     assert continuous.mean_latency < static.mean_latency / 3
@@ -61,15 +63,15 @@ def test_continuous_batching_beats_static_under_load(busy) -> None:
 
 def test_at_low_load_throughput_is_equal_but_static_is_slower() -> None:
     calm = gpu_scale_workload(n=300, rate=4.0, seed=2)
-    static = simulate(calm, mode="static").metrics
-    continuous = simulate(calm, mode="prefill-first").metrics
+    static = simulate(calm, mode="static", **GPU).metrics
+    continuous = simulate(calm, mode="prefill-first", **GPU).metrics
     assert continuous.throughput == pytest.approx(static.throughput, rel=0.05)
     assert static.mean_latency > 2 * continuous.mean_latency
 
 
 def test_mixed_steps_take_longer_but_are_fewer(busy) -> None:
-    first = simulate(busy, mode="prefill-first")
-    mixed = simulate(busy, mode="mixed")
+    first = simulate(busy, mode="prefill-first", **GPU)
+    mixed = simulate(busy, mode="mixed", **GPU)
     assert mixed.metrics.steps < first.metrics.steps
     slowest_mixed = max(s.duration for s in mixed.trace if s.decode)
     slowest_decode_only = max(s.duration for s in first.trace if not s.prefill)
@@ -77,8 +79,8 @@ def test_mixed_steps_take_longer_but_are_fewer(busy) -> None:
 
 
 def test_simulation_is_deterministic(busy) -> None:
-    a = simulate(busy, mode="mixed").metrics
-    b = simulate(busy, mode="mixed").metrics
+    a = simulate(busy, mode="mixed", **GPU).metrics
+    b = simulate(busy, mode="mixed", **GPU).metrics
     assert a == b
 
 

@@ -8,11 +8,10 @@ times a step, the ``Engine`` runs the pool experiments, and each run is checked 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import pandas as pd
 
-from minisrv.engine import Engine
+from minisrv.experiments import PoolRun, run_pool
 from minisrv.model import CityLM
 from minisrv.viz.roofline import BookFigure
 from minisrv.workloads import Workload
@@ -47,49 +46,6 @@ def plot_decode_step_times(
     right.set_ylabel("time per request (x batch 1)")
     right.set_title("What batching saves per request")
     return fig
-
-
-@dataclass(frozen=True)
-class PoolRun:
-    """One pool experiment: the engine after the run and whether outputs matched."""
-
-    engine: Engine
-    outputs: list[list[int]]
-    identical: int  # requests whose tokens equal reference_generate
-    total: int
-
-    @property
-    def check(self) -> str:
-        """The sentence every experiment prints."""
-        return f"outputs identical to each request alone: {self.identical} of {self.total}"
-
-
-def run_pool(
-    model: CityLM,
-    workload: Workload,
-    reference: Sequence[Sequence[int]],
-    *,
-    capacity: int = 120,
-    ratio: float = 0.7,
-    decay: float = 0.01,
-    max_running: int = 8,
-    admission: str = "budget",
-    mode: str = "prefill-first",
-) -> PoolRun:
-    """Serve ``workload`` with a pool of ``capacity`` slots and compare with ``reference``."""
-    engine = Engine(
-        model,
-        kv_capacity=capacity,
-        max_running=max_running,
-        mode=mode,
-        admission=admission,
-        new_token_ratio=ratio,
-        ratio_decay=decay,
-        min_ratio=min(ratio, 0.1),
-    )
-    outputs = engine.generate(workload.prompts, workload.output_lens)
-    same = sum(list(a) == list(b) for a, b in zip(outputs, reference))
-    return PoolRun(engine, outputs, same, len(reference))
 
 
 def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
@@ -128,45 +84,6 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
         f"{stats.steps} steps"
     ))
     return fig
-
-
-def pool_sweep(
-    model: CityLM,
-    workload: Workload,
-    reference: Sequence[Sequence[int]],
-    capacities: Sequence[int],
-    ratios: Sequence[float | None],
-    *,
-    decay: float = 0.001,
-    max_running: int = 8,
-) -> tuple[pd.DataFrame, int, int]:
-    """Serve ``workload`` for every capacity and initial ratio (``None``: reserve admission).
-
-    Returns one row per run (steps, mean decode batch, retractions, recomputed tokens) and
-    the count of runs whose outputs all matched, out of all runs.
-    """
-    from tqdm.auto import tqdm
-
-    rows, all_same = [], 0
-    jobs = [(c, r) for c in capacities for r in ratios]
-    for capacity, ratio in tqdm(jobs, desc="pool sweep", leave=False):
-        run = run_pool(
-            model, workload, reference, capacity=capacity, ratio=1.0 if ratio is None else ratio,
-            decay=decay, max_running=max_running,
-            admission="reserve" if ratio is None else "budget",
-        )
-        decodes = [len(s.decode) for s in run.engine.trace if s.decode]
-        stats = run.engine.stats
-        rows.append({
-            "capacity": capacity,
-            "initial ratio": "reserve" if ratio is None else f"{ratio:g}",
-            "steps": stats.steps,
-            "mean decode batch": round(sum(decodes) / len(decodes), 2),
-            "retractions": stats.retractions,
-            "recomputed tokens": stats.wasted_tokens,
-        })
-        all_same += run.identical == run.total
-    return pd.DataFrame(rows), all_same, len(jobs)
 
 
 def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:

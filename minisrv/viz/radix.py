@@ -1,39 +1,35 @@
-"""Graphviz drawings of the radix cache, and a widget that replays its event log.
+"""Graphviz drawings of the radix cache, the recorder they are drawn from, and a widget.
 
-A ``RadixCache(record=True)`` keeps, for every operation, what it touched and a snapshot
-of the tree afterwards (``TreeEvent``). ``to_graphviz`` draws one such state: each box is a
-node with its edge's text (decoded when a tokenizer is given), its token count, its lock
-count and its last access on the cache's logical clock. The event decides the colours: the
-path just matched, nodes just split or inserted, and ghosts of nodes just evicted.
+The cache reports each operation to a listener (``RadixCache.listener``). ``TreeRecorder``
+is that listener for the book: for every operation it keeps what the tree reported and a
+snapshot of the tree afterwards (``RecordedEvent``). ``to_graphviz`` draws one such state:
+each box is a node with its edge's text (decoded when a tokenizer is given), its token
+count, its lock count and its last access on the cache's logical clock. The event decides
+the colours: the path just matched, nodes just split or inserted, ghosts of nodes evicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import graphviz
 import pandas as pd
 
-from minisrv.radix import NodeView, RadixCache, TreeEvent
+from minisrv.experiments import chat_capacity_report
+from minisrv.prefix_cache import NodeView, TreeEvent
+from minisrv.radix import RadixCache
 from minisrv.viz.roofline import BookFigure
-from minisrv.workloads import Workload
 
 __all__ = [
+    "COLORS",
+    "RecordedEvent",
+    "TreeRecorder",
     "to_graphviz",
     "edge_text",
     "event_caption",
     "event_widget",
-    "COLORS",
-    "serve_with_cache",
-    "serve_step",
-    "ServedRequest",
-    "request_hit_rate",
-    "cache_comparison",
-    "per_turn_hit_rates",
-    "capacity_sweep",
     "plot_capacity_sweep",
-    "chat_capacity_report",
     "chat_capacity_widget",
 ]
 
@@ -46,6 +42,45 @@ COLORS = {
 }
 MAX_LINE = 18  # characters per line of a node's text
 MAX_LINES = 3
+
+
+class RecordedEvent(NamedTuple):
+    """One operation as the recorder saw it: the tree's report and the tree afterwards."""
+
+    step: int  # the cache's logical clock when the operation ran
+    op: str  # "match", "insert", "lock", "unlock" or "evict"
+    label: str  # the tag the caller gave (e.g. "r3" for request 3)
+    length: int  # tokens matched, already cached, locked/unlocked, or freed
+    path: tuple[int, ...]  # ids of the nodes walked, root excluded, in order
+    split: tuple[int, ...]  # ids of nodes created by splitting an edge
+    inserted: tuple[int, ...]  # ids of new leaves
+    evicted: tuple[NodeView, ...]  # nodes removed, as they were just before
+    tree: tuple[NodeView, ...]  # the whole tree after the operation
+
+
+class TreeRecorder:
+    """Listens to a ``RadixCache`` and keeps every operation with a snapshot of the tree.
+
+    ``TreeRecorder(cache)`` attaches itself as ``cache.listener``; ``events`` then grows by
+    one ``RecordedEvent`` per operation. Each snapshot copies the tree, so record only small
+    trees (the book's walk-throughs), never a long simulation.
+    """
+
+    def __init__(self, cache: RadixCache) -> None:
+        if not isinstance(cache, RadixCache):
+            raise ValueError(f"only a RadixCache reports operations, got {cache!r} "
+                             "(build the engine with cache='radix')")
+        self.cache = cache
+        self.events: list[RecordedEvent] = []
+        cache.listener = self
+
+    def __call__(self, tree: RadixCache, event: TreeEvent) -> None:
+        self.events.append(RecordedEvent(tree.clock, event.op, event.tag, event.length,
+                                         event.path, event.split, event.inserted,
+                                         event.evicted, tree.snapshot()))
+
+    def __len__(self) -> int:
+        return len(self.events)
 
 
 def edge_text(key: Sequence[int], tokenizer: Any = None) -> str:
@@ -68,39 +103,42 @@ def _label(view: NodeView, tokenizer: Any) -> str:
 
 
 def to_graphviz(
-    tree: RadixCache | TreeEvent | Sequence[NodeView],
+    tree: TreeRecorder | RecordedEvent | RadixCache | Sequence[NodeView],
     tokenizer: Any = None,
-    event: TreeEvent | None = None,
+    event: RecordedEvent | None = None,
     title: str | None = None,
     since: int | None = None,
 ) -> graphviz.Digraph:
     """Draw a radix tree: a live cache, a recorded event's tree, or a snapshot.
 
     Args:
-        tree: a ``RadixCache`` (drawn as it is now, coloured by its last recorded event if
-            it keeps a log), a ``TreeEvent`` (the tree right after that operation), or a
-            tuple of ``NodeView`` from ``RadixCache.snapshot()``.
+        tree: a ``TreeRecorder`` (its cache drawn as it is now, coloured by the last
+            recorded event), a ``RecordedEvent`` (the tree right after that operation), a
+            ``RadixCache`` (as it is now, uncoloured), or ``RadixCache.snapshot()``.
         tokenizer: decodes each edge's tokens; without it the token ids are shown.
         event: the operation whose effects to colour (defaults as described above).
         title: caption under the drawing; defaults to ``event_caption(event)``.
-        since: with a live ``RadixCache``, colour the effects of every event recorded from
+        since: with a ``TreeRecorder``, colour the effects of every event recorded from
             ``tree.events[since]`` on (e.g. everything one request did), not just the last.
 
     Returns:
         A ``graphviz.Digraph``; Jupyter renders it as SVG.
     """
-    events: Sequence[TreeEvent] = ()
-    if isinstance(tree, TreeEvent):
+    events: Sequence[RecordedEvent] = ()
+    if isinstance(tree, RecordedEvent):
         views: Sequence[NodeView] = tree.tree
         events = (tree if event is None else event,)
-    elif isinstance(tree, RadixCache):
-        views = tree.snapshot()
+    elif isinstance(tree, TreeRecorder):
+        views = tree.cache.snapshot()
         if event is not None:
             events = (event,)
         elif since is not None:
             events = tree.events[since:]
-        elif tree.events:
+        else:
             events = tree.events[-1:]
+    elif isinstance(tree, RadixCache):
+        views = tree.snapshot()
+        events = () if event is None else (event,)
     else:
         views = tree
         events = () if event is None else (event,)
@@ -143,7 +181,7 @@ def to_graphviz(
     return dot
 
 
-def event_caption(event: TreeEvent) -> str:
+def event_caption(event: RecordedEvent) -> str:
     """One line saying what the operation did, e.g. ``"t=3 · A: insert · 17 cached, +1 leaf"``."""
     who = f"{event.label}: " if event.label else ""
     if event.op == "match":
@@ -163,7 +201,7 @@ def event_caption(event: TreeEvent) -> str:
     return f"t={event.step} · {who}{event.op}: {what}{tail}"
 
 
-def event_widget(events: Sequence[TreeEvent], tokenizer: Any = None, start: int | None = None):
+def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: int | None = None):
     """A slider over ``events`` that redraws the tree after each one. Needs a live kernel;
     draw ``to_graphviz(events[start])`` above it as the static face."""
     import ipywidgets as widgets
@@ -182,92 +220,7 @@ def event_widget(events: Sequence[TreeEvent], tokenizer: Any = None, start: int 
     return widgets.VBox([slider, output])
 
 
-# ------------------------------------------------------------------------ experiments
-def serve_with_cache(model: Any, workload: Workload, cache: str, kv_capacity: int = 4000,
-                     max_running: int = 8, policy: str = "fcfs"):
-    """Replay ``workload`` on a fresh engine with ``cache`` ("radix" or "none");
-    returns ``(engine, RunResult)``."""
-    from minisrv.engine import Engine
-
-    engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, cache=cache,
-                    policy=policy)
-    return engine, engine.run_workload(workload)
-
-
-class ServedRequest(NamedTuple):
-    """What serving one request did to the cache (for the walk-through's captions)."""
-
-    prompt_len: int  # tokens in its prompt
-    cached: int  # of those, found in the cache
-    evicted: int  # tokens evicted to make room for it
-    output: list[int]  # the generated ids
-    first_event: int  # index of its first event in the tree's log
-
-
-def serve_step(engine: Any, prompt: Sequence[int], max_new_tokens: int) -> ServedRequest:
-    """Serve one request alone on ``engine`` (built with ``cache="radix", record_tree=True``)
-    and report how much of its prompt hit and how much the cache evicted for it."""
-    tree = engine.tree
-    first = len(tree.events)
-    cached = engine.stats.cached_tokens
-    output = engine.generate([list(prompt)], max_new_tokens)[0]
-    evicted = sum(e.length for e in tree.events[first:] if e.op == "evict")
-    return ServedRequest(len(prompt), engine.stats.cached_tokens - cached, evicted, output,
-                         first)
-
-
-def request_hit_rate(reqs: Sequence[Any]) -> float:
-    """Cached prompt tokens over all prompt tokens (the notes' definition)."""
-    total = sum(req.prompt_len for req in reqs)
-    return sum(req.cached_prompt_tokens for req in reqs) / total if total else 0.0
-
-
-def cache_comparison(model: Any, workloads: Mapping[str, Workload], kv_capacity: int = 4000,
-                     max_running: int = 8) -> pd.DataFrame:
-    """Each workload served twice, without and with the radix cache: prompt tokens, tokens
-    prefilled each way, the hit rate, and whether every output is the same both ways."""
-    rows = []
-    for name, workload in workloads.items():
-        plain_engine, plain = serve_with_cache(model, workload, "none", kv_capacity,
-                                               max_running)
-        radix_engine, radix = serve_with_cache(model, workload, "radix", kv_capacity,
-                                               max_running)
-        same = all(a.output == b.output for a, b in zip(plain.requests, radix.requests))
-        prompt_tokens = sum(workload.prompt_lens)
-        rows.append({
-            "workload": name,
-            "requests": len(workload),
-            "prompt tokens": prompt_tokens,
-            "prefilled, no cache": plain_engine.stats.prefill_tokens,
-            "prefilled, radix": radix_engine.stats.prefill_tokens,
-            "hit rate": round(request_hit_rate(radix.requests), 3),
-            "outputs identical": same,
-        })
-    return pd.DataFrame(rows).set_index("workload")
-
-
-def per_turn_hit_rates(reqs: Sequence[Any], n_sessions: int) -> list[float]:
-    """Hit rate of each turn of ``chat_sessions_workload`` (request ``i`` is turn
-    ``i // n_sessions``)."""
-    turns = [reqs[t:t + n_sessions] for t in range(0, len(reqs), n_sessions)]
-    return [request_hit_rate(turn) for turn in turns]
-
-
-def capacity_sweep(model: Any, workload: Workload, capacities: Sequence[int],
-                   max_running: int = 8, progress: bool = True) -> pd.DataFrame:
-    """Hit rate and tokens prefilled when ``workload`` runs with each KV pool size
-    (``progress``: a tqdm bar over the pool sizes)."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for capacity in tqdm(capacities, desc="pool sizes", leave=False, disable=not progress):
-        engine, run = serve_with_cache(model, workload, "radix", capacity, max_running)
-        rows.append({"kv capacity": capacity, "hit rate": round(request_hit_rate(run.requests), 3),
-                     "prefilled": engine.stats.prefill_tokens,
-                     "retractions": engine.stats.retractions})
-    return pd.DataFrame(rows).set_index("kv capacity")
-
-
+# ------------------------------------------------------------------------ figures of runs
 def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate against KV pool size (one point per run of ``capacity_sweep``)."""
     fig = BookFigure(figsize=(6.4, 3.6))
@@ -281,25 +234,6 @@ def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
-
-
-def chat_capacity_report(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
-                         turns: int = 4, built: dict | None = None) -> pd.DataFrame:
-    """Build ``sessions`` chats of ``turns`` turns, serve them with the radix cache in a pool
-    of ``capacity`` tokens, and tabulate the hit rate of each turn and overall.
-
-    ``built`` maps ``(sessions, turns)`` to workloads already built (generating the chats'
-    answers is the slow part); new ones are added to it.
-    """
-    from minisrv.workloads import chat_sessions_workload
-
-    built = {} if built is None else built
-    if (sessions, turns) not in built:
-        built[sessions, turns] = chat_sessions_workload(model, tok, sessions, turns)
-    _, run = serve_with_cache(model, built[sessions, turns], "radix", capacity)
-    rates = per_turn_hit_rates(run.requests, sessions) + [request_hit_rate(run.requests)]
-    labels = [f"turn {t + 1}" for t in range(turns)] + ["all turns"]
-    return pd.DataFrame({"hit rate": [f"{r:.1%}" for r in rates]}, index=labels).T
 
 
 def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,

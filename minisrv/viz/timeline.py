@@ -219,31 +219,6 @@ def metrics_table(runs: Mapping[str, RunMetrics], unit: str = "s") -> pd.DataFra
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def rate_sweep(
-    rates: Sequence[float] = (8, 16, 32, 64),
-    modes: Sequence[str] = ("static", "prefill-first"),
-    n: int = 2000,
-    max_running: int = GPU_SCALE_BATCH_CAP,
-    output_cv: float = 1.0,
-    seed: int = 0,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """Simulate the GPU-scale workload at each arrival rate under each mode.
-
-    One row per (rate, mode) with the run's metrics. The default grid takes a few seconds;
-    pass more rates, more requests or other seeds to explore (each run is about a second).
-    """
-    from tqdm.auto import tqdm
-
-    rows = []
-    grid = [(rate, mode) for rate in rates for mode in modes]
-    for rate, mode in tqdm(grid, desc="simulating", disable=not progress):
-        workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
-        metrics = simulate(workload, mode=mode, max_running=max_running).metrics
-        rows.append({"rate": rate, "mode": mode, **metrics.as_dict()})
-    return pd.DataFrame(rows)
-
-
 def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
     """Throughput, mean batch, latency (mean and p99) and TTFT against arrival rate."""
     fig = BookFigure(figsize=(11, 7), layout="constrained")
@@ -328,7 +303,7 @@ def sim_dashboard(
 ) -> BookFigure:
     """Simulate one configuration and draw its batch size over time and its latencies."""
     workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
-    run = simulate(workload, mode=mode, max_running=max_running)
+    run = simulate(workload, mode=mode, max_running=max_running, admission="reserve")
     m = run.metrics
     fig = BookFigure(figsize=(11, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1.6, 1])

@@ -1,0 +1,93 @@
+"""One configuration for every entry point, the library's invariant check, import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from minisrv.backends import SimBackend
+from minisrv.engine import Engine, EngineConfig, simulate
+from minisrv.scheduler import Scheduler
+from minisrv.workloads import gpu_scale_workload
+
+
+def test_one_default_per_option_shared_by_engine_scheduler_and_simulate() -> None:
+    engine = Engine(SimBackend())
+    assert engine.config == EngineConfig()
+    assert Scheduler(SimBackend()).config == EngineConfig()
+    run = simulate(gpu_scale_workload(n=20, rate=8.0, seed=0), max_running=4)
+    assert run.max_running == 4 and run.mode == EngineConfig().mode
+
+
+def test_a_config_and_options_combine_and_the_config_is_frozen() -> None:
+    base = EngineConfig(max_running=4, cache="radix")
+    engine = Engine(SimBackend(), base, kv_capacity=500)
+    assert (engine.max_running, engine.cache, engine.kv_capacity) == (4, "radix", 500)
+    with pytest.raises(AttributeError):
+        base.max_running = 8  # type: ignore[misc]
+
+
+def test_an_unknown_option_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="unknown option max_runing; valid options: kv_capacity"):
+        Engine(SimBackend(), max_runing=4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"new_token_ratio": 1.5}, r"new_token_ratio must be in \[0.0, 1.0\]"),
+        ({"min_ratio": 0.9}, r"min_ratio must be in \[0.0, 0.7\]"),
+        ({"ratio_decay": -1}, "ratio_decay must be in"),
+        ({"max_running": True}, "max_running must be an int"),
+        ({"admission": "greedy"}, "unknown admission 'greedy'; supported values: reserve, budget"),
+        ({"debug": 1}, "debug must be True or False"),
+    ],
+)
+def test_bad_values_are_refused_once_with_a_clear_message(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_check_integrity_finds_a_leaked_slot_and_a_stray_lock() -> None:
+    engine = Engine(SimBackend(), kv_capacity=100, max_running=2, cache="radix")
+    prompts = [[5] * 10 + [6], [5] * 10 + [7]]
+    engine.generate(prompts, 3)
+    sched = engine.scheduler
+    sched.check_integrity()
+    leaked = sched.kv.alloc(1)
+    with pytest.raises(AssertionError, match="slots leaked"):
+        sched.check_integrity()
+    sched.kv.free(leaked)
+    node = sched.tree.match_prefix(prompts[0]).node
+    sched.tree.lock(node)
+    with pytest.raises(AssertionError, match="running requests use it"):
+        sched.check_integrity()
+    sched.tree.unlock(node)
+    sched.check_integrity()
+
+
+def test_debug_mode_checks_every_step() -> None:
+    engine = Engine(SimBackend(), kv_capacity=100, max_running=2, debug=True)
+    original = engine.scheduler.check_integrity
+    calls = []
+
+    def counting() -> None:
+        calls.append(1)
+        original()
+
+    engine.scheduler.check_integrity = counting  # type: ignore[method-assign]
+    engine.generate([[5, 6, 7]], 4)
+    assert len(calls) == engine.stats.steps == 4
+
+
+def test_the_serving_core_imports_no_drawing_code() -> None:
+    code = (
+        "import sys, minisrv.engine, minisrv.experiments\n"
+        "bad = [m for m in sys.modules if m.startswith('minisrv.viz') or "
+        "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
