@@ -47,11 +47,6 @@ def model_table(n_steps: int, mean_output_len: float) -> None:
               f"{over.device_idle / n_steps:>7.2f} ms")
 
 
-def measure(engine: Engine, prompts: list[list[int]], lens: list[int]) -> StepTimings:
-    """One warm-up run on a fresh engine of the same kind, then the measured run."""
-    return time_steps(engine, prompts, lens)
-
-
 def report(label: str, timings: StepTimings, reference: list[list[int]]) -> tuple[float, float]:
     """Print one run's breakdown; return its mean forward and mean CPU ms per step."""
     steps = timings.steps
