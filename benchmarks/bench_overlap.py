@@ -9,8 +9,8 @@ Prints, from one process on the same machine:
    ``"none"``, few-shot workload): mean ms per part, the CPU share, and the ratio the model
    predicts from the measured per-step times; outputs checked against each request alone;
 3. for a ``TimedBackend`` that should realise each CPU share, the device step time it needs
-   given the measured CPU time per step, for CityLM and for a 2-layer CityLM: a device
-   cannot be faster than the forward it computes.
+   given the measured CPU time per step, wrapping CityLM, a 2-layer CityLM or the
+   simulator: a device cannot be faster than the forward it computes.
 
     python benchmarks/bench_overlap.py [--threads 1] [--steps 200] [--output-len 16]
 """
@@ -22,6 +22,7 @@ import argparse
 import torch
 
 from minisrv import Engine, load_citylm
+from minisrv.backends import SimBackend
 from minisrv.configs import CITYLM
 from minisrv.model import CityLM
 from minisrv.overlap import CPU_PARTS, PARTS, StepTimings, throughput_ratio, time_steps, timeline
@@ -47,8 +48,14 @@ def model_table(n_steps: int, mean_output_len: float) -> None:
               f"{over.device_idle / n_steps:>7.2f} ms")
 
 
-def report(label: str, timings: StepTimings, reference: list[list[int]]) -> tuple[float, float]:
-    """Print one run's breakdown; return its mean forward and mean CPU ms per step."""
+def report(
+    label: str, timings: StepTimings, reference: list[list[int]] | None
+) -> tuple[float, float]:
+    """Print one run's breakdown; return its mean forward and mean CPU ms per step.
+
+    ``reference``: each request generated alone, to check the outputs against (``None``
+    for the simulator, whose tokens are dummies).
+    """
     steps = timings.steps
     n = len(steps)
     mean = {p: 1e3 * sum(s.seconds[p] for s in steps) / n for p in PARTS}
@@ -56,10 +63,13 @@ def report(label: str, timings: StepTimings, reference: list[list[int]]) -> tupl
     cpu = sum(mean[p] for p in CPU_PARTS)
     per_step = timeline([s.device for s in steps], [s.cpu for s in steps], n, overlap=False)
     overlapped = timeline([s.device for s in steps], [s.cpu for s in steps], n, overlap=True)
-    same = sum(a == b for a, b in zip(timings.outputs, reference))
+    if reference is None:
+        check = "dummy tokens"
+    else:
+        same = sum(a == b for a, b in zip(timings.outputs, reference))
+        check = f"outputs identical to each request alone: {same} of {len(reference)}"
     print(f"\n  {label}: {n} steps, {1e3 * per_step.total / n:.2f} ms per step, "
-          f"CPU share {100 * timings.cpu_share:.1f}%, outputs identical to each request "
-          f"alone: {same} of {len(reference)}")
+          f"CPU share {100 * timings.cpu_share:.1f}%, {check}")
     print("   " + "  ".join(f"{p} {mean[p]:.3f}" for p in PARTS) + "  (mean ms per step)")
     print(f"   predicted overlap gain: {throughput_ratio(fwd, cpu):.3f}x (means), "
           f"{per_step.total / overlapped.total:.3f}x (timeline of the measured steps)")
@@ -111,9 +121,16 @@ def main() -> None:
     tiny_timings = time_steps(Engine(tiny, cache="radix"), prompts, lens)
     tiny_times = report("2-layer CityLM, FCFS, cache=radix", tiny_timings, tiny_ref)
 
+    time_steps(Engine(SimBackend(), cache="radix"), prompts, lens)  # warm-up
+    sim_timings = time_steps(Engine(SimBackend(), cache="radix"), prompts, lens)
+    sim_same = [len(o) for o in sim_timings.outputs] == lens
+    sim_times = report("SimBackend (no model), cache=radix", sim_timings, None)
+    print(f"   (simulator: every request ran to its max_new_tokens: {sim_same})")
+
     print("\n3. TimedBackend step time that gives each CPU share, given the measured CPU time")
     device_plan("CityLM, cache=radix", *measured["radix"])
     device_plan("2-layer CityLM, radix", *tiny_times)
+    device_plan("SimBackend, radix", *sim_times)
 
 
 if __name__ == "__main__":

@@ -248,7 +248,19 @@ def test_time_steps_leaves_the_engine_as_it_was(model) -> None:
     assert engine.generate(prompts, lengths) == time_steps(engine, prompts, lengths).outputs
 
 
-def test_time_steps_needs_a_model_backend() -> None:
-    engine = Engine(SimBackend(), kv_capacity=1000)
-    with pytest.raises(ValueError, match="ModelBackend"):
-        time_steps(engine, [[1, 2, 3]], 2)
+@pytest.mark.parametrize("kind", ["sim", "timed"])
+def test_time_steps_counts_any_other_backend_as_the_device(model, kind: str) -> None:
+    prompts, lengths = _prompts()
+    backend = SimBackend() if kind == "sim" else TimedBackend(ModelBackend(model), 0.001)
+    engine = Engine(backend, kv_capacity=300, cache="radix")
+    timings = time_steps(engine, prompts, lengths)
+    if kind == "timed":
+        assert timings.outputs == [
+            model.reference_generate(p, m) for p, m in zip(prompts, lengths)
+        ]
+    else:
+        assert [len(o) for o in timings.outputs] == lengths  # the simulator runs to the limit
+    assert len(timings.steps) == engine.stats.steps
+    for s in timings.steps:
+        assert s.seconds["prepare inputs"] == s.seconds["sample"] == 0
+        assert s.device > 0 and s.seconds["schedule"] > 0

@@ -36,7 +36,7 @@ PARTS: tuple[str, ...] = (
 * prefix match / cache insert: every ``tree.match_prefix`` / ``tree.insert`` call;
 * prepare inputs: ``backend.run`` without the forward and the sampling (building the flat
   batch of ids and KV slots);
-* forward: ``model.forward_flat``, the device's work;
+* forward: ``model.forward_flat``, the device's work (any other backend: all of its ``run``);
 * sample: ``sample_next`` for every request (greedy: argmax, read back to the CPU);
 * process results: ``process_batch_result`` (append, stream, stop checks, free) without the
   cache inserts;
@@ -134,15 +134,12 @@ def _patched(obj: Any, name: str, replacement: Callable[..., Any]) -> Iterator[N
             delattr(obj, name)
 
 
-def _find_model(backend: Any) -> Any:
-    """The CityLM whose ``forward_flat`` the backend calls (a ``ModelBackend``'s model)."""
+def _flat_model(backend: Any) -> Any:
+    """The CityLM whose ``forward_flat`` a ``ModelBackend`` calls; None for other backends."""
     model = getattr(backend, "model", None)
-    if model is None or not callable(getattr(model, "forward_flat", None)):
-        raise ValueError(
-            "time_steps needs a backend that runs CityLM.forward_flat (a ModelBackend), "
-            f"got {backend!r}"
-        )
-    return model
+    if model is not None and callable(getattr(model, "forward_flat", None)):
+        return model
+    return None
 
 
 def time_steps(
@@ -154,7 +151,9 @@ def time_steps(
     ``get_next_batch_to_run``, ``process_batch_result``), the prefix cache's
     ``match_prefix`` and ``insert``, ``backend.run``, the model's ``forward_flat`` and
     ``minisrv.backends.sample_next`` are shadowed by timing wrappers for the run and
-    restored afterwards, so the engine is left as it was. On CUDA the forward is
+    restored afterwards, so the engine is left as it was. A backend that is not a
+    ``ModelBackend`` (a ``SimBackend``, a ``TimedBackend``) is the device as a whole: all
+    of ``backend.run`` counts as its forward. On CUDA the forward is
     synchronised on both sides, so the forward's time is the device's and not the next
     ``.item()``'s. The wrappers cost about a microsecond per call, which lands in the parts
     that make the calls.
@@ -162,7 +161,7 @@ def time_steps(
     from minisrv import backends
 
     scheduler, backend = engine.scheduler, engine.backend
-    model = _find_model(backend)
+    model = _flat_model(backend)
     sync = None
     if getattr(getattr(model, "device", None), "type", "cpu") == "cuda":
         import torch
@@ -187,10 +186,15 @@ def time_steps(
          watch.wrap("process results", scheduler.process_batch_result)),
         (scheduler.tree, "match_prefix", watch.wrap("prefix match", scheduler.tree.match_prefix)),
         (scheduler.tree, "insert", watch.wrap("cache insert", scheduler.tree.insert)),
-        (backend, "run", watch.wrap("prepare inputs", backend.run)),
-        (model, "forward_flat", watch.wrap("forward", model.forward_flat, device=True)),
-        (backends, "sample_next", watch.wrap("sample", backends.sample_next)),
     ]
+    if model is None:
+        patches.append((backend, "run", watch.wrap("forward", backend.run)))
+    else:
+        patches += [
+            (backend, "run", watch.wrap("prepare inputs", backend.run)),
+            (model, "forward_flat", watch.wrap("forward", model.forward_flat, device=True)),
+            (backends, "sample_next", watch.wrap("sample", backends.sample_next)),
+        ]
     with ExitStack() as stack:
         for obj, name, fn in patches:
             stack.enter_context(_patched(obj, name, fn))
