@@ -10,16 +10,20 @@ the device computes step i.
   the speed-up it predicts;
 * ``timed``: ``TimedBackend``, a device whose step takes a set wall-clock time while
   computing the real tokens;
-* ``breakdown``: ``time_steps``, where the real engine's time goes in each step.
+* ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
+* ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
+  inputs name step i's not-yet-sampled tokens.
 """
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
+from minisrv.overlap.futures import FutureMap
 from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
 from minisrv.overlap.timed import TimedBackend
 
 __all__ = [
     "CPU_PARTS",
     "PARTS",
+    "FutureMap",
     "Interval",
     "StepTiming",
     "StepTimings",
