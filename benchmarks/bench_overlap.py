@@ -1,0 +1,137 @@
+"""Zero-overhead scheduling: what overlap can gain, predicted, and the real engine's CPU share.
+
+Prints, from one process on the same machine:
+
+1. the timeline model's overlapped / blocking throughput for CPU shares of 10%, 30% and 60%
+   of a blocking step: ``throughput_ratio`` (steady state, with and without the wasted
+   token per request) and ``timeline`` over a finite number of steps;
+2. the measured per-step breakdown of the real engine (CityLM, FCFS, ``cache="radix"`` and
+   ``"none"``, few-shot workload): mean ms per part, the CPU share, and the ratio the model
+   predicts from the measured per-step times; outputs checked against each request alone;
+3. for a ``TimedBackend`` that should realise each CPU share, the device step time it needs
+   given the measured CPU time per step, wrapping CityLM, a 2-layer CityLM or the
+   simulator: a device cannot be faster than the forward it computes.
+
+    python benchmarks/bench_overlap.py [--threads 1] [--steps 200] [--output-len 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minisrv import Engine, load_citylm
+from minisrv.backends import SimBackend
+from minisrv.configs import CITYLM
+from minisrv.model import CityLM
+from minisrv.overlap import CPU_PARTS, PARTS, StepTimings, throughput_ratio, time_steps, timeline
+from minisrv.workloads import few_shot_workload
+
+SHARES = (0.10, 0.30, 0.60)
+STEP_MS = 10.0  # a blocking step (device + CPU) for the model's table
+
+
+def model_table(n_steps: int, mean_output_len: float) -> None:
+    print(f"1. Timeline model: a blocking step of {STEP_MS:g} ms, {n_steps} steps, "
+          f"mean output {mean_output_len:g} tokens")
+    print(f"{'CPU share':>9} {'device ms':>9} {'CPU ms':>7} | {'ratio':>6} "
+          f"{'with waste':>10} {'timeline':>8} | {'idle/step blocking':>18} {'overlapped':>10}")
+    for share in SHARES:
+        cpu = STEP_MS * share
+        gpu = STEP_MS - cpu
+        block = timeline(gpu, cpu, n_steps, overlap=False)
+        over = timeline(gpu, cpu, n_steps, overlap=True)
+        print(f"{share:>9.0%} {gpu:>9.2f} {cpu:>7.2f} | {throughput_ratio(gpu, cpu):>6.3f} "
+              f"{throughput_ratio(gpu, cpu, mean_output_len):>10.3f} "
+              f"{block.total / over.total:>8.3f} | {block.device_idle / n_steps:>15.2f} ms "
+              f"{over.device_idle / n_steps:>7.2f} ms")
+
+
+def report(
+    label: str, timings: StepTimings, reference: list[list[int]] | None
+) -> tuple[float, float]:
+    """Print one run's breakdown; return its mean forward and mean CPU ms per step.
+
+    ``reference``: each request generated alone, to check the outputs against (``None``
+    for the simulator, whose tokens are dummies).
+    """
+    steps = timings.steps
+    n = len(steps)
+    mean = {p: 1e3 * sum(s.seconds[p] for s in steps) / n for p in PARTS}
+    fwd = mean["forward"]
+    cpu = sum(mean[p] for p in CPU_PARTS)
+    per_step = timeline([s.device for s in steps], [s.cpu for s in steps], n, overlap=False)
+    overlapped = timeline([s.device for s in steps], [s.cpu for s in steps], n, overlap=True)
+    if reference is None:
+        check = "dummy tokens"
+    else:
+        same = sum(a == b for a, b in zip(timings.outputs, reference))
+        check = f"outputs identical to each request alone: {same} of {len(reference)}"
+    print(f"\n  {label}: {n} steps, {1e3 * per_step.total / n:.2f} ms per step, "
+          f"CPU share {100 * timings.cpu_share:.1f}%, {check}")
+    print("   " + "  ".join(f"{p} {mean[p]:.3f}" for p in PARTS) + "  (mean ms per step)")
+    print(f"   predicted overlap gain: {throughput_ratio(fwd, cpu):.3f}x (means), "
+          f"{per_step.total / overlapped.total:.3f}x (timeline of the measured steps)")
+    return fwd, cpu
+
+
+def tiny_citylm(vocab_size: int) -> CityLM:
+    """A 2-layer d=32 CityLM with random weights: a device about 10x faster than CityLM."""
+    torch.manual_seed(0)
+    cfg = CITYLM.with_(vocab_size=vocab_size, n_layers=2, d_model=32, n_heads=4,
+                       n_kv_heads=2, head_dim=8, d_ff=64)
+    return CityLM(cfg).eval()
+
+
+def device_plan(name: str, fwd: float, cpu: float) -> None:
+    cells = []
+    for share in SHARES:
+        device = cpu * (1 - share) / share
+        ok = "ok" if device >= fwd else "too fast"
+        cells.append(f"{share:.0%}: {device:6.2f} ms ({ok})")
+    print(f"  {name:<22} forward {fwd:5.2f} ms, CPU {cpu:5.2f} ms | " + " | ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--steps", type=int, default=200, help="steps of the timeline model")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens per request")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_table(args.steps, args.output_len)
+
+    model, tok = load_citylm(args.device)
+    work = few_shot_workload(tok, n_groups=4, per_group=8, output_len=args.output_len)
+    prompts, lens = work.prompts, work.output_lens
+    print(f"\n2. The real engine: CityLM on {model.device}, {torch.get_num_threads()} thread(s), "
+          f"{work.description}, max 8 running")
+    reference = [model.reference_generate(p, m) for p, m in zip(prompts, lens)]
+    measured = {}
+    for cache in ("radix", "none"):
+        time_steps(Engine(model, cache=cache), prompts, lens)  # warm-up
+        timings = time_steps(Engine(model, cache=cache), prompts, lens)
+        measured[cache] = report(f"FCFS, cache={cache}", timings, reference)
+
+    tiny = tiny_citylm(tok.vocab_size).to(model.device)
+    tiny_ref = [tiny.reference_generate(p, m) for p, m in zip(prompts, lens)]
+    time_steps(Engine(tiny, cache="radix"), prompts, lens)  # warm-up
+    tiny_timings = time_steps(Engine(tiny, cache="radix"), prompts, lens)
+    tiny_times = report("2-layer CityLM, FCFS, cache=radix", tiny_timings, tiny_ref)
+
+    time_steps(Engine(SimBackend(), cache="radix"), prompts, lens)  # warm-up
+    sim_timings = time_steps(Engine(SimBackend(), cache="radix"), prompts, lens)
+    sim_same = [len(o) for o in sim_timings.outputs] == lens
+    sim_times = report("SimBackend (no model), cache=radix", sim_timings, None)
+    print(f"   (simulator: every request ran to its max_new_tokens: {sim_same})")
+
+    print("\n3. TimedBackend step time that gives each CPU share, given the measured CPU time")
+    device_plan("CityLM, cache=radix", *measured["radix"])
+    device_plan("2-layer CityLM, radix", *tiny_times)
+    device_plan("SimBackend, radix", *sim_times)
+
+
+if __name__ == "__main__":
+    main()
