@@ -387,3 +387,155 @@ def summarize_lengths(values: Sequence[int]) -> str:
     """``"mean 201.3, median 139, max 1490"``: a one-line description for chapter prose."""
     arr = np.asarray(values)
     return f"mean {arr.mean():.1f}, median {np.median(arr):g}, max {arr.max()}"
+
+
+# ------------------------------------------------------------------------------------------
+# Cache-aware scheduling: prefix forests and interleaved few-shot groups.
+
+__all__ += ["FOREST_SHAPE", "FOREST_LENGTHS", "prefix_forest_workload",
+            "few_shot_groups_workload"]
+
+FOREST_SHAPE = (4, 4, 8)  # the lecture's forest: system prompts x example sets x questions
+FOREST_LENGTHS = (59, 9, 12)  # tokens per level; 80 a request, 1,916 distinct of 10,240
+
+
+def prefix_forest_workload(
+    shape: Sequence[int] = FOREST_SHAPE, lengths: Sequence[int] = FOREST_LENGTHS,
+    tok: Tokenizer | None = None, vocab_size: int = 32000, output_len: int = 16,
+    arrival_every: float = 0.0, shuffle: bool = True, seed: int = 0,
+) -> Workload:
+    """A prefix tree of prompts: e.g. system prompts x example sets x questions.
+
+    ``shape[d]`` nodes hang below each node of level ``d - 1``, each adding ``lengths[d]``
+    tokens, and every leaf path is one prompt (``prod(shape)`` prompts of ``sum(lengths)``
+    tokens). Siblings differ in their first token, so the tree holds exactly
+    ``sum(prod(shape[:d+1]) * lengths[d])`` distinct tokens: the shape alone fixes
+    ``optimal_hit_rate``. Tokens are random ids in ``[2, vocab_size)`` or, with ``tok``,
+    CityLM text (country lines cut to length, siblings starting with different letters);
+    text prompts start with ``<bos>``, which all share, so ``shape[0] - 1`` fewer are
+    distinct. ``shuffle`` puts requests in a seeded random order, so
+    arrival order is not already depth-first; request ``i`` arrives at ``i * arrival_every``.
+    """
+    if len(shape) != len(lengths) or not shape:
+        raise ValueError(f"shape {tuple(shape)} and lengths {tuple(lengths)} need the same "
+                         "number (>= 1) of levels")
+    if min(shape) < 1 or min(lengths) < 1 + (tok is not None) or (
+            tok is not None and len(lengths) > 1 and lengths[0] < 3):
+        raise ValueError(f"every level needs >= 1 node and >= 1 token (with text: >= 2, and "
+                         f"3 on a first level that has <bos> and a newline); got shape "
+                         f"{tuple(shape)}, lengths {tuple(lengths)}")
+    _check_steps(output_len, arrival_every)
+    rng = np.random.default_rng(seed)
+    make = _text_segments if tok is not None else _id_segments
+    paths: list[list[int]] = [[]]
+    for depth, (width, length) in enumerate(zip(shape, lengths)):
+        level = (depth == 0, depth == len(shape) - 1)
+        paths = [path + seg for path in paths
+                 for seg in make(rng, width, length, level, tok, vocab_size)]
+    if shuffle:
+        paths = [paths[i] for i in rng.permutation(len(paths))]
+    n = len(paths)
+    kind = "CityLM text" if tok is not None else "random ids"
+    return Workload("prefix-forest", paths, [output_len] * n,
+                    [i * arrival_every for i in range(n)],
+                    f"prefix forest {' x '.join(map(str, shape))}, levels of "
+                    f"{'/'.join(map(str, lengths))} tokens, {kind}, seed {seed}")
+
+
+def _id_segments(rng: np.random.Generator, width: int, length: int, level: tuple[bool, bool],
+                 tok: Tokenizer | None, vocab_size: int) -> list[list[int]]:
+    """``width`` random runs of ``length`` ids whose first ids differ."""
+    if width > vocab_size - 2:
+        raise ValueError(f"{width} siblings need distinct first ids; vocab_size {vocab_size} "
+                         "is too small")
+    heads = rng.choice(np.arange(2, vocab_size), size=width, replace=False)
+    tails = rng.integers(2, vocab_size, size=(width, length - 1))
+    return [[int(h), *map(int, t)] for h, t in zip(heads, tails)]
+
+
+def _text_segments(rng: np.random.Generator, width: int, length: int, level: tuple[bool, bool],
+                   tok: Tokenizer | None, vocab_size: int) -> list[list[int]]:
+    """``width`` runs of country lines cut to ``length`` tokens, starting with different
+    letters; a first-level run starts with ``<bos>``, all but last-level runs end with a
+    newline (so the next level starts a line)."""
+    from minisrv.data import country_line, load_cities
+
+    assert tok is not None
+    codes = sorted(load_cities())
+    letters = sorted({code[0] for code in codes})
+    if width > len(letters):
+        raise ValueError(f"text siblings must start with different letters; at most "
+                         f"{len(letters)}, got {width}")
+    first, last = level
+    chars = length - (1 if first else 0) - (0 if last else 1)
+    out = []
+    for letter in rng.choice(letters, size=width, replace=False):
+        lead = [c for c in codes if c[0] == letter]
+        order = [lead[rng.integers(len(lead))], *rng.permutation(codes)]
+        text = ""
+        for code in order:
+            text += country_line(str(code)) + "\n"
+            if len(text) >= chars:
+                break
+        out.append(tok.encode(text[:chars] + ("" if last else "\n"), bos=first))
+    return out
+
+
+def few_shot_groups_workload(
+    tok: Tokenizer, n_groups: int = 4, per_group: int = 8, prefix_tokens: int = 164,
+    output_len: int = 16, arrival_every: float = 1.0, seed: int = 0,
+) -> Workload:
+    """``n_groups`` few-shot groups arriving interleaved, their headers ``prefix_tokens``
+    distinct tokens in all (``<bos>`` included; the lecture: 4 groups, 164 tokens).
+
+    Group ``g``'s header is two complete example lines of showcase countries, chosen so the
+    headers split ``prefix_tokens - 1`` as evenly as possible; groups start with different
+    letters, so their headers share only ``<bos>``. Questions ask other countries (a code,
+    then 0-2 of its cities once the codes run out). Wave ``m`` (one request of each group,
+    in group order) arrives at step ``m * arrival_every``.
+    """
+    from minisrv.data import SHOWCASE_COUNTRIES, country_line
+
+    _check_count(n_groups)
+    _check_count(per_group)
+    _check_steps(output_len, arrival_every)
+    rng = np.random.default_rng(seed)
+    chars = prefix_tokens - 1
+    targets = [chars // n_groups + (g < chars % n_groups) for g in range(n_groups)]
+    used: set[str] = set()
+    headers: list[str] = []
+    for target in targets:
+        shots = _pick_example_pair(target, used, rng)
+        used.update(code for code, _ in shots)
+        used.update(c for c in SHOWCASE_COUNTRIES if c[0] == shots[0][0][0])  # first letter
+        headers.append("".join(country_line(c, k) + "\n" for c, k in shots))
+    prompts = []
+    for m in range(per_group):
+        for header in headers:
+            askable = [c for c in SHOWCASE_COUNTRIES if c + ":" not in header]
+            code = askable[m % len(askable)]
+            extra = (m // len(askable)) % 3
+            question = f"{code}:" if extra == 0 else country_line(code, extra) + ","
+            prompts.append(tok.encode(header + question))
+    n = len(prompts)
+    return Workload("few-shot-groups", prompts, [output_len] * n,
+                    [float(i // max(n_groups, 1)) * arrival_every for i in range(n)],
+                    f"{n_groups} few-shot groups x {per_group}, interleaved, headers "
+                    f"{prefix_tokens} tokens in all")
+
+
+def _pick_example_pair(target: int, used: set[str], rng: np.random.Generator
+                       ) -> tuple[tuple[str, int], tuple[str, int]]:
+    """Two unused showcase countries and city counts whose lines (each + newline) are
+    exactly ``target`` characters; seeded choice among all that fit."""
+    from minisrv.data import SHOWCASE_COUNTRIES, country_line, load_cities
+
+    table = load_cities()
+    lines = [(c, k, len(country_line(c, k)) + 1) for c in SHOWCASE_COUNTRIES if c not in used
+             for k in range(1, len(table[c]) + 1)]
+    fits = [(a[:2], b[:2]) for a in lines for b in lines
+            if a[0] != b[0] and a[2] + b[2] == target]
+    if not fits:
+        raise ValueError(f"no two unused example lines make a {target}-token header; "
+                         "use fewer groups or a prefix_tokens nearer 30-200 per group")
+    return fits[int(rng.integers(len(fits)))]
