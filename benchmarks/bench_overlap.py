@@ -26,7 +26,7 @@ from minisrv.backends import SimBackend
 from minisrv.configs import CITYLM
 from minisrv.model import CityLM
 from minisrv.overlap import CPU_PARTS, PARTS, StepTimings, throughput_ratio, time_steps, timeline
-from minisrv.workloads import few_shot_workload
+from minisrv.prefix_workloads import few_shot_workload
 
 SHARES = (0.10, 0.30, 0.60)
 STEP_MS = 10.0  # a blocking step (device + CPU) for the model's table

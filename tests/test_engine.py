@@ -123,7 +123,7 @@ def test_arrival_steps_delay_admission(model) -> None:
     [
         ({"max_running": 0}, "max_running must be >= 1"),
         ({"mode": "chunked"}, "unknown mode 'chunked'; supported values: static, prefill-first"),
-        ({"policy": "lpm"}, "unknown policy 'lpm'; supported values: fcfs"),
+        ({"policy": "sjf"}, "unknown policy 'sjf'; supported values: fcfs, lpm, dfs-weight"),
         ({"cache": "lru"}, "unknown cache 'lru'; supported values: none, radix"),
         ({"overlap": True}, "unsupported overlap=True"),
         ({"kv_capacity": -5}, "kv_capacity must be >= 1"),

@@ -26,8 +26,8 @@ from minisrv.policy import (
     distinct_prefix_tokens,
     optimal_hit_rate,
 )
+from minisrv.prefix_workloads import prefix_forest_workload
 from minisrv.radix import NoCache, RadixCache, TreeNode
-from minisrv.workloads import prefix_forest_workload
 
 
 def tree_of(*sequences: list[int]) -> RadixCache:

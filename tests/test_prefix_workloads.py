@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from minisrv.patterns import repeated_prefill
-from minisrv.tokenizer import Tokenizer
-from minisrv.workloads import (
+from minisrv.prefix_workloads import (
     chat_sessions_workload,
     few_shot_workload,
     parallel_sampling_workload,
     shared_prompt_workload,
 )
+from minisrv.tokenizer import Tokenizer
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

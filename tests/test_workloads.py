@@ -11,7 +11,7 @@ from minisrv.workloads import (
     arrival_times,
     citylm_workload,
     gpu_scale_workload,
-    notes_trace_workload,
+    lecture_trace_workload,
     output_lengths,
 )
 
@@ -59,7 +59,7 @@ def test_citylm_and_notes_workloads() -> None:
     assert tok.decode(w.prompts[0]).startswith("FR:")
     spaced = citylm_workload(tok, n=4, arrival_every=3)
     assert spaced.arrivals == [0, 3, 6, 9]
-    trace = notes_trace_workload(tok)
+    trace = lecture_trace_workload(tok)
     assert trace.output_lens == [3, 5, 3] and trace.arrivals == [0, 0, 2]
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from minisrv.checks import check_choice, check_int, check_number
 from minisrv.radix import CACHES, Cache
+from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
 
 __all__ = [
     "ADMISSIONS",
@@ -33,10 +34,6 @@ Admission = Literal["reserve", "budget"]
 ADMISSIONS: tuple[Admission, ...] = ("reserve", "budget")
 """How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
 
-Policy = Literal["fcfs"]
-POLICIES: tuple[Policy, ...] = ("fcfs",)
-"""Which waiting request is admitted first (the cache-aware policies come with their chapter)."""
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -44,7 +41,9 @@ class EngineConfig:
 
     kv_capacity: int = 4000  # KV token slots in the pool
     max_running: int = 8  # cap on the running batch
-    policy: Policy = "fcfs"  # order in which waiting requests are considered
+    policy: Policy = "fcfs"  # order in which waiting requests are considered (policy.py)
+    in_batch_prefix_check: bool | None = None  # None: on for the cache-aware policies
+    seed: int | None = None  # the random policy's generator
     cache: Cache = "none"  # "radix": reuse cached prefixes (RadixAttention)
     mode: Mode = "prefill-first"  # how a step is formed
     overlap: bool = False  # overlap CPU scheduling with the device (a later chapter)
@@ -70,6 +69,14 @@ class EngineConfig:
         for name in ("record_trace", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check = self.in_batch_prefix_check
+        if check is not None and not isinstance(check, bool):
+            raise ValueError(f"in_batch_prefix_check must be True, False or None, got {check!r}")
+        if check and self.policy not in IN_BATCH_POLICIES:
+            raise ValueError(f"in_batch_prefix_check=True works with policies "
+                             f"{', '.join(sorted(IN_BATCH_POLICIES))}, not {self.policy!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed)
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,6 +30,7 @@ from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.memory import KVManager
+from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
 
 __all__ = ["Scheduler"]
@@ -58,6 +60,7 @@ class Scheduler:
         self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
         self._pending: list[tuple[float, int, Req]] = []  # heap of future arrivals
         self._order = itertools.count()  # FCFS tie-break for equal arrival times
+        self._rng = random.Random(config.seed)  # the random policy's draws, round after round
 
     # ----------------------------------------------------------------- views
     @property
@@ -226,6 +229,8 @@ class Scheduler:
         first request that does not fit (no overtaking), which keeps the queue order fair.
         """
         adder = self.admission.adder(self.running, self.memory, self.max_running)
+        if self.waiting and adder.has_place:
+            self.prioritize()
         new: list[Req] = []
         while self.waiting and adder.has_place:
             req = self.waiting[0]
@@ -240,6 +245,21 @@ class Scheduler:
             new.append(req)
         self.running.extend(new)
         return new
+
+    def prioritize(self) -> None:
+        """Reorder the waiting queue by the policy (``policy.calc_priority``, as SGLang sorts
+        its queue each round); FCFS without the in-batch check keeps arrival order."""
+        config = self.config
+        check = config.in_batch_prefix_check
+        if check is None:
+            check = default_in_batch_check(config.policy)
+        if config.policy == "fcfs" and not check:
+            return
+        queue = list(self.waiting)
+        result = calc_priority(config.policy, self.tree, [[*r.prompt, *r.output] for r in queue],
+                               in_batch_prefix_check=check, seed=self._rng,
+                               max_new_tokens=[r.max_new_tokens for r in queue])
+        self.waiting = deque(queue[i] for i in result.order)
 
     def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
         """Give every running request a slot for its next token; retract if there are too few.
@@ -363,7 +383,8 @@ class Scheduler:
             self.stats.cached_prompt_tokens += cached
         self.stats.cached_tokens += cached
         req.state = ReqState.RUNNING
-        req.admitted_at = self.clock
+        if req.admitted_at is None:  # the first admission: queueing delay ends here
+            req.admitted_at = self.clock
 
     def _leave(self, req: Req, state: ReqState) -> None:
         """A running request ends (its KV already handed over or freed)."""
