@@ -35,20 +35,33 @@ if TYPE_CHECKING:
     from minisrv.kvpool import KVPool
 
 
+def merge_eos_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The stop ids named by ``sources`` (each an id, a list of ids or ``None``), first seen first.
+
+    HF keeps them in several places (``config.json``, ``generation_config.json``, the
+    tokenizer) as one id or a list; a generation must stop on any of them.
+    """
+    found: list[int] = []
+    for src in sources:
+        found.extend([] if src is None else [src] if isinstance(src, int) else src)
+    return tuple(dict.fromkeys(int(i) for i in found))
+
+
 class CityLM(nn.Module):
     """A LLaMA-style decoder-only language model (CityLM, or any small Llama checkpoint).
 
     ``rope_scaling`` is ``None`` or a dict of HF's ``"llama3"`` RoPE parameters; it is kept
     beside the config because ``ModelConfig`` describes shapes, not position encodings.
-    ``eos_id`` is the token that ends a generation (``None``: none does); CityLM's is the
-    tokenizer's ``<eos>``.
+    ``eos_id`` is the token that ends a generation, or a sequence of them (a checkpoint may
+    have several, e.g. end-of-text and end-of-turn; ``None``: none does). ``eos_ids`` keeps
+    them all, ``eos_id`` the first. CityLM's is the tokenizer's ``<eos>``.
     """
 
     def __init__(
         self,
         config: ModelConfig = CITYLM,
         rope_scaling: Mapping[str, Any] | None = None,
-        eos_id: int | None = EOS_ID,
+        eos_id: int | Sequence[int] | None = EOS_ID,
     ) -> None:
         super().__init__()
         for field in ("vocab_size", "d_ff", "max_seq_len"):
@@ -60,7 +73,7 @@ class CityLM(nn.Module):
             )
         self.config = config
         self.rope_scaling = dict(rope_scaling) if rope_scaling is not None else None
-        self.eos_id = eos_id
+        self.eos_ids: tuple[int, ...] = merge_eos_ids(eos_id)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -87,6 +100,15 @@ class CityLM(nn.Module):
                 nn.init.normal_(param, 0.0, out_std)
             else:
                 nn.init.normal_(param, 0.0, std)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The first of ``eos_ids`` (``None`` when no token ends a generation)."""
+        return self.eos_ids[0] if self.eos_ids else None
+
+    @eos_id.setter
+    def eos_id(self, value: int | None) -> None:
+        self.eos_ids = merge_eos_ids(value)
 
     @property
     def device(self) -> torch.device:
@@ -229,9 +251,9 @@ class CityLM(nn.Module):
         """Generate for ONE request, alone: the oracle every serving strategy must match.
 
         Prefill the prompt, then feed back one token at a time through a private KV cache.
-        Returns the generated ids only. A generated ``<eos>`` is included as the last id and
-        ends generation, unless ``ignore_eos``. Sampling goes through ``sample_next`` with
-        the request's own generator, exactly as the batched engine does.
+        Returns the generated ids only. A generated eos id (any of ``eos_ids``) is included
+        as the last id and ends generation, unless ``ignore_eos``. Sampling goes through
+        ``sample_next`` with the request's own generator, exactly as the batched engine does.
         """
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -250,14 +272,14 @@ class CityLM(nn.Module):
             )
         generator = make_generator(params)
         cache = self.new_cache()
-        logits = self(torch.tensor(prompt, dtype=torch.long), cache)
+        logits = self(torch.tensor(prompt, dtype=torch.long, device=self.device), cache)
         out: list[int] = []
         while True:
             token = sample_next(logits[-1], params, generator)
             out.append(token)
-            if token == self.eos_id and not ignore_eos:
+            if token in self.eos_ids and not ignore_eos:
                 break
             if len(out) == max_new_tokens:
                 break
-            logits = self(torch.tensor([token], dtype=torch.long), cache)
+            logits = self(torch.tensor([token], dtype=torch.long, device=self.device), cache)
         return out

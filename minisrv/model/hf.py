@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints as ``CityLM``: parameter names, config and weights.
+"""Hugging Face Llama checkpoints as ``CityLM``: parameter names, config, weights, tokenizer.
 
 Nothing is downloaded: ``from_hf_llama`` takes a ``transformers`` model already in memory or
 a local checkpoint folder.
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from minisrv.configs import ModelConfig
-from minisrv.model.citylm import CityLM
+from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.layers import rope_inv_freq
 from minisrv.model.loading import resolve_device
 
@@ -57,8 +57,10 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     raise ValueError(f"unsupported rope_scaling type {kind!r}: only None and 'llama3' are mapped")
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any] | None, int | None]:
-    """``ModelConfig``, RoPE scaling and eos id for an HF Llama config (as a dict).
+def config_from_hf(
+    hf: Mapping[str, Any],
+) -> tuple[ModelConfig, dict[str, Any] | None, tuple[int, ...]]:
+    """``ModelConfig``, RoPE scaling and every eos id of an HF Llama config (as a dict).
 
     Raises ValueError for features CityLM's layers do not have (biases, another activation).
     """
@@ -85,10 +87,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any] |
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):  # several stop ids: CityLM's oracle stops on the first only
-        eos = eos[0] if eos else None
-    return config, scaling, eos
+    return config, scaling, merge_eos_ids(hf.get("eos_token_id"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or an empty dict when the file does not exist."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -122,19 +126,24 @@ def from_hf_llama(
     state dict) or the path of a local checkpoint folder (``config.json`` plus
     ``*.safetensors``, possibly sharded with ``model.safetensors.index.json``); nothing is
     downloaded. ``dtype=None`` keeps the checkpoint's dtype. ``device=None`` keeps a model's
-    device, and for a folder picks CUDA when available. Returns the model in eval mode.
+    device, and for a folder picks CUDA when available. Every eos id of the config and of
+    the generation config ends a generation. Returns the model in eval mode.
     """
     if isinstance(src, (str, Path)):
         hf, state = _read_hf_folder(Path(src))
+        generation = _read_json(Path(src) / "generation_config.json")
         default_device = resolve_device(None)
     else:
         # Copies, so the converted model shares no memory with ``src``.
         hf = src.config.to_dict()
         state = {name: t.detach().clone() for name, t in src.state_dict().items()}
+        gen_config = getattr(src, "generation_config", None)
+        generation = gen_config.to_dict() if gen_config is not None else {}
         default_device = next(src.parameters()).device
-    config, scaling, eos_id = config_from_hf(hf)
+    config, scaling, config_eos = config_from_hf(hf)
+    stop = merge_eos_ids(config_eos, generation.get("eos_token_id"))
     with torch.device("meta"):  # no memory or random init for weights about to be replaced
-        model = CityLM(config, rope_scaling=scaling, eos_id=eos_id)
+        model = CityLM(config, rope_scaling=scaling, eos_id=stop)
     ours: dict[str, torch.Tensor] = {}
     for name in model.state_dict():
         theirs = hf_name(name)
@@ -154,3 +163,53 @@ def from_hf_llama(
     target_dtype = dtype if dtype is not None else model.embed.weight.dtype
     target_device = resolve_device(device) if device is not None else default_device
     return model.to(device=target_device, dtype=target_dtype).eval()
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the interface of minisrv's ``Tokenizer``.
+
+    The engine, the workloads and the chapters use ``encode(text) -> ids``,
+    ``decode(ids) -> text``, ``bos_id``, ``eos_id`` and ``vocab_size``; wrapping a
+    ``transformers`` tokenizer this way lets them serve any Llama-family checkpoint unchanged.
+    ``eos_ids`` lists every stop id: the ones given (the model's) and the tokenizer's own.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.bos_id: int | None = hf_tokenizer.bos_token_id
+        self.eos_ids: tuple[int, ...] = merge_eos_ids(eos_ids, hf_tokenizer.eos_token_id)
+        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
+        """The tokenizer saved in a checkpoint folder (``tokenizer.json`` and its config)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:  # optional: only real checkpoints need it
+            raise ImportError(
+                "loading a Hugging Face tokenizer needs transformers: pip install transformers"
+            ) from err
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct ids, added special tokens included."""
+        return len(self.hf)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Ids for ``text``, with the special tokens this tokenizer puts before a text (e.g.
+        Llama's begin-of-text) unless ``bos`` is false, as ``transformers`` would feed it."""
+        return list(self.hf.encode(text, add_special_tokens=bos))
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text for ``ids``; special tokens are dropped unless ``skip_special`` is false."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def id_to_str(self, i: int) -> str:
+        """The text of one id (special tokens included), as drawings label tokens."""
+        if not 0 <= int(i) < self.vocab_size:
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return self.hf.decode([int(i)])
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

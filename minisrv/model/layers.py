@@ -58,9 +58,11 @@ def rope_inv_freq(
     With ``scaling`` of type ``"llama3"`` (LLaMA 3.1's long-context recipe) the slow,
     long-wavelength channels are slowed down by ``factor``, the fast ones are left alone,
     and the ones in between are blended, so short-range behaviour is kept while positions
-    far past the original training length stay distinguishable.
+    far past the original training length stay distinguishable. The table is float32 on
+    the CPU; ``CityLM.rope_cos_sin`` copies it once to each device it runs on.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / theta**exponents
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])

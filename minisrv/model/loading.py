@@ -1,10 +1,13 @@
-"""Loading models: the trained CityLM shipped inside the package, and where a model runs."""
+"""Loading models: the trained CityLM shipped inside the package or a local Llama checkpoint
+(``load_model``), and where and in which dtype a model runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,8 +15,12 @@ from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.citylm import CityLM
 from minisrv.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from minisrv.model.hf import HFTokenizer
+
 WEIGHTS_FILE = "citylm.safetensors"
 META_FILE = "citylm.json"
+CITYLM_NAME = "citylm"  # the name ``load_model`` knows without a path
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -45,4 +52,45 @@ def load_citylm(
     state = load_safetensors((weights_dir / WEIGHTS_FILE).read_bytes())
     model.load_state_dict(state)
     model = model.to(device=resolve_device(device), dtype=dtype).eval()
+    return model, tokenizer
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What a checkpoint runs in on ``device``: bf16 on a GPU that has it, else fp16 on a GPU;
+    float32 on the CPU, where half-precision matmuls are slow or missing."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_model(
+    name_or_path: str | Path = CITYLM_NAME,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[CityLM, Tokenizer | HFTokenizer]:
+    """The model to serve and its tokenizer: the shipped CityLM or a local Llama checkpoint.
+
+    ``"citylm"`` gives ``load_citylm`` (float32 unless ``dtype``). A folder holding a
+    Llama-architecture checkpoint (``config.json``, ``*.safetensors`` and the tokenizer's
+    files) gives that model through ``from_hf_llama``, in ``default_dtype`` unless
+    ``dtype``, with its tokenizer as an ``HFTokenizer``; every eos id the checkpoint names
+    (config, generation config, tokenizer) ends a generation. ``device=None`` picks CUDA
+    when available. Nothing is downloaded: fetch a hub checkpoint first (e.g. with
+    ``huggingface_hub.snapshot_download``) and pass its folder.
+    """
+    if str(name_or_path) == CITYLM_NAME:
+        return load_citylm(device, dtype if dtype is not None else torch.float32)
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"cannot load {str(name_or_path)!r}: give {CITYLM_NAME!r} or a local folder with a "
+            "Hugging Face checkpoint (config.json, *.safetensors, tokenizer files)"
+        )
+    from minisrv.model.hf import HFTokenizer, from_hf_llama  # hf imports this module
+
+    target = resolve_device(device)
+    target_dtype = dtype if dtype is not None else default_dtype(target)
+    model = from_hf_llama(folder, dtype=target_dtype, device=target)
+    tokenizer = HFTokenizer.from_folder(folder, model.eos_ids)
+    model.eos_ids = tokenizer.eos_ids  # the tokenizer's eos ends a generation too
     return model, tokenizer
