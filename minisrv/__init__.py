@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "load_citylm": "minisrv.model",
+    "load_model": "minisrv.model",
     "CityLM": "minisrv.model",
     "Tokenizer": "minisrv.tokenizer",
     "SamplingParams": "minisrv.sampling",

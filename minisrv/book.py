@@ -32,10 +32,29 @@ DEVICE = default_device()'''
 
 
 def default_device() -> str:
-    """``"cuda"`` when a GPU is visible (e.g. on Colab), else ``"cpu"``."""
+    """``$MINISRV_DEVICE`` when set, else ``"cuda"`` when a GPU is visible (e.g. on Colab),
+    else ``"cpu"``.
+
+    The variable lets a GPU box run every chapter on ``cuda`` and a test force ``cpu``. A
+    value that is not a torch device, or CUDA where there is none, raises ValueError rather
+    than silently running the chapters somewhere else.
+    """
+    import os
+
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    wanted = os.environ.get("MINISRV_DEVICE", "").strip()
+    if not wanted:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(wanted)
+    except RuntimeError as err:
+        raise ValueError(
+            f"MINISRV_DEVICE={wanted!r} is not a torch device; use e.g. 'cpu', 'cuda', 'cuda:1'"
+        ) from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"MINISRV_DEVICE={wanted!r} but no CUDA GPU is visible; use 'cpu'")
+    return wanted
 
 
 def source_of(obj: Any) -> str:

@@ -1,0 +1,190 @@
+"""Selective batching's data: ``FlatBatch`` (the new tokens of many requests end to end) and
+the attention that runs over it, with every request's K/V in a shared ``KVPool``.
+
+``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
+tokens' K/V into their slots, then attends with one of the two strategies of
+``ATTENTION_KINDS`` (``flat_attention_loop``, ``flat_attention_padded``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from minisrv.model.layers import causal_mask, grouped_attention
+
+if TYPE_CHECKING:
+    from minisrv.kvpool import KVPool
+
+ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded")
+"""How ``CityLM.forward_flat`` attends: one call per request, or one padded call for all."""
+
+
+class FlatBatch:
+    """The new tokens of many requests laid end to end, with where their KV lives.
+
+    ``new_ids[r]`` are request r's tokens to compute this step (a whole prompt for a prefill,
+    one token for a decode, anything in between for a chunk). ``slots[r]`` lists ALL of
+    request r's KV slots in position order: the first ``len(slots[r]) - len(new_ids[r])``
+    already hold its prefix, the last ``len(new_ids[r])`` receive the new tokens' K/V. So a
+    token's position is its index in ``slots[r]``, which is what RoPE needs.
+
+    Everything the forward needs (flat ids, positions, write slots, and the index tensors of
+    the padded attention) is computed here once per step and shared by all layers.
+    """
+
+    def __init__(
+        self,
+        new_ids: Sequence[Sequence[int]],
+        slots: Sequence[Sequence[int]],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if len(new_ids) != len(slots):
+            raise ValueError(f"{len(new_ids)} requests' ids but {len(slots)} slot lists")
+        if not new_ids:
+            raise ValueError("a flat batch needs at least one request")
+        self.device = torch.device(device)
+        self.new_lens: list[int] = []
+        self.cached_lens: list[int] = []
+        write: list[int] = []
+        positions: list[int] = []
+        for r, (ids, req_slots) in enumerate(zip(new_ids, slots)):
+            n_new, n_all = len(ids), len(req_slots)
+            if n_new == 0:
+                raise ValueError(f"request {r} of the batch has no new tokens")
+            if n_all < n_new:
+                raise ValueError(f"request {r}: {n_new} new tokens but only {n_all} slots")
+            self.new_lens.append(n_new)
+            self.cached_lens.append(n_all - n_new)
+            write.extend(req_slots[n_all - n_new :])
+            positions.extend(range(n_all - n_new, n_all))
+        if len(set(write)) != len(write):
+            raise ValueError("two new tokens of the batch are written to the same KV slot")
+        self.max_slot = max(max(s) for s in slots)  # checked against the pool by the forward
+        if min(min(s) for s in slots) < 0:
+            raise ValueError("KV slot indices must be >= 0")
+        flat_ids = [int(t) for ids in new_ids for t in ids]
+        self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)
+        self.slots = [torch.tensor(list(s), dtype=torch.long, device=self.device) for s in slots]
+        ends = list(itertools.accumulate(self.new_lens))
+        self.starts = [end - n for end, n in zip(ends, self.new_lens)]
+        self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
+        self._padded: tuple[torch.Tensor, ...] | None = None
+
+    def __len__(self) -> int:
+        """Requests in the batch."""
+        return len(self.new_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in all (the rows of the flat matrix)."""
+        return int(self.ids.shape[0])
+
+    def padded_index(self) -> tuple[torch.Tensor, ...]:
+        """Index tensors of the padded attention, built on first use.
+
+        Returns ``(row_b, row_t, key_slots, mask)``: flat token i sits at row ``row_t[i]`` of
+        request ``row_b[i]``'s padded block; ``key_slots`` [B, S_max] are every request's
+        slots padded with slot 0; ``mask`` [B, 1, T_max, S_max] lets query t of request b
+        see keys at positions <= its own. Padding rows see the request's last real position
+        (never an empty row, so softmax gives no NaN); their outputs are dropped.
+        """
+        if self._padded is None:
+            dev = self.device
+            n_b = len(self.new_lens)
+            t_max = max(self.new_lens)
+            s_max = max(len(s) for s in self.slots)
+            row_b = torch.repeat_interleave(
+                torch.arange(n_b, device=dev), torch.tensor(self.new_lens, device=dev)
+            )
+            row_t = torch.cat([torch.arange(n, device=dev) for n in self.new_lens])
+            key_slots = torch.zeros(n_b, s_max, dtype=torch.long, device=dev)
+            for b, s in enumerate(self.slots):
+                key_slots[b, : s.shape[0]] = s
+            cached = torch.tensor(self.cached_lens, device=dev)[:, None]
+            last = torch.tensor(self.new_lens, device=dev)[:, None] - 1
+            t = torch.arange(t_max, device=dev)[None, :]
+            query_pos = cached + torch.minimum(t, last)  # [B, T_max]
+            key_pos = torch.arange(s_max, device=dev)
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+            self._padded = (row_b, row_t, key_slots, mask[:, None])
+        return self._padded
+
+    def __repr__(self) -> str:
+        return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
+
+
+def flat_attention_loop(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """Attention of a flat batch, one request at a time: the plain, obviously right version.
+
+    ``q`` [T, n_heads, head_dim]; ``k_layer``/``v_layer`` [capacity, n_kv_heads, head_dim]
+    are one layer of the pool, already holding this step's new K/V. Request r's queries see
+    its own slots only: all of its prefix, and its new tokens causally. Returns
+    [T, n_heads * head_dim]. Costs one small attention call per request per layer.
+    """
+    outs = []
+    for start, n_new, n_cached, slots in zip(
+        batch.starts, batch.new_lens, batch.cached_lens, batch.slots
+    ):
+        mask = causal_mask(n_cached, n_new, q.device)
+        outs.append(
+            grouped_attention(q[start : start + n_new], k_layer[slots], v_layer[slots], mask)
+        )
+    return torch.cat(outs, dim=0)
+
+
+def flat_attention_padded(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """The same attention as ``flat_attention_loop`` in ONE call for the whole batch.
+
+    Requests are padded to the longest new-token run (T_max) and the longest context
+    (S_max) and a boolean mask hides what each query must not see; PyTorch's
+    ``scaled_dot_product_attention`` then runs once per layer whatever the batch size. The
+    price is wasted work on padding when lengths differ a lot (a long prefill beside many
+    decodes); ragged kernels (FlashInfer, ``flex_attention``) avoid it on a GPU.
+    """
+    row_b, row_t, key_slots, mask = batch.padded_index()
+    n_b, t_max = key_slots.shape[0], mask.shape[2]
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    group = n_heads // k_layer.shape[1]
+    q_pad = q.new_zeros(n_b, t_max, n_heads, head_dim)
+    q_pad[row_b, row_t] = q
+    k = k_layer[key_slots].repeat_interleave(group, dim=2)  # [B, S_max, n_heads, head_dim]
+    v = v_layer[key_slots].repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )  # [B, n_heads, T_max, head_dim]
+    out = out.transpose(1, 2)[row_b, row_t]  # [T, n_heads, head_dim]
+    return out.reshape(out.shape[0], n_heads * head_dim)
+
+
+def pool_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    batch: FlatBatch,
+    pool: KVPool,
+    write: torch.Tensor,
+    kind: str = "padded",
+) -> torch.Tensor:
+    """A flat batch's attention at ``layer``: write the new K/V to slots ``write``, then attend.
+
+    Each token's K/V go to its request's slot in ``pool`` before anyone attends, so the
+    request's other new tokens see them now and its later steps find them there; ``kind``
+    picks the strategy of ``ATTENTION_KINDS``. This is ``CityLM.forward_flat``'s ``LayerAttend``.
+    """
+    pool.k[layer, write] = k
+    pool.v[layer, write] = v
+    attend = flat_attention_loop if kind == "loop" else flat_attention_padded
+    return attend(q, batch, pool.k[layer], pool.v[layer])
