@@ -31,6 +31,7 @@ from minisrv.scheduler import (
     MODES,
     POLICIES,
     Backend,
+    ConfigView,
     EngineConfig,
     Scheduler,
     SchedulerStats,
@@ -52,7 +53,7 @@ class RunResult:
     metrics: RunMetrics
 
 
-class Engine:
+class Engine(ConfigView):
     """A model and a scheduler behind one ``generate`` call.
 
     ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
@@ -76,26 +77,6 @@ class Engine:
     def backend(self) -> Backend:
         """What computes the steps."""
         return self.scheduler.backend
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def max_running(self) -> int:
-        return self.config.max_running
-
-    @property
-    def kv_capacity(self) -> int:
-        return self.config.kv_capacity
-
-    @property
-    def policy(self) -> str:
-        return self.config.policy
-
-    @property
-    def cache(self) -> str:
-        return self.config.cache
 
     @property
     def stats(self) -> SchedulerStats:

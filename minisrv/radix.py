@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from minisrv import prefix_cache
 from minisrv.checks import check_choice, check_int
 from minisrv.prefix_cache import (
     EvictCallback,
@@ -50,20 +51,7 @@ from minisrv.prefix_cache import (
     TreeNode,
 )
 
-__all__ = [
-    "TreeNode",
-    "MatchResult",
-    "SizeInfo",
-    "NodeView",
-    "TreeEvent",
-    "TreeListener",
-    "PrefixCache",
-    "RadixCache",
-    "NoCache",
-    "Cache",
-    "CACHES",
-    "make_cache",
-]
+__all__ = [*prefix_cache.__all__, "RadixCache", "Cache", "CACHES", "make_cache"]
 
 
 class RadixCache(PrefixCache):

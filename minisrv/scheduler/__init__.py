@@ -9,7 +9,7 @@
 """
 
 from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS
-from minisrv.scheduler.config import ADMISSIONS, MODES, EngineConfig
+from minisrv.scheduler.config import ADMISSIONS, MODES, ConfigView, EngineConfig
 from minisrv.scheduler.loop import Scheduler
 from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import POLICIES, PriorityResult, calc_priority, optimal_hit_rate
@@ -30,6 +30,7 @@ __all__ = [
     "Backend",
     "Batch",
     "BatchResult",
+    "ConfigView",
     "EngineConfig",
     "KVManager",
     "PriorityResult",

@@ -21,6 +21,7 @@ __all__ = [
     "MODES",
     "POLICIES",
     "Admission",
+    "ConfigView",
     "EngineConfig",
     "Mode",
     "Policy",
@@ -89,3 +90,29 @@ class EngineConfig:
                 f"valid options: {', '.join(valid)}"
             )
         return dataclasses.replace(config or cls(), **options)
+
+
+class ConfigView:
+    """Read-only shortcuts to the options of ``self.config``, for the engine and the loop."""
+
+    config: EngineConfig
+
+    @property
+    def mode(self) -> Mode:
+        return self.config.mode
+
+    @property
+    def max_running(self) -> int:
+        return self.config.max_running
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.config.kv_capacity
+
+    @property
+    def policy(self) -> Policy:
+        return self.config.policy
+
+    @property
+    def cache(self) -> Cache:
+        return self.config.cache

@@ -28,7 +28,7 @@ from minisrv.kvpool import SlotAllocator
 from minisrv.prefix_cache import PrefixCache
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
-from minisrv.scheduler.config import EngineConfig
+from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
@@ -36,7 +36,7 @@ from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStat
 __all__ = ["Scheduler"]
 
 
-class Scheduler:
+class Scheduler(ConfigView):
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
@@ -63,18 +63,6 @@ class Scheduler:
         self._rng = random.Random(config.seed)  # the random policy's draws, round after round
 
     # ----------------------------------------------------------------- views
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def max_running(self) -> int:
-        return self.config.max_running
-
-    @property
-    def kv_capacity(self) -> int:
-        return self.config.kv_capacity
-
     @property
     def kv(self) -> SlotAllocator:
         """The slot allocator (the backend's KV pool when it has one)."""
