@@ -23,7 +23,7 @@ def is_int(value: object) -> bool:
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as an ``int``; ``ValueError`` unless it is an integer >= ``minimum``."""
     if not is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {value!r}")
     number = int(value)  # type: ignore[call-overload]
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from minisrv.backends import ModelBackend, SimBackend
-from minisrv.checks import check_int, is_int
+from minisrv.checks import check_int, check_number, is_int
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.prefix_cache import PrefixCache
@@ -258,7 +258,4 @@ def _per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list
     if isinstance(arrival_steps, numbers.Real):
         raise ValueError("arrival_steps must hold one arrival per prompt")
     arrivals = _per_request(n, "arrival_steps", arrival_steps)
-    for i, a in enumerate(arrivals):
-        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not a >= 0:
-            raise ValueError(f"arrival_steps[{i}] must be a number >= 0, got {a!r}")
-    return [float(a) for a in arrivals]
+    return [check_number(f"arrival_steps[{i}]", a, low=0.0) for i, a in enumerate(arrivals)]

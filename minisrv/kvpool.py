@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from minisrv.checks import check_int
 from minisrv.configs import ModelConfig
 
 __all__ = ["SlotAllocator", "KVPool"]
@@ -30,8 +31,7 @@ class SlotAllocator:
     """
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        check_int("capacity", capacity, minimum=1)
         self.capacity = capacity
         # A stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ...
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -49,8 +49,7 @@ class SlotAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """``n`` free slots (n may be 0); ValueError, changing nothing, if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"alloc needs a count >= 0, got {n!r}")
+        n = check_int("alloc's slot count", n, minimum=0)
         if n > len(self._free):
             raise ValueError(
                 f"KV pool exhausted: asked for {n} slots, only {len(self._free)} of "

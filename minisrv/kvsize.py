@@ -16,8 +16,8 @@ Conventions used throughout:
 from __future__ import annotations
 
 import math
-import numbers
 
+from minisrv.checks import check_int, check_number
 from minisrv.configs import GPUSpec, ModelConfig
 
 
@@ -27,17 +27,12 @@ def check_positive_int(name: str, value: object) -> int:
     Sizes arrive from widgets, numpy arrays and user code; a zero or negative token count is
     always a caller's mistake, and a silent ``0`` would give nonsense times downstream.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    return check_int(name, value, minimum=1)
 
 
 def check_dtype_bytes(dtype_bytes: float) -> float:
     """Bytes per stored number must be a positive real (0.5 is int4)."""
-    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, numbers.Real):
-        raise ValueError(f"dtype_bytes must be a number, got {dtype_bytes!r}")
+    check_number("dtype_bytes", dtype_bytes)
     if not dtype_bytes > 0:
         raise ValueError(f"dtype_bytes must be > 0, got {dtype_bytes}")
     return float(dtype_bytes)

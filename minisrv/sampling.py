@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisrv.checks import check_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,18 +35,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed)
 
     @property
     def greedy(self) -> bool:

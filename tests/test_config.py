@@ -40,7 +40,7 @@ def test_an_unknown_option_names_the_valid_ones() -> None:
         ({"new_token_ratio": 1.5}, r"new_token_ratio must be in \[0.0, 1.0\]"),
         ({"min_ratio": 0.9}, r"min_ratio must be in \[0.0, 0.7\]"),
         ({"ratio_decay": -1}, "ratio_decay must be in"),
-        ({"max_running": True}, "max_running must be an int"),
+        ({"max_running": True}, "max_running must be an integer"),
         ({"admission": "greedy"}, "unknown admission 'greedy'; supported values: reserve, budget"),
         ({"debug": 1}, "debug must be True or False"),
     ],
