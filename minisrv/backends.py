@@ -49,7 +49,7 @@ class PerRequestBackend:
 
     def __init__(self, model: CityLM) -> None:
         self.model = model
-        self.eos_id: int | None = model.eos_id
+        self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
         self._caches: dict[Req, DenseKVCache] = {}
@@ -113,7 +113,7 @@ class ModelBackend:
             raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
         self.model = model
         self.attention = attention
-        self.eos_id: int | None = model.eos_id
+        self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
@@ -167,7 +167,7 @@ class SimBackend:
 
     time_unit = "s"
     cost_unit = "s"
-    eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
 
     def __init__(
         self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2

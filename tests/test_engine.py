@@ -176,3 +176,17 @@ def test_engine_wraps_a_model_in_a_model_backend(model) -> None:
     assert isinstance(engine.backend, ModelBackend)
     assert (engine.kv_capacity, engine.max_running, engine.mode) == (4000, 8, "prefill-first")
     assert engine.stats.as_dict()["hit_rate"] == 0.0
+
+
+def test_every_eos_id_of_the_model_ends_a_request_as_it_does_alone(model) -> None:
+    prompts = [[0, 5, 9], [0, 7], [0, 3, 3, 4]]
+    free = [model.reference_generate(p, 12, ignore_eos=True) for p in prompts]
+    second = free[0][2]  # a token the first request really generates: make it a stop id
+    saved = model.eos_ids
+    try:
+        model.eos_ids = (*saved, second)
+        alone = [model.reference_generate(p, 12) for p in prompts]
+        served = Engine(model, max_running=2).generate(prompts, 12)
+    finally:
+        model.eos_ids = saved
+    assert served == alone and alone[0][-1] == second and len(alone[0]) <= 3

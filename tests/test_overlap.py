@@ -181,8 +181,8 @@ def test_timed_backend_keeps_the_tokens(model, cache: str) -> None:
 def test_timed_backend_forwards_the_protocol(model) -> None:
     inner = ModelBackend(model)
     timed = TimedBackend(inner, 0.0)
-    assert (timed.time_unit, timed.cost_unit, timed.eos_id, timed.max_context,
-            timed.vocab_size) == (inner.time_unit, inner.cost_unit, inner.eos_id,
+    assert (timed.time_unit, timed.cost_unit, timed.eos_ids, timed.max_context,
+            timed.vocab_size) == (inner.time_unit, inner.cost_unit, inner.eos_ids,
                                   inner.max_context, inner.vocab_size)
     assert timed.attach_kv == inner.attach_kv
     assert not hasattr(TimedBackend(SimBackend(), 0.001), "attach_kv")  # none to forward

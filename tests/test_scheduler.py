@@ -25,7 +25,7 @@ class ScriptedBackend:
 
     time_unit = "step"
     cost_unit = "tokens"
-    eos_id = EOS
+    eos_ids = (EOS,)
     max_context = 64
     vocab_size = 10
 

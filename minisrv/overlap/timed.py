@@ -46,7 +46,7 @@ class TimedBackend:
         self.step_time = float(step_time)
         self.time_unit: str = inner.time_unit
         self.cost_unit: str = inner.cost_unit
-        self.eos_id: int | None = inner.eos_id
+        self.eos_ids: tuple[int, ...] = inner.eos_ids
         self.max_context: int | None = inner.max_context
         self.vocab_size: int | None = getattr(inner, "vocab_size", None)
         self.steps = 0

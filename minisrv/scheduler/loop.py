@@ -287,8 +287,8 @@ class Scheduler(ConfigView):
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
         """Append each request's new token, stream it, and stop and free finished requests.
 
-        A request stops when it has ``max_new_tokens`` tokens, or when it produced
-        ``<eos>`` and does not ignore it. A prefilled request that goes on gives its KV to
+        A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
+        the model's end-of-sequence ids and does not ignore them. A prefilled request that goes on gives its KV to
         the prefix cache at once. Returns the requests that finished this step.
         """
         reqs = batch.reqs
@@ -296,14 +296,14 @@ class Scheduler(ConfigView):
             raise ValueError(
                 f"backend returned {len(result.next_tokens)} tokens for a batch of {len(reqs)}"
             )
-        now, eos, on_token = self.clock, self.backend.eos_id, self.on_token
+        now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
         finished = []
         for req, token in zip(reqs, result.next_tokens, strict=True):
             req.output.append(token)
             req.token_times.append(now)
             if on_token is not None:
                 on_token(req, token)
-            if token == eos and not req.params.ignore_eos:
+            if token in stops and not req.params.ignore_eos:
                 req.finish_reason = "eos"
             elif len(req.output) >= req.params.max_new_tokens:
                 req.finish_reason = "length"

@@ -61,7 +61,7 @@ class Backend(Protocol):
 
     time_unit: str  # unit of the clock, e.g. "step" or "s"
     cost_unit: str  # unit of BatchResult.cost, e.g. "tokens" or "s"
-    eos_id: int | None  # token that ends a request (None: outputs have fixed lengths)
+    eos_ids: tuple[int, ...]  # tokens that end a request (empty: outputs have fixed lengths)
     max_context: int | None  # longest sequence (prompt + output) the model takes (None: any)
     vocab_size: int | None  # prompts must hold ids below this (None: any id)
 
