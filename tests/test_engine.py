@@ -125,7 +125,7 @@ def test_arrival_steps_delay_admission(model) -> None:
         ({"mode": "chunked"}, "unknown mode 'chunked'; supported values: static, prefill-first"),
         ({"policy": "lpm"}, "unknown policy 'lpm'; supported values: fcfs"),
         ({"cache": "lru"}, "unknown cache 'lru'; supported values: none, radix"),
-        ({"overlap": True}, "unsupported overlap=True"),
+        ({"overlap": "yes"}, "overlap must be True or False"),
         ({"kv_capacity": -5}, "kv_capacity must be >= 1"),
     ],
 )
