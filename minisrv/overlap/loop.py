@@ -26,6 +26,7 @@ makes reusing a slot freed by step i safe in step i+1.
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,10 @@ from minisrv.overlap.futures import FutureMap
 from minisrv.request import Req, ReqState
 from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
 
-__all__ = ["OverlapScheduler"]
+__all__ = ["SWITCH_INTERVAL", "OverlapScheduler"]
+
+SWITCH_INTERVAL = 1e-4
+"""Seconds between GIL hand-overs while the overlapped loop runs (Python's default: 5 ms)."""
 
 
 @dataclass
@@ -76,6 +80,20 @@ class OverlapScheduler(Scheduler):
         return super().idle and self._inflight is None
 
     # ----------------------------------------------------------------- the loop
+    def run(self, progress: bool = False) -> None:
+        """Step until every request has finished, with a short GIL switch interval.
+
+        The device thread needs the GIL for a moment to start each step; by default Python
+        hands it over only every 5 ms, longer than a whole step, which would serialise the
+        two threads again. For the duration of the run the interval is ``SWITCH_INTERVAL``.
+        """
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
+        try:
+            super().run(progress)
+        finally:
+            sys.setswitchinterval(old)
+
     def step(self) -> StepRecord | None:
         """Launch the next step, then finish the previous one; its record (``None``: done)."""
         while True:
