@@ -17,7 +17,8 @@ so every scheduling decision is made by the same ``Scheduler`` code at both scal
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -26,13 +27,31 @@ from minisrv.kvpool import KVPool, SlotAllocator
 from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
 from minisrv.request import Req
 from minisrv.roofline import step_cost_from_totals
-from minisrv.sampling import make_generator, sample_next
+from minisrv.sampling import SamplingParams, make_generator, sample_next
 from minisrv.scheduler import Batch, BatchResult
 
 if TYPE_CHECKING:
     from minisrv.model import CityLM, DenseKVCache
 
-__all__ = ["ModelBackend", "PerRequestBackend", "SimBackend"]
+__all__ = ["ModelBackend", "ModelStep", "PerRequestBackend", "SimBackend", "SimStep"]
+
+
+class ModelStep(NamedTuple):
+    """A step's inputs copied out of its requests (``ModelBackend.prepare``)."""
+
+    new_ids: list[list[int]]  # per request: the tokens to compute (a future id is < 0)
+    slots: list[list[int]]  # per request: its KV slots, the new tokens' last
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+class SimStep(NamedTuple):
+    """A simulated step's totals and dummy tokens (``SimBackend.prepare``)."""
+
+    tokens: list[int]
+    new: int  # tokens computed
+    attended: int  # (query, key) pairs attended
+    cached: int  # KV tokens read from the cache
 
 
 class PerRequestBackend:
@@ -130,19 +149,45 @@ class ModelBackend:
         A prefill computes its ``fill_ids`` (its uncached prompt, plus output kept from before a
         retraction); a decode computes its last output token. Cost = tokens computed.
         """
-        from minisrv.model import FlatBatch
+        return self.compute(self.prepare(batch))
 
+    def prepare(self, batch: Batch) -> ModelStep:
+        """The CPU half of ``run``: copy out everything the forward reads from the requests.
+
+        The overlapped loop calls this on its main thread and ``compute`` on the device's
+        thread, so the requests may change (the next step is being formed) while the step
+        runs. A decode input may be a future id (< 0) naming a token not yet sampled.
+        """
         if self.pool is None:
             raise ValueError("ModelBackend has no KV pool: the scheduler calls attach_kv first")
         new_ids = [req.fill_ids for req in batch.prefill] + [[r.output[-1]] for r in batch.decode]
-        reqs = batch.reqs
-        flat = FlatBatch(new_ids, [req.kv_slots for req in reqs], self.model.device)
-        logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
         for req in batch.prefill:
             if req not in self._generators:  # a retracted request keeps its generator
                 self._generators[req] = make_generator(req.params)
+        reqs = batch.reqs
+        return ModelStep(new_ids, [list(req.kv_slots) for req in reqs],
+                         [req.params for req in reqs], [self._generators[req] for req in reqs])
+
+    def compute(
+        self, step: ModelStep, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> BatchResult:
+        """The device half of ``run``: one flat forward, then sampling.
+
+        ``resolve`` replaces future ids (< 0) by their tokens (``FutureMap.resolve``): one
+        ``torch.where`` over the step's input ids.
+        """
+        from minisrv.model import FlatBatch
+
+        new_ids = step.new_ids
+        if resolve is not None and any(t < 0 for ids in new_ids for t in ids):
+            flat_ids = resolve(torch.tensor([t for ids in new_ids for t in ids])).tolist()
+            it = iter(flat_ids)
+            new_ids = [[next(it) for _ in ids] for ids in new_ids]
+        flat = FlatBatch(new_ids, step.slots, self.model.device)
+        logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
         tokens = [
-            sample_next(row, req.params, self._generators[req]) for row, req in zip(logits, reqs)
+            sample_next(row, params, gen)
+            for row, params, gen in zip(logits, step.params, step.generators, strict=True)
         ]
         return BatchResult(next_tokens=tokens, cost=float(flat.num_tokens), elapsed=1.0)
 
@@ -196,6 +241,10 @@ class SimBackend:
         request's cache holds all its tokens but the last output, this step's input), summed
         here in one pass because a GPU-scale simulation asks for tens of thousands of steps.
         """
+        return self.compute(self.prepare(batch))
+
+    def prepare(self, batch: Batch) -> SimStep:
+        """The CPU half of ``run``: the batch's totals and dummy tokens (see ``run``)."""
         vocab = self._vocab
         tokens = []
         new = attended = cached = 0
@@ -213,8 +262,16 @@ class SimBackend:
             attended += n
             tokens.append((req.rid * 7919 + n) % vocab)
         new += len(batch.decode)
-        cost = step_cost_from_totals(self.cfg, self.gpu, new, attended, cached, self.dtype_bytes)
-        return BatchResult(next_tokens=tokens, cost=cost.time_s, elapsed=cost.time_s)
+        return SimStep(tokens, new, attended, cached)
+
+    def compute(
+        self, step: SimStep, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> BatchResult:
+        """The device half of ``run``: the roofline time (no input ids are read)."""
+        cost = step_cost_from_totals(
+            self.cfg, self.gpu, step.new, step.attended, step.cached, self.dtype_bytes
+        )
+        return BatchResult(next_tokens=list(step.tokens), cost=cost.time_s, elapsed=cost.time_s)
 
     def release(self, req: Req) -> None:
         """Nothing to free: the simulator keeps no per-request state."""

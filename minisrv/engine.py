@@ -69,7 +69,12 @@ class Engine(ConfigView):
     def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_options(config, **options)
         backend = model if isinstance(model, Backend) else ModelBackend(model)
-        self.scheduler = Scheduler(backend, self.config)
+        if self.config.overlap:
+            from minisrv.overlap.loop import OverlapScheduler
+
+            self.scheduler: Scheduler = OverlapScheduler(backend, self.config)
+        else:
+            self.scheduler = Scheduler(backend, self.config)
         self._next_rid = 0
 
     # ----------------------------------------------------------------- views

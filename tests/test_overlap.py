@@ -184,8 +184,9 @@ def test_timed_backend_forwards_the_protocol(model) -> None:
     assert (timed.time_unit, timed.cost_unit, timed.eos_ids, timed.max_context,
             timed.vocab_size) == (inner.time_unit, inner.cost_unit, inner.eos_ids,
                                   inner.max_context, inner.vocab_size)
-    assert timed.attach_kv == inner.attach_kv
-    assert not hasattr(TimedBackend(SimBackend(), 0.001), "attach_kv")  # none to forward
+    allocator = timed.attach_kv(20)
+    assert allocator is inner.pool.allocator and allocator.capacity == 20
+    assert TimedBackend(SimBackend(), 0.001).attach_kv(20) is None  # stores no KV
 
 
 def test_timed_backend_counts_overruns(model) -> None:

@@ -12,12 +12,14 @@ the device computes step i.
   computing the real tokens;
 * ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
 * ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
-  inputs name step i's not-yet-sampled tokens.
+  inputs name step i's not-yet-sampled tokens;
+* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``.
 """
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
 from minisrv.overlap.futures import FutureMap
 from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
+from minisrv.overlap.loop import OverlapScheduler
 from minisrv.overlap.timed import TimedBackend
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "PARTS",
     "FutureMap",
     "Interval",
+    "OverlapScheduler",
     "StepTiming",
     "StepTimings",
     "TimedBackend",

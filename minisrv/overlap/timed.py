@@ -11,10 +11,16 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from minisrv.request import Req
 from minisrv.scheduler import Batch, BatchResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from minisrv.kvpool import SlotAllocator
 
 __all__ = ["TimedBackend"]
 
@@ -51,14 +57,28 @@ class TimedBackend:
         self.vocab_size: int | None = getattr(inner, "vocab_size", None)
         self.steps = 0
         self.overruns = 0
-        if callable(getattr(inner, "attach_kv", None)):
-            # Only a backend that stores KV has attach_kv (the scheduler looks it up).
-            self.attach_kv = inner.attach_kv
+
+    def attach_kv(self, capacity: int) -> SlotAllocator | None:
+        """The inner backend's KV store (``None`` when it stores none)."""
+        attach = getattr(self.inner, "attach_kv", None)
+        return attach(capacity) if callable(attach) else None
 
     def run(self, batch: Batch) -> BatchResult:
         """The inner backend's answer, returned ``step_time`` seconds after the call."""
+        return self._timed(lambda: self.inner.run(batch))
+
+    def prepare(self, batch: Batch) -> Any:
+        """The inner backend's ``prepare`` (the CPU half of a step, not timed)."""
+        return self.inner.prepare(batch)
+
+    def compute(self, step: Any, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> BatchResult:
+        """The inner backend's ``compute``, returned ``step_time`` seconds after the call."""
+        return self._timed(lambda: self.inner.compute(step, resolve))
+
+    def _timed(self, work: Callable[[], BatchResult]) -> BatchResult:
         start = time.perf_counter()
-        result = self.inner.run(batch)
+        result = work()
         left = self.step_time - (time.perf_counter() - start)
         self.steps += 1
         if left > 0:

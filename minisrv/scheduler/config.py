@@ -47,7 +47,8 @@ class EngineConfig:
     seed: int | None = None  # the random policy's generator
     cache: Cache = "none"  # "radix": reuse cached prefixes (RadixAttention)
     mode: Mode = "prefill-first"  # how a step is formed
-    overlap: bool = False  # overlap CPU scheduling with the device (a later chapter)
+    overlap: bool = False  # form step i+1 on the CPU while the device computes step i
+    skip_finishing_decode: bool = False  # overlap: leave requests ending on length out of i+1
     admission: Admission = "budget"  # how memory is promised to admitted requests
     new_token_ratio: float = 0.7  # budget: share of remaining output assumed still needed
     ratio_decay: float = 0.001  # budget: how much the ratio falls per decode step
@@ -62,12 +63,10 @@ class EngineConfig:
         check_choice("cache", self.cache, CACHES)
         check_choice("mode", self.mode, MODES)
         check_choice("admission", self.admission, ADMISSIONS)
-        if self.overlap is not False:
-            raise ValueError(f"unsupported overlap={self.overlap!r}; supported values: False")
         check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)
         check_number("min_ratio", self.min_ratio, 0.0, self.new_token_ratio)
         check_number("ratio_decay", self.ratio_decay, 0.0)
-        for name in ("record_trace", "debug"):
+        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check = self.in_batch_prefix_check

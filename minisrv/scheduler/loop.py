@@ -288,8 +288,8 @@ class Scheduler(ConfigView):
         """Append each request's new token, stream it, and stop and free finished requests.
 
         A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
-        the model's end-of-sequence ids and does not ignore them. A prefilled request that goes on gives its KV to
-        the prefix cache at once. Returns the requests that finished this step.
+        the model's end-of-sequence ids and does not ignore them. A prefilled request that
+        goes on gives its KV to the prefix cache at once. Returns the requests that finished.
         """
         reqs = batch.reqs
         if len(result.next_tokens) != len(reqs):

@@ -140,6 +140,7 @@ class SchedulerStats:
     evicted_tokens: int = 0  # cached tokens evicted to make room
     retractions: int = 0
     wasted_tokens: int = 0  # tokens computed and then thrown away
+    late_stop_tokens: int = 0  # overlap: tokens computed after a finish (in wasted_tokens too)
     finished: int = 0  # requests completed
     generated_tokens: int = 0  # output tokens, the first (from prefill) included
     busy_time: float = 0.0  # clock time spent in steps (idle gaps excluded)

@@ -1,0 +1,260 @@
+"""The overlapped loop: the CPU forms step i+1 while the device computes step i.
+
+``OverlapScheduler`` is the ``Scheduler`` with a different ``step``. Each call
+
+1. forms the next batch on the main thread (``get_next_batch_to_run``, unchanged), while
+   the previous step may still be computing; every request of that step already carries a
+   *future id* (a negative placeholder, ``FutureMap``) in place of the token it is about
+   to get, so lengths, KV slots and admission see exactly what the blocking loop sees;
+2. copies the batch's inputs out of the requests (``backend.prepare``) and hands the step
+   to the device thread; there ``FutureMap.resolve`` swaps each future id for the token
+   the previous step sampled (one ``torch.where``), and the new tokens are stored for the
+   step after (``FutureMap.store``);
+3. only then waits for the previous step and processes its result: tokens replace their
+   placeholders, stops are checked, the finished leave, tokens are streamed.
+
+The stop check is therefore one step late: a request that finished in step i was still
+running when step i+1 was formed, so (if step i+1 decodes it) it computes one extra token,
+which is discarded and counted in ``stats.wasted_tokens``. With
+``skip_finishing_decode=True`` a request whose length limit ends it in step i is left out of
+step i+1 (its length is known before its token), so only ``<eos>`` costs a token.
+
+On the CPU the device thread is a worker thread (torch releases the GIL in its kernels;
+a ``TimedBackend`` sleeps). Steps run one after the other in that thread, which is what
+makes reusing a slot freed by step i safe in step i+1.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisrv.overlap.futures import FutureMap
+from minisrv.request import Req, ReqState
+from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
+
+__all__ = ["SWITCH_INTERVAL", "OverlapScheduler"]
+
+SWITCH_INTERVAL = 1e-4
+"""Seconds between GIL hand-overs while the overlapped loop runs (Python's default: 5 ms)."""
+
+
+@dataclass
+class _InFlight:
+    """A step handed to the device: its batch, where its tokens go, and its answer."""
+
+    batch: Batch
+    positions: list[int]  # per request: the index of its placeholder in req.output
+    before: dict[str, Any]  # trace fields known when the step was formed
+    result: Future[BatchResult]
+
+
+class OverlapScheduler(Scheduler):
+    """``Scheduler`` whose CPU work for step i+1 overlaps the device's step i.
+
+    The backend must split ``run`` into ``prepare(batch)`` (main thread: copy the inputs)
+    and ``compute(prepared, resolve)`` (device thread), as ``ModelBackend``,
+    ``SimBackend`` and ``TimedBackend`` do. Outputs equal the blocking loop's.
+    """
+
+    def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
+        super().__init__(backend, config, **options)
+        if not (callable(getattr(backend, "prepare", None))
+                and callable(getattr(backend, "compute", None))):
+            raise ValueError(
+                f"overlap=True needs a backend with prepare() and compute() (ModelBackend, "
+                f"SimBackend, TimedBackend), got {type(backend).__name__}"
+            )
+        # Futures are resolved one step after they are handed out: two batches suffice.
+        self.futures = FutureMap(4 * self.config.max_running)
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisrv-device")
+        self._inflight: _InFlight | None = None
+        self._release_later: list[Req] = []  # finished, but read by the step in flight
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and self._inflight is None
+
+    # ----------------------------------------------------------------- the loop
+    def run(self, progress: bool = False) -> None:
+        """Step until every request has finished, with a short GIL switch interval.
+
+        The device thread needs the GIL for a moment to start each step; by default Python
+        hands it over only every 5 ms, longer than a whole step, which would serialise the
+        two threads again. For the duration of the run the interval is ``SWITCH_INTERVAL``.
+        """
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
+        try:
+            super().run(progress)
+        finally:
+            sys.setswitchinterval(old)
+
+    def step(self) -> StepRecord | None:
+        """Launch the next step, then finish the previous one; its record (``None``: done)."""
+        while True:
+            batch = self._form()
+            prev = self._inflight
+            self._inflight = self._launch(batch) if batch else None
+            if prev is not None:
+                return self._complete(prev, stream=True)
+            if not batch:
+                return None
+
+    def drain(self) -> StepRecord | None:
+        """Wait for the step in flight and process it without streaming (before an abort)."""
+        prev, self._inflight = self._inflight, None
+        return self._complete(prev, stream=False) if prev is not None else None
+
+    def abort(self, reqs: Any) -> None:
+        """Drain the step in flight first, so no request is freed while the device uses it."""
+        reqs = list(reqs)
+        try:
+            self.drain()
+        finally:
+            super().abort(reqs)
+
+    def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
+        """As the blocking loop; with ``skip_finishing_decode``, requests whose pending token
+        is their last sit the step out (they finish when that token arrives)."""
+        if not self.config.skip_finishing_decode:
+            return super().prepare_decode()
+        ending = {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
+        if not ending:
+            return super().prepare_decode()
+        everyone = self.running
+        self.running = [r for r in everyone if id(r) not in ending]
+        try:
+            decoding, retracted = super().prepare_decode()
+        finally:
+            kept = {id(r) for r in self.running}
+            self.running = [r for r in everyone if id(r) in ending or id(r) in kept]
+        return decoding, retracted
+
+    # ----------------------------------------------------------------- helpers
+    def _form(self) -> Batch:
+        """The next batch; the clock jumps to the next arrival only when the device is idle."""
+        self.receive_arrivals()
+        batch = self.get_next_batch_to_run()
+        if not batch and self._pending and self._inflight is None:
+            self.clock = max(self.clock, self._pending[0][0])
+            self.receive_arrivals()
+            batch = self.get_next_batch_to_run()
+        return batch
+
+    def _launch(self, batch: Batch) -> _InFlight:
+        """Copy the batch's inputs, give each request a placeholder, start the device."""
+        before = self._snapshot(batch)
+        prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
+        future_ids = self.futures.reserve(len(batch))
+        positions = []
+        for req, fid in zip(batch.reqs, future_ids.tolist(), strict=True):
+            req.output.append(fid)
+            positions.append(len(req.output) - 1)
+        result = self._device.submit(self._compute, prepared, future_ids)
+        return _InFlight(batch, positions, before, result)
+
+    def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
+        """On the device thread: resolve futures, compute, store this step's tokens."""
+        result = self.backend.compute(prepared, self.futures.resolve)  # type: ignore[attr-defined]
+        self.futures.store(future_ids, torch.tensor(result.next_tokens, dtype=torch.long))
+        return result
+
+    def _complete(self, step: _InFlight, stream: bool) -> StepRecord:
+        """Wait for ``step``; put its tokens in place, stop the finished, stream, record."""
+        batch = step.batch
+        try:
+            result = step.result.result()
+        except BaseException:
+            self._drop_placeholders(step)
+            raise
+        if len(result.next_tokens) != len(batch):
+            raise ValueError(
+                f"backend returned {len(result.next_tokens)} tokens for a batch of {len(batch)}"
+            )
+        step.before["start"] = self.clock  # the device's steps follow each other
+        self.clock += result.elapsed
+        for req in self._release_later:  # the step that still read them is done
+            self.backend.release(req)
+        self._release_later.clear()
+        finished, streamed, extra = self._apply(step, result.next_tokens)
+        self.stats.count_step(batch, result, step.before["prefill_tokens"])
+        self.stats.generated_tokens -= extra
+        self.stats.wasted_tokens += extra
+        self.stats.late_stop_tokens += extra
+        record = StepRecord(index=self.stats.steps - 1, end=self.clock,
+                            finished=tuple(req.rid for req in finished),
+                            queued=len(self.waiting), cost=result.cost, **step.before)
+        if self.config.record_trace:
+            self.trace.append(record)
+        if self.config.debug:
+            self.check_integrity()
+        on_token = self.on_token
+        if stream and on_token is not None:  # last: a raising callback finds state consistent
+            for req, token in streamed:
+                on_token(req, token)
+        return record
+
+    def _apply(self, step: _InFlight, tokens: list[int]) -> tuple[list[Req], list, int]:
+        """The late stop check; returns (finished, (req, token) to stream, extra tokens)."""
+        now, stops = self.clock, self.backend.eos_ids
+        finished: list[Req] = []
+        streamed: list[tuple[Req, int]] = []
+        extra = 0
+        for req, pos, token in zip(step.batch.reqs, step.positions, tokens, strict=True):
+            if req.state in (ReqState.FINISHED, ReqState.ABORTED):
+                extra += 1  # it finished in the step before: this token is discarded
+                continue
+            req.output[pos] = token
+            req.token_times.append(now)
+            streamed.append((req, token))
+            if token in stops and not req.params.ignore_eos:
+                req.finish_reason = "eos"
+            elif pos + 1 >= req.params.max_new_tokens:
+                req.finish_reason = "length"
+            else:
+                continue
+            finished.append(req)
+        done = {id(req) for req in finished}
+        for req in step.batch.prefill:
+            if id(req) not in done and req.state == ReqState.RUNNING:
+                self.memory.cache_unfinished(req)
+        last = {id(req): pos for req, pos in zip(step.batch.reqs, step.positions, strict=True)}
+        for req in finished:
+            self._finish(req, in_next_step=len(req.output) > last[id(req)] + 1)
+            self.stats.finished += 1
+        if finished:
+            self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+            waiting = [req for req in self.waiting if req.state == ReqState.WAITING]
+            if len(waiting) != len(self.waiting):
+                self.waiting.clear()
+                self.waiting.extend(waiting)
+        self.stats.evicted_tokens = self.memory.evicted_tokens
+        return finished, streamed, extra
+
+    def _finish(self, req: Req, in_next_step: bool) -> None:
+        """A request found finished one step late leaves; undo what the next step gave it."""
+        if req.state == ReqState.WAITING:  # retracted while its last token was computed
+            req.state = ReqState.FINISHED
+            self.backend.release(req)
+            return
+        if in_next_step:  # the step in flight computes one more token for it: drop it
+            req.output.pop()
+            self.memory.kv.free([req.kv_slots.pop()])
+        self.memory.cache_finished(req)
+        self.admission.released(req)
+        req.state = ReqState.FINISHED
+        if in_next_step:
+            self._release_later.append(req)  # the device still samples with its generator
+        else:
+            self.backend.release(req)
+
+    def _drop_placeholders(self, step: _InFlight) -> None:
+        """After a device error: no request keeps a placeholder for the failed step."""
+        for req, pos in zip(step.batch.reqs, step.positions, strict=True):
+            if pos < len(req.output) and req.output[pos] < 0:
+                del req.output[pos:]
