@@ -39,3 +39,18 @@ def test_metrics_table_rounds_each_run() -> None:
     table = tl.metrics_table({"mixed": run.metrics})
     assert table.loc["mixed", "steps"] == 4
     assert table.loc["mixed", "mean batch"] == 1.3  # decode steps of 2, 1 and 1 requests
+
+
+def test_widgets_share_one_panel_with_the_book_conventions() -> None:
+    from minisrv.viz.widgets import panel, slider
+
+    drawn = []
+    controls = {"a": slider(3, 1, 5, "a"), "b": slider(0.5, 0.0, 1.0, "b"),
+                "c": slider(64.0, 0, 2.5, "c", log=True)}
+    box = panel(lambda a, b, c: drawn.append((a, b, c)), controls)
+    assert [type(c).__name__ for c in controls.values()] == [
+        "IntSlider", "FloatSlider", "FloatLogSlider"]
+    assert all(not c.continuous_update for c in controls.values())
+    assert len(box.children) == 3  # two rows of controls, then the output
+    controls["a"].value = 4
+    assert drawn[-1] == (4, 0.5, 64.0)

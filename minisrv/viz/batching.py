@@ -14,6 +14,7 @@ import pandas as pd
 from minisrv.experiments import PoolRun, run_pool
 from minisrv.model import CityLM
 from minisrv.viz.roofline import BookFigure
+from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import Workload
 
 ATTENTION_COLORS = {"padded": "#1f77b4", "loop": "#ff7f0e"}
@@ -121,24 +122,14 @@ def pool_widget(
 ):
     """Sliders for pool capacity, initial ratio, decay and max running; each change re-serves
     the workload on CityLM (a second or two) and redraws. Needs a live kernel."""
-    import ipywidgets as widgets
     from IPython.display import display
 
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
-    style = {"description_width": "initial"}
     controls = {
-        "capacity": widgets.IntSlider(value=capacity, min=smallest, max=600, step=10,
-                                      description="pool capacity (tokens)", style=style,
-                                      continuous_update=False),
-        "ratio": widgets.FloatSlider(value=ratio, min=0.05, max=1.0, step=0.05,
-                                     description="initial new_token_ratio", style=style,
-                                     continuous_update=False),
-        "decay": widgets.FloatLogSlider(value=decay, base=10, min=-4, max=-1, step=0.25,
-                                        description="decay per decode step", style=style,
-                                        continuous_update=False),
-        "max_running": widgets.IntSlider(value=max_running, min=1, max=16,
-                                         description="max running", style=style,
-                                         continuous_update=False),
+        "capacity": slider(capacity, smallest, 600, "pool capacity (tokens)", step=10),
+        "ratio": slider(ratio, 0.05, 1.0, "initial new_token_ratio", step=0.05),
+        "decay": slider(decay, -4, -1, "decay per decode step", log=True),
+        "max_running": slider(max_running, 1, 16, "max running"),
     }
 
     def redraw(capacity: int, ratio: float, decay: float, max_running: int) -> None:
@@ -147,6 +138,4 @@ def pool_widget(
         print(run.check)
         display(plot_pool_run(run))
 
-    output = widgets.interactive_output(redraw, controls)
-    boxes = list(controls.values())
-    return widgets.VBox([widgets.HBox(boxes[:2]), widgets.HBox(boxes[2:]), output])
+    return panel(redraw, controls)

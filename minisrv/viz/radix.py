@@ -20,6 +20,7 @@ from minisrv.experiments import chat_capacity_report
 from minisrv.prefix_cache import NodeView, TreeEvent
 from minisrv.radix import RadixCache
 from minisrv.viz.roofline import BookFigure
+from minisrv.viz.widgets import panel, slider
 
 __all__ = [
     "COLORS",
@@ -149,11 +150,16 @@ def to_graphviz(
     if title is None and len(events) == 1:
         title = event_caption(events[0])
 
-    dot = graphviz.Digraph(graph_attr={"rankdir": "TB", "fontname": "Helvetica",
-                                       "fontsize": "11"},
+    # A bushy tree drawn top-down is wider than the page and shrinks to unreadable boxes;
+    # drawn left to right it grows downwards instead.
+    leaves = sum(1 for v in views if v.parent is not None
+                 and not any(w.parent == v.id for w in views)) + len(ghosts)
+    dot = graphviz.Digraph(graph_attr={"rankdir": "LR" if leaves > 4 else "TB",
+                                       "fontname": "Helvetica", "fontsize": "12",
+                                       "nodesep": "0.15", "ranksep": "0.3"},
                            node_attr={"shape": "box", "style": "rounded,filled",
                                       "fillcolor": "white", "fontname": "Helvetica",
-                                      "fontsize": "10"},
+                                      "fontsize": "12"},
                            edge_attr={"arrowsize": "0.6"})
     if title:
         dot.attr(label=title, labelloc="b")
@@ -223,10 +229,13 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
 # ------------------------------------------------------------------------ figures of runs
 def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate against KV pool size (one point per run of ``capacity_sweep``)."""
-    fig = BookFigure(figsize=(6.4, 3.6))
+    fig = BookFigure(figsize=(10, 4))
     ax = fig.add_subplot()
     ax.plot(sweep.index, 100 * sweep["hit rate"], marker="o", label="radix cache, LRU")
-    ax.set_xlabel("KV pool capacity (tokens)")
+    ax.set_xscale("log")
+    ax.set_xticks(list(sweep.index), [str(c) for c in sweep.index])
+    ax.minorticks_off()
+    ax.set_xlabel("KV pool capacity (tokens, log scale)")
     ax.set_ylabel("hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)
     ax.set_title(title or "Keeping chat history: hit rate against pool size")
@@ -240,23 +249,16 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
                          turns: int = 4, built: dict | None = None):
     """Sliders for pool size, sessions and turns; each change rebuilds and serves the chats
     and shows ``chat_capacity_report`` (``built``: as there). Needs a live kernel."""
-    import ipywidgets as widgets
     from IPython.display import display
 
     built = {} if built is None else built
-    style = {"description_width": "initial"}
     controls = {
-        "capacity": widgets.IntSlider(value=capacity, min=250, max=2000, step=50,
-                                      description="KV capacity (tokens)", style=style,
-                                      continuous_update=False),
-        "sessions": widgets.IntSlider(value=sessions, min=1, max=12, description="sessions",
-                                      continuous_update=False),
-        "turns": widgets.IntSlider(value=turns, min=1, max=5, description="turns",
-                                   continuous_update=False),
+        "capacity": slider(capacity, 250, 2000, "KV capacity (tokens)", step=50),
+        "sessions": slider(sessions, 1, 12, "sessions"),
+        "turns": slider(turns, 1, 5, "turns"),
     }
 
     def redraw(capacity: int, sessions: int, turns: int) -> None:
         display(chat_capacity_report(model, tok, capacity, sessions, turns, built))
 
-    output = widgets.interactive_output(redraw, controls)
-    return widgets.VBox([widgets.HBox(list(controls.values())), output])
+    return panel(redraw, controls, per_row=3)

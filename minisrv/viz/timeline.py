@@ -19,6 +19,7 @@ from minisrv.metrics import RunMetrics
 from minisrv.request import Req
 from minisrv.scheduler import MODES, StepRecord
 from minisrv.viz.roofline import BookFigure
+from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
 
 STATE_COLORS: dict[str, str] = {
@@ -40,9 +41,11 @@ MODE_LABELS: dict[str, str] = {
 # --------------------------------------------------------------------------- the loop
 def loop_diagram() -> graphviz.Digraph:
     """The scheduler's main loop as a cycle of its four calls, with the two queues."""
-    g = graphviz.Digraph("loop", graph_attr={"rankdir": "LR", "fontsize": "11", "nodesep": "0.4"})
+    g = graphviz.Digraph("loop", graph_attr={"rankdir": "LR", "fontsize": "16", "nodesep": "0.3",
+                                             "ranksep": "0.35"})
     g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef3fb", fontname="Helvetica",
-           fontsize="11")
+           fontsize="16")
+    g.attr("edge", fontname="Helvetica", fontsize="14")
     steps = [
         ("recv", "receive_arrivals()\nnew requests join\nthe waiting queue"),
         ("pick", "get_next_batch_to_run()\nadmit (FCFS, slots, KV)\nprefill and/or decode"),
@@ -146,7 +149,7 @@ def gantt(
     trace: Sequence[StepRecord], reqs: Sequence[Req], title: str = "Requests over steps"
 ) -> BookFigure:
     """One row per request, one column per step, coloured by what the request did."""
-    fig = BookFigure(figsize=(min(12, 2.5 + 0.35 * len(trace)), 1.3 + 0.38 * len(reqs)),
+    fig = BookFigure(figsize=(min(12, max(8, 2.5 + 0.35 * len(trace))), 1.9 + 0.38 * len(reqs)),
                      layout="constrained")
     ax = fig.subplots()
     _draw_gantt(ax, trace, reqs)
@@ -161,8 +164,8 @@ def gantt(
 
 def _state_legend(ax) -> None:
     handles = [Patch(facecolor=c, label=s) for s, c in STATE_COLORS.items()]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False,
-              title="state")
+    ax.figure.legend(handles=handles, loc="outside lower center", ncol=len(handles),
+                     frameon=False)
 
 
 def gantt_compare(runs: Mapping[str, RunResult], title: str = "") -> BookFigure:
@@ -281,11 +284,11 @@ def plot_step_times(
                     label=f"{label}: p99 in this window {p99:.1f} ms")
     top.set_ylabel("step duration (ms)")
     top.set_title("Step durations (triangles: steps that prefill)")
-    top.legend(loc="upper right")
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     bottom.set_ylabel("inter-token latency (ms)")
     bottom.set_xlabel("simulated time (s)")
     bottom.set_title("Gap before each decoded token")
-    bottom.legend(loc="upper right", markerscale=2)
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, markerscale=2)
     for ax in (top, bottom):
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -305,7 +308,7 @@ def sim_dashboard(
     workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
     run = simulate(workload, mode=mode, max_running=max_running, admission="reserve")
     m = run.metrics
-    fig = BookFigure(figsize=(11, 3.8), layout="constrained")
+    fig = BookFigure(figsize=(11, 4.4), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1.6, 1])
     times = [s.start for s in run.trace]
     holding = [s.batch_size + len(s.paused) for s in run.trace]
@@ -318,7 +321,7 @@ def sim_dashboard(
     queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
     queue.set_ylabel("waiting requests", color="#d62728")
     handles = left.get_legend_handles_labels()[0] + queue.get_legend_handles_labels()[0]
-    left.legend(handles=handles, loc="upper right", fontsize=8)
+    fig.legend(handles=handles, loc="outside lower left", ncol=3, frameon=False)
     latency = np.array([r.latency for r in run.requests])
     right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
     right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
@@ -327,7 +330,7 @@ def sim_dashboard(
     right.set_ylabel("requests")
     right.set_title(f"{m.throughput:,.0f} tok/s, mean batch {m.mean_batch:.1f}, "
                     f"TTFT {m.mean_ttft:.2f} s", fontsize=10)
-    right.legend(fontsize=8)
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return fig
 
 
@@ -342,23 +345,14 @@ def sim_widget(
     import ipywidgets as widgets
     from IPython.display import display
 
-    style = {"description_width": "initial"}
     controls = {
-        "rate": widgets.FloatLogSlider(value=rate, base=2, min=1, max=8, step=0.25,
-                                       description="arrival rate (req/s)", style=style,
-                                       continuous_update=False),
-        "max_running": widgets.IntSlider(value=max_running, min=4, max=256, step=4,
-                                         description="batch cap", style=style,
-                                         continuous_update=False),
-        "output_cv": widgets.FloatSlider(value=output_cv, min=0.0, max=2.0, step=0.25,
-                                         description="output spread (cv)", style=style,
-                                         continuous_update=False),
+        "rate": slider(rate, 0.0, 2.5, "arrival rate (req/s)", log=True),
+        "max_running": slider(max_running, 4, 256, "batch cap", step=4),
+        "output_cv": slider(output_cv, 0.0, 2.0, "output spread (cv)", step=0.25),
         "mode": widgets.Dropdown(options=list(MODES), value=mode, description="mode"),
     }
 
     def redraw(rate: float, max_running: int, output_cv: float, mode: str) -> None:
         display(sim_dashboard(rate, max_running, output_cv, mode))
 
-    output = widgets.interactive_output(redraw, controls)
-    boxes = list(controls.values())
-    return widgets.VBox([widgets.HBox(boxes[:2]), widgets.HBox(boxes[2:]), output])
+    return panel(redraw, controls)
