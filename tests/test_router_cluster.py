@@ -108,6 +108,14 @@ def test_run_cluster_rejects_mismatched_engines() -> None:
         run_cluster(engines, Router(2), small_workload(3, 1, 5, None, 1.0, 0))
     with pytest.raises(ValueError, match="unknown policy"):
         simulate_cluster(small_workload(3, 1, 5, None, 1.0, 0), policy="nearest")
+    big = Workload("big", [[5] * 10, [6] * 90], [5, 20], [0.0, 1.0])
+    engines = [Engine(SimBackend(), kv_capacity=100, max_running=2, cache="radix")
+               for _ in range(2)]
+    router = Router(2)
+    with pytest.raises(ValueError, match="kv_capacity is 100"):
+        run_cluster(engines, router, big)  # request 1 needs 110 tokens: refused up front
+    assert router.loads == [0, 0] and router.tree.nodes() == 0
+    assert all(e.scheduler.idle and e.stats.steps == 0 for e in engines)
 
 
 @pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])

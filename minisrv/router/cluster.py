@@ -75,13 +75,16 @@ def run_cluster(engines: Sequence[Engine], router: Router, workload: Workload) -
     """Serve ``workload`` (arrivals on the engines' clock) on ``engines`` behind ``router``.
 
     Request ``i`` asks for ``workload.output_lens[i]`` tokens, greedy; it stops early only at
-    the model's ``<eos>`` (a ``SimBackend`` has none). Engines and router must be fresh.
+    the model's ``<eos>`` (a ``SimBackend`` has none). Engines and router must be fresh, and
+    the engines alike: every request is checked against the first one before anything runs.
     """
     if len(engines) != router.n_workers:
         raise ValueError(f"{len(engines)} engines for a router of {router.n_workers} workers")
     if any(not e.scheduler.idle or e.scheduler.clock != 0 for e in engines) or any(router.loads):
         raise ValueError("run_cluster needs fresh engines (clock 0, nothing queued) and router")
     loop = _ClusterLoop(engines, router, workload)
+    for req in loop.pending:  # a request no worker could serve fails here, before any runs
+        engines[0].scheduler.check(req)
     loop.run()
     return loop.result()
 
@@ -133,6 +136,12 @@ class _ClusterLoop:
         self.engines, self.router, self.workload = list(engines), router, workload
         n = len(workload)
         self.order = sorted(range(n), key=lambda i: (workload.arrivals[i], i))
+        # rid = workload index, unique over the cluster; the latency counts from the arrival
+        self.pending = [
+            Req(rid=i, prompt=list(workload.prompts[i]), arrival=float(workload.arrivals[i]),
+                params=SamplingParams(max_new_tokens=workload.output_lens[i]))
+            for i in range(n)
+        ]
         self.requests: list[Req | None] = [None] * n
         self.workers = [-1] * n
         self.wake = [math.inf] * len(engines)  # earliest arrival not yet seen by each worker
@@ -172,15 +181,11 @@ class _ClusterLoop:
         return best, best_t
 
     def _route(self, i: int, t: float) -> None:
-        prompt = self.workload.prompts[i]
-        w = self.router.route(prompt)
-        engine = self.engines[w]
-        params = SamplingParams(max_new_tokens=self.workload.output_lens[i])
-        # rid = workload index, unique over the cluster. The engine's clock may be past ``t``
-        # (it is mid-step): the request then joins at its next step, and its latency still
-        # counts from ``t``. ``submit`` checks it (context, vocabulary, capacity).
-        req = Req(rid=i, prompt=prompt, params=params, arrival=t)
-        engine.scheduler.submit(req)
+        req = self.pending[i]
+        w = self.router.route(req.prompt)
+        # The engine's clock may be past ``t`` (it is mid-step): the request then joins at its
+        # next step, and its latency still counts from ``t``.
+        self.engines[w].scheduler.submit(req)
         self.requests[i], self.workers[i] = req, w
         self.wake[w] = min(self.wake[w], t)
         self._record(t)
