@@ -212,3 +212,35 @@ def test_router_rejects_bad_arguments_and_stays_intact() -> None:
     with pytest.raises(ValueError, match="sequence of token ids"):
         r.route("FR:")
     assert r.loads == [0, 0] and r.tree.nodes() == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.booleans()),
+                min_size=1, max_size=40),
+       st.integers(0, 3), st.sampled_from([1.0, 1.5, 3.0]), st.sampled_from([0.0, 0.5, 0.9]))
+def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t: float) -> None:
+    """Against an independent statement of SGLang's rule, at every step of a random run of
+    routes and completions."""
+    r = Router(3, balance_abs_threshold=abs_t, balance_rel_threshold=rel_t,
+               cache_threshold=cache_t)
+    sent: list[tuple[list[int], int]] = []
+    for tokens, finish in ops:
+        if finish and any(r.loads):
+            r.finish(max(range(3), key=r.loads.__getitem__))
+            continue
+        loads, sizes = list(r.loads), r.tree.sizes
+        w = r.route(tokens)
+        high, low = max(loads), min(loads)
+        best = [max((lcp(p, tokens) for p, k in sent if k == j), default=0) for j in range(3)]
+        least = min(range(3), key=lambda j: (loads[j], sizes[j], j))
+        if high - low > abs_t and high > low * rel_t:
+            assert (w, r.last_branch) == (least, "balance")
+        elif max(best) / len(tokens) > cache_t:
+            assert r.last_branch == "cache" and best[w] == max(best)
+            # the holder most recently sent the matched prefix
+            recent = max(i for i, (p, k) in enumerate(sent) if lcp(p, tokens) >= max(best))
+            assert w == sent[recent][1]
+        else:
+            assert (w, r.last_branch) == (least, "miss")
+        assert r.loads[w] == loads[w] + 1
+        sent.append((tokens, w))
