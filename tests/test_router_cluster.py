@@ -1,0 +1,137 @@
+"""Clusters behind the router: simulated ones conserve requests and are deterministic; a
+real CityLM cluster generates exactly what each request generates alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisrv.backends import SimBackend
+from minisrv.engine import Engine
+from minisrv.router import POLICIES, Router, run_cluster, serve_cluster, simulate_cluster
+from minisrv.tokenizer import Tokenizer
+from minisrv.workloads import Workload, prefix_groups_workload
+
+MODEL_SEED = 3  # the random CityLM of conftest's `model` fixture
+
+
+def small_workload(n: int, groups: int, prefix: int, hot: float | None, rate: float,
+                   seed: int) -> Workload:
+    return prefix_groups_workload(n=n, n_groups=groups, prefix_len=prefix,
+                                  question_range=(1, 8), mean_output=6, max_output=20,
+                                  rate=rate, hot_share=hot, vocab_size=500, seed=seed)
+
+
+def check_conserved(result, workload: Workload) -> None:
+    n, k = len(workload), result.n_workers
+    assert len(result.requests) == n == sum(result.worker_requests)
+    assert [r.rid for r in result.requests] == list(range(n))  # each request once, in order
+    for req, prompt, m, w in zip(result.requests, workload.prompts, workload.output_lens,
+                                 result.workers, strict=True):
+        assert req.finished and req.prompt == prompt and len(req.output) == m
+        assert 0 <= w < k
+        assert req.token_times[0] >= req.arrival
+    assert result.worker_requests == [result.workers.count(w) for w in range(k)]
+    assert sum(result.worker_output_tokens) == workload.total_output_tokens
+    trace = result.load_trace
+    assert trace.shape == (2 * n, k) and trace.min() >= 0 and not trace[-1].any()
+    assert np.all(np.diff(result.load_times) >= 0)  # events in time order
+    # in flight on a worker = routed there and not finished: recompute the maximum
+    assert trace.max() <= max(result.worker_requests)
+    assert sum(result.decisions.values()) == n
+    assert result.load_ratio == pytest.approx(max(result.worker_requests) / (n / k))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 5), st.integers(0, 60),
+       st.sampled_from([None, 0.6]), st.sampled_from([5.0, 50.0, 1e4]),
+       st.integers(1, 4), st.sampled_from(POLICIES), st.integers(0, 3))
+def test_simulated_cluster_conserves_requests(n, groups, prefix, hot, rate, k, policy, seed):
+    workload = small_workload(n, groups, prefix, hot if groups > 1 else None, rate, seed)
+    result = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
+                              max_running=4, balance_abs_threshold=2)
+    check_conserved(result, workload)
+    again = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
+                             max_running=4, balance_abs_threshold=2)
+    assert again.workers == result.workers  # deterministic for a seed
+    assert [r.token_times for r in again.requests] == [r.token_times for r in result.requests]
+    assert again.summary() == result.summary()
+
+
+def test_router_sees_loads_at_arrival_time() -> None:
+    """Each route happened with exactly the requests in flight at that moment: routed
+    earlier, finished later (a completion at the arrival instant counts as done)."""
+    workload = small_workload(60, 3, 40, None, 40.0, seed=1)
+    result = simulate_cluster(workload, n_workers=3, kv_capacity=200, max_running=3,
+                              balance_abs_threshold=1, balance_rel_threshold=1.0)
+    reqs, workers = result.requests, result.workers
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
+    before = np.zeros(3, dtype=int)
+    routed = 0
+    for t, loads in zip(result.load_times, result.load_trace, strict=True):
+        change = loads - before
+        before = loads
+        assert sorted(change.tolist()) in ([0, 0, 1], [-1, 0, 0])
+        if change.max() < 1:
+            continue  # a completion
+        j = order[routed]
+        routed += 1
+        assert reqs[j].arrival == t and change[workers[j]] == 1
+        expected = [0, 0, 0]
+        for i in order[:routed]:
+            if reqs[i].finish_time > t:
+                expected[workers[i]] += 1
+        assert loads.tolist() == expected
+    assert routed == len(reqs)
+    assert result.decisions.get("balance", 0) > 0  # the tight thresholds were exercised
+
+
+def test_cache_aware_keeps_groups_together() -> None:
+    """Two groups on two workers, arriving slowly: each group goes to one worker and hits."""
+    workload = prefix_groups_workload(n=40, n_groups=2, prefix_len=100, question_range=(2, 4),
+                                      mean_output=4, output_cv=0.0, rate=1.0, vocab_size=500)
+    aware = simulate_cluster(workload, n_workers=2, kv_capacity=150, max_running=4)
+    rr = simulate_cluster(workload, n_workers=2, policy="round-robin", kv_capacity=150,
+                          max_running=4)
+    groups = [tuple(p[:100]) for p in workload.prompts]
+    placement = {(g, w) for g, w in zip(groups, aware.workers, strict=True)}
+    assert len(placement) == 2  # one worker per group
+    assert aware.hit_rate > 0.9 > 0.5 > rr.hit_rate  # rr: the 150-token caches thrash
+    assert aware.decisions == {"miss": 2, "cache": 38}
+
+
+def test_run_cluster_rejects_mismatched_engines() -> None:
+    engines = [Engine(SimBackend(), kv_capacity=100, max_running=2, cache="radix")]
+    with pytest.raises(ValueError, match="1 engines for a router of 2 workers"):
+        run_cluster(engines, Router(2), small_workload(3, 1, 5, None, 1.0, 0))
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate_cluster(small_workload(3, 1, 5, None, 1.0, 0), policy="nearest")
+    big = Workload("big", [[5] * 10, [6] * 90], [5, 20], [0.0, 1.0])
+    engines = [Engine(SimBackend(), kv_capacity=100, max_running=2, cache="radix")
+               for _ in range(2)]
+    router = Router(2)
+    with pytest.raises(ValueError, match="kv_capacity is 100"):
+        run_cluster(engines, router, big)  # request 1 needs 110 tokens: refused up front
+    assert router.loads == [0, 0] and router.tree.nodes() == 0
+    assert all(e.scheduler.idle and e.stats.steps == 0 for e in engines)
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])
+def test_real_cluster_equals_each_request_alone(model, policy: str) -> None:
+    tok = Tokenizer()
+    heads = ["FR: Paris, Lyon\nDE: Berlin\n", "JP: Tokyo\nIT: Rome, Milan\n"]
+    asks = ["US:", "GB:", "ES:", "CN:", "BR:"]
+    prompts = [tok.encode(heads[i % 2] + asks[i % 5]) for i in range(10)]
+    lens = [3 + i % 4 for i in range(10)]
+    workload = Workload("real", prompts, lens, [float(i // 2) for i in range(10)])
+    result = serve_cluster(model, workload, n_workers=2, policy=policy, kv_capacity=200,
+                           max_running=3)
+    for req, prompt, m in zip(result.requests, prompts, lens, strict=True):
+        assert req.output == model.reference_generate(prompt, m)
+    assert sum(result.worker_requests) == 10
+    if policy == "cache-aware":
+        assert len({(p[:20] == prompts[0][:20], w)
+                    for p, w in zip(prompts, result.workers, strict=True)}) == 2
+        assert result.hit_rate > 0.5
