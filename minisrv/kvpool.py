@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from minisrv.checks import check_int
@@ -35,7 +36,7 @@ class SlotAllocator:
         self.capacity = capacity
         # A stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ...
         self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._used = bytearray(capacity)  # 1 where the slot is handed out
+        self._used = np.zeros(capacity, dtype=bool)  # True where the slot is handed out
 
     @property
     def free_count(self) -> int:
@@ -60,22 +61,24 @@ class SlotAllocator:
         slots = self._free[-n:]
         del self._free[-n:]
         slots.reverse()
-        for s in slots:
-            self._used[s] = 1
+        self._used[slots] = True
         return slots
 
     def free(self, slots: Iterable[int]) -> None:
         """Give ``slots`` back. Rejects foreign slots and double frees before freeing any."""
         slots = [int(s) for s in slots]
-        seen: set[int] = set()
-        for s in slots:
-            if not 0 <= s < self.capacity:
-                raise ValueError(f"slot {s} does not belong to this pool (0..{self.capacity - 1})")
-            if not self._used[s] or s in seen:
-                raise ValueError(f"slot {s} is not in use: double free or never allocated")
-            seen.add(s)
-        for s in slots:
-            self._used[s] = 0
+        if not slots:
+            return
+        index = np.asarray(slots)
+        outside = (index < 0) | (index >= self.capacity)
+        if outside.any():
+            s = slots[int(np.argmax(outside))]
+            raise ValueError(f"slot {s} does not belong to this pool (0..{self.capacity - 1})")
+        unused = ~self._used[index]
+        if unused.any() or len(set(slots)) != len(slots):
+            s = slots[int(np.argmax(unused))] if unused.any() else _first_repeat(slots)
+            raise ValueError(f"slot {s} is not in use: double free or never allocated")
+        self._used[index] = False
         self._free.extend(reversed(slots))
 
     def is_used(self, slot: int) -> bool:
@@ -84,6 +87,15 @@ class SlotAllocator:
 
     def __repr__(self) -> str:
         return f"SlotAllocator(capacity={self.capacity}, used={self.used_count})"
+
+
+def _first_repeat(values: list[int]) -> int:
+    seen: set[int] = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    raise ValueError("no repeated value")
 
 
 class KVPool:

@@ -230,9 +230,8 @@ def prefix_groups_workload(
     low, high = question_range
     if not 1 <= low <= high:
         raise ValueError(f"question_range must satisfy 1 <= low <= high, got {question_range}")
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
-        raise ValueError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
-    _check_count(n)
+    check_int("prefix_len", prefix_len, minimum=0)
+    check_workload_args(n)
     probs = group_popularity(n_groups, hot_share)
     rng = np.random.default_rng(seed)
     prefixes = rng.integers(2, vocab_size, size=(n_groups, prefix_len)).tolist()
