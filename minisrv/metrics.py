@@ -11,6 +11,10 @@ Definitions (the chapter quotes these numbers, so they are stated once, here):
 * **latency**: arrival to last token; **TTFT**: arrival to first token (the end of the
   prefill step); **ITL**: gap between consecutive tokens of one request. All include
   queueing and pauses, because that is what a user waits for.
+* **wait** (queueing delay): arrival to first admission (``admitted_at - arrival``). A
+  cache-aware policy reorders the queue, so it can make some requests wait far longer than
+  FCFS would: the maximum and 99th percentile wait show that starvation, the mean its
+  average cost. A retracted request's second wait is not counted: it had already started.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "mean_decode_batch",
     "itl_values",
     "request_hit_rate",
+    "wait_values",
 ]
 
 
@@ -51,6 +56,9 @@ class RunMetrics:
     mean_itl: float
     p99_itl: float
     max_itl: float
+    mean_wait: float
+    p99_wait: float
+    max_wait: float
 
     def as_dict(self) -> dict[str, float]:
         """The fields as a plain dict (one row of a comparison table)."""
@@ -76,6 +84,15 @@ def itl_values(reqs: Sequence[Req]) -> np.ndarray:
     return np.concatenate(gaps) if gaps else np.zeros(0)
 
 
+def wait_values(reqs: Sequence[Req]) -> np.ndarray:
+    """Each admitted request's queueing delay: first admission minus arrival.
+
+    Requests never admitted (aborted while waiting) have no wait and are left out.
+    """
+    return np.array([req.admitted_at - req.arrival for req in reqs
+                     if req.admitted_at is not None], dtype=float)
+
+
 def summarize(reqs: Sequence[Req], trace: Sequence[StepRecord], max_running: int) -> RunMetrics:
     """The metrics of a finished run: its requests and the steps that served them."""
     done = [req for req in reqs if req.token_times]
@@ -84,6 +101,7 @@ def summarize(reqs: Sequence[Req], trace: Sequence[StepRecord], max_running: int
     latency = np.array([req.latency for req in done])
     ttft = np.array([req.ttft for req in done])
     itl = itl_values(done)
+    wait = wait_values(done)
     output_tokens = sum(len(req.output) for req in done)
     duration = max(req.finish_time for req in done) - min(req.arrival for req in done)
     return RunMetrics(
@@ -101,6 +119,9 @@ def summarize(reqs: Sequence[Req], trace: Sequence[StepRecord], max_running: int
         mean_itl=float(itl.mean()) if itl.size else 0.0,
         p99_itl=float(np.percentile(itl, 99)) if itl.size else 0.0,
         max_itl=float(itl.max()) if itl.size else 0.0,
+        mean_wait=float(wait.mean()) if wait.size else 0.0,
+        p99_wait=float(np.percentile(wait, 99)) if wait.size else 0.0,
+        max_wait=float(wait.max()) if wait.size else 0.0,
     )
 
 

@@ -1,0 +1,166 @@
+"""Figures and widgets of the cache-aware scheduling chapter.
+
+The numbers come from ``minisrv.cache_aware`` (DataFrames); these functions only draw them.
+Figures are ``BookFigure`` objects about 10 inches wide with fonts of at least 10 pt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from minisrv.cache_aware import few_shot_experiment
+from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.viz.roofline import BookFigure
+
+__all__ = [
+    "plot_forest_sweep",
+    "plot_capacity_table",
+    "plot_scheduling_cost",
+    "plot_policy_comparison",
+    "policy_widget",
+]
+
+FONT = 11
+COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
+          "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
+NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight",
+         "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
+
+
+def _style(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=FONT + 1)
+    ax.set_xlabel(xlabel, fontsize=FONT)
+    ax.set_ylabel(ylabel, fontsize=FONT)
+    ax.tick_params(labelsize=FONT - 1)
+    ax.grid(alpha=0.3)
+
+
+def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> BookFigure:
+    """Hit rate against cache capacity per policy (``forest_sweep``), the optimum as a
+    horizontal line and the longest request as a vertical one; log capacity axis."""
+    fig = BookFigure(figsize=(10, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    markers = {"fcfs": "s", "random": "^", "lpm": "o", "dfs-weight": "x"}
+    for policy in table.columns:
+        if policy == "optimal":
+            ax.axhline(100 * table[policy].iloc[0], color="black", ls="--", lw=1.2,
+                       label=NAMES[policy])
+            continue
+        ax.plot(table.index, 100 * table[policy], marker=markers.get(policy, "."),
+                ms=8 if policy == "dfs-weight" else 6, color=COLORS.get(policy),
+                label=NAMES.get(policy, policy), lw=1.5)
+    ax.axvline(longest, color="tab:red", ls=":", lw=1.5,
+               label=f"longest request ({longest} tokens)")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 100)
+    _style(ax, title or "Serving order and cache size: hit rate of a prefix forest",
+           "cache capacity (tokens, log scale)", "hit rate (% of prompt tokens)")
+    ax.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """Hit rate and prefill tokens against pool size per policy (``capacity_table``)."""
+    fig = BookFigure(figsize=(10, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    policies = table["hit rate"].columns
+    for policy in policies:
+        kw = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy)}
+        left.plot(table.index, 100 * table["hit rate"][policy], **kw)
+        right.plot(table.index, table["prefill tokens"][policy], **kw)
+    _style(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
+    left.set_ylim(0, 100)
+    _style(right, "Tokens prefilled (recomputation included)", "KV pool capacity (tokens)",
+           "prefill tokens")
+    right.set_ylim(0, None)
+    right.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title or "Interleaved few-shot groups: FCFS against LPM", fontsize=FONT + 1)
+    return fig
+
+
+def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """CPU time of one scheduling round against the number of waiting requests
+    (``scheduling_cost``), log-log, with SGLang's matching limit marked."""
+    fig = BookFigure(figsize=(10, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for policy in table.columns:
+        ax.plot(table.index, table[policy], marker="o", color=COLORS.get(policy),
+                label=NAMES.get(policy, policy))
+    ax.axvline(WAITING_QUEUE_PREFIX_MATCH_MAX, color="tab:red", ls=":",
+               label=f"{WAITING_QUEUE_PREFIX_MATCH_MAX} waiting: LPM stops matching")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _style(ax, title or "What a scheduling round costs", "waiting requests (log scale)",
+           "CPU time per round (ms, log scale)")
+    ax.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """Hit rate, prefill tokens and waits (mean and max, in steps) per policy: one bar per
+    row of a ``policy_table``/``few_shot_experiment`` table."""
+    fig = BookFigure(figsize=(10, 3.6), layout="constrained")
+    axes = fig.subplots(1, 3)
+    labels = list(table.index)
+    colors = [COLORS.get(label, "tab:blue") for label in labels]
+    names = [NAMES.get(label, label) for label in labels]
+    x = range(len(labels))
+    axes[0].bar(x, 100 * table["hit rate"], color=colors)
+    _style(axes[0], "Hit rate", "policy", "hit rate (% of prompt tokens)")
+    axes[0].set_ylim(0, 100)
+    axes[1].bar(x, table["prefill tokens"], color=colors)
+    _style(axes[1], "Tokens prefilled", "policy", "prefill tokens")
+    width = 0.4
+    axes[2].bar([i - width / 2 for i in x], table["mean wait"], width, color=colors,
+                alpha=0.55, label="mean")
+    axes[2].bar([i + width / 2 for i in x], table["max wait"], width, color=colors,
+                hatch="//", edgecolor="white", label="max")
+    _style(axes[2], "Queueing delay", "policy", "wait (steps)")
+    axes[2].legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in axes:
+        ax.set_xticks(list(x), names)
+    fig.suptitle(title or "Policies compared", fontsize=FONT + 1)
+    return fig
+
+
+def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-weight",
+                  "random", "lof"), kv_capacity: int = 180, arrival_every: float = 1.0,
+                  n_groups: int = 4):
+    """A policy to compare with FCFS, the pool size, the arrival gap and the number of
+    few-shot groups; each change serves the interleaved groups again (tokens checked against
+    the reference) and redraws ``plot_policy_comparison``. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    style = {"description_width": "initial"}
+    controls = {
+        "policy": widgets.Dropdown(options=list(policies), value=policies[0],
+                                   description="policy vs FCFS", style=style),
+        "capacity": widgets.IntSlider(value=kv_capacity, min=100, max=1000, step=20,
+                                      description="KV capacity (tokens)", style=style,
+                                      continuous_update=False),
+        "gap": widgets.FloatSlider(value=arrival_every, min=0.0, max=8.0, step=0.5,
+                                   description="steps between waves", style=style,
+                                   continuous_update=False),
+        "groups": widgets.IntSlider(value=n_groups, min=2, max=5, description="groups",
+                                    continuous_update=False),
+    }
+
+    def redraw(policy: str, capacity: int, gap: float, groups: int) -> None:
+        try:
+            table = few_shot_experiment(model, tok, ("fcfs", policy), kv_capacity=capacity,
+                                        arrival_every=gap, n_groups=groups)
+        except ValueError as err:  # e.g. a pool smaller than one request
+            print(err)
+            return
+        display(plot_policy_comparison(
+            table, f"{groups} few-shot groups, pool {capacity} tokens, a wave every {gap:g} "
+                   f"steps"))
+        display(table.round(3))
+
+    output = widgets.interactive_output(redraw, controls)
+    return widgets.VBox([widgets.HBox(list(controls.values())[:2]),
+                         widgets.HBox(list(controls.values())[2:]), output])

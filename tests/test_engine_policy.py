@@ -1,0 +1,129 @@
+"""The cache-aware policies inside the engine: reordering the queue changes when tokens are
+computed, never which; memory stays consistent; every request finishes; and LPM falls back
+to FCFS past 128 waiting requests exactly as the policy module says."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisrv.backends import SimBackend
+from minisrv.configs import LLAMA3_8B
+from minisrv.engine import Engine
+from minisrv.policy import IN_BATCH_POLICIES, POLICIES, WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.request import FINISHED, Req
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler import MODES
+
+MODEL_SEED = 3  # the random CityLM of conftest's `model` fixture
+VOCAB = 61
+
+
+def serve_checked(engine: Engine, reqs: list[Req]) -> None:
+    """Serve ``reqs`` step by step, checking the scheduler's invariants after every step,
+    then check that only the prefix cache still holds KV slots."""
+    sched = engine.scheduler
+    for req in reqs:
+        sched.submit(req)
+    while sched.step() is not None:
+        sched.check_integrity()
+    sched.check_integrity()
+    assert not sched.running and not sched.waiting
+    assert sched.tree.protected_size() == 0
+    assert sched.kv.used_count == sched.tree.total_size()  # 0 without the cache
+
+
+def checks_for(policy: str) -> list[bool | None]:
+    return [None, False, True] if policy in IN_BATCH_POLICIES else [None, False]
+
+
+# Prefixes up to 40 tokens so that the in-batch check (32 shared tokens) really defers.
+prefix = st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=40)
+spec = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # which shared prefix
+        st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=5),  # own suffix
+        st.integers(1, 12),  # max_new_tokens
+        st.booleans(),  # ignore_eos
+        st.integers(0, 4),  # arrival step
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefixes=st.lists(prefix, min_size=3, max_size=3), spec=spec, data=st.data(),
+       policy=st.sampled_from(POLICIES), cache=st.sampled_from(["radix", "none"]),
+       mode=st.sampled_from(MODES), slack=st.integers(0, 40), max_running=st.integers(1, 5))
+def test_every_policy_gives_each_request_its_tokens_alone(
+    model, prefixes, spec, data, policy, cache, mode, slack, max_running
+) -> None:
+    check = data.draw(st.sampled_from(checks_for(policy)), label="in_batch_prefix_check")
+    prompts = [[0, *prefixes[k], *own] for k, own, _, _, _ in spec]
+    longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))
+    engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
+                    cache=cache, policy=policy, in_batch_prefix_check=check, seed=1)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=e) for _, _, m, e, _ in spec]
+    reqs = engine.make_requests(prompts, None, params, [a for *_, a in spec])
+    serve_checked(engine, reqs)
+    assert all(req.state == FINISHED for req in reqs)
+    assert all(req.admitted_at is not None and req.admitted_at >= req.arrival for req in reqs)
+    for req, prompt, (_, _, m, e, _) in zip(reqs, prompts, spec):
+        assert req.output == model.reference_generate(prompt, m, ignore_eos=e)
+    assert engine.backend.live_requests == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_tight_pool_retracts_and_every_policy_still_computes_the_same_tokens(
+    model, policy
+) -> None:
+    heads = [[0, *range(2 + 11 * g, 36 + 11 * g)] for g in range(2)]  # 35-token prefixes
+    prompts = [[*heads[i % 2], 50 + i] for i in range(6)]
+    engine = Engine(model, kv_capacity=90, max_running=4, cache="radix", policy=policy,
+                    new_token_ratio=0.2, min_ratio=0.05, seed=0)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True)] * len(prompts)
+    reqs = engine.make_requests(prompts, None, params)
+    serve_checked(engine, reqs)
+    assert engine.stats.retractions > 0
+    assert [r.output for r in reqs] == [model.reference_generate(p, 20, ignore_eos=True)
+                                        for p in prompts]
+
+
+def test_lpm_in_the_engine_serves_the_cached_group_first(model) -> None:
+    head = [0, *range(2, 40)]
+    engine = Engine(model, kv_capacity=400, max_running=1, cache="radix", policy="lpm")
+    engine.generate([[*head, 45]], 2)  # warms the tree with the 39-token head
+    cold = [[0, 40 + i, *range(3, 10)] for i in range(3)]
+    warm = [*head, 50]
+    out = engine.generate([*cold, warm], 2)
+    assert out == [model.reference_generate(p, 2) for p in [*cold, warm]]
+    firsts = [rec.prefill for rec in engine.trace if rec.prefill][1:]
+    assert firsts[0] == (4,)  # rid 4 (the warm prompt) overtakes the three cold ones
+
+
+def fallback_order(waiting: int) -> list[int]:
+    """Ids of the requests in the order an LPM engine (one running at a time) admits
+    ``waiting`` requests submitted together, after a warm-up whose prefix only the last of
+    them shares."""
+    head = [1, *range(1000, 1100)]
+    engine = Engine(SimBackend(LLAMA3_8B), kv_capacity=100_000, max_running=1, cache="radix",
+                    policy="lpm")
+    engine.generate([[*head, 7]], 1)
+    cold = [[1, 2000 + i, *range(3000, 3010)] for i in range(waiting - 1)]
+    engine.generate([*cold, [*head, 8]], 1)
+    rids = [rid for rec in engine.trace for rid in rec.prefill][1:]
+    return [rid - 1 for rid in rids]  # index in the second call's prompts
+
+
+def test_lpm_becomes_fcfs_while_more_than_128_wait() -> None:
+    limit = WAITING_QUEUE_PREFIX_MATCH_MAX
+    # 128 waiting: LPM matches, and the prompt sharing the cached head goes first
+    order = fallback_order(limit)
+    assert order[0] == limit - 1 and order[1:] == list(range(limit - 1))
+    # 129 waiting: the first round is FCFS (no matching); from the next round, with 128
+    # left, LPM matches again and the warm prompt overtakes the rest
+    order = fallback_order(limit + 1)
+    assert order[:2] == [0, limit] and order[2:] == list(range(1, limit))
