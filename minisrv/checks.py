@@ -17,6 +17,8 @@ __all__ = ["is_int", "check_int", "check_number", "check_choice"]
 
 def is_int(value: object) -> bool:
     """True for Python and numpy integers, False for ``bool`` (which is also an ``int``)."""
+    if type(value) is int:  # the common case, without the slow ABC check
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
