@@ -89,7 +89,7 @@ def architecture_diagram() -> graphviz.Digraph:
         row.node("tokenizer")
         row.node("detokenizer")
     with g.subgraph(name="cluster_worker") as w:
-        w.attr(label="model worker (GPU or CPU)", style="dashed", color="#6b7280")
+        w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
         w.node("worker")
         with w.subgraph() as row:
             row.attr(rank="same")
