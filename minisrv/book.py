@@ -80,11 +80,16 @@ def show_source(obj: Any) -> Any:
 
 
 def glue(name: str, value: Any, display: bool = True) -> None:
-    """Make ``value`` quotable in the prose as ``{glue:}`name```.
+    """Make ``value`` quotable in the prose as ``{glue:text}`name:FORMAT```.
 
-    Uses myst-nb's ``glue`` when it is installed (the book build); elsewhere (Colab) it just
-    shows the value, so the same notebook runs in both places.
+    Glue numbers, not strings, and format them in the role (``{glue:text}`share:.1%```): a
+    glued string renders in quote marks. NumPy scalars become Python numbers here, because
+    myst-nb applies the format spec to the value's ``repr``, which for NumPy 2 reads
+    ``np.float64(...)``. Uses myst-nb's ``glue`` when it is installed (the book build);
+    elsewhere (Colab) it just shows the value, so the same notebook runs in both places.
     """
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        value = value.item()  # numpy scalar -> int / float
     try:
         from myst_nb import glue as _glue
     except ImportError:

@@ -22,7 +22,10 @@ def test_kv_table_has_one_row_per_model_and_the_pitfall_ratio() -> None:
     table = viz.kv_table()
     assert list(table.index) == list(MODELS)
     assert table.loc["LLaMA-3-8B", "KV / token"] == "128 KiB"
-    assert table.loc["LLaMA-3-70B", "2·L·d_model formula / true"] == "8x"
+    assert table.loc["LLaMA-3-70B", "MHA formula / true"] == "8x"
+    assert table.loc["LLaMA-3-70B", "heads: query / KV"] == "64 / 8"
+    assert table.loc["DeepSeek-V3", "heads: query / KV"] == "128 / latent"
+    assert table.loc["LLaMA-3-8B", "KV / 32K tokens"] == "4 GiB"
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -41,8 +44,18 @@ def test_roofline_marks_the_memory_wall_at_max_concurrent_requests() -> None:
 
 
 def test_memory_budget_and_intensity_plots_render_to_png() -> None:
-    assert viz.plot_memory_budget(LLAMA3_70B, L4, 8192, 64)._repr_png_().startswith(b"\x89PNG")
-    assert viz.plot_intensity_roofline(LLAMA3_8B, H100)._repr_png_().startswith(b"\x89PNG")
+    for fig in (viz.plot_memory_budget(LLAMA3_70B, L4, 8192, 64),
+                viz.plot_intensity_roofline(LLAMA3_8B, H100)):
+        png, meta = fig._repr_png_()
+        assert png.startswith(b"\x89PNG") and meta["width"] > 0
+
+
+def test_summary_fits_the_column() -> None:
+    """Printed above the widget's figures: no line may be clipped at the column's edge."""
+    for model in MODELS.values():
+        for gpu in GPUS.values():
+            text = viz.summary_line(model, gpu, 131072, 4096)
+            assert max(map(len, text.splitlines())) <= 80, text
 
 
 def test_widget_offers_every_model_gpu_and_dtype() -> None:

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import graphviz
 
+from minisrv.viz.style import BookFigure, graph_attrs, label_axes, legend_below, page_figure, styled
+
 
 class Chapter(NamedTuple):
     file: str  # notebook stem under chapters/
@@ -71,12 +73,10 @@ def architecture_diagram() -> graphviz.Digraph:
     Requests flow down from the client to the model worker and answers flow back up.
     Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
     """
-    g = graphviz.Digraph("architecture", graph_attr={"rankdir": "TB", "nodesep": "0.35",
-                                                     "ranksep": "0.45"},
-                         node_attr={"shape": "box", "style": "rounded,filled",
-                                    "fontname": "Helvetica", "fontsize": "10"},
-                         edge_attr={"fontname": "Helvetica", "fontsize": "9",
-                                    "color": "#374151"})
+    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.3",
+                                                       ranksep="0.45"))
+    g.attr("node", shape="box", style="rounded,filled")
+    g.attr("edge", color="#374151")
     for key, comp in COMPONENTS.items():
         built = comp.chapter is not None
         g.node(key, _component_label(comp),
@@ -89,8 +89,7 @@ def architecture_diagram() -> graphviz.Digraph:
         row.node("tokenizer")
         row.node("detokenizer")
     with g.subgraph(name="cluster_worker") as w:
-        w.attr(label="model worker (GPU or CPU)", style="dashed", color="#6b7280",
-               fontname="Helvetica", fontsize="10")
+        w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
         w.node("worker")
         with w.subgraph() as row:
             row.attr(rank="same")
@@ -109,10 +108,8 @@ def architecture_diagram() -> graphviz.Digraph:
 
 def chapter_map() -> graphviz.Digraph:
     """The chapters in reading order, each with the question it answers and its modules."""
-    g = graphviz.Digraph("chapters", graph_attr={"rankdir": "LR"},
-                         node_attr={"shape": "box", "style": "rounded,filled",
-                                    "fillcolor": "#eef2ff", "fontname": "Helvetica",
-                                    "fontsize": "10"})
+    g = graphviz.Digraph("chapters", **graph_attrs(rankdir="TB", ranksep="0.25"))
+    g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef2ff")
     for ch in CHAPTERS:
         modules = ", ".join(f"{m}.py" for m in ch.modules)
         g.node(ch.file, f"{_chapter_number(ch.file)} · {ch.title}\n{ch.question}\n{modules}")
@@ -132,25 +129,21 @@ def training_record() -> dict:
     return json.loads(text)
 
 
-def plot_training(record: dict):
+@styled
+def plot_training(record: dict) -> BookFigure:
     """Training and validation loss of the shipped CityLM against the optimisation step."""
     import math
 
-    import matplotlib.pyplot as plt
-
     history = record["history"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = page_figure(height_in=4.2)
     ax.plot(history["step"], history["train_loss"], label="training countries")
     ax.plot(history["step"], history["val_loss"], label="held-out countries")
     vocab = record["tokenizer"]["vocab_size"]
     ax.axhline(math.log(vocab), color="grey", linestyle="--", label=f"uniform guess (ln {vocab})")
-    ax.set_xlabel("optimisation step")
-    ax.set_ylabel("cross-entropy (nats per character)")
-    ax.set_title("CityLM training")
     ax.set_yscale("log")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
+    ax.grid(True, alpha=0.3, which="both")
+    label_axes(ax, "CityLM training", "optimisation step", "cross-entropy (nats per character)")
+    legend_below(fig, ncol=3)
     return fig
 
 

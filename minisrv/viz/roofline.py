@@ -2,17 +2,16 @@
 
 Everything here is drawn from ``minisrv.kvsize`` and ``minisrv.roofline``; no number is
 computed twice. Figures are ``BookFigure`` objects built without pyplot's global state, so
-a cell that returns one shows it exactly once, and a widget can redraw it freely.
+a cell that returns one shows it exactly once, and a widget can redraw it freely. Sizes,
+fonts and legends follow the house style of ``minisrv.viz.style``.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
@@ -25,6 +24,10 @@ from minisrv.kvsize import (
 )
 from minisrv.roofline import decode_step_cost
 
+# BookFigure lives in style.py; it is imported here too because the other viz modules
+# (timeline, batching, radix) import it from this module.
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 DTYPES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8": 1, "int4": 0.5}
@@ -32,19 +35,6 @@ DTYPES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8": 1, "int4": 0.5}
 
 CONTEXT_CHOICES: tuple[int, ...] = tuple(2**k for k in range(7, 18))  # 128 ... 131072 tokens
 BATCH_CHOICES: tuple[int, ...] = tuple(2**k for k in range(0, 13))  # 1 ... 4096 requests
-
-
-class BookFigure(Figure):
-    """A matplotlib Figure that Jupyter shows as a PNG when a cell returns it.
-
-    Plain ``Figure`` objects only render once pyplot has switched on the inline backend;
-    this one needs no pyplot and no global state, so each figure appears exactly once.
-    """
-
-    def _repr_png_(self) -> bytes:
-        buffer = io.BytesIO()
-        self.savefig(buffer, format="png", dpi=100)
-        return buffer.getvalue()
 
 
 def format_bytes(n_bytes: float) -> str:
@@ -55,20 +45,24 @@ def format_bytes(n_bytes: float) -> str:
     return f"{n_bytes:.3g} B"
 
 
-def _kv_layout(cfg: ModelConfig) -> str:
-    """What one layer stores per token, in words, for the comparison table."""
-    if cfg.attention == "mla":
-        return f"latent {cfg.kv_lora_rank} + rope key {cfg.qk_rope_head_dim}"
-    return f"K,V x {cfg.n_kv_heads} heads x {cfg.head_dim}"
+def _heads(cfg: ModelConfig) -> str:
+    """Query heads / heads that store K and V ("latent" for MLA), for the comparison table."""
+    return f"{cfg.n_heads} / {'latent' if cfg.attention == 'mla' else cfg.n_kv_heads}"
+
+
+def _tokens(n: int) -> str:
+    """Token counts as the text names them: 32768 -> '32K', 1000 -> '1,000'."""
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
 def kv_table(
     models: Sequence[ModelConfig] | None = None, context_len: int = 32768, dtype_bytes: float = 2
 ) -> pd.DataFrame:
-    """One row per model: attention kind, what a layer caches, KV per token and per request.
+    """One row per model: attention kind, heads, KV numbers per layer, per token, per request.
 
-    The last column compares with the classic formula 2 x layers x d_model, i.e. with every
-    query head keeping its own K and V: the saving GQA/MQA/MLA buy.
+    Few, short columns so that the table fits the book's column. The last one compares with
+    the classic formula 2 x layers x d_model, i.e. with every query head keeping its own K and
+    V: the saving GQA/MQA/MLA buy.
     """
     rows = []
     for cfg in models or list(MODELS.values()):
@@ -79,14 +73,13 @@ def kv_table(
                 "model": cfg.name,
                 "attention": cfg.attention.upper(),
                 "layers": cfg.n_layers,
-                "query heads": cfg.n_heads,
-                "per layer and token": _kv_layout(cfg),
+                "heads: query / KV": _heads(cfg),
                 "numbers / layer": kv_numbers_per_token_per_layer(cfg),
                 "KV / token": format_bytes(per_token),
-                f"KV / {context_len:,}-token request": format_bytes(
+                f"KV / {_tokens(context_len)} tokens": format_bytes(
                     kv_bytes_per_request(cfg, context_len, dtype_bytes)
                 ),
-                "2·L·d_model formula / true": f"{classic / per_token:.3g}x",
+                "MHA formula / true": f"{classic / per_token:.3g}x",
             }
         )
     return pd.DataFrame(rows).set_index("model")
@@ -127,16 +120,17 @@ def _draw_context(
     highlighted where compute sets the step time, and the wall itself as a dashed line."""
     fits = batches <= wall
     for ax, y in zip(axes, series, strict=True):
-        ax.plot(batches[fits], y[fits], color=color, lw=1.8, label=label)
+        ax.plot(batches[fits], y[fits], color=color, lw=2.2, label=label)
         beyond = batches >= (batches[fits][-1] if fits.any() else 0)
-        ax.plot(batches[beyond], y[beyond], color=color, lw=1.2, ls=":", alpha=0.6)
+        ax.plot(batches[beyond], y[beyond], color=color, lw=1.6, ls=":", alpha=0.7)
         hot = compute_bound
         if hot.any():
             ax.plot(batches[hot], y[hot], color=color, lw=7, alpha=0.25, solid_capstyle="butt")
         if wall:
-            ax.axvline(wall, color=color, ls="--", lw=1)
+            ax.axvline(wall, color=color, ls="--", lw=1.2)
 
 
+@styled
 def plot_roofline(
     cfg: ModelConfig,
     gpu: GPUSpec,
@@ -145,18 +139,18 @@ def plot_roofline(
     batch: int | None = None,
     max_batch: int | None = None,
 ) -> BookFigure:
-    """Decode step time and throughput against batch size, one curve per context length.
+    """Decode step time (top) and throughput (bottom) against batch size, one curve per
+    context length; the panels are stacked so that each keeps the column's full width.
 
     Solid: batches that fit in memory; dotted: batches that would not (past the memory wall,
     drawn dashed at ``max_concurrent_requests``). A pale band marks compute-bound batches;
     everything else is memory-bound. The grey lines are the two roofs: reading the weights
     alone (the floor of every step) and the arithmetic alone. ``batch`` marks one batch size.
     """
-    fig = BookFigure(figsize=(11, 4.2), layout="constrained")
-    ax_time, ax_tput = fig.subplots(1, 2)
-    title = f"{cfg.name} decoding on {gpu.name} ({dtype_bytes:g} bytes per number)"
+    fig, (ax_time, ax_tput) = page_figure(height_in=7.6, rows=2, sharex=True)
+    title = f"{cfg.name} decoding on {gpu.name}, {dtype_bytes:g} bytes per number"
     if not _weights_fit(cfg, gpu, dtype_bytes):
-        title += f": weights ({weight_bytes(cfg, dtype_bytes) / 1e9:.3g} GB) do not fit"
+        title += f"\nweights ({weight_bytes(cfg, dtype_bytes) / 1e9:.3g} GB) do not fit"
     walls = {c: _wall(cfg, gpu, c, dtype_bytes) for c in contexts}
     limit = max_batch or max(256, 2 * max(walls.values(), default=0), batch or 1)
     batches = _batch_grid(limit)
@@ -170,31 +164,31 @@ def plot_roofline(
         if batch:
             point = decode_step_cost(cfg, gpu, batch, context, dtype_bytes)
             face = color if batch <= walls[context] else "white"  # hollow: does not fit
-            ax_time.plot(batch, point.time_s * 1e3, "o", color=color, mfc=face, ms=6)
-            ax_tput.plot(batch, batch / point.time_s, "o", color=color, mfc=face, ms=6)
+            ax_time.plot(batch, point.time_s * 1e3, "o", color=color, mfc=face, ms=8)
+            ax_tput.plot(batch, batch / point.time_s, "o", color=color, mfc=face, ms=8)
     weights_ms = weight_bytes(cfg, dtype_bytes) / gpu.bandwidth * 1e3
     compute_ms = 2 * cfg.active_param_count * batches / gpu.flops * 1e3
-    ax_time.axhline(weights_ms, color="grey", lw=1, label="read weights once")
-    ax_time.plot(batches, compute_ms, color="black", lw=1, ls="-.",
+    ax_time.axhline(weights_ms, color="grey", lw=1.5, label="read weights once")
+    ax_time.plot(batches, compute_ms, color="black", lw=1.5, ls="-.",
                  label="arithmetic only, 2·params·batch")
-    ax_time.set(xscale="log", yscale="log", xlabel="batch size (requests decoding together)",
-                ylabel="time of one decode step (ms)", title="Step time")
-    ax_tput.set(xscale="log", yscale="log", xlabel="batch size (requests decoding together)",
-                ylabel="throughput (tokens/s)", title="Throughput")
     for ax in (ax_time, ax_tput):
+        ax.set(xscale="log", yscale="log", xlim=(1, batches[-1]))
         ax.grid(True, which="major", alpha=0.3)
-        ax.set_xlim(1, batches[-1])
+        ax.grid(False, which="minor")
+    label_axes(ax_time, f"Step time: {title}", ylabel="decode step time (ms)")
+    label_axes(ax_tput, "Throughput", "batch size (requests decoding together)",
+               "throughput (tokens/s)")
     style = [
         Line2D([], [], color="grey", ls="--", lw=1, label="memory wall (most requests that fit)"),
-        Line2D([], [], color="grey", ls=":", lw=1.2, label="would not fit in memory"),
+        Line2D([], [], color="grey", ls=":", lw=1.5, label="would not fit in memory"),
         Line2D([], [], color="grey", lw=7, alpha=0.25, label="compute-bound (else memory-bound)"),
     ]
-    ax_time.legend(fontsize=8, loc="upper left")
-    ax_tput.legend(handles=style, fontsize=8, loc="upper left")
-    fig.suptitle(title)
+    curves = list(dict(zip(*reversed(ax_time.get_legend_handles_labels()), strict=True)).values())
+    legend_below(fig, handles=curves + style, ncol=2)
     return fig
 
 
+@styled
 def plot_memory_budget(
     cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
 ) -> BookFigure:
@@ -203,8 +197,7 @@ def plot_memory_budget(
     weights = weight_bytes(cfg, dtype_bytes) / 1e9
     kv = batch * kv_bytes_per_request(cfg, context_len, dtype_bytes) / 1e9
     capacity = gpu.memory_bytes / 1e9
-    fig = BookFigure(figsize=(11, 2.3), layout="constrained")
-    ax = fig.subplots()
+    fig, ax = page_figure(height_in=2.2)
     ax.barh(0, weights, color="0.55", label=f"weights {weights:.3g} GB")
     overflow = weights + kv > capacity
     kv_label = f"KV of {batch:,} x {context_len:,} tokens: {kv:.3g} GB"
@@ -212,14 +205,17 @@ def plot_memory_budget(
     free = capacity - weights - kv
     if free > 0:
         ax.barh(0, free, left=weights + kv, color="C2", alpha=0.25, label=f"free {free:.3g} GB")
-    ax.axvline(capacity, color="black", lw=2, label=f"{gpu.name} capacity {capacity:.3g} GB")
-    ax.set(yticks=[], xlabel="memory (GB)", xlim=(0, max(capacity, weights + kv) * 1.02),
-           title=f"{cfg.name} on {gpu.name}: {batch:,} requests of {context_len:,} tokens "
-           + ("do not fit" if overflow else "fit"))
-    fig.legend(fontsize=8, loc="outside lower center", ncol=4, frameon=False)
+    ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {capacity:.3g} GB")
+    ax.set(yticks=[], xlim=(0, max(capacity, weights + kv) * 1.02))
+    ax.grid(False, axis="y")
+    verdict = "do not fit" if overflow else "fit"
+    label_axes(ax, f"{cfg.name} on {gpu.name}: {batch:,} requests of {context_len:,} tokens "
+               f"{verdict}", "memory (GB)")
+    legend_below(fig, ncol=2)
     return fig
 
 
+@styled
 def plot_intensity_roofline(
     cfg: ModelConfig,
     gpu: GPUSpec,
@@ -235,37 +231,39 @@ def plot_intensity_roofline(
     """
     from minisrv.roofline import batch_step_cost
 
-    fig = BookFigure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.subplots()
+    fig, ax = page_figure(height_in=5.0)
     intensity = np.geomspace(0.1, 1e4, 200)
     attainable = np.minimum(gpu.flops, intensity * gpu.bandwidth) / 1e12
-    ax.plot(intensity, attainable, color="black", lw=2, label=f"{gpu.name} roof")
-    ax.axvline(gpu.ridge_intensity, color="grey", ls="--", lw=1,
+    ax.plot(intensity, attainable, color="black", lw=2.5, label=f"{gpu.name} roof")
+    ax.axvline(gpu.ridge_intensity, color="grey", ls="--", lw=1.5,
                label=f"ridge: {gpu.ridge_intensity:.0f} FLOP/byte")
     for b in batches:
         cost = decode_step_cost(cfg, gpu, b, context_len, dtype_bytes)
         ax.plot(cost.intensity, cost.flops / cost.time_s / 1e12, "o", color="C0")
         ax.annotate(f"decode x{b}", (cost.intensity, cost.flops / cost.time_s / 1e12),
-                    textcoords="offset points", xytext=(5, -12), fontsize=8)
+                    textcoords="offset points", xytext=(6, -14))
     for n in prefill_tokens:
         cost = batch_step_cost(cfg, gpu, prefill=[(n, 0)], dtype_bytes=dtype_bytes)
         ax.plot(cost.intensity, cost.flops / cost.time_s / 1e12, "s", color="C1")
         ax.annotate(f"prefill {n:,}", (cost.intensity, cost.flops / cost.time_s / 1e12),
-                    textcoords="offset points", xytext=(-20, 6), fontsize=8)
+                    textcoords="offset points", xytext=(-30, 8))
     ax.plot([], [], "o", color="C0", label=f"decode steps, context {context_len:,}")
     ax.plot([], [], "s", color="C1", label="one prefill")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte moved)",
-           ylabel="attainable throughput (TFLOP/s)", title=f"Roofline of {cfg.name} on {gpu.name}")
+    ax.set(xscale="log", yscale="log")
     ax.set_ylim(top=gpu.flops / 1e12 * 4)  # room for the labels above the flat roof
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(False, which="minor")
+    label_axes(ax, f"Roofline of {cfg.name} on {gpu.name}",
+               "arithmetic intensity (FLOPs per byte moved)", "attainable throughput (TFLOP/s)")
+    legend_below(fig, ncol=2)
     return fig
 
 
 def summary_line(
     cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
 ) -> str:
-    """One sentence about the chosen point, printed above the widget's figures."""
+    """Two short lines about the chosen point, printed above the widget's figures (short, so
+    they fit the book's column): the step and its bound, then throughput and capacity."""
     cost = decode_step_cost(cfg, gpu, batch, context_len, dtype_bytes)
     one = decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes)
     wall = _wall(cfg, gpu, context_len, dtype_bytes)
@@ -273,8 +271,8 @@ def summary_line(
     gain = (batch / cost.time_s) / (1 / one.time_s)
     return (
         f"batch {batch:,} at context {context_len:,}: step {cost.time_s * 1e3:.3g} ms "
-        f"({cost.bound}-bound), {batch / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; "
-        f"{fits}."
+        f"({cost.bound}-bound)\n"
+        f"{batch / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; {fits}"
     )
 
 

@@ -1,0 +1,105 @@
+"""Sphinx extension for the minisrv book: per-chapter numbering and author-year references.
+
+Loaded by ``_config.yml`` (``sphinx: local_extensions: {minisrv_book: _ext}``).
+
+1. Exercises (and any other numbered element: figures, tables, code blocks) are numbered
+   per chapter: each document starts again at 1. Sphinx numbers them across the whole book
+   when the table of contents is not numbered, so chapter 01 began at "Exercise 3".
+2. The bibliography labels its entries the way the text cites them (``bibtex_reference_style:
+   author_year``): "[Zheng et al., 2024]" in the text links to an entry labelled
+   "Zheng et al., 2024", sorted by author and year, instead of one labelled "[3]".
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import latexcodec  # noqa: F401  (registers the "ulatex" codec used to read names)
+from pybtex.plugin import register_plugin
+from pybtex.style.formatting.plain import Style as PlainStyle
+from pybtex.style.labels import BaseLabelStyle
+from pybtex.style.sorting.author_year_title import SortingStyle as AuthorYearTitleSorting
+
+STYLE_NAME = "authoryear"
+"""Name of the pybtex formatting (and label) style: ``bibtex_default_style`` in _config.yml."""
+
+
+def _plain(name: str) -> str:
+    """A BibTeX name as the reader sees it: ``{DeepSeek-AI}`` -> DeepSeek-AI, ``{\\'o}`` -> o."""
+    return codecs.decode(name, "ulatex").replace("{", "").replace("}", "")
+
+
+def author_year_label(entry: Any) -> str:
+    """"Li, 2026", "Zhang and Sennrich, 2019", "Zheng et al., 2024": the same names and
+    separators sphinxcontrib-bibtex's author_year style prints in the text."""
+    persons = entry.persons.get("author") or entry.persons.get("editor") or []
+    names = [_plain(" ".join(p.prelast_names + p.last_names)) for p in persons]
+    if not names:
+        who = _plain(entry.fields.get("title", entry.key))
+    elif len(names) == 1:
+        who = names[0]
+    elif len(names) == 2:
+        who = f"{names[0]} and {names[1]}"
+    else:
+        who = f"{names[0]} et al."
+    return f"{who}, {entry.fields.get('year', 'n.d.')}"
+
+
+class AuthorYearLabelStyle(BaseLabelStyle):
+    """Author-year labels; two works with the same label get a, b, ... after the year."""
+
+    def format_labels(self, sorted_entries: Iterable[Any]) -> Iterator[str]:
+        labels = [author_year_label(entry) for entry in sorted_entries]
+        counts, seen = Counter(labels), Counter()
+        for label in labels:
+            if counts[label] > 1:
+                seen[label] += 1
+                yield f"{label}{'abcdefghijklmnopqrstuvwxyz'[seen[label] - 1]}"
+            else:
+                yield label
+
+
+class AuthorYearSorting(AuthorYearTitleSorting):
+    """Author, year, title, with names read as printed: ``{DeepSeek-AI}`` sorts under D,
+    not after Z (a brace sorts after every letter)."""
+
+    def sorting_key(self, entry: Any) -> tuple[str, str, str]:
+        author, year, title = super().sorting_key(entry)
+        return _plain(author).lower(), year, title
+
+
+class AuthorYearStyle(PlainStyle):
+    """pybtex's ``plain`` entries, sorted by author and year, under author-year labels."""
+
+    default_label_style = STYLE_NAME
+    default_sorting_style = STYLE_NAME
+
+
+register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
+register_plugin("pybtex.style.sorting", STYLE_NAME, AuthorYearSorting)
+register_plugin("pybtex.style.formatting", STYLE_NAME, AuthorYearStyle)
+
+
+def number_per_document(app: Any, env: Any) -> list[str]:
+    """Renumber every numbered element from 1 within its document, in document order.
+
+    Runs after Sphinx's own ``assign_figure_numbers`` (same event, later priority), which
+    left one counter running through the book. Returns the documents whose numbers changed,
+    so that Sphinx rewrites them.
+    """
+    changed = []
+    for docname, by_type in env.toc_fignumbers.items():
+        renumbered = {figtype: {node_id: (i,) for i, node_id in enumerate(numbers, start=1)}
+                      for figtype, numbers in by_type.items()}
+        if renumbered != by_type:
+            env.toc_fignumbers[docname] = renumbered
+            changed.append(docname)
+    return changed
+
+
+def setup(app: Any) -> dict[str, Any]:
+    app.connect("env-get-updated", number_per_document, priority=900)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,114 @@
+"""The house style: every book figure is drawn at the column's width with legible text."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.text import Text  # noqa: E402
+
+from minisrv.configs import DEEPSEEK_V3, H100, LLAMA3_8B, LLAMA3_70B, T4  # noqa: E402
+from minisrv.kvsize import kv_bytes_per_token, kv_numbers_per_token_per_layer  # noqa: E402
+from minisrv.viz import kvlayout, overview, roofline, style  # noqa: E402
+
+
+def _figures():
+    return {
+        "roofline": roofline.plot_roofline(LLAMA3_8B, H100, batch=16),
+        "roofline, weights do not fit": roofline.plot_roofline(LLAMA3_70B, T4, batch=16),
+        "memory budget": roofline.plot_memory_budget(LLAMA3_8B, H100, 1024, 476),
+        "intensity roofline": roofline.plot_intensity_roofline(LLAMA3_8B, H100),
+        "kv layouts": kvlayout.plot_kv_layouts(),
+        "training": overview.plot_training(overview.training_record()),
+    }
+
+
+FIGURES = _figures()
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_figure_fills_the_column_and_is_shown_at_its_width(name) -> None:
+    fig = FIGURES[name]
+    png, meta = fig._repr_png_()
+    assert png.startswith(b"\x89PNG")
+    assert fig.get_figwidth() == style.PAGE_WIDTH_IN
+    assert meta == {"width": round(style.PAGE_WIDTH_IN * style.SCREEN_DPI)}
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_every_text_of_a_figure_is_legible_at_page_width(name) -> None:
+    fig = FIGURES[name]
+    fig._repr_png_()  # draw, so that tick labels exist
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert texts
+    small = {t.get_text(): t.get_fontsize() for t in texts
+             if t.get_fontsize() < min(style.FONT_SIZES.values())}
+    assert not small, f"text below {min(style.FONT_SIZES.values())} pt: {small}"
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_legends_sit_outside_the_axes(name) -> None:
+    fig = FIGURES[name]
+    assert not [ax for ax in fig.axes if ax.get_legend() is not None]
+
+
+def test_style_does_not_leak_into_global_matplotlib_settings() -> None:
+    import matplotlib as mpl
+
+    before = mpl.rcParams["font.size"]
+    roofline.plot_memory_budget(LLAMA3_8B, H100, 1024, 16)
+    assert mpl.rcParams["font.size"] == before
+
+
+def test_page_figure_refuses_sizes_wider_than_the_page() -> None:
+    with pytest.raises(ValueError, match="width_in"):
+        style.page_figure(3, width_in=11)
+    with pytest.raises(ValueError, match="height_in"):
+        style.page_figure(0)
+
+
+def test_graph_attrs_apply_the_graph_font_sizes() -> None:
+    source = overview.architecture_diagram().source
+    assert f'fontsize={style.GRAPH_FONTS["node"]}' in source
+    assert f'fontsize={style.GRAPH_FONTS["edge"]}' in source
+
+
+def test_bookfigure_is_still_importable_from_roofline() -> None:
+    from minisrv.viz.roofline import BookFigure
+
+    assert BookFigure is style.BookFigure
+
+
+def test_kv_layouts_label_each_design_with_its_computed_size() -> None:
+    fig = kvlayout.plot_kv_layouts()
+    texts = " ".join(t.get_text() for t in fig.findobj(Text))
+    for cfg in kvlayout.layout_models():
+        assert cfg.attention.upper() in texts
+        assert f"{kv_numbers_per_token_per_layer(cfg):,} numbers per layer" in texts
+        assert roofline.format_bytes(kv_bytes_per_token(cfg)) in texts
+
+
+def test_kv_layout_bars_are_drawn_to_one_scale() -> None:
+    """The cached bar of each row is as long as its numbers per layer / the largest row's."""
+    models = kvlayout.layout_models()
+    fig = kvlayout.plot_kv_layouts(models)
+    ax = fig.axes[0]
+    bars: dict[float, float] = {}
+    for patch in ax.patches:
+        y = round(patch.get_y() % 1.3, 3)
+        if y == 0.05:  # the lower strip of a row
+            row = round(patch.get_y() // 1.3)
+            bars[row] = bars.get(row, 0.0) + patch.get_width()
+    largest = max(kv_numbers_per_token_per_layer(cfg) for cfg in models)
+    for row, cfg in enumerate(reversed(models)):
+        assert bars[row] == pytest.approx(kv_numbers_per_token_per_layer(cfg) / largest)
+
+
+def test_one_kv_head_refuses_mla_and_keeps_the_query_heads() -> None:
+    mqa = kvlayout.one_kv_head(LLAMA3_70B)
+    assert (mqa.n_heads, mqa.n_kv_heads, mqa.attention) == (64, 1, "mqa")
+    with pytest.raises(ValueError, match="MLA"):
+        kvlayout.one_kv_head(DEEPSEEK_V3)
+    with pytest.raises(ValueError, match="at least one model"):
+        kvlayout.plot_kv_layouts(())
