@@ -17,43 +17,52 @@ class Chapter(NamedTuple):
     file: str  # notebook stem under chapters/
     title: str  # short title used in diagrams
     question: str  # the question the chapter answers
-    modules: tuple[str, ...]  # minisrv modules it builds
+    modules: tuple[str, ...]  # files or packages under minisrv/ it builds
 
 
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter("00_overview", "The server at a glance",
             "What does an inference server do, and what model do we serve?",
-            ("model", "tokenizer", "train")),
+            ("model/", "tokenizer.py", "train.py")),
     Chapter("01_kv_cache", "KV cache and batching",
             "How big is the KV cache, and why must a server batch?",
-            ("configs", "kvsize", "roofline")),
+            ("configs.py", "kvsize.py", "roofline.py")),
     Chapter("02_scheduler", "The scheduler loop",
             "How does continuous batching keep the GPU busy?",
-            ("scheduler", "backends", "engine", "workloads")),
+            ("scheduler/", "backends.py", "engine.py", "workloads.py")),
     Chapter("03_selective_batching", "Selective batching and the KV pool",
             "How does one forward pass serve many requests, and how many fit in memory?",
-            ("model", "kvpool", "scheduler", "backends")),
+            ("model/flat.py", "kvpool.py", "scheduler/admission.py")),
     Chapter("04_radix_attention", "RadixAttention",
             "How does a server reuse the KV of prefixes it has already computed?",
-            ("radix", "scheduler", "workloads")),
+            ("radix.py", "scheduler/memory.py", "prefix_workloads.py")),
+    Chapter("05_cache_aware", "Cache-aware scheduling",
+            "Which waiting request should run first when some prefixes are cached?",
+            ("scheduler/policy.py", "cache_aware.py")),
+    Chapter("06_routing", "Routing across workers",
+            "Which replica should serve a request when each has its own cache?",
+            ("router/",)),
 )
 
 
 class Component(NamedTuple):
     name: str  # box label
-    module: str  # minisrv module that implements it
+    module: str  # file or package under minisrv/ that implements it
     chapter: str | None  # chapter file that builds it; None while no chapter does yet
 
 
 COMPONENTS: dict[str, Component] = {
-    "api": Component("Client API\n(generate)", "engine", "02_scheduler"),
-    "tokenizer": Component("Tokenizer", "tokenizer", "00_overview"),
-    "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler", "02_scheduler"),
-    "worker": Component("Model worker\n(CityLM forward)", "model", "00_overview"),
-    "kvpool": Component("KV pool\n(token slots)", "kvpool", "03_selective_batching"),
-    "radix": Component("Radix cache\n(RadixAttention)", "radix", "04_radix_attention"),
-    "attention": Component("Attention backend", "model", "00_overview"),
-    "detokenizer": Component("Detokenizer", "tokenizer", "00_overview"),
+    "api": Component("Client API\n(generate)", "engine.py", "02_scheduler"),
+    "router": Component("Router\n(cache-aware, load balance)", "router/", "06_routing"),
+    "tokenizer": Component("Tokenizer", "tokenizer.py", "00_overview"),
+    "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler/", "02_scheduler"),
+    "policy": Component("Scheduling policy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
+                        "05_cache_aware"),
+    "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
+    "kvpool": Component("KV pool\n(token slots)", "kvpool.py", "03_selective_batching"),
+    "radix": Component("Radix cache\n(RadixAttention)", "radix.py", "04_radix_attention"),
+    "attention": Component("Attention backend", "model/flat.py", "03_selective_batching"),
+    "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),
 }
 
 
@@ -62,8 +71,8 @@ def _chapter_number(file: str) -> str:
 
 
 def _component_label(comp: Component) -> str:
-    where = (f"ch. {_chapter_number(comp.chapter)} · minisrv/{comp.module}.py"
-             if comp.chapter else f"minisrv/{comp.module}.py · not built yet")
+    where = (f"ch. {_chapter_number(comp.chapter)} · minisrv/{comp.module}"
+             if comp.chapter else f"minisrv/{comp.module} · not built yet")
     return f"{comp.name}\n{where}"
 
 
@@ -95,8 +104,10 @@ def architecture_diagram() -> graphviz.Digraph:
             row.attr(rank="same")
             for key in ("kvpool", "radix", "attention"):
                 row.node(key)
-    g.edge("api", "tokenizer", label=" prompt text")
+    g.edge("api", "router", label=" request")
+    g.edge("router", "tokenizer", label=" one replica")
     g.edge("tokenizer", "scheduler", label=" token ids")
+    g.edge("scheduler", "policy", arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")
     for key in ("kvpool", "radix", "attention"):
@@ -111,7 +122,7 @@ def chapter_map() -> graphviz.Digraph:
     g = graphviz.Digraph("chapters", **graph_attrs(rankdir="TB", ranksep="0.25"))
     g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef2ff")
     for ch in CHAPTERS:
-        modules = ", ".join(f"{m}.py" for m in ch.modules)
+        modules = ", ".join(ch.modules)
         g.node(ch.file, f"{_chapter_number(ch.file)} · {ch.title}\n{ch.question}\n{modules}")
     for before, after in zip(CHAPTERS, CHAPTERS[1:]):
         g.edge(before.file, after.file)
