@@ -323,20 +323,25 @@ def test_bench_cli_prints_its_table(server):
 
 
 # ------------------------------------------------------------------------------ --dp
-def test_dp2_answers_503_while_starting_then_the_same_tokens_as_dp1(server):
-    prompts = [f"{code}:" for code in ("FR", "JP", "US", "DE", "BR", "IN", "CN", "IT")]
+DP_PROMPTS = [f"{code}:" for code in ("FR", "JP", "US", "DE", "BR", "IN", "CN", "IT")]
+
+
+def answers(url: str) -> list[str]:
     body = {"max_tokens": 12, "temperature": 0}
+    return [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}).json()
+            ["choices"][0]["text"] for p in DP_PROMPTS]
 
-    def answers(url: str) -> list[str]:
-        return [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}).json()
-                ["choices"][0]["text"] for p in prompts]
 
-    with running_server("--dp", "2") as (url, seen):
+@pytest.mark.parametrize("layout", [("--dp", "2"), ("--engine-process",)])
+def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server, layout):
+    """``--dp 2`` (two engines behind the router) and ``--engine-process`` (one engine in
+    its own process) serve exactly what the in-thread engine serves."""
+    with running_server(*layout) as (url, seen):
         assert seen[0] == 503 and seen[-1] == 200
-        two = answers(url)
+        got = answers(url)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
         assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
-    assert two == answers(server)
+    assert got == answers(server)
 
 
 def test_cli_rejects_bad_engine_options_before_loading():

@@ -26,6 +26,12 @@ class TextCodec:
     kind: str  # "citylm" or "hf"
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # extra ids ending a reply
 
+    @property
+    def prefix_stable(self) -> bool:
+        """True when decoding more ids only appends text (CityLM: one character per id), so
+        a stream may decode each new id alone instead of the whole output again."""
+        return self.kind == "citylm"
+
     def encode(self, text: str) -> list[int]:
         """Prompt ids, ``<bos>`` included; ValueError for text the tokenizer cannot take."""
         if self.kind == "citylm":

@@ -1,7 +1,8 @@
 """Detokenizing one reply as it streams: new text per token, stop strings, stop ids.
 
 Each token's text is found by decoding the whole output so far and taking what is new, which
-is right for any tokenizer (a subword can change how the previous one reads). A stop
+is right for any tokenizer (a subword can change how the previous one reads); a tokenizer
+whose text only grows token by token (CityLM's characters) decodes each new id alone. A stop
 string may straddle tokens, so while any is set the last ``len(longest stop) - 1``
 characters are held back until the next token shows whether a stop begins there; the
 stop string itself is never sent, as in OpenAI's API.
@@ -44,7 +45,10 @@ class TextStream:
                 self.finish = "stop"
                 break
             self.ids.append(token)
-            self.text = self.codec.decode(self.ids)
+            if self.codec.prefix_stable:
+                self.text += self.codec.decode([token])
+            else:
+                self.text = self.codec.decode(self.ids)
             self._cut_at_stop()
         end = len(self.text) if self.finish else len(self.text) - self.hold
         while end > self.sent and self.text[end - 1] == "\ufffd":  # half a UTF-8 character

@@ -146,16 +146,23 @@ def _worker_main(index: int, options: EngineOptions, inbox: Any, outbox: Any) ->
 
 
 class DataParallelEngines:
-    """``n`` worker processes, each with its own engine and cache, behind the ``Router``."""
+    """``n`` worker processes, each with its own engine and cache, behind the ``Router``.
+
+    With ``n=1`` (``--engine-process``) there is no router: the one worker gets everything,
+    and the HTTP process keeps its interpreter lock to itself, which matters on a CPU where
+    the engine's own Python work holds that lock most of each step.
+    """
 
     def __init__(self, options: EngineOptions, n: int, router_kwargs: dict[str, Any]) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"--dp must be an int >= 1, got {n!r}")
-        from minisrv.router import Router  # the routing chapter's router
-
         self.options = options
         self.n = n
-        self.router = Router(n, **router_kwargs)
+        self.router: Any = None  # one worker needs no router
+        if n > 1:
+            from minisrv.router import Router  # the routing chapter's router
+
+            self.router = Router(n, **router_kwargs)
         self.ready = False
         self.failed: str | None = None
         self.limits: dict[str, Any] = {}
@@ -212,7 +219,7 @@ class DataParallelEngines:
         }
 
     def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
-        worker = self.router.route(prompt)
+        worker = self.router.route(prompt) if self.router is not None else 0
         self._worker_of[key] = worker
         self._inboxes[worker].put(("submit", key, prompt, params))
 
@@ -224,7 +231,7 @@ class DataParallelEngines:
     def done(self, key: int) -> None:
         """The request left its worker: the router's in-flight count drops."""
         worker = self._worker_of.pop(key, None)
-        if worker is not None:
+        if worker is not None and self.router is not None:
             self.router.finish(worker)
 
     def close(self) -> None:
