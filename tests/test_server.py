@@ -271,16 +271,35 @@ def test_200_concurrent_streams_get_their_offline_tokens(server, citylm):
     assert after["minisrv:num_running_reqs"] == 0 and after["minisrv:token_usage"] == 0
 
 
-def test_disconnect_aborts_the_request_and_frees_its_kv(server):
+async def give_up_while_running(server: str, body: dict) -> dict[str, float]:
+    """Post ``body`` without streaming, wait until it runs, then close the connection."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        task = asyncio.create_task(c.post(f"{server}/v1/completions", json=body))
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            running = await asyncio.to_thread(metrics, server)
+            if running["minisrv:num_running_reqs"] == 1:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    return running
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_the_request_and_frees_its_kv(server, stream):
     before = metrics(server)["minisrv:num_aborted_reqs_total"]
-    body = {"prompt": "FR:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        while not next(lines).startswith("data:"):
-            pass
-        running = metrics(server)
-        assert running["minisrv:num_running_reqs"] == 1
-        assert running["minisrv:token_usage"] > 0
+    body = {"prompt": "FR:", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            running = metrics(server)
+    else:  # the client gives up waiting for the whole body
+        running = asyncio.run(give_up_while_running(server, body))
+    assert running["minisrv:num_running_reqs"] == 1
+    assert running["minisrv:token_usage"] > 0
     for _ in range(200):  # bounded wait for the server to notice
         now = metrics(server)
         if now["minisrv:num_aborted_reqs_total"] > before:

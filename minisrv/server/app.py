@@ -14,7 +14,6 @@ A client that goes away has its requests aborted, which frees their KV slots.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,14 +25,8 @@ from starlette.exceptions import HTTPException
 
 from minisrv.sampling import SamplingParams
 from minisrv.server.frontend import Frontend, Reply
-from minisrv.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    new_id,
-    now,
-    usage,
-)
+from minisrv.server.protocol import ChatCompletionRequest, CompletionRequest, now
+from minisrv.server.responses import Call, error_response
 from minisrv.server.textstream import TextStream
 
 __all__ = ["create_app"]
@@ -51,7 +44,7 @@ class BadRequest(ValueError):
 
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, param, status, kind), status_code=status)
+    return error_response(status, message, param, kind)
 
 
 def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
@@ -192,14 +185,23 @@ def sampling_params(body: Any, max_tokens: int, j: int) -> SamplingParams:
         raise BadRequest(str(exc), None) from exc
 
 
-async def next_or_disconnect(queue: asyncio.Queue[Any], request: Request) -> Any:
-    """The next item of ``queue``, or None once the client has gone away."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        except TimeoutError:
+@asynccontextmanager
+async def watch_disconnect(request: Request, queue: asyncio.Queue[Any]) -> AsyncIterator[None]:
+    """While inside, put ``None`` in ``queue`` once the client has gone away (a streaming
+    response watches by itself: Starlette cancels it when the client disconnects)."""
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
             if await request.is_disconnected():
-                return None
+                queue.put_nowait(None)
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def generate(frontend: Frontend, codec: Any, served_name: str, request: Request,
@@ -222,142 +224,24 @@ async def generate(frontend: Frontend, codec: Any, served_name: str, request: Re
         for reply in replies:
             frontend.abort(reply)
         return _error(400, str(exc), getattr(exc, "param", "prompt"))
+    call = Call(frontend, streams, {reply.index: reply for reply in replies}, chat,
+                served_name, body, sum(len(p) for p in prompts), echo)
     first: list[Any] = []
     waiting = set(streams)
-    while waiting:
-        item = await next_or_disconnect(queue, request)
-        if item is None:
-            for reply in replies:
-                frontend.abort(reply, disconnected=True)
-            return Response(status_code=499)
-        first.append(item)
-        waiting.discard(item[0])
-        if item[3] is not None:
-            for reply in replies:
-                frontend.abort(reply)
-            internal = item[3].startswith("engine error")
-            return _error(500 if internal else 400, item[3], None if internal else "prompt",
-                          "internal_error" if internal else "invalid_request_error")
-    reply_of = {reply.index: reply for reply in replies}
-    call = Call(frontend, streams, reply_of, chat, served_name, body,
-                sum(len(p) for p in prompts), echo)
-    if body.stream:
-        return StreamingResponse(call.sse(first, queue), media_type="text/event-stream")
-    return await call.complete(first, queue, request)
-
-
-class Call:
-    """One HTTP request's choices, turned into OpenAI chunks or one OpenAI body."""
-
-    def __init__(self, frontend: Frontend, streams: dict[int, TextStream],
-                 replies: dict[int, Reply], chat: bool, served_name: str, body: Any,
-                 prompt_tokens: int, echo: list[str] | None) -> None:
-        self.frontend, self.streams, self.replies = frontend, streams, replies
-        self.chat, self.model, self.body = chat, served_name, body
-        self.prompt_tokens, self.echo = prompt_tokens, echo
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = now()
-        self.texts: dict[int, list[str]] = {i: [] for i in streams}
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish is not None for s in self.streams.values())
-
-    def take(self, item: Any) -> tuple[int, str, str | None, str | None]:
-        """Apply one event: (index, new text, finish reason once it ends, error)."""
-        index, tokens, engine_finish, error = item
-        stream = self.streams[index]
-        if stream.finish is not None:  # already ended by a stop string
-            return index, "", None, None
-        if error is not None:
-            stream.finish = "error"
-            return index, "", "error", error
-        text = stream.add(tokens)
-        if stream.finish is not None:  # a stop string or stop id: the engine may go on
-            self.frontend.abort(self.replies[index])
-        elif engine_finish is not None:
-            text += stream.close(engine_finish)
-        return index, text, stream.finish, None
-
-    def usage(self) -> dict[str, int]:
-        completion = sum(s.n_tokens for s in self.streams.values())
-        return usage(self.prompt_tokens, completion)
-
-    # ------------------------------------------------------------------ streaming
-    def chunk(self, index: int, text: str | None, finish: str | None,
-              role: bool = False) -> str:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": index, "delta": delta}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text or ""}
-            kind = "text_completion"
-        choice.update(logprobs=None, finish_reason=finish)
-        return self.event({"id": self.id, "object": kind, "created": self.created,
-                           "model": self.model, "choices": [choice]})
-
-    @staticmethod
-    def event(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-    async def sse(self, first: list[Any], queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
-        try:
-            for index in sorted(self.streams):
-                if self.chat:
-                    yield self.chunk(index, "", None, role=True)
-                elif self.echo:
-                    yield self.chunk(index, self.echo[index // self.body.n], None)
-            pending = list(first)
-            while not self.finished:
-                item = pending.pop(0) if pending else await queue.get()
-                index, text, finish, error = self.take(item)
-                if error is not None:
-                    yield self.event(error_body(error, None, 500, "internal_error"))
-                if text:
-                    yield self.chunk(index, text, None)
-                if finish is not None:
-                    yield self.chunk(index, None if self.chat else "", finish)
-            if self.body.include_usage:
-                yield self.event({"id": self.id, "object": "chat.completion.chunk" if self.chat
-                                  else "text_completion", "created": self.created,
-                                  "model": self.model, "choices": [], "usage": self.usage()})
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (or the stream ended): free what still runs
-            for reply in self.replies.values():
-                self.frontend.abort(reply, disconnected=True)
-
-    # ------------------------------------------------------------------ one body
-    async def complete(self, first: list[Any], queue: asyncio.Queue[Any],
-                       request: Request) -> Response:
-        pending = list(first)
-        errors = []
-        while not self.finished:
-            item = pending.pop(0) if pending else await next_or_disconnect(queue, request)
+    async with watch_disconnect(request, queue):
+        while waiting:
+            item = await queue.get()
             if item is None:
-                for reply in self.replies.values():
-                    self.frontend.abort(reply, disconnected=True)
-                return Response(status_code=499)
-            index, text, _, error = self.take(item)
-            self.texts[index].append(text)
-            if error is not None:
-                errors.append(error)
-        if errors:
-            return _error(500, errors[0], None, "internal_error")
-        choices = []
-        for index in sorted(self.streams):
-            text = "".join(self.texts[index])
-            finish = self.streams[index].finish
-            if self.chat:
-                choices.append({"index": index, "logprobs": None, "finish_reason": finish,
-                                "message": {"role": "assistant", "content": text}})
-            else:
-                if self.echo:
-                    text = self.echo[index // self.body.n] + text
-                choices.append({"index": index, "text": text, "logprobs": None,
-                                "finish_reason": finish})
-        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
-                             else "text_completion", "created": self.created,
-                             "model": self.model, "choices": choices, "usage": self.usage()})
+                return call.client_gone()
+            first.append(item)
+            waiting.discard(item[0])
+            if item[3] is not None:
+                for reply in replies:
+                    frontend.abort(reply)
+                internal = item[3].startswith("engine error")
+                return _error(500 if internal else 400, item[3],
+                              None if internal else "prompt",
+                              "internal_error" if internal else "invalid_request_error")
+        if not body.stream:
+            return await call.complete(first, queue)
+    return StreamingResponse(call.sse(first, queue), media_type="text/event-stream")
