@@ -61,44 +61,48 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(*args: str, startup_s: float = 90.0) -> Iterator[tuple[str, list[int]]]:
-    """A server on a free local port; yields its base URL and the /health codes seen while
-    it started (refused connections not counted). Always stopped at the end."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    seen: list[int] = []
+def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
+                    ) -> Iterator[list[tuple[str, list[int]]]]:
+    """One server per layout (extra CLI arguments), each on a free local port, all started
+    at once; yields each one's base URL and the /health codes seen while it started
+    (refused connections not counted). Always stopped at the end."""
+    procs, urls = [], []
     try:
+        for args in layouts:
+            port = _free_port()
+            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port",
+                   str(port), "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+            urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in time")
-            try:
-                seen.append(httpx.get(f"{url}/health", timeout=5).status_code)
-            except httpx.TransportError:
-                pass
-            if seen and seen[-1] == 200:
-                break
-            time.sleep(0.05)
-        yield url, seen
+        seen: list[list[int]] = [[] for _ in layouts]
+        for proc, url, codes in zip(procs, urls, seen):
+            while not codes or codes[-1] != 200:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server did not become healthy in time")
+                try:
+                    codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
+                except httpx.TransportError:
+                    time.sleep(0.05)
+        yield list(zip(urls, seen))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with running_server("--max-running", "64") as (url, _):
+    with running_servers(("--max-running", "64")) as [(url, _)]:
         yield url
 
 
@@ -213,6 +217,7 @@ BAD_BODIES = {
     "longer than the KV pool": {"prompt": "A" * 470, "max_tokens": 16},
     "unknown model": {"model": "gpt-4o", "prompt": "FR:"},
     "unsupported top_k": {"prompt": "FR:", "top_k": 5},
+    "unsupported logprobs": {"prompt": "FR:", "logprobs": 2},
 }
 
 
@@ -351,16 +356,15 @@ def answers(url: str) -> list[str]:
             ["choices"][0]["text"] for p in DP_PROMPTS]
 
 
-@pytest.mark.parametrize("layout", [("--dp", "2"), ("--engine-process",)])
-def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server, layout):
+def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server):
     """``--dp 2`` (two engines behind the router) and ``--engine-process`` (one engine in
     its own process) serve exactly what the in-thread engine serves."""
-    with running_server(*layout) as (url, seen):
-        assert seen[0] == 503 and seen[-1] == 200
-        got = answers(url)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
-        assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
-    assert got == answers(server)
+    with running_servers(("--dp", "2"), ("--engine-process",)) as started:
+        for url, seen in started:
+            assert seen[0] == 503 and seen[-1] == 200
+            assert answers(url) == answers(server)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
+            assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
 
 
 def test_cli_rejects_bad_engine_options_before_loading():

@@ -103,6 +103,8 @@ def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
         if body.model not in (None, "", served_name):
             return _error(400, f"unknown model {body.model!r}; this server serves "
                           f"{served_name!r}", "model")
+        if body.logprobs not in (None, False, 0):
+            return _error(400, "logprobs are not supported by minisrv yet", "logprobs")
         return None
 
     @app.post("/v1/completions")

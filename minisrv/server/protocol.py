@@ -55,6 +55,7 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
+    logprobs: StrictBool | StrictInt | None = None  # accepted only when off (not built yet)
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list without empty strings (an empty stop would end at once)."""

@@ -164,7 +164,7 @@ class DataParallelEngines:
 
             self.router = Router(n, **router_kwargs)
         self.ready = False
-        self.failed: str | None = None
+        self._failed: str | None = None
         self.limits: dict[str, Any] = {}
         ctx = mp.get_context("spawn")  # never fork a process that already runs threads
         self._outbox = ctx.Queue()
@@ -197,10 +197,19 @@ class DataParallelEngines:
                 ready += 1
                 self.ready = ready == self.n
             elif kind == "failed":
-                self.failed = f"worker {index}: {message[2]}"
+                self._failed = f"worker {index}: {message[2]}"
             else:
                 self._snapshots[index] = message[3]
                 deliver(message[2], self.snapshot())
+
+    @property
+    def failed(self) -> str | None:
+        """Why the server cannot serve: a worker failed to load, or died since."""
+        if self._failed is None:
+            dead = [p.name for p in self._procs if p.exitcode is not None]
+            if dead:
+                self._failed = f"worker process exited: {', '.join(dead)}"
+        return self._failed
 
     def snapshot(self) -> dict[str, float]:
         """The workers' gauges combined: counts add up, usage and hit rate are pooled."""
