@@ -5,7 +5,11 @@ Starts ``minisrv serve`` (CityLM) as a subprocess, sends the same requests throu
 ``Engine.generate`` in this process with the same engine options. Prints both tokens per
 second and their ratio (goal: at least 0.7x), and checks that every streamed reply is the
 text the engine produced for that request (greedy; each also equals
-``reference_generate``, which the server tests check).
+``reference_generate``, which the server tests check). Both layouts are measured: the
+engine in a thread of the HTTP process (the default) and in its own process
+(``--engine-process``). Each HTTP run is paired with an in-process run right after it and
+the median ratio over ``--repeats`` is reported, with the CPU seconds per token of each side,
+which move less than wall-clock time when other processes share the machine.
 
     python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
 """
@@ -83,23 +87,32 @@ def main() -> None:
                 port = s.getsockname()[1]
             servers[layout] = (port, start_server(port, args, layout))
         ratios: dict[str, list[float]] = {layout: [] for layout in args.layouts}
+        cpu_ratios: dict[str, list[float]] = {layout: [] for layout in args.layouts}
         for repeat in range(args.repeats):
-            for layout, (port, _) in servers.items():
+            for layout, (port, proc) in servers.items():
                 # Each HTTP run is paired with an in-process run right after it, so that a
                 # change in the machine's load hits both sides of a ratio alike.
+                cpu0 = server_cpu_seconds(proc.pid)
                 result = asyncio.run(run_bench(
                     f"http://127.0.0.1:{port}", requests, max_concurrency=args.concurrency,
                     ignore_eos=False, progress=False))
-                served, engine_tps = in_process(model, work, args)
+                cpu1 = server_cpu_seconds(proc.pid)
+                served, engine_tps, engine_cpu = in_process(model, work, args)
                 same = sum(tok.decode(ids) == text for ids, text in zip(served, result.texts))
                 ratio = result.output_throughput / engine_tps
                 ratios[layout].append(ratio)
+                cpu_note = ""
+                if cpu0 is not None and cpu1 is not None:
+                    cpu_ratios[layout].append(engine_cpu / (cpu1 - cpu0))
+                    per_token = 1e3 / result.output_tokens
+                    cpu_note = (f"; CPU per token: server {(cpu1 - cpu0) * per_token:.3f} ms, "
+                                f"engine alone {engine_cpu * per_token:.3f} ms")
                 print(f"run {repeat + 1}, engine in a {layout:7}: HTTP "
                       f"{result.output_throughput:7.1f} tok/s (TTFT median "
                       f"{result.latency_ms['ttft']['median']:6.1f} ms, ITL median "
                       f"{result.latency_ms['itl']['median']:5.1f} ms), in-process "
                       f"{engine_tps:7.1f} tok/s: {ratio:.2f}x; identical replies "
-                      f"{same}/{len(served)}")
+                      f"{same}/{len(served)}{cpu_note}")
     finally:
         for _, proc in servers.values():
             proc.terminate()
@@ -111,15 +124,36 @@ def main() -> None:
         print(f"HTTP ({args.concurrency} streams, engine in a {layout}) / Engine.generate "
               f"tokens per second, median of {len(values)}: {ratio:.2f}x "
               f"(goal >= {GOAL}x): {verdict}")
+        if cpu_ratios[layout]:
+            print(f"  per CPU second instead (engine CPU / server CPU, worker processes "
+                  f"included, for the same tokens): {statistics.median(cpu_ratios[layout]):.2f}x")
 
 
-def in_process(model, work, args: argparse.Namespace) -> tuple[list[list[int]], float]:
-    """``Engine.generate`` on the same requests with the server's engine options."""
+def in_process(model, work, args: argparse.Namespace) -> tuple[list[list[int]], float, float]:
+    """``Engine.generate`` on the same requests with the server's engine options: the
+    outputs, tokens per second and the CPU seconds it used."""
     engine = Engine(model, kv_capacity=args.kv_capacity, max_running=args.max_running,
                     mode=args.mode, cache=args.cache)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     served = engine.generate(work.prompts, work.output_lens)
-    return served, sum(map(len, served)) / (time.perf_counter() - start)
+    cpu = time.process_time() - cpu
+    return served, sum(map(len, served)) / (time.perf_counter() - start), cpu
+
+
+def server_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by the server and its worker processes (None without
+    psutil). On a shared machine wall-clock ratios move with other processes' load; CPU
+    time per token does not."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
 
 
 if __name__ == "__main__":

@@ -91,8 +91,12 @@ class Frontend:
     # ------------------------------------------------------------------ engine side
     def deliver(self, events: list[Event], snapshot: dict[str, float]) -> None:
         """Called from an engine thread: hand the events to the event loop."""
-        if self._loop is not None and not self._loop.is_closed():
+        if self._loop is None:
+            return
+        try:
             self._loop.call_soon_threadsafe(self._dispatch, events, snapshot)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
 
     def _dispatch(self, events: list[Event], snapshot: dict[str, float]) -> None:
         if snapshot:
