@@ -254,3 +254,35 @@ def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
             "messages": [{"role": "user", "content": text}], "max_tokens": 12,
             "temperature": 0})
         assert chat.json()["choices"][0]["message"]["content"] == want
+
+
+# ------------------------------------------------------------------------------ bench
+def test_bench_requests_are_text_prompts_of_each_workload():
+    from minisrv.server.bench import BENCH_WORKLOADS, bench_requests
+
+    for workload in BENCH_WORKLOADS:
+        reqs = bench_requests(workload, 20, seed=1, output_range=(3, 5))
+        assert len(reqs) == 20 and all(3 <= r.max_tokens <= 5 for r in reqs)
+        assert all(TOK.encode(r.prompt)[0] == TOK.bos_id for r in reqs)
+    shared = bench_requests("shared-prompt", 4)
+    head = shared[0].prompt[: shared[0].prompt.rindex("\n") + 1]
+    assert head and all(r.prompt.startswith(head) for r in shared)
+    with pytest.raises(ValueError, match="workload"):
+        bench_requests("sharegpt", 4)
+    with pytest.raises(ValueError, match="num_prompts"):
+        bench_requests("citylm", 0)
+
+
+def test_bench_summary_statistics_and_table():
+    from minisrv.server.bench import RequestResult, _summarize
+
+    results = [RequestResult(True, ttft=0.1 * i, itls=[0.01 * i], e2e=0.5 * i,
+                             prompt_tokens=4, output_tokens=2) for i in range(1, 5)]
+    results.append(RequestResult(False, error="HTTP 400"))
+    out = _summarize(results, duration=2.0)
+    assert (out.completed, out.failed, out.output_tokens) == (4, 1, 8)
+    assert out.output_throughput == 4.0 and out.request_throughput == 2.0
+    assert out.latency_ms["ttft"]["mean"] == pytest.approx(250.0)
+    assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
+    assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
+    assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
