@@ -78,16 +78,19 @@ def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_s
         seen: list[list[int]] = [[] for _ in layouts]
-        for proc, url, codes in zip(procs, urls, seen):
-            while not codes or codes[-1] != 200:
+        while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            for proc, url, codes in zip(procs, urls, seen):
                 if proc.poll() is not None:
                     raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not become healthy in time")
+                if codes and codes[-1] == 200:
+                    continue
                 try:
                     codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
                 except httpx.TransportError:
-                    time.sleep(0.05)
+                    pass
+            time.sleep(0.05)
         yield list(zip(urls, seen))
     finally:
         for proc in procs:
