@@ -1,0 +1,160 @@
+"""The server's overhead: tokens/s through HTTP against ``Engine.generate`` in-process.
+
+Starts ``minisrv serve`` (CityLM) as a subprocess, sends the same requests through
+``minisrv bench``'s load generator with 64 concurrent streams, and then runs them through
+``Engine.generate`` in this process with the same engine options. Prints both tokens per
+second and their ratio (goal: at least 0.7x), and checks that every streamed reply is the
+text the engine produced for that request (greedy; each also equals
+``reference_generate``, which the server tests check). Both layouts are measured: the
+engine in a thread of the HTTP process (the default) and in its own process
+(``--engine-process``). Each HTTP run is paired with an in-process run right after it and
+the median ratio over ``--repeats`` is reported, with the CPU seconds per token of each side,
+which move less than wall-clock time when other processes share the machine.
+
+    python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from minisrv import Engine, load_citylm
+from minisrv.server.bench import BenchRequest, run_bench
+from minisrv.workloads import citylm_workload
+
+GOAL = 0.7
+ROOT = Path(__file__).resolve().parents[1]
+
+
+LAYOUTS = {"thread": [], "process": ["--engine-process"]}
+
+
+def start_server(port: int, args: argparse.Namespace, layout: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "minisrv", "serve", "--port", str(port), "--threads",
+           str(args.threads), "--kv-capacity", str(args.kv_capacity), "--max-running",
+           str(args.max_running), "--mode", args.mode, "--cache", args.cache, *LAYOUTS[layout]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit("the server exited while starting")
+        time.sleep(0.1)
+    proc.terminate()
+    raise SystemExit("the server did not become healthy within 60 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--output-range", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--kv-capacity", type=int, default=8000)
+    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--mode", default="mixed")
+    parser.add_argument("--cache", default="radix")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                        help="engine in a thread of the HTTP process, or in its own process")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_citylm("cpu")
+    work = citylm_workload(tok, n=args.requests, output_range=tuple(args.output_range), seed=0)
+    requests = [BenchRequest(tok.decode(p), m) for p, m in zip(work.prompts, work.output_lens)]
+    print(f"CityLM on cpu, {torch.get_num_threads()} thread(s); {work.description}")
+
+    servers = {}
+    try:
+        for layout in args.layouts:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            servers[layout] = (port, start_server(port, args, layout))
+        ratios: dict[str, list[float]] = {layout: [] for layout in args.layouts}
+        cpu_ratios: dict[str, list[float]] = {layout: [] for layout in args.layouts}
+        for repeat in range(args.repeats):
+            for layout, (port, proc) in servers.items():
+                # Each HTTP run is paired with an in-process run right after it, so that a
+                # change in the machine's load hits both sides of a ratio alike.
+                cpu0 = server_cpu_seconds(proc.pid)
+                result = asyncio.run(run_bench(
+                    f"http://127.0.0.1:{port}", requests, max_concurrency=args.concurrency,
+                    ignore_eos=False, progress=False))
+                cpu1 = server_cpu_seconds(proc.pid)
+                served, engine_tps, engine_cpu = in_process(model, work, args)
+                same = sum(tok.decode(ids) == text for ids, text in zip(served, result.texts))
+                ratio = result.output_throughput / engine_tps
+                ratios[layout].append(ratio)
+                cpu_note = ""
+                if cpu0 is not None and cpu1 is not None:
+                    cpu_ratios[layout].append(engine_cpu / (cpu1 - cpu0))
+                    per_token = 1e3 / result.output_tokens
+                    cpu_note = (f"; CPU per token: server {(cpu1 - cpu0) * per_token:.3f} ms, "
+                                f"engine alone {engine_cpu * per_token:.3f} ms")
+                print(f"run {repeat + 1}, engine in a {layout:7}: HTTP "
+                      f"{result.output_throughput:7.1f} tok/s (TTFT median "
+                      f"{result.latency_ms['ttft']['median']:6.1f} ms, ITL median "
+                      f"{result.latency_ms['itl']['median']:5.1f} ms), in-process "
+                      f"{engine_tps:7.1f} tok/s: {ratio:.2f}x; identical replies "
+                      f"{same}/{len(served)}{cpu_note}")
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+            proc.wait(15)
+    print()
+    for layout, values in ratios.items():
+        ratio = statistics.median(values)
+        verdict = "met" if ratio >= GOAL else f"MISSED by {GOAL / ratio:.2f}x"
+        print(f"HTTP ({args.concurrency} streams, engine in a {layout}) / Engine.generate "
+              f"tokens per second, median of {len(values)}: {ratio:.2f}x "
+              f"(goal >= {GOAL}x): {verdict}")
+        if cpu_ratios[layout]:
+            print(f"  per CPU second instead (engine CPU / server CPU, worker processes "
+                  f"included, for the same tokens): {statistics.median(cpu_ratios[layout]):.2f}x")
+
+
+def in_process(model, work, args: argparse.Namespace) -> tuple[list[list[int]], float, float]:
+    """``Engine.generate`` on the same requests with the server's engine options: the
+    outputs, tokens per second and the CPU seconds it used."""
+    engine = Engine(model, kv_capacity=args.kv_capacity, max_running=args.max_running,
+                    mode=args.mode, cache=args.cache)
+    start, cpu = time.perf_counter(), time.process_time()
+    served = engine.generate(work.prompts, work.output_lens)
+    cpu = time.process_time() - cpu
+    return served, sum(map(len, served)) / (time.perf_counter() - start), cpu
+
+
+def server_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by the server and its worker processes (None without
+    psutil). On a shared machine wall-clock ratios move with other processes' load; CPU
+    time per token does not."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""The HTTP server, end to end: a real ``minisrv serve`` subprocess on a free local port,
+talked to with the official ``openai`` client (and raw ``httpx`` for malformed bodies).
+
+Every generated reply is checked against ``model.reference_generate`` of the request alone.
+Until ``minisrv.router`` exists in this tree, the ``--dp`` server started here gets a tiny
+stand-in ``Router`` (least-loaded routing, the same interface) installed by the launch code
+below before the CLI runs; the real router is used as soon as the module is importable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from minisrv.workloads import city_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
+
+_LAUNCH = """
+import sys, types
+try:
+    import minisrv.router  # noqa: F401
+except ImportError:  # test-only stand-in with the Router interface
+    class Router:
+        def __init__(self, n_workers, policy="cache-aware", **kwargs):
+            self.loads = [0] * n_workers
+        def route(self, tokens):
+            worker = self.loads.index(min(self.loads))
+            self.loads[worker] += 1
+            return worker
+        def finish(self, worker):
+            self.loads[worker] -= 1
+    module = types.ModuleType("minisrv.router")
+    module.Router = Router
+    sys.modules["minisrv.router"] = module
+from minisrv.server.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
+                    ) -> Iterator[list[tuple[str, list[int]]]]:
+    """One server per layout (extra CLI arguments), each on a free local port, all started
+    at once; yields each one's base URL and the /health codes seen while it started
+    (refused connections not counted). Always stopped at the end."""
+    procs, urls = [], []
+    try:
+        for args in layouts:
+            port = _free_port()
+            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port",
+                   str(port), "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + startup_s
+        seen: list[list[int]] = [[] for _ in layouts]
+        while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            for proc, url, codes in zip(procs, urls, seen):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+                if codes and codes[-1] == 200:
+                    continue
+                try:
+                    codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.05)
+        yield list(zip(urls, seen))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with running_servers(("--max-running", "64")) as [(url, _)]:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def expected(citylm, text: str, max_tokens: int, **sampling) -> tuple[str, str]:
+    """The reply text and finish reason of the request generated alone, offline."""
+    model, tok = citylm
+    ids = model.reference_generate(tok.encode(text), max_tokens, **sampling)
+    finish = "stop" if ids[-1] == tok.eos_id else "length"
+    return tok.decode(ids), finish
+
+
+def metrics(url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return {s.name: s.value for family in families for s in family.samples}
+
+
+# ------------------------------------------------------------------------------ replies
+@pytest.mark.parametrize("text", ["FR:", "JP: Tokyo,", "US: New York, Los Angeles,"])
+def test_completion_greedy_matches_reference(client, citylm, text):
+    out = client.completions.create(model="citylm", prompt=text, max_tokens=24, temperature=0)
+    want_text, want_finish = expected(citylm, text, 24)
+    assert out.choices[0].text == want_text
+    assert out.choices[0].finish_reason == want_finish
+    assert out.usage.prompt_tokens == len(citylm[1].encode(text))
+
+
+def test_sampled_completion_matches_reference_with_seed(client, citylm):
+    out = client.completions.create(model="citylm", prompt="DE:", max_tokens=30,
+                                    temperature=0.9, top_p=0.9, seed=7)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == expected(
+        citylm, "DE:", 30, temperature=0.9, top_p=0.9, seed=7)
+
+
+def test_completion_stream_with_usage(client, citylm):
+    stream = client.completions.create(model="citylm", prompt="BR:", max_tokens=30,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    want_text, want_finish = expected(citylm, "BR:", 30)
+    assert text == want_text
+    assert finishes[-1] == want_finish and set(finishes[:-1]) == {None}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == 4
+    assert usage.completion_tokens == len(citylm[0].reference_generate(
+        citylm[1].encode("BR:"), 30))
+
+
+def test_chat_matches_reference_streaming_and_not(client, citylm):
+    messages = [{"role": "user", "content": "IT:"}]
+    out = client.chat.completions.create(model="citylm", messages=messages, max_tokens=25,
+                                         temperature=0)
+    want_text, want_finish = expected(citylm, "IT:", 25)
+    assert out.choices[0].message.content == want_text
+    assert out.choices[0].finish_reason == want_finish
+    stream = client.chat.completions.create(model="citylm", messages=messages, max_tokens=25,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
+    assert chunks[-1].choices[0].finish_reason == want_finish
+
+
+def test_multi_turn_chat_is_the_concatenated_document(client, citylm):
+    messages = [{"role": "user", "content": "FR:"},
+                {"role": "assistant", "content": " Paris, Marseille\n"},
+                {"role": "user", "content": "ES:"}]
+    out = client.chat.completions.create(model="citylm", messages=messages, max_tokens=20,
+                                         temperature=0)
+    assert out.choices[0].message.content == expected(
+        citylm, "FR: Paris, Marseille\nES:", 20)[0]
+
+
+def test_n_choices_and_stop_strings(client, citylm):
+    out = client.completions.create(model="citylm", prompt="FR:", max_tokens=30, n=3,
+                                    temperature=0, stop=[", M"])
+    full, _ = expected(citylm, "FR:", 30)
+    assert ", M" in full  # the greedy reply lists Marseille second
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for choice in out.choices:
+        assert choice.text == full[: full.index(", M")]
+        assert choice.finish_reason == "stop"
+    stream = client.completions.create(model="citylm", prompt="FR:", max_tokens=30,
+                                       temperature=0, stop=", M", stream=True)
+    assert "".join(c.choices[0].text for c in stream) == full[: full.index(", M")]
+
+
+def test_token_id_prompts_and_models(client, citylm, server):
+    ids = citylm[1].encode("JP:")
+    out = client.completions.create(model="citylm", prompt=ids, max_tokens=10, temperature=0)
+    assert out.choices[0].text == expected(citylm, "JP:", 10)[0]
+    assert [m.id for m in client.models.list().data] == ["citylm"]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------------------ errors
+BAD_BODIES = {
+    "malformed JSON": b'{"prompt": "FR:", ',
+    "missing prompt": {"max_tokens": 4},
+    "empty prompt": {"prompt": ""},
+    "wrong type": {"prompt": "FR:", "max_tokens": "four"},
+    "max_tokens < 1": {"prompt": "FR:", "max_tokens": 0},
+    "outside the alphabet": {"prompt": "FR: Besançon"},
+    "longer than the context": {"prompt": "FR:", "max_tokens": 600},
+    "longer than the KV pool": {"prompt": "A" * 470, "max_tokens": 16},
+    "unknown model": {"model": "gpt-4o", "prompt": "FR:"},
+    "unsupported top_k": {"prompt": "FR:", "top_k": 5},
+    "unsupported logprobs": {"prompt": "FR:", "logprobs": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_request_is_a_json_400_and_the_server_keeps_serving(server, citylm, case):
+    body = BAD_BODIES[case]
+    url = f"{server}/v1/completions"
+    for stream in (False, True):
+        if isinstance(body, bytes):
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        else:
+            r = httpx.post(url, json={**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    ok = httpx.post(url, json={"prompt": "FR:", "max_tokens": 8, "temperature": 0}).json()
+    assert ok["choices"][0]["text"] == expected(citylm, "FR:", 8)[0]
+
+
+def test_bad_chat_requests(server):
+    url = f"{server}/v1/chat/completions"
+    for body in ({"messages": []}, {"messages": [{"role": "user", "content": "é"}]},
+                 {"messages": [{"role": "user", "content": ""}]},
+                 {"messages": [{"role": "user", "content": "FR:"}], "temperature": "hot"}):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and "error" in r.json()
+
+
+# ------------------------------------------------------------------------------ load
+def test_200_concurrent_streams_get_their_offline_tokens(server, citylm):
+    model, tok = citylm
+    prompts = [tok.decode(p) for p in city_prompts(tok, 200, seed=3)]
+    lengths = [1 + i % 6 for i in range(200)]
+    want = {}
+    for text, m in zip(prompts, lengths):
+        if (text, m) not in want:
+            want[text, m] = expected(citylm, text, m)
+
+    async def one(c, text: str, m: int) -> tuple[str, str]:
+        stream = await c.completions.create(model="citylm", prompt=text, max_tokens=m,
+                                            temperature=0, stream=True)
+        pieces, finish = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(pieces), finish
+
+    async def run() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none",
+                                      max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, t, m) for t, m in zip(prompts, lengths)))
+
+    got = asyncio.run(run())
+    assert got == [want[t, m] for t, m in zip(prompts, lengths)]
+    after = metrics(server)
+    assert after["minisrv:num_running_reqs"] == 0 and after["minisrv:token_usage"] == 0
+
+
+async def give_up_while_running(server: str, body: dict) -> dict[str, float]:
+    """Post ``body`` without streaming, wait until it runs, then close the connection."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        task = asyncio.create_task(c.post(f"{server}/v1/completions", json=body))
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            running = await asyncio.to_thread(metrics, server)
+            if running["minisrv:num_running_reqs"] == 1:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    return running
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_the_request_and_frees_its_kv(server, stream):
+    before = metrics(server)["minisrv:num_aborted_reqs_total"]
+    body = {"prompt": "FR:", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            running = metrics(server)
+    else:  # the client gives up waiting for the whole body
+        running = asyncio.run(give_up_while_running(server, body))
+    assert running["minisrv:num_running_reqs"] == 1
+    assert running["minisrv:token_usage"] > 0
+    for _ in range(200):  # bounded wait for the server to notice
+        now = metrics(server)
+        if now["minisrv:num_aborted_reqs_total"] > before:
+            break
+        time.sleep(0.05)
+    assert now["minisrv:num_aborted_reqs_total"] == before + 1
+    for _ in range(50):
+        now = metrics(server)
+        if now["minisrv:token_usage"] == 0:
+            break
+        time.sleep(0.05)
+    assert now["minisrv:num_running_reqs"] == 0 and now["minisrv:token_usage"] == 0
+
+
+def test_metrics_parse_and_name_every_series(server, client):
+    client.completions.create(model="citylm", prompt="FR:", max_tokens=5, temperature=0)
+    text = httpx.get(f"{server}/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
+                 "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
+                 "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"minisrv:{name}" in names
+    values = metrics(server)
+    assert values["minisrv:prompt_tokens_total"] >= 4
+    assert values["minisrv:generation_tokens_total"] >= 5
+    assert values["minisrv:time_to_first_token_seconds_count"] >= 1
+    assert 0 < values["minisrv:cache_hit_rate"] < 1  # "FR:" was served before: cached
+
+
+def test_bench_cli_prints_its_table(server):
+    cmd = [sys.executable, "-m", "minisrv", "bench", "--base-url", server, "--num-prompts",
+           "24", "--max-concurrency", "8", "--output-len", "2", "6", "--no-progress"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^Successful requests:\s+24\s*$", out.stdout, re.M), out.stdout
+    for line in ("Output token throughput (tok/s):", "Median TTFT (ms):", "P99 ITL (ms):",
+                 "Mean E2E Latency (ms):"):
+        assert line in out.stdout
+
+
+# ------------------------------------------------------------------------------ --dp
+DP_PROMPTS = [f"{code}:" for code in ("FR", "JP", "US", "DE", "BR", "IN", "CN", "IT")]
+
+
+def answers(url: str) -> list[str]:
+    body = {"max_tokens": 12, "temperature": 0}
+    return [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}).json()
+            ["choices"][0]["text"] for p in DP_PROMPTS]
+
+
+def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server):
+    """``--dp 2`` (two engines behind the router) and ``--engine-process`` (one engine in
+    its own process) serve exactly what the in-thread engine serves."""
+    with running_servers(("--dp", "2"), ("--engine-process",)) as started:
+        for url, seen in started:
+            assert seen[0] == 503 and seen[-1] == 200
+            assert answers(url) == answers(server)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
+            assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
+
+
+def test_cli_rejects_bad_engine_options_before_loading():
+    cmd = [sys.executable, "-m", "minisrv", "serve", "--policy", "nope"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "policy" in out.stderr and "fcfs" in out.stderr

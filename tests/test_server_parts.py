@@ -1,0 +1,288 @@
+"""The server's parts without HTTP: streaming text, request parsing, the engine loop
+thread, and serving a local Hugging Face Llama folder (its extra stop ids included).
+
+Every reply is compared with ``reference_generate`` of the request alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi")
+
+from minisrv import Engine  # noqa: E402
+from minisrv.sampling import SamplingParams  # noqa: E402
+from minisrv.server.app import BadRequest, completion_prompts, sampling_params  # noqa: E402
+from minisrv.server.engine_loop import EngineLoop  # noqa: E402
+from minisrv.server.loading import TextCodec  # noqa: E402
+from minisrv.server.textstream import TextStream  # noqa: E402
+from minisrv.tokenizer import ALPHABET, Tokenizer  # noqa: E402
+
+TOK = Tokenizer()
+
+
+class WholeDecodeCodec(TextCodec):
+    """CityLM's tokenizer, but decoded the general way (whole output each time)."""
+
+    @property
+    def prefix_stable(self) -> bool:
+        return False
+
+
+def first_stop_cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Oracle: generation ends at the first character after which some stop string has
+    appeared; the reply is the text before that stop's earliest start."""
+    for end in range(1, len(text) + 1):
+        hits = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+    return text, False
+
+
+# ------------------------------------------------------------------------------ TextStream
+@settings(max_examples=150, deadline=None)
+@given(
+    chars=st.lists(st.sampled_from(ALPHABET[:12]), max_size=40),
+    stops=st.lists(st.text(alphabet=ALPHABET[:12], min_size=1, max_size=3), max_size=3),
+    cuts=st.lists(st.integers(1, 4), min_size=40, max_size=40),
+    whole=st.booleans(),
+)
+def test_text_stream_releases_exactly_the_text_before_the_first_stop(chars, stops, cuts, whole):
+    ids = TOK.encode("".join(chars), bos=False)
+    codec = (WholeDecodeCodec if whole else TextCodec)(TOK, "citylm")
+    stream = TextStream(codec, stops, frozenset())
+    pieces, pos, step = [], 0, 0
+    while pos < len(ids) and stream.finish is None:
+        pieces.append(stream.add(ids[pos:pos + cuts[step]]))
+        pos += cuts[step]
+        step += 1
+    if stream.finish is None:
+        pieces.append(stream.close("length"))
+    want, stopped = first_stop_cut("".join(chars), stops)
+    assert "".join(pieces) == want
+    assert stream.finish == ("stop" if stopped else "length")
+
+
+def test_text_stream_stop_ids_and_eos():
+    stream = TextStream(TextCodec(TOK, "citylm"), [], frozenset({TOK.encode(",", bos=False)[0]}))
+    assert stream.add(TOK.encode(" Paris, Lyon", bos=False)) == " Paris"
+    assert stream.finish == "stop" and stream.n_tokens == 7
+    eos = TextStream(TextCodec(TOK, "citylm"), [], frozenset())
+    assert eos.add([*TOK.encode(" Lyon", bos=False), TOK.eos_id]) == " Lyon"
+    assert eos.close("eos") == "" and eos.finish == "stop"
+
+
+# ------------------------------------------------------------------------------ parsing
+def test_completion_prompts_take_every_openai_form():
+    codec = TextCodec(TOK, "citylm")
+    assert completion_prompts(codec, "FR:") == ([TOK.encode("FR:")], ["FR:"])
+    assert completion_prompts(codec, ["FR:", "JP:"])[0] == [TOK.encode("FR:"), TOK.encode("JP:")]
+    assert completion_prompts(codec, [0, 5, 6])[0] == [[0, 5, 6]]
+    assert completion_prompts(codec, [[0, 5], [0, 6]])[0] == [[0, 5], [0, 6]]
+    for bad in ("", [], [""], [[]], "FR: Besançon"):
+        with pytest.raises(BadRequest):
+            completion_prompts(codec, bad)
+
+
+def test_sampling_params_map_top_k_and_seeds():
+    body = SimpleNamespace(temperature=0.8, top_p=0.9, top_k=None, seed=5, ignore_eos=False)
+    assert sampling_params(body, 7, 2) == SamplingParams(7, 0.8, 0.9, 7, False)
+    assert sampling_params(SimpleNamespace(**{**vars(body), "top_k": 1}), 7, 0).greedy
+    assert not sampling_params(SimpleNamespace(**{**vars(body), "top_k": -1}), 7, 0).greedy
+    with pytest.raises(BadRequest, match="top_k"):
+        sampling_params(SimpleNamespace(**{**vars(body), "top_k": 5}), 7, 0)
+
+
+# ------------------------------------------------------------------------------ engine loop
+class Collector:
+    """Gathers what an EngineLoop emits (from its thread)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.finish: dict[int, str] = {}
+        self.errors: dict[int, str] = {}
+        self.snapshots: list[dict[str, float]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, events, snapshot) -> None:
+        with self.lock:
+            for key, tokens, finish, error in events:
+                self.tokens.setdefault(key, []).extend(tokens)
+                if finish:
+                    self.finish[key] = finish
+                if error:
+                    self.errors[key] = error
+            self.snapshots.append(snapshot)
+
+    def wait(self, condition, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "the engine loop did not get there in time"
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def loop_and_events(model):
+    events = Collector()
+    engine = Engine(model, kv_capacity=300, max_running=4, cache="radix", record_trace=False)
+    loop = EngineLoop(engine, events)
+    loop.start()
+    yield loop, events
+    loop.stop()
+    assert not loop._thread.is_alive()
+
+
+def test_engine_loop_streams_every_request_its_reference_tokens(loop_and_events, model):
+    loop, events = loop_and_events
+    prompts = [[0, *range(2 + i, 8 + i)] for i in range(10)]
+    params = [SamplingParams(max_new_tokens=3 + i % 7, temperature=0.7 * (i % 2), seed=i)
+              for i in range(10)]
+    for key, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(key, loop.make_request(prompt, p))
+        time.sleep(0.002 * (key % 3))  # arrivals spread over the running steps
+    events.wait(lambda: len(events.finish) == 10)
+    for key, (prompt, p) in enumerate(zip(prompts, params)):
+        want = model.reference_generate(prompt, p.max_new_tokens, temperature=p.temperature,
+                                        seed=p.seed)
+        assert events.tokens[key] == want
+        assert events.finish[key] == ("eos" if want[-1] == model.eos_id else "length")
+    assert events.snapshots[-1]["running"] == 0 and events.snapshots[-1]["token_usage"] == 0
+
+
+def test_engine_loop_abort_frees_the_kv(loop_and_events):
+    loop, events = loop_and_events
+    loop.submit(1, loop.make_request([0, 5, 6, 7], SamplingParams(80, ignore_eos=True)))
+    events.wait(lambda: len(events.tokens.get(1, [])) >= 2)
+    loop.abort(1)
+    events.wait(lambda: events.snapshots[-1]["running"] == 0)
+    assert events.snapshots[-1]["token_usage"] == 0 and 1 not in events.finish
+    sched = loop.engine.scheduler
+    assert sched.idle and sched.kv.used_count == loop.engine.tree.evictable_size()
+
+
+def test_engine_loop_refuses_what_it_could_never_serve(loop_and_events, model):
+    loop, _ = loop_and_events
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="context"):
+        loop.make_request([0] * 90, SamplingParams(10))
+    with pytest.raises(ValueError, match="vocab"):
+        loop.make_request([0, vocab], SamplingParams(2))
+
+
+def test_engine_loop_survives_a_failing_step(loop_and_events, model, monkeypatch):
+    loop, events = loop_and_events
+    backend = loop.engine.scheduler.backend
+    real_run = backend.run
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        return real_run(batch)
+
+    monkeypatch.setattr(backend, "run", flaky)
+    loop.submit(1, loop.make_request([0, 5, 6], SamplingParams(4)))
+    events.wait(lambda: 1 in events.errors)
+    assert "device lost" in events.errors[1]
+    loop.submit(2, loop.make_request([0, 5, 6], SamplingParams(4)))
+    events.wait(lambda: 2 in events.finish)
+    assert events.tokens[2] == model.reference_generate([0, 5, 6], 4)
+
+
+# ------------------------------------------------------------------------------ HF folder
+def hf_folder(tmp_path, extra_stop: int | None = None):
+    """A random HF Llama saved with a word-level tokenizer (one word ``tN`` per id)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<bos>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, 40)}}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>")
+    eos = [1] if extra_stop is None else [1, extra_stop]
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.2, bos_token_id=0, eos_token_id=eos)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
+    from starlette.testclient import TestClient
+
+    from minisrv.server.app import create_app
+    from minisrv.server.loading import load_codec, load_served_model, model_name
+    from minisrv.server.workers import EngineOptions, LocalEngine
+
+    plain, _ = load_served_model(str(hf_folder(tmp_path / "plain")), "cpu")
+    prompt_ids = [5, 9, 13]
+    alone = plain.reference_generate(prompt_ids, 12)
+    extra = next(t for t in alone[2:] if t != 1)  # a token greedy decoding will produce
+    folder = hf_folder(tmp_path / "two-eos", extra)
+    model, codec = load_served_model(str(folder), "cpu")
+    assert model.eos_id == 1 and codec.stop_ids == {1, extra}
+    assert model.reference_generate(prompt_ids, 12) == alone  # same weights (same seed)
+    kept = alone[: alone.index(extra)]
+    want = codec.decode(kept)
+
+    options = EngineOptions(model=str(folder), device="cpu", kv_capacity=200, max_running=4)
+    app = create_app(LocalEngine(options), load_codec(str(folder)), model_name(str(folder)))
+    with TestClient(app) as client:
+        for _ in range(400):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        text = " ".join(f"t{i}" for i in prompt_ids)
+        out = client.post("/v1/completions", json={"prompt": text, "max_tokens": 12,
+                                                   "temperature": 0, "model": "two-eos"})
+        choice = out.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (want, "stop")
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": 12,
+            "temperature": 0})
+        assert chat.json()["choices"][0]["message"]["content"] == want
+
+
+# ------------------------------------------------------------------------------ bench
+def test_bench_requests_are_text_prompts_of_each_workload():
+    from minisrv.server.bench import BENCH_WORKLOADS, bench_requests
+
+    for workload in BENCH_WORKLOADS:
+        reqs = bench_requests(workload, 20, seed=1, output_range=(3, 5))
+        assert len(reqs) == 20 and all(3 <= r.max_tokens <= 5 for r in reqs)
+        assert all(TOK.encode(r.prompt)[0] == TOK.bos_id for r in reqs)
+    shared = bench_requests("shared-prompt", 4)
+    head = shared[0].prompt[: shared[0].prompt.rindex("\n") + 1]
+    assert head and all(r.prompt.startswith(head) for r in shared)
+    with pytest.raises(ValueError, match="workload"):
+        bench_requests("sharegpt", 4)
+    with pytest.raises(ValueError, match="num_prompts"):
+        bench_requests("citylm", 0)
+
+
+def test_bench_summary_statistics_and_table():
+    from minisrv.server.bench import RequestResult, _summarize
+
+    results = [RequestResult(True, ttft=0.1 * i, itls=[0.01 * i], e2e=0.5 * i,
+                             prompt_tokens=4, output_tokens=2) for i in range(1, 5)]
+    results.append(RequestResult(False, error="HTTP 400"))
+    out = _summarize(results, duration=2.0)
+    assert (out.completed, out.failed, out.output_tokens) == (4, 1, 8)
+    assert out.output_throughput == 4.0 and out.request_throughput == 2.0
+    assert out.latency_ms["ttft"]["mean"] == pytest.approx(250.0)
+    assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
+    assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
+    assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
