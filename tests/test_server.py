@@ -1,10 +1,8 @@
 """The HTTP server, end to end: a real ``minisrv serve`` subprocess on a free local port,
 talked to with the official ``openai`` client (and raw ``httpx`` for malformed bodies).
 
-Every generated reply is checked against ``model.reference_generate`` of the request alone.
-Until ``minisrv.router`` exists in this tree, the ``--dp`` server started here gets a tiny
-stand-in ``Router`` (least-loaded routing, the same interface) installed by the launch code
-below before the CLI runs; the real router is used as soon as the module is importable.
+Every generated reply is checked against ``model.reference_generate`` of the request alone;
+the ``--dp`` server routes with the real cache-aware ``minisrv.router.Router``.
 """
 
 from __future__ import annotations
@@ -33,22 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
 
 _LAUNCH = """
-import sys, types
-try:
-    import minisrv.router  # noqa: F401
-except ImportError:  # test-only stand-in with the Router interface
-    class Router:
-        def __init__(self, n_workers, policy="cache-aware", **kwargs):
-            self.loads = [0] * n_workers
-        def route(self, tokens):
-            worker = self.loads.index(min(self.loads))
-            self.loads[worker] += 1
-            return worker
-        def finish(self, worker):
-            self.loads[worker] -= 1
-    module = types.ModuleType("minisrv.router")
-    module.Router = Router
-    sys.modules["minisrv.router"] = module
+import sys
 from minisrv.server.cli import main
 main(sys.argv[1:])
 """
