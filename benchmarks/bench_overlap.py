@@ -11,11 +11,12 @@ Prints, from one process on the same machine:
 3. for a ``TimedBackend`` that should realise each CPU share, the device step time it needs
    given the measured CPU time per step, wrapping CityLM, a 2-layer CityLM or the
    simulator: a device cannot be faster than the forward it computes;
-4. measured: blocking vs overlapped (``Engine(..., overlap=True)``) tokens/s on a timed
-   simulated device whose step time makes the CPU 10%, 30% and 60% of a blocking step
-   (large batches, so the CPU work per step is long enough to time), held against
-   ``throughput_ratio``'s prediction; and on CityLM as it is (the forward on the CPU in a
-   worker thread), outputs checked against each request alone.
+4. measured (``minisrv.overlap.measure``): blocking vs overlapped (``Engine(...,
+   overlap=True)``) tokens/s on a timed simulated device whose step time aims at a CPU share
+   of 10%, 30% and 60% of a blocking step (large batches, so the CPU work per step is long
+   enough to time), each run split into device busy / idle time per step and held against
+   ``throughput_ratio``'s prediction from the blocking run's lanes; and on CityLM as it is
+   (the forward on the CPU in a worker thread), outputs checked against each request alone.
 
     python benchmarks/bench_overlap.py [--threads 1] [--steps 200] [--output-len 16]
 """
@@ -23,8 +24,8 @@ Prints, from one process on the same machine:
 from __future__ import annotations
 
 import argparse
-import time
 
+import pandas as pd
 import torch
 
 from minisrv import Engine, load_citylm
@@ -35,11 +36,11 @@ from minisrv.overlap import (
     CPU_PARTS,
     PARTS,
     StepTimings,
-    TimedBackend,
     throughput_ratio,
     time_steps,
     timeline,
 )
+from minisrv.overlap.measure import model_gain, timed_gain
 from minisrv.prefix_workloads import few_shot_workload
 
 SHARES = (0.10, 0.30, 0.60)
@@ -107,77 +108,24 @@ def device_plan(name: str, fwd: float, cpu: float) -> None:
     print(f"  {name:<22} forward {fwd:5.2f} ms, CPU {cpu:5.2f} ms | " + " | ".join(cells))
 
 
-def serve_timed(step_time: float, overlap: bool, n_requests: int, output_len: int,
-                max_running: int) -> tuple[float, int, list[list[int]]]:
-    """Serve a large-batch workload on ``TimedBackend(SimBackend(), step_time)``; return
-    (wall seconds, steps, outputs)."""
-    prompts = [[0, *range(2, 2 + 32 + i % 32)] for i in range(n_requests)]
-    engine = Engine(TimedBackend(SimBackend(), step_time), mode="mixed", overlap=overlap,
-                    skip_finishing_decode=True, max_running=max_running, kv_capacity=100_000)
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, output_len)
-    return time.perf_counter() - start, engine.stats.steps, outputs
-
-
-def best_wall(step_time: float, overlap: bool, n_requests: int, output_len: int,
-              max_running: int, repeats: int) -> tuple[float, int, list[list[int]]]:
-    """The fastest of ``repeats`` runs (the machine is shared: noise only slows), its steps
-    and its outputs."""
-    best, steps, outputs = float("inf"), 0, []
-    for _ in range(repeats):
-        wall, steps, outputs = serve_timed(step_time, overlap, n_requests, output_len,
-                                           max_running)
-        best = min(best, wall)
-    return best, steps, outputs
-
-
 def timed_device_table(n_requests: int, output_len: int, max_running: int,
                        repeats: int = 3) -> None:
     """Section 4a: measured overlap gain at each CPU share against the model's prediction."""
-    serve_timed(0.0, False, n_requests, output_len, max_running)  # warm-up
-    tokens = n_requests * output_len
-    wall, steps, _ = best_wall(0.0, False, n_requests, output_len, max_running, repeats)
-    cpu = wall / steps
-    # cpu: a blocking step with a zero-time device, i.e. the CPU's part of every step;
-    # cpu_o: the same for the overlapped loop, whose CPU also hands steps to the thread
-    wall, steps, _ = best_wall(0.0, True, n_requests, output_len, max_running, repeats)
-    cpu_o = wall / steps
     print(f"\n4. Measured overlap on a timed simulated device: {n_requests} requests x "
-          f"{output_len} tokens, up to {max_running} running, CPU {1e3 * cpu:.3f} ms per "
-          f"blocking step, {1e3 * cpu_o:.3f} ms per overlapped step (best of {repeats} runs)")
-    print(f"{'CPU share':>9} {'device ms':>9} | {'blocking tok/s':>14} {'overlap tok/s':>13} | "
-          f"{'measured':>8} {'predicted':>9} {'error':>6} | {'pred. own CPU':>13} {'error':>6}")
-    for share in SHARES:
-        device = cpu * (1 - share) / share
-        wall_b, _, out_b = best_wall(device, False, n_requests, output_len, max_running, repeats)
-        wall_o, _, out_o = best_wall(device, True, n_requests, output_len, max_running, repeats)
-        assert out_b == out_o, "overlap changed the outputs"
-        measured = wall_b / wall_o
-        predicted = throughput_ratio(device, cpu)
-        print(f"{share:>9.0%} {1e3 * device:>9.3f} | {tokens / wall_b:>14.0f} "
-              f"{tokens / wall_o:>13.0f} | {measured:>7.3f}x {predicted:>8.3f}x "
-              f"{100 * (measured / predicted - 1):>+5.1f}% | "
-              f"{(device + cpu) / max(device, cpu_o):>12.3f}x "
-              f"{100 * (measured * max(device, cpu_o) / (device + cpu) - 1):>+5.1f}%")
+          f"{output_len} tokens, up to {max_running} running (best of {repeats} runs, "
+          f"the loops taking turns)")
+    frame = timed_gain(SHARES, n_requests, output_len, max_running, repeats)
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(frame.round(3).T.to_string())
 
 
 def citylm_overlap(model: CityLM, prompts: list[list[int]], lens: list[int],
-                   reference: list[list[int]], cpu_share: float) -> None:
-    """Section 4b: CityLM as it is, blocking vs overlapped, outputs checked."""
-    rates = {}
-    for overlap in (False, True):
-        Engine(model, cache="radix", overlap=overlap).generate(prompts, lens)  # warm-up
-        engine = Engine(model, cache="radix", overlap=overlap)
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, lens)
-        wall = time.perf_counter() - start
-        same = sum(a == b for a, b in zip(outputs, reference))
-        rates[overlap] = engine.stats.generated_tokens / wall
-        print(f"  CityLM, cache=radix, overlap={overlap!s:<5}: {rates[overlap]:7.0f} tokens/s, "
-              f"{engine.stats.late_stop_tokens} late-stop tokens, outputs identical to each "
-              f"request alone: {same} of {len(reference)}")
-    print(f"  measured gain {rates[True] / rates[False]:.3f}x at a CPU share of "
-          f"{100 * cpu_share:.1f}%; the model predicts "
+                   cpu_share: float) -> None:
+    """Section 4b: CityLM as it is, each loop, outputs checked against each request alone."""
+    frame = model_gain(model, prompts, lens, repeats=3, cache="radix")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(frame.round(3).to_string())
+    print(f"  CPU share {100 * cpu_share:.1f}%: the model predicts "
           f"{throughput_ratio(1 - cpu_share, cpu_share):.3f}x")
 
 
@@ -226,7 +174,7 @@ def main() -> None:
 
     timed_device_table(args.requests, 16, args.batch)
     print()
-    citylm_overlap(model, prompts, lens, reference, shares["radix"])
+    citylm_overlap(model, prompts, lens, shares["radix"])
 
 
 if __name__ == "__main__":

@@ -13,19 +13,22 @@ the device computes step i.
 * ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
 * ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
   inputs name step i's not-yet-sampled tokens;
-* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``.
+* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``, and
+  ``FutureStep``, its record of what the future map did in each step;
+* ``measure`` (imported on its own): the chapter's measurements of waste and gain.
 """
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
 from minisrv.overlap.futures import FutureMap
 from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
-from minisrv.overlap.loop import OverlapScheduler
+from minisrv.overlap.loop import FutureStep, OverlapScheduler
 from minisrv.overlap.timed import TimedBackend
 
 __all__ = [
     "CPU_PARTS",
     "PARTS",
     "FutureMap",
+    "FutureStep",
     "Interval",
     "OverlapScheduler",
     "StepTiming",

@@ -37,10 +37,29 @@ from minisrv.overlap.futures import FutureMap
 from minisrv.request import Req, ReqState
 from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
 
-__all__ = ["SWITCH_INTERVAL", "OverlapScheduler"]
+__all__ = ["SWITCH_INTERVAL", "FutureStep", "OverlapScheduler"]
 
 SWITCH_INTERVAL = 1e-4
 """Seconds between GIL hand-overs while the overlapped loop runs (Python's default: 5 ms)."""
+
+
+@dataclass(frozen=True)
+class FutureStep:
+    """How one overlapped step used the future map (kept in ``future_trace``).
+
+    Per request of the step, prefills first: ``inputs`` is the last input id the CPU wrote
+    for it when the step was formed (negative: a future id, the previous step's token not
+    yet sampled), ``futures`` the placeholder its new token got, ``tokens`` what the device
+    sampled. ``discarded``: requests found finished after the previous step, whose token
+    here is thrown away (the late stop check).
+    """
+
+    index: int
+    rids: tuple[int, ...]
+    inputs: tuple[int, ...]
+    futures: tuple[int, ...]
+    tokens: tuple[int, ...]
+    discarded: tuple[int, ...]
 
 
 @dataclass
@@ -51,6 +70,8 @@ class _InFlight:
     positions: list[int]  # per request: the index of its placeholder in req.output
     before: dict[str, Any]  # trace fields known when the step was formed
     result: Future[BatchResult]
+    inputs: tuple[int, ...] = ()  # per request: its last input id when formed
+    futures: tuple[int, ...] = ()  # per request: the placeholder its new token got
 
 
 class OverlapScheduler(Scheduler):
@@ -74,6 +95,7 @@ class OverlapScheduler(Scheduler):
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisrv-device")
         self._inflight: _InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
+        self.future_trace: list[FutureStep] = []  # one per step when config.record_trace
 
     @property
     def idle(self) -> bool:
@@ -149,14 +171,16 @@ class OverlapScheduler(Scheduler):
     def _launch(self, batch: Batch) -> _InFlight:
         """Copy the batch's inputs, give each request a placeholder, start the device."""
         before = self._snapshot(batch)
+        inputs = tuple(req.output[-1] if req.output else req.prompt[-1] for req in batch.reqs)
         prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
         future_ids = self.futures.reserve(len(batch))
         positions = []
-        for req, fid in zip(batch.reqs, future_ids.tolist(), strict=True):
+        futures = tuple(future_ids.tolist())
+        for req, fid in zip(batch.reqs, futures, strict=True):
             req.output.append(fid)
             positions.append(len(req.output) - 1)
         result = self._device.submit(self._compute, prepared, future_ids)
-        return _InFlight(batch, positions, before, result)
+        return _InFlight(batch, positions, before, result, inputs, futures)
 
     def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
         """On the device thread: resolve futures, compute, store this step's tokens."""
@@ -191,6 +215,7 @@ class OverlapScheduler(Scheduler):
                             queued=len(self.waiting), cost=result.cost, **step.before)
         if self.config.record_trace:
             self.trace.append(record)
+            self.future_trace.append(self._future_step(record.index, step, result, finished))
         if self.config.debug:
             self.check_integrity()
         on_token = self.on_token
@@ -235,6 +260,16 @@ class OverlapScheduler(Scheduler):
                 self.waiting.extend(waiting)
         self.stats.evicted_tokens = self.memory.evicted_tokens
         return finished, streamed, extra
+
+    def _future_step(self, index: int, step: _InFlight, result: BatchResult,
+                     finished: list[Req]) -> FutureStep:
+        """The future map's part in ``step``: inputs, placeholders, tokens, discards."""
+        reqs = step.batch.reqs
+        now_done = {id(req) for req in finished}
+        discarded = tuple(req.rid for req in reqs if req.state in (
+            ReqState.FINISHED, ReqState.ABORTED) and id(req) not in now_done)
+        return FutureStep(index, tuple(req.rid for req in reqs), step.inputs, step.futures,
+                          tuple(result.next_tokens), discarded)
 
     def _finish(self, req: Req, in_next_step: bool) -> None:
         """A request found finished one step late leaves; undo what the next step gave it."""

@@ -34,7 +34,8 @@ class TimedBackend:
     releases the GIL, like a GPU kernel does, so a loop that overlaps CPU work with the
     step sees the device's time as free: the measured gain of overlap on a CPU-only machine
     can be held against ``throughput_ratio``. The answer (tokens, cost, clock) is the
-    inner backend's, unchanged.
+    inner backend's, unchanged. ``busy`` sums the seconds the steps really took (a loaded
+    machine wakes a sleeper late), so a run's device and CPU time per step can be measured.
     """
 
     def __init__(self, inner: Any, step_time: float) -> None:
@@ -57,6 +58,7 @@ class TimedBackend:
         self.vocab_size: int | None = getattr(inner, "vocab_size", None)
         self.steps = 0
         self.overruns = 0
+        self.busy = 0.0  # seconds spent inside steps, as measured (sleep overshoot included)
 
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
@@ -85,6 +87,7 @@ class TimedBackend:
             time.sleep(left)
         else:
             self.overruns += 1
+        self.busy += time.perf_counter() - start
         return result
 
     def release(self, req: Req) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "PART_COLORS",
     "breakdown_summary",
     "cpu_breakdown",
+    "future_trace_frame",
     "plot_cpu_breakdown",
     "plot_timelines",
     "timeline_widget",
@@ -205,3 +206,45 @@ def plot_cpu_breakdown(frames: Mapping[str, pd.DataFrame]) -> BookFigure:
     handles = [Patch(facecolor=PART_COLORS[p], label=p) for p in reversed(PARTS)]  # as stacked
     fig.legend(handles=handles, loc="outside right center", fontsize=10, frameon=False)
     return fig
+
+
+# ----------------------------------------------------------------------------- futures
+def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
+    """One row per step of an overlapped engine's run (``record_trace`` on): what the CPU
+    wrote, what the device resolved and sampled, and what the late stop check threw away.
+
+    Columns: the requests prefilled and decoded; for each decoding request the input id
+    the CPU wrote when it formed the step (negative: a future id, since the previous step
+    had not sampled it yet) and the token the device resolved it to; the placeholder each
+    request's new token got; the token sampled; who was found finished after the step; the
+    tokens discarded (a request that had finished a step earlier). Tokens are shown as
+    text when ``tok`` is given.
+    """
+    steps = engine.scheduler.future_trace
+    records = {record.index: record for record in engine.trace}
+
+    def show(token: int) -> str:
+        return repr(tok.id_to_str(token)) if tok is not None and token >= 0 else str(token)
+
+    def cells(pairs: Any) -> str:
+        return ", ".join(f"r{rid}: {value}" for rid, value in pairs) or "-"
+
+    rows, previous = [], {}
+    for step in steps:
+        record = records[step.index]
+        decoding = [(rid, fid) for rid, fid in zip(step.rids, step.inputs) if rid in record.decode]
+        sampled = dict(zip(step.rids, step.tokens))
+        rows.append({
+            "step": step.index,
+            "prefill": ", ".join(f"r{rid}" for rid in record.prefill) or "-",
+            "decode": ", ".join(f"r{rid}" for rid in record.decode) or "-",
+            "decode inputs (CPU)": cells(decoding),
+            "resolved (device)": cells((rid, show(previous.get(fid, fid)))
+                                       for rid, fid in decoding),
+            "placeholders": cells(zip(step.rids, step.futures)),
+            "sampled": cells((rid, show(sampled[rid])) for rid in step.rids),
+            "finished": ", ".join(f"r{rid}" for rid in record.finished) or "-",
+            "discarded": cells((rid, show(sampled[rid])) for rid in step.discarded),
+        })
+        previous = dict(zip(step.futures, step.tokens))
+    return pd.DataFrame(rows).set_index("step")

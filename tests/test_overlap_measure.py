@@ -1,0 +1,111 @@
+"""The overlap chapter's measurements and trace: what the future map did, what the late stop
+check wasted, and the blocking-vs-overlapped runs (their outputs, never their timings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisrv.engine import Engine
+from minisrv.overlap.measure import LOOPS, model_gain, timed_gain, waste_by_length
+from minisrv.scheduler import MODES
+from minisrv.tokenizer import Tokenizer
+from minisrv.viz.overlap import future_trace_frame
+
+MODEL_SEED = 3
+TOK = Tokenizer()
+PROMPTS = [TOK.encode(p) for p in ("FR:", "JP:", "IT:", "DE:Be", "US:")]
+LENGTHS = [3, 5, 3, 6, 2]
+ARRIVALS = [0, 0, 2, 3, 3]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_future_trace_links_each_placeholder_to_the_token_it_became(model, mode, skip) -> None:
+    engine = Engine(model, max_running=2, mode=mode, overlap=True, skip_finishing_decode=skip)
+    outputs = engine.generate(PROMPTS, LENGTHS, arrival_steps=ARRIVALS)
+    assert outputs == [model.reference_generate(p, m) for p, m in zip(PROMPTS, LENGTHS)]
+    steps, records = engine.scheduler.future_trace, engine.trace
+    assert [s.index for s in steps] == [r.index for r in records]
+    kept: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    previous: dict[int, tuple[int, int]] = {}  # rid -> (placeholder, token) of the last step
+    for step, record in zip(steps, records):
+        assert step.rids == record.prefill + record.decode
+        assert all(f < 0 for f in step.futures) and len(set(step.futures)) == len(step.futures)
+        for rid, given, token in zip(step.rids, step.inputs, step.tokens):
+            if rid in record.decode and rid in previous:  # it computed in the step before
+                placeholder, earlier = previous[rid]
+                assert given == placeholder  # the CPU wrote a future id, not the token
+            elif rid in record.decode:
+                assert given == kept[rid][-1]  # its last token was known: a real id
+            if rid not in step.discarded:
+                kept[rid].append(token)
+        previous = {rid: (f, t) for rid, f, t in zip(step.rids, step.futures, step.tokens)}
+    assert [kept[i] for i in range(len(PROMPTS))] == outputs  # discarded = exactly the waste
+    discarded = sum(len(s.discarded) for s in steps)
+    assert discarded == engine.stats.late_stop_tokens
+    late = sum(len(set(a.finished) & set(b.decode)) for a, b in zip(records, records[1:]))
+    assert discarded == late
+
+
+def test_future_trace_frame_shows_every_step(model) -> None:
+    engine = Engine(model, max_running=2, overlap=True)
+    engine.generate(PROMPTS[:3], LENGTHS[:3], arrival_steps=ARRIVALS[:3])
+    frame = future_trace_frame(engine, TOK)
+    assert list(frame.index) == [r.index for r in engine.trace]
+    assert list(frame.columns) == ["prefill", "decode", "decode inputs (CPU)",
+                                   "resolved (device)", "placeholders", "sampled", "finished",
+                                   "discarded"]
+    discarded = frame["discarded"].str.count(r"r\d+: ").sum()
+    assert discarded == engine.stats.late_stop_tokens > 0
+    first = engine.trace[0]
+    assert frame.loc[0, "prefill"] == ", ".join(f"r{rid}" for rid in first.prefill)
+    assert frame.loc[1, "decode inputs (CPU)"].count(": -") == len(engine.trace[1].decode)
+    assert "'" in frame.loc[0, "sampled"]  # tokens as text with a tokenizer
+    assert "'" not in future_trace_frame(engine).loc[0, "sampled"]  # ids without
+
+
+def test_future_trace_is_kept_only_with_the_trace(model) -> None:
+    engine = Engine(model, overlap=True, record_trace=False)
+    engine.generate(PROMPTS[:2], 3)
+    assert engine.scheduler.future_trace == []
+
+
+def test_waste_is_one_token_per_finished_request(model) -> None:
+    frame = waste_by_length(model, PROMPTS, [1, 3, 8], mode="mixed", max_running=8)
+    assert list(frame.index) == [1, 3, 8]
+    assert (frame["finished"] == len(PROMPTS)).all()
+    assert (frame["wasted"] == len(PROMPTS)).all()
+    assert (frame["wasted, skip_finishing_decode"] == 0).all()  # every finish is by length
+    assert list(frame["useful tokens"]) == [len(PROMPTS) * n for n in (1, 3, 8)]
+    assert frame["waste %"].to_numpy() == pytest.approx(frame["formula 1/L %"].to_numpy())
+    assert frame["outputs identical"].all()
+    with pytest.raises(ValueError, match="lengths"):
+        waste_by_length(model, PROMPTS, [])
+    with pytest.raises(ValueError, match="output length"):
+        waste_by_length(model, PROMPTS, [0])
+
+
+def test_timed_gain_reports_both_loops_lane_by_lane() -> None:
+    frame = timed_gain(shares=(0.5,), n_requests=8, output_len=3, max_running=4, repeats=1)
+    assert list(frame.index) == [50.0]
+    row = frame.loc[50.0]
+    assert row["outputs identical"]
+    assert 0 < row["CPU %"] < 100
+    assert 1 <= row["predicted gain"] <= 2  # (device + cpu) / max(device, cpu)
+    assert row["device busy ms, blocking"] > 0 and row["device busy ms, overlapped"] > 0
+    assert row["measured gain"] == pytest.approx(row["overlapped tok/s"] / row["blocking tok/s"])
+    for bad in ((0.0,), (1.0,), (-0.2,)):
+        with pytest.raises(ValueError, match="CPU share"):
+            timed_gain(shares=bad, n_requests=2, output_len=1, max_running=1, repeats=1)
+    with pytest.raises(ValueError, match="repeats"):
+        timed_gain(repeats=0)
+
+
+def test_model_gain_checks_every_loop_against_each_request_alone(model) -> None:
+    frame = model_gain(model, PROMPTS, LENGTHS, repeats=1, mode="mixed", max_running=4)
+    assert list(frame.index) == list(LOOPS)
+    assert frame["outputs identical to each request alone"].all()
+    assert frame.loc["blocking", "gain"] == 1.0
+    assert frame.loc["blocking", "late-stop tokens"] == 0
+    assert frame.loc["overlapped", "late-stop tokens"] == len(PROMPTS)  # mixed: all decode
+    assert frame.loc["overlapped, skip_finishing_decode", "late-stop tokens"] <= len(PROMPTS)
