@@ -42,6 +42,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("06_routing", "Routing across workers",
             "Which replica should serve a request when each has its own cache?",
             ("router/",)),
+    Chapter("07_overlap", "Zero-overhead scheduling",
+            "How does the CPU plan the next step while the device computes this one?",
+            ("overlap/",)),
 )
 
 
@@ -58,6 +61,7 @@ COMPONENTS: dict[str, Component] = {
     "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler/", "02_scheduler"),
     "policy": Component("Scheduling policy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
                         "05_cache_aware"),
+    "overlap": Component("Overlap loop\n(future tokens)", "overlap/", "07_overlap"),
     "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
     "kvpool": Component("KV pool\n(token slots)", "kvpool.py", "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "radix.py", "04_radix_attention"),
@@ -108,6 +112,7 @@ def architecture_diagram() -> graphviz.Digraph:
     g.edge("router", "tokenizer", label=" one replica")
     g.edge("tokenizer", "scheduler", label=" token ids")
     g.edge("scheduler", "policy", arrowhead="none", style="dotted")
+    g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")
     for key in ("kvpool", "radix", "attention"):
