@@ -3,11 +3,12 @@
 - ``layers``: RMSNorm, rotary positions, grouped-query attention, SwiGLU, ``Block`` (one
   layer's step, with the attention function passed in);
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
-- ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``;
+- ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
+  (loop, padded, or one ragged flex_attention call; ``resolve_attention`` picks);
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
 - ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
-  ``resolve_device``, ``default_dtype``;
+  ``resolve_device``, ``default_dtype``, ``available_devices``;
 - ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``, and
   ``HFTokenizer``, its tokenizer behind minisrv's tokenizer interface.
 
@@ -19,10 +20,13 @@ from __future__ import annotations
 from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.flat import (
     ATTENTION_KINDS,
+    FLEX_AVAILABLE,
     FlatBatch,
+    flat_attention_flex,
     flat_attention_loop,
     flat_attention_padded,
     pool_attention,
+    resolve_attention,
 )
 from minisrv.model.hf import HFTokenizer, config_from_hf, from_hf_llama, hf_name
 from minisrv.model.kvcache import DenseKVCache, cache_attention
@@ -43,6 +47,7 @@ from minisrv.model.loading import (
     CITYLM_NAME,
     META_FILE,
     WEIGHTS_FILE,
+    available_devices,
     default_dtype,
     load_citylm,
     load_model,
@@ -51,6 +56,7 @@ from minisrv.model.loading import (
 
 __all__ = [
     "ATTENTION_KINDS",
+    "FLEX_AVAILABLE",
     "CITYLM_NAME",
     "META_FILE",
     "WEIGHTS_FILE",
@@ -65,10 +71,12 @@ __all__ = [
     "RMSNorm",
     "SwiGLU",
     "apply_rope",
+    "available_devices",
     "cache_attention",
     "causal_mask",
     "config_from_hf",
     "default_dtype",
+    "flat_attention_flex",
     "flat_attention_loop",
     "flat_attention_padded",
     "from_hf_llama",
@@ -78,6 +86,7 @@ __all__ = [
     "load_model",
     "merge_eos_ids",
     "pool_attention",
+    "resolve_attention",
     "resolve_device",
     "rope_inv_freq",
     "rotate_half",
