@@ -172,6 +172,26 @@ LLAMA32_1B = ModelConfig(
     tie_embeddings=True,
 )
 
+SMOLLM2_135M = ModelConfig(
+    # SmolLM2-135M: Allal et al., "SmolLM2: When Smol Goes Big" (arXiv:2502.02737), and
+    # HuggingFaceTB/SmolLM2-135M/config.json (30 layers, hidden 576, 9 query / 3 KV heads of
+    # 64, intermediate 1536, vocabulary 49152, tied embeddings, rope_theta 1e5). The shapes
+    # count 134,515,008 parameters. A Llama-architecture checkpoint small enough that a
+    # decode step on any GPU is dominated by per-step overheads, not by the weights.
+    name="SmolLM2-135M",
+    n_layers=30,
+    d_model=576,
+    n_heads=9,
+    n_kv_heads=3,
+    head_dim=64,
+    attention="gqa",
+    d_ff=1536,
+    vocab_size=49152,
+    max_seq_len=8192,
+    rope_theta=100000.0,
+    tie_embeddings=True,
+)
+
 QWEN25_7B = ModelConfig(
     # Qwen2.5-7B: "Qwen2.5 Technical Report" (arXiv:2412.15115), Table 1, and
     # Qwen/Qwen2.5-7B/config.json (28 layers, d_model 3584, 28 query / 4 KV heads of 128).
@@ -266,13 +286,16 @@ class GPUSpec:
 
 # NVIDIA data sheets. H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16.
 H100 = GPUSpec("H100 SXM", memory_bytes=80e9, bandwidth=3.35e12, flops=989e12)
-# H200 SXM: 141 GB HBM3e, 4.8 TB/s; same compute die as the H100 SXM.
+# H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): 141 GB HBM3e, 4.8 TB/s; 1,979 TFLOP/s
+# BF16 "with sparsity", i.e. 989 dense: the same compute die as the H100 SXM.
 H200 = GPUSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, flops=989e12)
 # A100 80GB SXM: 2,039 GB/s, 312 TFLOP/s dense BF16.
 A100_80GB = GPUSpec("A100 80GB", memory_bytes=80e9, bandwidth=2.039e12, flops=312e12)
-# L4: 24 GB GDDR6, 300 GB/s, 121 TFLOP/s dense BF16 (242 with sparsity). Colab offers it.
+# L4 (NVIDIA L4 Tensor Core GPU data sheet): 24 GB GDDR6, 300 GB/s, 242 TFLOP/s BF16 with
+# sparsity, so 121 dense. Colab offers it.
 L4 = GPUSpec("L4", memory_bytes=24e9, bandwidth=300e9, flops=121e12)
-# T4: 16 GB GDDR6, 320 GB/s, 65 TFLOP/s FP16 tensor cores (no BF16). Colab's free GPU.
+# T4 (NVIDIA T4 Tensor Core GPU data sheet): 16 GB GDDR6, 320 GB/s, 65 TFLOP/s FP16 mixed
+# precision on tensor cores (no BF16). Colab's free GPU.
 T4 = GPUSpec("T4", memory_bytes=16e9, bandwidth=320e9, flops=65e12)
 
 MODELS: dict[str, ModelConfig] = {
@@ -282,6 +305,7 @@ MODELS: dict[str, ModelConfig] = {
         LLAMA3_70B,
         LLAMA3_70B_MHA,
         LLAMA32_1B,
+        SMOLLM2_135M,
         QWEN25_7B,
         MISTRAL_7B,
         DEEPSEEK_V3,

@@ -16,6 +16,7 @@ from minisrv.configs import (
     MISTRAL_7B,
     MODELS,
     QWEN25_7B,
+    SMOLLM2_135M,
     GPUSpec,
     all_heads,
 )
@@ -30,6 +31,7 @@ from minisrv.configs import (
         (QWEN25_7B, 28, 28, 4, 128),
         (MISTRAL_7B, 32, 32, 8, 128),
         (LLAMA32_1B, 16, 32, 8, 64),
+        (SMOLLM2_135M, 30, 9, 3, 64),
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -47,6 +49,22 @@ def test_published_shapes_count_the_published_parameters() -> None:
     for cfg in (LLAMA3_8B, LLAMA3_70B, LLAMA32_1B, MISTRAL_7B, QWEN25_7B):
         counted = cfg.with_(n_params=0.0).param_count
         assert counted == pytest.approx(cfg.n_params, rel=5e-3), cfg.name
+
+
+def test_smollm2_135m_is_its_hf_config() -> None:
+    """The fields of HuggingFaceTB/SmolLM2-135M's config.json, mapped as ``load_model`` maps
+    a checkpoint, give exactly ``SMOLLM2_135M``; its shapes count 134,515,008 parameters."""
+    from minisrv.model import config_from_hf
+
+    hf = {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "hidden_act": "silu", "_name_or_path": "SmolLM2-135M",
+    }
+    config, scaling, _ = config_from_hf(hf)
+    assert config == SMOLLM2_135M and scaling is None
+    assert SMOLLM2_135M.param_count == 134_515_008
 
 
 def test_llama3_8b_uses_the_books_parameter_count() -> None:
