@@ -24,7 +24,12 @@ from minisrv.model import (
     available_devices,
     resolve_attention,
 )
-from minisrv.model.flat import FLEX_BLOCK_SIZE
+from minisrv.model.ragged import (
+    FLEX_BLOCK_SIZE,
+    ragged_layout,
+    ragged_mask_mod,
+    ragged_tiles,
+)
 from minisrv.tokenizer import Tokenizer
 
 DEVICES = available_devices()  # cpu always, cuda when a GPU is visible
@@ -90,36 +95,68 @@ def expected_mask(mix: list[tuple[int, int]]) -> torch.Tensor:
 request = st.tuples(st.integers(0, 20), st.integers(1, 12))  # (cached prefix, new tokens)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(request, min_size=1, max_size=6))
-def test_mask_mod_is_the_padded_rule_on_the_ragged_layout(mix: list[tuple[int, int]]) -> None:
+def dense_tiles(counts: torch.Tensor, indices: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A BlockMask's (counts, indices) as a boolean [query tiles, key tiles] matrix."""
+    dense = torch.zeros(counts.shape[-1], n_cols, dtype=torch.bool)
+    for i, (n, row) in enumerate(zip(counts[0, 0].tolist(), indices[0, 0])):
+        dense[i, row[:n].long()] = True
+    return dense
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(request, min_size=1, max_size=6), st.sampled_from([4, 8, 16]))
+def test_mask_mod_is_the_padded_rule_on_the_ragged_layout(
+    mix: list[tuple[int, int]], block: int
+) -> None:
+    """Evaluated on every (row, column), padding included, the mask_mod is ``expected_mask``
+    on the real part and False on the padding up to whole tiles."""
     from torch.nn.attention.flex_attention import create_mask
 
-    slots, start = [], 0
-    for p, n in mix:
-        slots.append(list(range(start, start + p + n)))
-        start += p + n
-    batch = FlatBatch([[1] * n for _, n in mix], slots)
-    key_slots, _, _, _, _ = batch.flex_layout()
-    assert key_slots.tolist() == [s for req in slots for s in req]  # no padding
-    dense = create_mask(batch.flex_mask_mod(), None, None, batch.num_tokens, start)
-    assert torch.equal(dense[0, 0], expected_mask(mix))
+    new, cached = [n for _, n in mix], [p for p, _ in mix]
+    layout = ragged_layout(new, cached, torch.device("cpu"), block)
+    n_rows, n_cols = layout[0].shape[0], layout[2].shape[0]
+    assert n_rows % block == 0 and n_cols % block == 0
+    dense = create_mask(ragged_mask_mod(*layout), None, None, n_rows, n_cols)[0, 0]
+    want = expected_mask(mix)
+    assert torch.equal(dense[: want.shape[0], : want.shape[1]], want)
+    assert dense.sum() == want.sum()  # nothing on the padding
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(request, min_size=1, max_size=6), st.sampled_from([4, 8, 16]))
+def test_tiles_from_lengths_equal_create_block_mask(
+    mix: list[tuple[int, int]], block: int
+) -> None:
+    """``ragged_tiles`` (O(requests + tiles), no T x S evaluation) classifies every tile
+    exactly as torch's ``create_block_mask`` does by evaluating the mask on each pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    new, cached = [n for _, n in mix], [p for p, _ in mix]
+    layout = ragged_layout(new, cached, torch.device("cpu"), block)
+    n_rows, n_cols = sum(new), sum(new) + sum(cached)
+    ref = create_block_mask(ragged_mask_mod(*layout), None, None, n_rows, n_cols,
+                            device="cpu", BLOCK_SIZE=block)
+    partial, full = ragged_tiles(new, cached, block)
+    assert torch.equal(partial, dense_tiles(ref.kv_num_blocks, ref.kv_indices, partial.shape[1]))
+    assert torch.equal(full, dense_tiles(ref.full_kv_num_blocks, ref.full_kv_indices,
+                                         full.shape[1]))
 
 
 def test_block_mask_skips_the_tiles_no_request_sees() -> None:
     """Two prefills longer than a tile: the tiles pairing one's queries with the other's
-    keys are empty, and the block mask marks exactly the tiles the element mask touches."""
-    mix = [(0, 150), (40, 140)]
-    slots = [list(range(150)), list(range(150, 330))]
-    batch = FlatBatch([[1] * n for _, n in mix], slots)
-    _, block_mask = batch.flex_index()
+    keys are empty, some tiles need no mask at all, and the rest are partial."""
+    mix = [(0, 300), (40, 140)]
+    partial, full = ragged_tiles([n for _, n in mix], [p for p, _ in mix], FLEX_BLOCK_SIZE)
     mask = expected_mask(mix)
     b = FLEX_BLOCK_SIZE
-    n_q, n_k = -(-mask.shape[0] // b), -(-mask.shape[1] // b)
     tiles = torch.tensor([[bool(mask[i * b:(i + 1) * b, j * b:(j + 1) * b].any())
-                           for j in range(n_k)] for i in range(n_q)])
-    assert torch.equal(block_mask.to_dense()[0, 0].bool(), tiles)
-    assert not tiles.all()  # some tiles are skipped: the point of a ragged kernel
+                           for j in range(partial.shape[1])] for i in range(partial.shape[0])])
+    assert torch.equal(partial | full, tiles) and not (partial & full).any()
+    assert full.any() and not tiles.all()  # unmasked tiles, and skipped ones
+    batch = FlatBatch([[1] * n for _, n in mix], [list(range(300)), list(range(300, 480))])
+    key_slots, block_mask = batch.flex_index()
+    assert key_slots.tolist() == list(range(480))  # no padding of the keys
+    assert block_mask.seq_lengths == (440, 480)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -135,9 +172,11 @@ def test_flex_equals_padded_in_float32(device: str, mix: list[tuple[int, int]]) 
 
 
 def test_flex_equals_each_request_alone_in_float64() -> None:
-    """A long prefill beside decodes and a chunk, past one tile, against the dense cache."""
+    """A long prefill beside decodes and a chunk, against the dense cache: its 260 rows span
+    three query tiles, the second wholly its own, so full (unmasked) tiles are computed too."""
     model = model_for(torch.float64, "cpu")
-    mix = [(0, 140), (30, 1), (100, 1), (9, 20), (0, 1)]
+    mix = [(0, 260), (30, 1), (100, 1), (9, 20), (0, 1)]
+    assert ragged_tiles([n for _, n in mix], [p for p, _ in mix])[1].any()
     got = step_logits(model, mix, "flex", seed=2)
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, CFG.vocab_size, (p + n,), generator=gen) for p, n in mix]

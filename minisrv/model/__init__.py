@@ -4,7 +4,8 @@
   layer's step, with the attention function passed in);
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
 - ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
-  (loop, padded, or one ragged flex_attention call; ``resolve_attention`` picks);
+  (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);
+- ``ragged``: one ``flex_attention`` call over a flat batch, its block mask from lengths;
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
 - ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
@@ -20,9 +21,7 @@ from __future__ import annotations
 from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.flat import (
     ATTENTION_KINDS,
-    FLEX_AVAILABLE,
     FlatBatch,
-    flat_attention_flex,
     flat_attention_loop,
     flat_attention_padded,
     pool_attention,
@@ -52,6 +51,12 @@ from minisrv.model.loading import (
     load_citylm,
     load_model,
     resolve_device,
+)
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    flat_attention_flex,
+    ragged_block_mask,
+    ragged_tiles,
 )
 
 __all__ = [
@@ -86,6 +91,8 @@ __all__ = [
     "load_model",
     "merge_eos_ids",
     "pool_attention",
+    "ragged_block_mask",
+    "ragged_tiles",
     "resolve_attention",
     "resolve_device",
     "rope_inv_freq",

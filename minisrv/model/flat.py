@@ -3,7 +3,8 @@ the attention that runs over it, with every request's K/V in a shared ``KVPool``
 
 ``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
 tokens' K/V into their slots, then attends with one of the strategies of ``ATTENTION_KINDS``
-(``flat_attention_loop``, ``flat_attention_padded``, ``flat_attention_flex``);
+(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex`` from
+``ragged``);
 ``resolve_attention`` turns ``"auto"`` into the right one for a device.
 """
 
@@ -17,11 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from minisrv.model.layers import causal_mask, grouped_attention
-
-try:  # torch >= 2.5; Colab and the pinned CPU wheel have it, an old torch falls back to padded
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # pragma: no cover - depends on the installed torch
-    BlockMask = create_block_mask = flex_attention = None
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    FLEX_DTYPES,
+    BlockMask,
+    flat_attention_flex,
+    ragged_block_mask,
+)
 
 if TYPE_CHECKING:
     from minisrv.kvpool import KVPool
@@ -29,16 +32,6 @@ if TYPE_CHECKING:
 ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
 """How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
 ragged ``flex_attention`` call for all. ``"auto"`` (``resolve_attention``) picks one."""
-
-FLEX_AVAILABLE: bool = flex_attention is not None
-"""Whether this torch has ``torch.nn.attention.flex_attention`` (2.5 and later)."""
-
-FLEX_BLOCK_SIZE = 128
-"""Tile of flex_attention's block mask (queries x keys): tiles no query may see are skipped."""
-
-FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Dtypes the compiled (Triton) flex kernel takes on a GPU; float64 stays on padded there."""
-
 
 def resolve_attention(kind: str, device: str | torch.device, dtype: torch.dtype) -> str:
     """The attention kind to run: ``kind`` itself, or for ``"auto"`` the best for ``device``.
@@ -154,59 +147,16 @@ class FlatBatch:
             self._padded = (row_b, row_t, key_slots, mask[:, None])
         return self._padded
 
-    def flex_layout(self) -> tuple[torch.Tensor, ...]:
-        """Which request and position every query row and every key column belongs to.
-
-        Returns ``(key_slots, q_req, q_pos, k_req, k_pos)``: the keys of the ragged attention
-        are every request's slots laid end to end (``key_slots`` [S_total], no padding), the
-        queries are the flat batch's rows (``q_req``/``q_pos`` [T]), and ``k_req``/``k_pos``
-        [S_total] say whose key each column is and at which position of that request.
-        """
-        dev = self.device
-        n_b = len(self.new_lens)
-        ctx_lens = torch.tensor([s.shape[0] for s in self.slots], device=dev)
-        k_req = torch.repeat_interleave(torch.arange(n_b, device=dev), ctx_lens)
-        k_start = torch.cumsum(ctx_lens, 0) - ctx_lens  # where each request's keys begin
-        k_pos = torch.arange(k_req.shape[0], device=dev) - k_start[k_req]
-        q_req = torch.repeat_interleave(
-            torch.arange(n_b, device=dev), torch.tensor(self.new_lens, device=dev)
-        )
-        return torch.cat(self.slots), q_req, self.positions, k_req, k_pos
-
-    def flex_mask_mod(self) -> Callable[..., torch.Tensor]:
-        """The mask of the ragged attention as flex_attention's ``mask_mod(b, h, q, kv)``.
-
-        Query row q may see key column kv when both belong to the same request (document
-        masking) and the key's position is at most the query's: the request's whole cached
-        prefix from the pool, and its new tokens causally. The same rule as the padded mask,
-        stated on the unpadded layout.
-        """
-        _, q_req, q_pos, k_req, k_pos = self.flex_layout()
-
-        def same_request_causal(
-            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
-        ) -> torch.Tensor:
-            return (q_req[q] == k_req[kv]) & (k_pos[kv] <= q_pos[q])
-
-        return same_request_causal
-
     def flex_index(self) -> tuple[torch.Tensor, BlockMask]:
         """``(key_slots, block_mask)`` of the ragged attention, built on first use.
 
-        The block mask records, per tile of ``FLEX_BLOCK_SIZE`` queries x keys, whether the
-        tile is empty (skipped), full (no mask applied) or partial (``flex_mask_mod`` applied
-        per element), so requests cost only their own tiles however different their lengths.
-        Built once per step and shared by every layer.
+        ``key_slots`` [S_total] are every request's slots end to end (no padding); the block
+        mask (``ragged.ragged_block_mask``) says which tiles of queries x keys each request
+        occupies. Built once per step and shared by every layer.
         """
-        if not FLEX_AVAILABLE:
-            raise ValueError(f"torch {torch.__version__} has no flex_attention (needs >= 2.5)")
         if self._flex is None:
-            key_slots = torch.cat(self.slots)
-            block_mask = create_block_mask(
-                self.flex_mask_mod(), None, None, self.num_tokens, int(key_slots.shape[0]),
-                device=self.device, BLOCK_SIZE=FLEX_BLOCK_SIZE,
-            )
-            self._flex = (key_slots, block_mask)
+            block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
+            self._flex = (torch.cat(self.slots), block_mask)
         return self._flex
 
     def __repr__(self) -> str:
@@ -258,45 +208,6 @@ def flat_attention_padded(
     )  # [B, n_heads, T_max, head_dim]
     out = out.transpose(1, 2)[row_b, row_t]  # [T, n_heads, head_dim]
     return out.reshape(out.shape[0], n_heads * head_dim)
-
-
-_COMPILED_FLEX: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def flex_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """flex_attention as it should run on ``device``: compiled to one fused Triton kernel on a
-    GPU for ``FLEX_DTYPES`` (``dynamic=True``, so a new batch shape does not recompile), eager
-    elsewhere (the CPU, or float64 tests on a GPU).
-
-    Eager flex_attention is the unfused reference implementation (it materializes the
-    scores and warns so): right for checking numbers, never fast.
-    """
-    if device.type != "cuda" or dtype not in FLEX_DTYPES:
-        return flex_attention
-    if "cuda" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX["cuda"]
-
-
-def flat_attention_flex(
-    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
-) -> torch.Tensor:
-    """The same attention as ``flat_attention_padded`` in one ragged call, without padding.
-
-    Queries stay the flat [T] rows and keys are every request's slots laid end to end
-    [S_total]; the block mask (``FlatBatch.flex_index``) keeps each query to its own request,
-    its prefix and its new tokens causally. Work scales with the tiles requests really
-    occupy, not with (requests x longest context), which is what a long prefill beside many
-    short decodes wastes in the padded call. Grouped-query heads are shared by the kernel
-    (``enable_gqa``), not copied.
-    """
-    key_slots, block_mask = batch.flex_index()
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
-    v = v_layer[key_slots].transpose(0, 1)[None]
-    attend = flex_kernel(q.device, q.dtype)
-    out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)
 
 
 ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
