@@ -7,6 +7,7 @@ models whose KV cache and step time the book computes, so ``kv_bytes_per_token``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 
@@ -316,3 +317,28 @@ MODELS: dict[str, ModelConfig] = {
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (H100, H200, A100_80GB, L4, T4)}
 """Every accelerator above by name."""
+
+
+# What torch.cuda.get_device_name() prints for each card above, as patterns. Variants with
+# other numbers (H100 PCIe or NVL, A100 40GB, L40S) match none: a wrong roofline is worse
+# than none.
+_GPU_NAME_PATTERNS: tuple[tuple[str, GPUSpec], ...] = (
+    (r"\bH200\b", H200),
+    (r"\bH100\b(?!.*\b(PCIE|NVL)\b).*\b(SXM|HBM3)\b", H100),
+    (r"\bA100\b.*\b80\s?GB\b", A100_80GB),
+    (r"\bL4\b", L4),
+    (r"\bT4\b", T4),
+)
+
+
+def gpu_by_name(device_name: str) -> GPUSpec | None:
+    """The spec of the card ``torch.cuda.get_device_name()`` calls ``device_name``, if listed.
+
+    ``"NVIDIA H200"`` gives ``H200``, ``"Tesla T4"`` gives ``T4``; an unlisted card (or a
+    variant with other memory or clocks) gives None.
+    """
+    name = device_name.upper()
+    for pattern, spec in _GPU_NAME_PATTERNS:
+        if re.search(pattern, name):
+            return spec
+    return None

@@ -19,6 +19,7 @@ from minisrv.configs import (
     SMOLLM2_135M,
     GPUSpec,
     all_heads,
+    gpu_by_name,
 )
 
 
@@ -127,3 +128,23 @@ def test_gpu_spec_rejects_non_positive_numbers(field) -> None:
     values = {"memory_bytes": 1e9, "bandwidth": 1e9, "flops": 1e9, field: 0}
     with pytest.raises(ValueError, match=field):
         GPUSpec("broken", **values)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "spec"),
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", None),  # 2.0 TB/s, not the SXM's 3.35
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+        ("NVIDIA A100-SXM4-40GB", None),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", None),
+        ("Tesla T4", "T4"),
+        ("", None),
+    ],
+)
+def test_gpu_by_name_knows_the_listed_cards_only(device_name, spec) -> None:
+    found = gpu_by_name(device_name)
+    assert (found.name if found else None) == spec
