@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from minisrv.backends import ModelBackend
 from minisrv.configs import GPUSpec, ModelConfig, gpu_by_name
 from minisrv.engine import Engine
-from minisrv.model import CityLM
+from minisrv.kvpool import KVPool
+from minisrv.model import CityLM, FlatBatch
 from minisrv.roofline import decode_step_cost, decode_step_time
 from minisrv.sampling import SamplingParams
 from minisrv.steptime import decode_step_seconds
@@ -37,6 +38,7 @@ __all__ = [
     "device_label",
     "engine_decode_throughput",
     "predicted_decode_throughput",
+    "ragged_vs_padded",
     "random_model",
     "roofline_step_times",
     "step_time_sweep",
@@ -180,6 +182,29 @@ def roofline_step_times(
                          "step_ms": cost.time_s * 1e3,
                          "us_per_token": cost.time_s * 1e6 / batch, "bound": cost.bound})
     return pd.DataFrame(rows)
+
+
+def ragged_vs_padded(
+    model: CityLM, mix: Sequence[tuple[int, int]], seed: int = 0
+) -> float:
+    """Largest |logit| difference between the ragged (flex) and the padded attention on one
+    flat step over ``mix`` ((cached prefix, new tokens) per request) on the model's device.
+
+    The prefixes are written to a fresh pool first (as earlier steps would have), so both
+    attentions read every request's cached K/V from the pool.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    seqs = [torch.randint(0, vocab, (p + n,), generator=gen).tolist() for p, n in mix]
+    pool = KVPool.for_model(model, sum(p + n for p, n in mix))
+    slots = [pool.alloc(p + n) for p, n in mix]
+    for (p, _), seq, s in zip(mix, seqs, slots):
+        if p:
+            model.forward_flat(FlatBatch([seq[:p]], [s[:p]], model.device), pool,
+                               attention="padded", last_only=True)
+    step = FlatBatch([seq[p:] for (p, _), seq in zip(mix, seqs)], slots, model.device)
+    logits = {kind: model.forward_flat(step, pool, attention=kind) for kind in ("padded", "flex")}
+    return (logits["flex"] - logits["padded"]).abs().max().item()
 
 
 class DecodeRun(NamedTuple):

@@ -21,6 +21,7 @@ from minisrv.real_model import (  # noqa: E402
     device_label,
     engine_decode_throughput,
     predicted_decode_throughput,
+    ragged_vs_padded,
     random_model,
     roofline_step_times,
     step_time_sweep,
@@ -101,3 +102,8 @@ def test_device_labels() -> None:
     assert device_label("cpu") == "CPU"
     if not torch.cuda.is_available():
         assert current_gpu() is None
+
+
+def test_ragged_and_padded_agree_on_a_mixed_step() -> None:
+    model = random_model(TINY, "cpu", torch.float32)
+    assert ragged_vs_padded(model, [(0, 20), (9, 1), (30, 1), (4, 6)]) < 1e-5
