@@ -66,7 +66,7 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     measured = step_time_sweep(model, (1, 2), 4, ("padded",), repeats=1)
     predicted = roofline_step_times(SMOLLM2_135M, [H100, T4], (1, 2), 4)
     fig = plot_step_times_vs_roofline(measured, predicted, "CityLM")
-    labels = [line.get_label() for line in fig.axes[1].lines]
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
     assert labels == ["measured on CPU, float32, padded attention",
                       "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in fig.axes)

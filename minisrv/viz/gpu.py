@@ -22,7 +22,7 @@ def plot_step_times_vs_roofline(
     ``measured``: rows of ``real_model.step_time_sweep`` (device, dtype, attention, batch,
     step_ms, us_per_token); ``predicted``: rows of ``real_model.roofline_step_times``.
     """
-    fig = BookFigure(figsize=(10, 4), layout="constrained")
+    fig = BookFigure(figsize=(10, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2)
     for (device, dtype, attention), rows in measured.groupby(
         ["device", "dtype", "attention"], sort=False
@@ -39,9 +39,12 @@ def plot_step_times_vs_roofline(
         ax.set_yscale("log")
         ax.set_xlabel("requests in the decode step (batch size)")
         ax.grid(True, which="major", alpha=0.3)
+    contexts = sorted(set(measured["context"]) | set(predicted["context"]))
     left.set_ylabel("decode step time (ms)")
-    left.set_title(f"One decode step of {model_name}")
+    left.set_title(f"One decode step of {model_name}, context {', '.join(map(str, contexts))}",
+                   fontsize=10)
     right.set_ylabel("time per generated token (µs)")
-    right.set_title("Step time divided by the tokens it produced")
-    right.legend(fontsize=7, loc="upper right")
+    right.set_title("Step time divided by the tokens it produced", fontsize=10)
+    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncols=2,
+               fontsize=8)
     return fig
