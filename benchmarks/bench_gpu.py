@@ -14,6 +14,10 @@ the script cannot rot) and exits 0.
 
     python benchmarks/bench_gpu.py [--context 512] [--repeats 20] [--prompt 128 --new 64]
 
+Check on the first GPU run that the compiled flex kernel is not recompiled step after step (each
+step builds a new mask_mod closure; Dynamo should guard on its code, not its identity):
+``TORCH_LOGS=recompiles python benchmarks/bench_gpu.py``.
+
 Numbers: none recorded yet. No GPU has been lent to this project's sessions so far; when one
 is, paste the run here (GPU, torch version, both tables).
 """

@@ -193,7 +193,7 @@ def flat_attention_padded(
     (S_max) and a boolean mask hides what each query must not see; PyTorch's
     ``scaled_dot_product_attention`` then runs once per layer whatever the batch size. The
     price is wasted work on padding when lengths differ a lot (a long prefill beside many
-    decodes); ragged kernels (FlashInfer, ``flex_attention``) avoid it on a GPU.
+    decodes); ragged kernels (FlashInfer, ``flat_attention_flex``) avoid it on a GPU.
     """
     row_b, row_t, key_slots, mask = batch.padded_index()
     n_b, t_max = key_slots.shape[0], mask.shape[2]
