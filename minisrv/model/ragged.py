@@ -128,6 +128,7 @@ def ragged_block_mask(
     return BlockMask.from_kv_blocks(
         *_tiles_to_blocks(partial, device), *_tiles_to_blocks(full, device),
         BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n_rows, n_cols),
+        compute_q_blocks=False,  # the query-major index serves only the backward pass
     )
 
 
