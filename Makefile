@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make book   build the HTML book into _build/html, executing every chapter fresh
 #   make test   ruff, unit and property tests, and nbval over every chapter
+#   make gpu-check   on a CUDA machine: the engine/model tests on cpu and cuda, and every
+#                    chapter under nbval with MINISRV_DEVICE=cuda (fails without a GPU)
 # Both create .venv (or use VENV=$$CONDA_PREFIX for the conda route) and install what they need.
 
 PYTHON ?= python3
@@ -10,7 +12,13 @@ STAMP := $(VENV)/.minisrv-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: book test setup dot clean
+.PHONY: book test gpu-check setup dot clean
+
+# The tests that run the model and the engine on every device of available_devices() (the
+# conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
+GPU_TESTS := tests/test_flex_attention.py tests/test_device.py tests/test_backends.py \
+	tests/test_engine.py tests/test_engine_radix.py tests/test_admission.py \
+	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py
 
 book: setup
 	rm -rf _build/.jupyter_cache _build/html _build/jupyter_execute
@@ -19,6 +27,13 @@ book: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# Refuses to run (exit 1) where torch sees no CUDA GPU: a CPU-only pass would prove nothing.
+gpu-check: setup
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+	  echo "error: make gpu-check needs a CUDA GPU, and torch.cuda.is_available() is False" \
+	       "(torch $$($(BIN)/python -c 'import torch; print(torch.__version__)'))." >&2; exit 1; }
+	MINISRV_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS) chapters/
 
 setup: $(STAMP) dot
 

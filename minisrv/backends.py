@@ -115,23 +115,22 @@ class ModelBackend:
 
     The KV of all requests lives in one ``KVPool`` built by ``attach_kv`` (the scheduler
     calls it with its ``kv_capacity``) and indexed by each request's ``kv_slots``.
-    ``attention`` is ``"padded"`` (one masked attention call per layer) or ``"loop"`` (one
-    per request). For sampled requests the backend keeps the private random generator
-    (``make_generator``), across retractions too, so a request's tokens depend only on its
-    own prompt and seed: the outputs equal ``model.reference_generate`` whatever else
-    shares the batch.
+    ``attention`` is ``"padded"`` (one masked attention call per layer), ``"flex"`` (one
+    ragged flex_attention call per layer, no padding), ``"loop"`` (one call per request) or
+    ``"auto"``, resolved once here to flex on a GPU and padded on the CPU. For sampled
+    requests the backend keeps the private random generator (``make_generator``), across
+    retractions too, so a request's tokens depend only on its own prompt and seed: the
+    outputs equal ``model.reference_generate`` whatever else shares the batch.
     """
 
     time_unit = "step"
     cost_unit = "tokens"
 
-    def __init__(self, model: CityLM, attention: str = "padded") -> None:
-        from minisrv.model import ATTENTION_KINDS
+    def __init__(self, model: CityLM, attention: str = "auto") -> None:
+        from minisrv.model import resolve_attention
 
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
         self.model = model
-        self.attention = attention
+        self.attention = resolve_attention(attention, model.device, model.dtype)
         self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size

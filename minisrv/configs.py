@@ -7,6 +7,7 @@ models whose KV cache and step time the book computes, so ``kv_bytes_per_token``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 
@@ -172,6 +173,26 @@ LLAMA32_1B = ModelConfig(
     tie_embeddings=True,
 )
 
+SMOLLM2_135M = ModelConfig(
+    # SmolLM2-135M: Allal et al., "SmolLM2: When Smol Goes Big" (arXiv:2502.02737), and
+    # HuggingFaceTB/SmolLM2-135M/config.json (30 layers, hidden 576, 9 query / 3 KV heads of
+    # 64, intermediate 1536, vocabulary 49152, tied embeddings, rope_theta 1e5). The shapes
+    # count 134,515,008 parameters. A Llama-architecture checkpoint small enough that a
+    # decode step on any GPU is dominated by per-step overheads, not by the weights.
+    name="SmolLM2-135M",
+    n_layers=30,
+    d_model=576,
+    n_heads=9,
+    n_kv_heads=3,
+    head_dim=64,
+    attention="gqa",
+    d_ff=1536,
+    vocab_size=49152,
+    max_seq_len=8192,
+    rope_theta=100000.0,
+    tie_embeddings=True,
+)
+
 QWEN25_7B = ModelConfig(
     # Qwen2.5-7B: "Qwen2.5 Technical Report" (arXiv:2412.15115), Table 1, and
     # Qwen/Qwen2.5-7B/config.json (28 layers, d_model 3584, 28 query / 4 KV heads of 128).
@@ -266,13 +287,16 @@ class GPUSpec:
 
 # NVIDIA data sheets. H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16.
 H100 = GPUSpec("H100 SXM", memory_bytes=80e9, bandwidth=3.35e12, flops=989e12)
-# H200 SXM: 141 GB HBM3e, 4.8 TB/s; same compute die as the H100 SXM.
+# H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): 141 GB HBM3e, 4.8 TB/s; 1,979 TFLOP/s
+# BF16 "with sparsity", i.e. 989 dense: the same compute die as the H100 SXM.
 H200 = GPUSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, flops=989e12)
 # A100 80GB SXM: 2,039 GB/s, 312 TFLOP/s dense BF16.
 A100_80GB = GPUSpec("A100 80GB", memory_bytes=80e9, bandwidth=2.039e12, flops=312e12)
-# L4: 24 GB GDDR6, 300 GB/s, 121 TFLOP/s dense BF16 (242 with sparsity). Colab offers it.
+# L4 (NVIDIA L4 Tensor Core GPU data sheet): 24 GB GDDR6, 300 GB/s, 242 TFLOP/s BF16 with
+# sparsity, so 121 dense. Colab offers it.
 L4 = GPUSpec("L4", memory_bytes=24e9, bandwidth=300e9, flops=121e12)
-# T4: 16 GB GDDR6, 320 GB/s, 65 TFLOP/s FP16 tensor cores (no BF16). Colab's free GPU.
+# T4 (NVIDIA T4 Tensor Core GPU data sheet): 16 GB GDDR6, 320 GB/s, 65 TFLOP/s FP16 mixed
+# precision on tensor cores (no BF16). Colab's free GPU.
 T4 = GPUSpec("T4", memory_bytes=16e9, bandwidth=320e9, flops=65e12)
 
 MODELS: dict[str, ModelConfig] = {
@@ -282,6 +306,7 @@ MODELS: dict[str, ModelConfig] = {
         LLAMA3_70B,
         LLAMA3_70B_MHA,
         LLAMA32_1B,
+        SMOLLM2_135M,
         QWEN25_7B,
         MISTRAL_7B,
         DEEPSEEK_V3,
@@ -292,3 +317,28 @@ MODELS: dict[str, ModelConfig] = {
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (H100, H200, A100_80GB, L4, T4)}
 """Every accelerator above by name."""
+
+
+# What torch.cuda.get_device_name() prints for each card above, as patterns. Variants with
+# other numbers (H100 PCIe or NVL, A100 40GB, L40S) match none: a wrong roofline is worse
+# than none.
+_GPU_NAME_PATTERNS: tuple[tuple[str, GPUSpec], ...] = (
+    (r"\bH200\b", H200),
+    (r"\bH100\b(?!.*\b(PCIE|NVL)\b).*\b(SXM|HBM3)\b", H100),
+    (r"\bA100\b.*\b80\s?GB\b", A100_80GB),
+    (r"\bL4\b", L4),
+    (r"\bT4\b", T4),
+)
+
+
+def gpu_by_name(device_name: str) -> GPUSpec | None:
+    """The spec of the card ``torch.cuda.get_device_name()`` calls ``device_name``, if listed.
+
+    ``"NVIDIA H200"`` gives ``H200``, ``"Tesla T4"`` gives ``T4``; an unlisted card (or a
+    variant with other memory or clocks) gives None.
+    """
+    name = device_name.upper()
+    for pattern, spec in _GPU_NAME_PATTERNS:
+        if re.search(pattern, name):
+            return spec
+    return None

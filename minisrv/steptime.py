@@ -49,7 +49,7 @@ def decode_step_seconds(
     pool = KVPool.for_model(model, batch_size * (context + 1))
     slots = [pool.alloc(context + 1) for _ in range(batch_size)]
     prefix = FlatBatch([s[:context] for s in seqs], [s[:context] for s in slots], model.device)
-    model.forward_flat(prefix, pool, attention=attention)
+    model.forward_flat(prefix, pool, attention=attention, last_only=True)  # only its KV matters
     last = [s[context:] for s in seqs]
 
     def step() -> None:

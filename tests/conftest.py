@@ -1,4 +1,5 @@
-"""Shared fixtures: the shipped CityLM, loaded once per test session on the CPU."""
+"""Shared fixtures: the shipped CityLM (loaded once per session on the CPU), and a random
+CityLM on every available device (``DEVICES``) for the engine tests."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 
 from minisrv.configs import CITYLM
-from minisrv.model import CityLM, load_citylm
+from minisrv.model import CityLM, available_devices, load_citylm
 from minisrv.tokenizer import Tokenizer
+
+DEVICES: list[str] = available_devices()
+"""Devices the engine tests run on: the CPU always, CUDA when a GPU is visible."""
 
 
 @pytest.fixture(scope="session")
@@ -22,17 +26,24 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Each device of ``DEVICES`` in turn: a test using it (or ``model``) runs once per device."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest) -> CityLM:
-    """A 2-layer CityLM with random float64 weights, for engine tests.
+def model(request: pytest.FixtureRequest, device: str) -> CityLM:
+    """A 2-layer CityLM with random float64 weights on ``device``, for engine tests.
 
     The weights are scaled up (std 0.3) so that greedy outputs vary from step to step and
     <eos> sometimes wins: the oracle comparison then covers early stops too. A test module
-    picks its own seed with a module-level ``MODEL_SEED``.
+    picks its own seed with a module-level ``MODEL_SEED``. The weights are drawn on the CPU
+    and then moved, so every device serves the same model.
     """
     torch.manual_seed(getattr(request.module, "MODEL_SEED", 0))
     cfg = CITYLM.with_(vocab_size=Tokenizer().vocab_size, n_layers=2, d_model=32, n_heads=4,
                        n_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=96)
     net = CityLM(cfg).to(torch.float64).eval()
     net.reset_parameters(std=0.3)
-    return net
+    return net.to(device)

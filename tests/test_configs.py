@@ -16,8 +16,10 @@ from minisrv.configs import (
     MISTRAL_7B,
     MODELS,
     QWEN25_7B,
+    SMOLLM2_135M,
     GPUSpec,
     all_heads,
+    gpu_by_name,
 )
 
 
@@ -30,6 +32,7 @@ from minisrv.configs import (
         (QWEN25_7B, 28, 28, 4, 128),
         (MISTRAL_7B, 32, 32, 8, 128),
         (LLAMA32_1B, 16, 32, 8, 64),
+        (SMOLLM2_135M, 30, 9, 3, 64),
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -47,6 +50,22 @@ def test_published_shapes_count_the_published_parameters() -> None:
     for cfg in (LLAMA3_8B, LLAMA3_70B, LLAMA32_1B, MISTRAL_7B, QWEN25_7B):
         counted = cfg.with_(n_params=0.0).param_count
         assert counted == pytest.approx(cfg.n_params, rel=5e-3), cfg.name
+
+
+def test_smollm2_135m_is_its_hf_config() -> None:
+    """The fields of HuggingFaceTB/SmolLM2-135M's config.json, mapped as ``load_model`` maps
+    a checkpoint, give exactly ``SMOLLM2_135M``; its shapes count 134,515,008 parameters."""
+    from minisrv.model import config_from_hf
+
+    hf = {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "hidden_act": "silu", "_name_or_path": "SmolLM2-135M",
+    }
+    config, scaling, _ = config_from_hf(hf)
+    assert config == SMOLLM2_135M and scaling is None
+    assert SMOLLM2_135M.param_count == 134_515_008
 
 
 def test_llama3_8b_uses_the_books_parameter_count() -> None:
@@ -109,3 +128,23 @@ def test_gpu_spec_rejects_non_positive_numbers(field) -> None:
     values = {"memory_bytes": 1e9, "bandwidth": 1e9, "flops": 1e9, field: 0}
     with pytest.raises(ValueError, match=field):
         GPUSpec("broken", **values)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "spec"),
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", None),  # 2.0 TB/s, not the SXM's 3.35
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+        ("NVIDIA A100-SXM4-40GB", None),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", None),
+        ("Tesla T4", "T4"),
+        ("", None),
+    ],
+)
+def test_gpu_by_name_knows_the_listed_cards_only(device_name, spec) -> None:
+    found = gpu_by_name(device_name)
+    assert (found.name if found else None) == spec

@@ -13,18 +13,18 @@ import torch
 
 from minisrv.book import default_device
 from minisrv.kvpool import KVPool
-from minisrv.model import CityLM, FlatBatch
+from minisrv.model import ATTENTION_KINDS, CityLM, FlatBatch
 
 
 def run_everything(model: CityLM) -> dict[str, torch.Tensor | list[int]]:
-    """Every path the engine uses: both forwards, both flat attentions, the pool, the oracle."""
+    """Every path the engine uses: both forwards, every flat attention, the pool, the oracle."""
     out: dict[str, torch.Tensor | list[int]] = {}
     cache = model.new_cache()
     ids = torch.tensor([0, 5, 9, 13, 7, 21], dtype=torch.long, device=model.device)
     out["prefill"] = model(ids[:4], cache)
     out["decode"] = model(ids[4:], cache)
     out["generate"] = model.reference_generate([0, 5, 9], 12, ignore_eos=True)
-    for kind in ("loop", "padded"):
+    for kind in ATTENTION_KINDS:
         pool = KVPool.for_model(model, 32)
         a, b = pool.alloc(5), pool.alloc(3)
         prefill = FlatBatch([[0, 4, 8, 12, 16], [0, 7, 3]], [a, b], model.device)

@@ -66,3 +66,20 @@ def test_widget_offers_every_model_gpu_and_dtype() -> None:
     assert options["GPU"] == list(GPUS)
     assert options["dtype"] == list(viz.DTYPES)
     assert 1024 in options["context"] and 16 in options["batch"]
+
+
+def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
+    import torch
+
+    from minisrv.configs import CITYLM, SMOLLM2_135M, T4
+    from minisrv.real_model import random_model, roofline_step_times, step_time_sweep
+    from minisrv.viz.gpu import plot_step_times_vs_roofline
+
+    model = random_model(CITYLM.with_(n_layers=1), "cpu", torch.float32)
+    measured = step_time_sweep(model, (1, 2), 4, ("padded",), repeats=1)
+    predicted = roofline_step_times(SMOLLM2_135M, [H100, T4], (1, 2), 4)
+    fig = plot_step_times_vs_roofline(measured, predicted, "CityLM")
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == ["measured on CPU, float32, padded attention",
+                      "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
+    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in fig.axes)

@@ -3,11 +3,13 @@
 - ``layers``: RMSNorm, rotary positions, grouped-query attention, SwiGLU, ``Block`` (one
   layer's step, with the attention function passed in);
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
-- ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``;
+- ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
+  (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);
+- ``ragged``: one ``flex_attention`` call over a flat batch, its block mask from lengths;
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
 - ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
-  ``resolve_device``, ``default_dtype``;
+  ``resolve_device``, ``default_dtype``, ``available_devices``;
 - ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``, and
   ``HFTokenizer``, its tokenizer behind minisrv's tokenizer interface.
 
@@ -23,6 +25,7 @@ from minisrv.model.flat import (
     flat_attention_loop,
     flat_attention_padded,
     pool_attention,
+    resolve_attention,
 )
 from minisrv.model.hf import HFTokenizer, config_from_hf, from_hf_llama, hf_name
 from minisrv.model.kvcache import DenseKVCache, cache_attention
@@ -43,14 +46,22 @@ from minisrv.model.loading import (
     CITYLM_NAME,
     META_FILE,
     WEIGHTS_FILE,
+    available_devices,
     default_dtype,
     load_citylm,
     load_model,
     resolve_device,
 )
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    flat_attention_flex,
+    ragged_block_mask,
+    ragged_tiles,
+)
 
 __all__ = [
     "ATTENTION_KINDS",
+    "FLEX_AVAILABLE",
     "CITYLM_NAME",
     "META_FILE",
     "WEIGHTS_FILE",
@@ -65,10 +76,12 @@ __all__ = [
     "RMSNorm",
     "SwiGLU",
     "apply_rope",
+    "available_devices",
     "cache_attention",
     "causal_mask",
     "config_from_hf",
     "default_dtype",
+    "flat_attention_flex",
     "flat_attention_loop",
     "flat_attention_padded",
     "from_hf_llama",
@@ -78,6 +91,9 @@ __all__ = [
     "load_model",
     "merge_eos_ids",
     "pool_attention",
+    "ragged_block_mask",
+    "ragged_tiles",
+    "resolve_attention",
     "resolve_device",
     "rope_inv_freq",
     "rotate_half",

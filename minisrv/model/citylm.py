@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from minisrv.configs import CITYLM, ModelConfig
-from minisrv.model.flat import ATTENTION_KINDS, FlatBatch, pool_attention
+from minisrv.model.flat import ATTENTION_KINDS, FlatBatch, pool_attention, resolve_attention
 from minisrv.model.kvcache import DenseKVCache, cache_attention
 from minisrv.model.layers import Block, LayerAttend, RMSNorm, causal_mask, rope_inv_freq
 from minisrv.sampling import SamplingParams, make_generator, sample_next
@@ -191,7 +191,7 @@ class CityLM(nn.Module):
         batch: FlatBatch,
         pool: KVPool,
         *,
-        attention: str = "padded",
+        attention: str = "auto",
         last_only: bool = False,
     ) -> torch.Tensor:
         """Selective batching (ORCA): one forward over the new tokens of many requests.
@@ -200,15 +200,17 @@ class CityLM(nn.Module):
         MLP and the LM head each run once for the whole step. Only attention is per request:
         each token is rotated by its own position, its K/V are written to its request's
         slot in ``pool``, and it attends to its own request's slots (``attention="loop"``:
-        one call per request; ``"padded"``: one masked call for all). Returns logits
+        one call per request; ``"padded"``: one masked call for all; ``"flex"``: one ragged
+        call for all; ``"auto"``: flex on a GPU, padded on the CPU). Returns logits
         [T_total, vocab], or [requests, vocab] for each request's last token with
         ``last_only`` (all a decoder needs). Checks run before the pool is written.
         """
-        self.check_flat(batch, pool, attention)
+        kind = resolve_attention(attention, self.device, self.dtype)
+        self.check_flat(batch, pool, kind)
         ids = batch.ids.to(self.device)
         self.check_ids(ids)
         write = batch.write_slots.to(self.device)
-        attend = partial(pool_attention, batch=batch, pool=pool, write=write, kind=attention)
+        attend = partial(pool_attention, batch=batch, pool=pool, write=write, kind=kind)
         x = self.run_layers(ids, batch.positions.to(self.device), attend)
         if last_only:
             x = x[batch.last_rows.to(self.device)]

@@ -2,26 +2,56 @@
 the attention that runs over it, with every request's K/V in a shared ``KVPool``.
 
 ``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
-tokens' K/V into their slots, then attends with one of the two strategies of
-``ATTENTION_KINDS`` (``flat_attention_loop``, ``flat_attention_padded``).
+tokens' K/V into their slots, then attends with one of the strategies of ``ATTENTION_KINDS``
+(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex`` from
+``ragged``);
+``resolve_attention`` turns ``"auto"`` into the right one for a device.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minisrv.model.layers import causal_mask, grouped_attention
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    FLEX_DTYPES,
+    BlockMask,
+    flat_attention_flex,
+    ragged_block_mask,
+)
 
 if TYPE_CHECKING:
     from minisrv.kvpool import KVPool
 
-ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded")
-"""How ``CityLM.forward_flat`` attends: one call per request, or one padded call for all."""
+ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
+"""How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
+ragged ``flex_attention`` call for all. ``"auto"`` (``resolve_attention``) picks one."""
+
+def resolve_attention(kind: str, device: str | torch.device, dtype: torch.dtype) -> str:
+    """The attention kind to run: ``kind`` itself, or for ``"auto"`` the best for ``device``.
+
+    ``"auto"`` is ``"flex"`` on CUDA (one ragged kernel, no padding) when this torch has
+    flex_attention and the weights are 16- or 32-bit, and ``"padded"`` otherwise: on the CPU
+    flex_attention runs unfused (it builds the full score matrix), so the padded SDPA call is
+    as fast there and needs no compiler. An explicit ``"flex"`` without flex_attention raises.
+    """
+    if kind == "auto":
+        on_gpu = torch.device(device).type == "cuda"
+        return "flex" if on_gpu and FLEX_AVAILABLE and dtype in FLEX_DTYPES else "padded"
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {kind!r}; choose from {ATTENTION_KINDS} or 'auto'")
+    if kind == "flex" and not FLEX_AVAILABLE:
+        raise ValueError(
+            f"attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5), "
+            f"this is torch {torch.__version__}; use 'padded'"
+        )
+    return kind
 
 
 class FlatBatch:
@@ -76,6 +106,7 @@ class FlatBatch:
         self.starts = [end - n for end, n in zip(ends, self.new_lens)]
         self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
         self._padded: tuple[torch.Tensor, ...] | None = None
+        self._flex: tuple[torch.Tensor, BlockMask] | None = None
 
     def __len__(self) -> int:
         """Requests in the batch."""
@@ -116,6 +147,18 @@ class FlatBatch:
             self._padded = (row_b, row_t, key_slots, mask[:, None])
         return self._padded
 
+    def flex_index(self) -> tuple[torch.Tensor, BlockMask]:
+        """``(key_slots, block_mask)`` of the ragged attention, built on first use.
+
+        ``key_slots`` [S_total] are every request's slots end to end (no padding); the block
+        mask (``ragged.ragged_block_mask``) says which tiles of queries x keys each request
+        occupies. Built once per step and shared by every layer.
+        """
+        if self._flex is None:
+            block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
+            self._flex = (torch.cat(self.slots), block_mask)
+        return self._flex
+
     def __repr__(self) -> str:
         return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
 
@@ -150,7 +193,7 @@ def flat_attention_padded(
     (S_max) and a boolean mask hides what each query must not see; PyTorch's
     ``scaled_dot_product_attention`` then runs once per layer whatever the batch size. The
     price is wasted work on padding when lengths differ a lot (a long prefill beside many
-    decodes); ragged kernels (FlashInfer, ``flex_attention``) avoid it on a GPU.
+    decodes); ragged kernels (FlashInfer, ``flat_attention_flex``) avoid it on a GPU.
     """
     row_b, row_t, key_slots, mask = batch.padded_index()
     n_b, t_max = key_slots.shape[0], mask.shape[2]
@@ -165,6 +208,14 @@ def flat_attention_padded(
     )  # [B, n_heads, T_max, head_dim]
     out = out.transpose(1, 2)[row_b, row_t]  # [T, n_heads, head_dim]
     return out.reshape(out.shape[0], n_heads * head_dim)
+
+
+ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "loop": flat_attention_loop,
+    "padded": flat_attention_padded,
+    "flex": flat_attention_flex,
+}
+"""The function behind each of ``ATTENTION_KINDS``."""
 
 
 def pool_attention(
@@ -186,5 +237,4 @@ def pool_attention(
     """
     pool.k[layer, write] = k
     pool.v[layer, write] = v
-    attend = flat_attention_loop if kind == "loop" else flat_attention_padded
-    return attend(q, batch, pool.k[layer], pool.v[layer])
+    return ATTENTION_FUNCTIONS[kind](q, batch, pool.k[layer], pool.v[layer])

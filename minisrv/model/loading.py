@@ -30,6 +30,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
+def available_devices() -> list[str]:
+    """The devices this machine can run the model on: ``"cpu"``, then ``"cuda"`` when a GPU is
+    visible. Tests and benchmarks loop over it so the GPU path is exercised wherever it exists.
+    """
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def load_citylm(
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[CityLM, Tokenizer]:

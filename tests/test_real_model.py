@@ -1,0 +1,109 @@
+"""The GPU appendix's runs: a tiny checkpoint written offline serves the same tokens through
+the engine as alone and as ``transformers``; random models of a published shape; decode
+timings and the roofline's predictions beside them (shapes of the results, never times)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from minisrv.configs import CITYLM, H200, SMOLLM2_135M, T4  # noqa: E402
+from minisrv.engine import Engine  # noqa: E402
+from minisrv.model import HFTokenizer, load_model  # noqa: E402
+from minisrv.real_model import (  # noqa: E402
+    DEMO_TEXT,
+    current_gpu,
+    device_label,
+    engine_decode_throughput,
+    predicted_decode_throughput,
+    ragged_vs_padded,
+    random_model,
+    roofline_step_times,
+    step_time_sweep,
+    write_tiny_llama,
+)
+from minisrv.roofline import decode_step_time  # noqa: E402
+
+TINY = CITYLM.with_(name="tiny", n_layers=2, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def test_tiny_checkpoint_serves_hf_tokens_through_the_radix_engine(folder: Path) -> None:
+    import transformers
+
+    model, tok = load_model(folder, device="cpu")
+    assert isinstance(tok, HFTokenizer) and model.eos_ids == (tok.eos_id,)
+    system = "you are a helpful assistant that answers in short sentences ."
+    questions = ["what is a kv cache ?", "why does a server batch requests ?",
+                 "how fast is a gpu ?"]
+    prompts = [tok.encode(f"{system} {q}") for q in questions]
+    assert tok.decode(prompts[0]) == f"{system} {questions[0]}"
+    engine = Engine(model, kv_capacity=300, max_running=2, cache="radix")
+    out = engine.generate(prompts, max_new_tokens=12)
+    assert engine.stats.cached_tokens > 0  # the shared system prompt was reused
+    assert out == [model.reference_generate(p, 12) for p in prompts]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompts[0]])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                       do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out[0] == want
+    assert set(DEMO_TEXT.split()) <= set(tok.decode(list(range(4, tok.vocab_size))).split())
+
+
+def test_random_model_has_the_shape_and_never_stops() -> None:
+    model = random_model(TINY, "cpu", torch.float64, seed=1)
+    assert model.config == TINY and model.dtype == torch.float64 and model.eos_ids == ()
+    again = random_model(TINY, "cpu", torch.float64, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert len(model.reference_generate([1, 2, 3], 20)) == 20
+
+
+def test_smollm2_shape_counts_its_parameters_on_the_meta_device() -> None:
+    model = random_model(SMOLLM2_135M, "meta", torch.bfloat16)  # shapes only, no memory
+    assert sum(p.numel() for p in model.parameters()) == SMOLLM2_135M.param_count
+
+
+def test_step_time_sweep_and_roofline_tables() -> None:
+    model = random_model(TINY, "cpu", torch.float32)
+    measured = step_time_sweep(model, (1, 3), 4, ("padded", "flex"), repeats=1)
+    assert list(measured["batch"]) == [1, 3, 1, 3]
+    assert set(measured["device"]) == {"CPU"} and set(measured["dtype"]) == {"float32"}
+    assert (measured["step_ms"] > 0).all()
+    assert measured["us_per_token"].tolist() == pytest.approx(
+        (measured["step_ms"] * 1e3 / measured["batch"]).tolist())
+    roof = roofline_step_times(SMOLLM2_135M, [H200, T4], (1, 256), 512)
+    assert list(roof["device"]) == ["H200 (roofline)"] * 2 + ["T4 (roofline)"] * 2
+    assert roof["step_ms"].iloc[0] == pytest.approx(
+        decode_step_time(SMOLLM2_135M, H200, 1, 512) * 1e3)
+    assert set(roof["bound"]) <= {"memory", "compute"}
+
+
+def test_engine_decode_throughput_counts_decode_steps_only() -> None:
+    model = random_model(TINY, "cpu", torch.float32)
+    run = engine_decode_throughput(model, 3, 5, 4, attention="padded")
+    assert (run.device, run.attention, run.decode_tokens) == ("CPU", "padded", 3 * 3)
+    assert run.decode_seconds > 0 and run.tokens_per_s > 0
+    seconds = sum(decode_step_time(TINY, H200, 3, c) for c in (5, 6, 7))
+    assert predicted_decode_throughput(TINY, H200, run) == pytest.approx(9 / seconds)
+    with pytest.raises(ValueError, match="new_tokens must be >= 2"):
+        engine_decode_throughput(model, 1, 5, 1)
+
+
+def test_device_labels() -> None:
+    assert device_label("cpu") == "CPU"
+    if not torch.cuda.is_available():
+        assert current_gpu() is None
+
+
+def test_ragged_and_padded_agree_on_a_mixed_step() -> None:
+    model = random_model(TINY, "cpu", torch.float32)
+    assert ragged_vs_padded(model, [(0, 20), (9, 1), (30, 1), (4, 6)]) < 1e-5
