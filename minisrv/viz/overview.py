@@ -45,6 +45,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("07_overlap", "Zero-overhead scheduling",
             "How does the CPU plan the next step while the device computes this one?",
             ("overlap/",)),
+    Chapter("09_gpu_appendix", "Appendix: a real model on a GPU",
+            "How does the engine serve a Hugging Face checkpoint, near the roofline?",
+            ("model/ragged.py", "model/hf.py", "real_model.py")),
 )
 
 
