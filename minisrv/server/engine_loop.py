@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ __all__ = ["EngineLoop", "Event", "engine_snapshot"]
 
 Event = tuple[int, list[int], "str | None", "str | None"]
 """``(key, new tokens, finish reason or None, error message or None)`` for one request."""
+
+FINISHED_KEPT = 64  # finished requests an ``EngineLoop`` remembers
 
 Emit = Callable[[list[Event], dict[str, float]], None]
 
@@ -61,6 +64,9 @@ class EngineLoop:
         self._key_of: dict[int, int] = {}  # rid -> key
         self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
         self._make_lock = threading.Lock()
+        # The last requests that finished, kept for inspection (the book reads the
+        # scheduler's own record of one request); bounded, so a server never grows.
+        self.finished: deque[Req] = deque(maxlen=FINISHED_KEPT)
         self._thread = threading.Thread(target=self._run, name="minisrv-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -156,6 +162,7 @@ class EngineLoop:
             reason = req.finish_reason if rid in finished else None
             events.append((key, tokens, reason, None))
             if reason is not None:
+                self.finished.append(req)
                 del self._by_key[key], self._key_of[rid]
         self._new_tokens = {}
         if events:

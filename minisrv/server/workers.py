@@ -45,9 +45,11 @@ class EngineOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def engine_args(self) -> dict[str, Any]:
-        return dict(kv_capacity=self.kv_capacity, max_running=self.max_running,
-                    policy=self.policy, cache=self.cache, mode=self.mode,
-                    overlap=self.overlap, record_trace=False, **self.engine_kwargs)
+        # A server keeps no trace by default (it would grow forever); ``engine_kwargs`` may
+        # ask for one, as the book does to look inside a running server.
+        return {"kv_capacity": self.kv_capacity, "max_running": self.max_running,
+                "policy": self.policy, "cache": self.cache, "mode": self.mode,
+                "overlap": self.overlap, "record_trace": False, **self.engine_kwargs}
 
 
 def check_engine_options(options: EngineOptions) -> None:

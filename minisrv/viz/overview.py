@@ -45,6 +45,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("07_overlap", "Zero-overhead scheduling",
             "How does the CPU plan the next step while the device computes this one?",
             ("overlap/",)),
+    Chapter("08_server", "Serving it for real",
+            "What does the whole request path look like behind an OpenAI-compatible API?",
+            ("server/",)),
     Chapter("09_gpu_appendix", "Appendix: a real model on a GPU",
             "How does the engine serve a Hugging Face checkpoint, near the roofline?",
             ("model/ragged.py", "model/hf.py", "real_model.py")),
@@ -58,7 +61,7 @@ class Component(NamedTuple):
 
 
 COMPONENTS: dict[str, Component] = {
-    "api": Component("Client API\n(generate)", "engine.py", "02_scheduler"),
+    "api": Component("HTTP server\n(OpenAI API, SSE)", "server/", "08_server"),
     "router": Component("Router\n(cache-aware, load balance)", "router/", "06_routing"),
     "tokenizer": Component("Tokenizer", "tokenizer.py", "00_overview"),
     "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler/", "02_scheduler"),

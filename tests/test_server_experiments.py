@@ -1,0 +1,156 @@
+"""The server chapter's tools: an in-process server the caller can look inside, streamed
+events with timestamps, benches of several layouts, and their plot."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi")
+
+from minisrv.engine import Engine  # noqa: E402
+from minisrv.sampling import SamplingParams  # noqa: E402
+from minisrv.server.bench import BenchRequest  # noqa: E402
+from minisrv.server.engine_loop import FINISHED_KEPT, EngineLoop  # noqa: E402
+from minisrv.server.experiments import (  # noqa: E402
+    Layout,
+    bench_frame,
+    bench_layouts,
+    open_server,
+    read_metrics,
+    slot_ranges,
+    stream_completion,
+)
+from minisrv.server.launch import running_server  # noqa: E402
+from minisrv.server.workers import EngineOptions  # noqa: E402
+
+OPTIONS = dict(device="cpu", threads=1, kv_capacity=600, max_running=8)
+
+
+def expand(ranges: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, ranges.split(", ")):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
+@given(st.lists(st.integers(0, 60), max_size=40))
+def test_slot_ranges_spell_the_slots_in_order(slots):
+    text = slot_ranges(slots)
+    assert expand(text) == slots
+    assert text.count(",") == sum(b != a + 1 for a, b in zip(slots, slots[1:]))
+
+
+def test_engine_options_may_ask_for_a_trace():
+    assert EngineOptions().engine_args()["record_trace"] is False
+    args = EngineOptions(engine_kwargs={"record_trace": True}).engine_args()
+    assert args["record_trace"] is True
+
+
+def test_engine_loop_remembers_a_bounded_number_of_finished_requests(model):
+    done = threading.Event()
+    finished: set[int] = set()
+
+    def emit(events, snapshot):
+        finished.update(key for key, _, reason, _ in events if reason)
+        if len(finished) == FINISHED_KEPT + 3:
+            done.set()
+
+    loop = EngineLoop(Engine(model, kv_capacity=400, max_running=16, record_trace=False), emit)
+    loop.start()
+    try:
+        for key in range(FINISHED_KEPT + 3):
+            loop.submit(key, loop.make_request([0, 5 + key % 20], SamplingParams(2)))
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert len(loop.finished) == FINISHED_KEPT
+    assert all(r.finished and len(r.output) <= 2 for r in loop.finished)
+
+
+@pytest.fixture(scope="module")
+def server():
+    options = EngineOptions(**OPTIONS, engine_kwargs={"record_trace": True})
+    with open_server(Layout(options)) as (url, engines):
+        yield url, engines
+
+
+def test_stream_completion_times_every_event_and_matches_the_reference(server, citylm):
+    url, engines = server
+    model, tok = citylm
+    events = stream_completion(url, {"prompt": "FR: Paris,", "max_tokens": 10,
+                                     "temperature": 0})
+    times = [t for t, _ in events]
+    assert times == sorted(times) and times[0] > 0
+    assert events[-1][1] == "[DONE]"
+    chunks = [c for _, c in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    want = model.reference_generate(tok.encode("FR: Paris,"), 10)
+    assert text == tok.decode(want)
+    req = next(r for r in engines.loop.finished if r.prompt == tok.encode("FR: Paris,"))
+    assert req.output == want
+    assert any(req.rid in s.prefill for s in engines.loop.engine.trace)
+
+
+def test_stream_completion_reports_http_errors(server):
+    url, _ = server
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        stream_completion(url, {"prompt": "", "max_tokens": 3})
+
+
+def test_read_metrics_parses_the_servers_gauges(server):
+    url, _ = server
+    metrics = read_metrics(url)
+    assert metrics["minisrv:num_running_reqs"] == 0
+    assert "minisrv:cache_hit_rate" in metrics
+
+
+def test_bench_layouts_serve_each_layout_and_tabulate_them(citylm):
+    model, tok = citylm
+    shared = "FR: Paris, Marseille, Lyon\nDE: Berlin, Hamburg, Munich\n"
+    requests = [BenchRequest(shared + code, 4) for code in ("IT:", "ES:", "JP:", "US:")]
+    layouts = {"radix": Layout(EngineOptions(**OPTIONS)),
+               "none": Layout(EngineOptions(**OPTIONS, cache="none"))}
+    runs = bench_layouts(layouts, requests, ignore_eos=False, max_concurrency=1)
+    want = [tok.decode(model.reference_generate(tok.encode(r.prompt), 4)) for r in requests]
+    for run in runs.values():
+        assert run.result.completed == 4 and run.result.texts == want
+    table = bench_frame(runs)
+    assert list(table.index) == ["radix", "none"]
+    assert table.loc["none", "hit rate"] == 0
+    assert table.loc["radix", "hit rate"] > 0.5  # one at a time: all but the first share
+    assert {"out tok/s", "ttft median (ms)", "e2e p99 (ms)"} <= set(table.columns)
+
+
+def test_plot_bench_comparisons_draws_two_panels_per_comparison():
+    pytest.importorskip("matplotlib")
+    import pandas as pd
+
+    from minisrv.viz.server import plot_bench_comparisons
+
+    columns = {"out tok/s": [1.0, 2.0, 3.0]}
+    for key in ("ttft", "e2e"):
+        for stat in ("median", "p99"):
+            columns[f"{key} {stat} (ms)"] = [10.0, 20.0, 30.0]
+    table = pd.DataFrame(columns, index=["a", "b", "c"])
+    fig = plot_bench_comparisons(table, {"one": ["a", "b"], "two": ["a", "c"]})
+    assert len(fig.axes) == 4
+    assert fig.axes[0].get_title(loc="left") == "one"
+    fig = plot_bench_comparisons(table, {"only": ["a", "b", "c"]})
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match="not in the table"):
+        plot_bench_comparisons(table, {"one": ["a", "z"]})
+    with pytest.raises(ValueError, match="empty"):
+        plot_bench_comparisons(table, {})
+
+
+def test_running_server_reports_a_server_that_cannot_start():
+    with pytest.raises(RuntimeError, match="stopped while starting") as failure:
+        with running_server(["--policy", "nope"], startup_s=60):
+            pass
+    assert "nope" in str(failure.value)  # the CLI's own message comes back
