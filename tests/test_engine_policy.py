@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import prefix_sharing, prompts_of
 
 from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
@@ -17,7 +18,6 @@ from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES
 
 MODEL_SEED = 3  # the random CityLM of conftest's `model` fixture
-VOCAB = 61
 
 
 def serve_checked(engine: Engine, reqs: list[Req]) -> None:
@@ -39,30 +39,19 @@ def checks_for(policy: str) -> list[bool | None]:
 
 
 # Prefixes up to 40 tokens so that the in-batch check (32 shared tokens) really defers.
-prefix = st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=40)
-spec = st.lists(
-    st.tuples(
-        st.integers(0, 2),  # which shared prefix
-        st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=5),  # own suffix
-        st.integers(1, 12),  # max_new_tokens
-        st.booleans(),  # ignore_eos
-        st.integers(0, 4),  # arrival step
-    ),
-    min_size=1,
-    max_size=8,
-)
+prefix_lists, spec = prefix_sharing(max_prefix=40, max_suffix=5, max_new=12, max_arrival=4)
 
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prefixes=st.lists(prefix, min_size=3, max_size=3), spec=spec, data=st.data(),
+@given(prefixes=prefix_lists, spec=spec, data=st.data(),
        policy=st.sampled_from(POLICIES), cache=st.sampled_from(["radix", "none"]),
        mode=st.sampled_from(MODES), slack=st.integers(0, 40), max_running=st.integers(1, 5))
 def test_every_policy_gives_each_request_its_tokens_alone(
     model, prefixes, spec, data, policy, cache, mode, slack, max_running
 ) -> None:
     check = data.draw(st.sampled_from(checks_for(policy)), label="in_batch_prefix_check")
-    prompts = [[0, *prefixes[k], *own] for k, own, _, _, _ in spec]
+    prompts = prompts_of(prefixes, spec)
     longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))
     engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
                     cache=cache, policy=policy, in_batch_prefix_check=check, seed=1)

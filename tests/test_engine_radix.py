@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import prefix_sharing, prompts_of
 
 from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
@@ -14,9 +15,6 @@ from minisrv.radix import RadixCache
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
-
-VOCAB = 61
-
 
 MODEL_SEED = 2  # the random CityLM of conftest's `model` fixture
 
@@ -53,28 +51,17 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
     assert sched.kv.used_count == 0
 
 
-shared = st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=12)
-workloads = st.lists(
-    st.tuples(
-        st.integers(0, 2),  # which shared prefix
-        st.lists(st.integers(2, VOCAB - 1), min_size=0, max_size=6),  # own suffix
-        st.integers(1, 16),  # max_new_tokens
-        st.booleans(),  # ignore_eos
-        st.integers(0, 6),  # arrival step
-    ),
-    min_size=1,
-    max_size=8,
-)
+prefix_lists, workloads = prefix_sharing(max_prefix=12, max_suffix=6, max_new=16, max_arrival=6)
 
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prefixes=st.lists(shared, min_size=3, max_size=3), spec=workloads,
+@given(prefixes=prefix_lists, spec=workloads,
        slack=st.integers(0, 60), mode=st.sampled_from(MODES), max_running=st.integers(1, 6))
 def test_radix_outputs_equal_each_request_alone_and_no_slot_leaks(
     model, prefixes, spec, slack, mode, max_running
 ) -> None:
-    prompts = [[0, *prefixes[k], *own] for k, own, _, _, _ in spec]
+    prompts = prompts_of(prefixes, spec)
     longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))
     engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
                     cache="radix")
