@@ -66,20 +66,20 @@ class SlotAllocator:
 
     def free(self, slots: Iterable[int]) -> None:
         """Give ``slots`` back. Rejects foreign slots and double frees before freeing any."""
-        slots = [int(s) for s in slots]
-        if not slots:
+        index = np.fromiter(slots, dtype=np.int64) if not isinstance(slots, list) \
+            else np.asarray(slots, dtype=np.int64)
+        if index.size == 0:
             return
-        index = np.asarray(slots)
         outside = (index < 0) | (index >= self.capacity)
         if outside.any():
-            s = slots[int(np.argmax(outside))]
+            s = int(index[np.argmax(outside)])
             raise ValueError(f"slot {s} does not belong to this pool (0..{self.capacity - 1})")
         unused = ~self._used[index]
-        if unused.any() or len(set(slots)) != len(slots):
-            s = slots[int(np.argmax(unused))] if unused.any() else _first_repeat(slots)
+        if unused.any() or np.unique(index).size != index.size:
+            s = int(index[np.argmax(unused)]) if unused.any() else _first_repeat(index.tolist())
             raise ValueError(f"slot {s} is not in use: double free or never allocated")
         self._used[index] = False
-        self._free.extend(reversed(slots))
+        self._free.extend(index[::-1].tolist())
 
     def is_used(self, slot: int) -> bool:
         """True while ``slot`` is handed out."""

@@ -392,5 +392,5 @@ class Scheduler(ConfigView):
             "kv_used": self.kv.used_count,
             "new_token_ratio": self.new_token_ratio,
             "retracted": tuple(req.rid for req in batch.retracted),
-            "prefill_tokens": sum(len(req.fill_ids) for req in batch.prefill),
+            "prefill_tokens": sum(req.seq_len - req.cached_len for req in batch.prefill),
         }

@@ -60,7 +60,7 @@ class KVManager:
     def match(self, req: Req) -> MatchResult:
         """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
         compute (the forward over that token yields the logits of the next one)."""
-        tokens = [*req.prompt, *req.output][: req.seq_len - 1]
+        tokens = req.prompt[:-1] if not req.output else [*req.prompt, *req.output][:-1]
         match = self.tree.match_prefix(tokens, tag=_tag(req))
         self.tree.lock(match.node, tag=_tag(req))
         return match
