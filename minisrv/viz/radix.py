@@ -19,7 +19,7 @@ import pandas as pd
 from minisrv.experiments import chat_capacity_report
 from minisrv.prefix_cache import NodeView, TreeEvent
 from minisrv.radix import RadixCache
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, graph_attrs, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 
 __all__ = [
@@ -154,13 +154,10 @@ def to_graphviz(
     # drawn left to right it grows downwards instead.
     leaves = sum(1 for v in views if v.parent is not None
                  and not any(w.parent == v.id for w in views)) + len(ghosts)
-    dot = graphviz.Digraph(graph_attr={"rankdir": "LR" if leaves > 4 else "TB",
-                                       "fontname": "Helvetica", "fontsize": "12",
-                                       "nodesep": "0.15", "ranksep": "0.3"},
-                           node_attr={"shape": "box", "style": "rounded,filled",
-                                      "fillcolor": "white", "fontname": "Helvetica",
-                                      "fontsize": "12"},
-                           edge_attr={"arrowsize": "0.6"})
+    dot = graphviz.Digraph(**graph_attrs(rankdir="LR" if leaves > 4 else "TB", nodesep="0.15",
+                                         ranksep="0.3"))
+    dot.attr("node", shape="box", style="rounded,filled", fillcolor="white")
+    dot.attr("edge", arrowsize="0.6")
     if title:
         dot.attr(label=title, labelloc="b")
     for view in views:
@@ -227,21 +224,18 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
 
 
 # ------------------------------------------------------------------------ figures of runs
+@styled
 def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate against KV pool size (one point per run of ``capacity_sweep``)."""
-    fig = BookFigure(figsize=(10, 4))
-    ax = fig.add_subplot()
+    fig, ax = page_figure(height_in=3.6)
     ax.plot(sweep.index, 100 * sweep["hit rate"], marker="o", label="radix cache, LRU")
     ax.set_xscale("log")
     ax.set_xticks(list(sweep.index), [str(c) for c in sweep.index])
     ax.minorticks_off()
-    ax.set_xlabel("KV pool capacity (tokens, log scale)")
-    ax.set_ylabel("hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)
-    ax.set_title(title or "Keeping chat history: hit rate against pool size")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
+    label_axes(ax, title or "Keeping chat history: hit rate against pool size",
+               "KV pool capacity (tokens, log scale)", "hit rate (% of prompt tokens)")
+    legend_below(fig)
     return fig
 
 
