@@ -105,6 +105,16 @@ class BookFigure(Figure):
         width = round(self.get_figwidth() * SCREEN_DPI)
         return buffer.getvalue(), {"width": width}
 
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """IPython asks for the mime bundle before any printer registered for ``Figure``
+        (matplotlib's inline backend adds one that draws at screen resolution), so this
+        keeps the book's rendering and display width on every page."""
+        png = self._repr_png_()
+        data, meta = png if isinstance(png, tuple) else (png, None)
+        return ({"image/png": data, "text/plain": repr(self)},
+                {"image/png": meta} if meta else {})
+
 
 def _register_png_printer() -> None:
     """Keep ``BookFigure._repr_png_`` in charge inside IPython.
