@@ -265,3 +265,19 @@ def test_drawing_marks_split_inserted_locked_and_evicted_nodes() -> None:
     assert "(evicted)" not in to_graphviz(cache.snapshot()).source  # a snapshot has no event
     ids = " ".join(str(t) for t in tok.encode("FR", bos=False))
     assert ids in to_graphviz(split_event).source  # without a tokenizer: the token ids
+
+
+def test_a_bushy_tree_is_drawn_in_the_narrower_direction() -> None:
+    pytest.importorskip("graphviz")
+    from minisrv.viz.radix import _width_pt, to_graphviz
+    from minisrv.viz.style import PAGE_WIDTH_IN
+
+    small = RadixCache()
+    small.insert([1, 2, 3])
+    assert "rankdir=TB" in to_graphviz(small).source  # fits: top-down
+    bushy = RadixCache()
+    for branch in range(8):
+        bushy.insert([0] + [100 + branch] * 12)
+    drawn = to_graphviz(bushy)
+    assert "rankdir=LR" in drawn.source
+    assert _width_pt(drawn) <= PAGE_WIDTH_IN * 72

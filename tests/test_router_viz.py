@@ -27,7 +27,8 @@ def test_table_and_plots_describe_the_runs() -> None:
     assert all(ax.get_ylabel() for ax in fig.axes)
     loads = rv.plot_loads_over_time(runs, "loads")
     assert len(loads.axes) == 2 and loads.axes[0].get_ylabel() == "requests in flight"
-    assert loads._repr_png_()[:4] == b"\x89PNG"
+    png, meta = loads._repr_png_()
+    assert png[:4] == b"\x89PNG" and meta == {"width": 750}
 
 
 def test_threshold_sweep_rows() -> None:

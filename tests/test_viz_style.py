@@ -21,6 +21,28 @@ def _figures():
         "intensity roofline": roofline.plot_intensity_roofline(LLAMA3_8B, H100),
         "kv layouts": kvlayout.plot_kv_layouts(),
         "training": overview.plot_training(overview.training_record()),
+        **_scheduler_figures(),
+    }
+
+
+def _scheduler_figures():
+    """The scheduler chapters' figures, drawn from small simulated runs."""
+    from minisrv.engine import simulate
+    from minisrv.viz import timeline
+    from minisrv.workloads import gpu_scale_workload
+
+    work = gpu_scale_workload(n=60, rate=64.0, seed=0)
+    runs = {mode: simulate(work, mode=mode, max_running=16, admission="reserve")
+            for mode in ("static", "prefill-first", "mixed")}
+    first = runs["prefill-first"]
+    some = first.trace[:12]
+    return {
+        "gantt": timeline.gantt(some, first.requests[:6]),
+        "gantt compare": timeline.gantt_compare(runs),
+        "latency bars": timeline.latency_bars(runs, unit="s"),
+        "step times": timeline.plot_step_times(
+            {m: runs[m] for m in ("prefill-first", "mixed")}, window=(0.0, 2.0)),
+        "dashboard": timeline.sim_dashboard(n=60),
     }
 
 

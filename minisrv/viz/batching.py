@@ -13,7 +13,7 @@ import pandas as pd
 
 from minisrv.experiments import PoolRun, run_pool
 from minisrv.model import CityLM
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import Workload
 
@@ -21,6 +21,7 @@ ATTENTION_COLORS = {"padded": "#1f77b4", "loop": "#ff7f0e"}
 ATTENTION_LABELS = {"padded": "one padded attention call", "loop": "attention loop per request"}
 
 
+@styled
 def plot_decode_step_times(
     table: Mapping[str, Mapping[int, float]], device: str = "cpu"
 ) -> BookFigure:
@@ -29,26 +30,27 @@ def plot_decode_step_times(
     ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
     Left: the whole step; right: divided by the batch, relative to batch 1.
     """
-    fig = BookFigure(figsize=(10, 3.8), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = page_figure(height_in=3.8, cols=2)
     for attention, times in table.items():
         sizes = sorted(times)
         color, label = ATTENTION_COLORS.get(attention), ATTENTION_LABELS.get(attention, attention)
         left.plot(sizes, [times[b] * 1e3 for b in sizes], "o-", color=color, label=label)
         base = times[sizes[0]] / sizes[0]
         right.plot(sizes, [times[b] / b / base for b in sizes], "o-", color=color, label=label)
+    sizes = sorted({b for times in table.values() for b in times})
     for ax in (left, right):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests in the decode step (batch size)")
-        ax.legend(fontsize=8)
-    left.set_ylabel("step time (ms)")
-    left.set_title(f"One decode step of CityLM on {device}")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+    label_axes(left, f"One decode step on {device}", "batch size (requests)", "step time (ms)")
     right.axhline(1.0, color="grey", lw=0.8, ls=":")
-    right.set_ylabel("time per request (x batch 1)")
-    right.set_title("What batching saves per request")
+    label_axes(right, "Time per request", "batch size (requests)",
+               "time per request (x batch 1)")
+    legend_below(fig)
     return fig
 
 
+@styled
 def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
     """Used slots and running requests per step (top), ``new_token_ratio`` (bottom).
 
@@ -56,41 +58,41 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
     """
     trace, sched = run.engine.trace, run.engine.scheduler
     steps = [s.index for s in trace]
-    fig = BookFigure(figsize=(10, 5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    fig, (top, bottom) = page_figure(height_in=5.2, rows=2, sharex=True, height_ratios=[2, 1])
     top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
     top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
                 label=f"pool capacity {sched.kv_capacity}")
     top.set_ylabel("KV slots (tokens)")
+    top.set_ylim(0, sched.kv_capacity * 1.15)
     running = top.twinx()
     running.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
                  color="#2ca02c", label="running requests")
     running.set_ylabel("running requests", color="#2ca02c")
+    running.grid(False)
     bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
                 label="new_token_ratio")
-    bottom.set_ylabel("new_token_ratio")
-    bottom.set_xlabel("step")
+    label_axes(bottom, None, "step", "new_token_ratio")
     bottom.set_ylim(0, 1.05)
     retract_steps = [s.index for s in trace if s.retracted]
     for i, x in enumerate(retract_steps):
         for ax in (top, bottom):
             ax.axvline(x, color="#d62728", lw=0.8, alpha=0.7,
                        label="retraction" if i == 0 and ax is bottom else None)
-    handles = top.get_legend_handles_labels()[0] + running.get_legend_handles_labels()[0]
-    top.legend(handles=handles, loc="upper right", fontsize=8)
-    bottom.legend(loc="upper right", fontsize=8)
+    handles = [*top.get_legend_handles_labels()[0], *running.get_legend_handles_labels()[0],
+               *bottom.get_legend_handles_labels()[0]]
+    legend_below(fig, handles, ncol=3)
     stats = run.engine.stats
-    top.set_title(title or (
+    label_axes(top, title or (
         f"{stats.retractions} retractions, {stats.wasted_tokens} tokens recomputed, "
         f"{stats.steps} steps"
     ))
     return fig
 
 
+@styled
 def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
     """Concurrency (mean decode batch) and waste (recomputed tokens) per capacity and ratio."""
-    fig = BookFigure(figsize=(10, 3.8), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = page_figure(height_in=3.8, cols=2)
     labels = list(dict.fromkeys(sweep["initial ratio"]))
     width = 0.8 / len(labels)
     capacities = sorted(set(sweep["capacity"]))
@@ -102,12 +104,9 @@ def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
         right.bar(xs, part["recomputed tokens"], width, label=name)
     for ax in (left, right):
         ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
-        ax.set_xlabel("KV pool capacity (tokens)")
-    left.set_ylabel("mean decode batch (requests)")
-    left.set_title("Concurrency")
-    right.set_ylabel("recomputed tokens")
-    right.set_title("Waste from retraction")
-    left.legend(fontsize=8)
+    label_axes(left, "Concurrency", "KV pool capacity (tokens)", "mean decode batch (requests)")
+    label_axes(right, "Waste from retraction", "KV pool capacity (tokens)", "recomputed tokens")
+    legend_below(fig, ncol=3)
     return fig
 
 

@@ -15,7 +15,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from minisrv.model import FlatBatch
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
 __all__ = ["attention_mask", "plot_flat_batch"]
 
@@ -36,6 +36,7 @@ def attention_mask(batch: FlatBatch) -> np.ndarray:
     return mask
 
 
+@styled
 def plot_flat_batch(batch: FlatBatch, capacity: int, names: Sequence[str] | None = None,
                     title: str = "One flat batch") -> BookFigure:
     """Three panels: the flat token row by request, the block-diagonal attention mask over
@@ -44,20 +45,20 @@ def plot_flat_batch(batch: FlatBatch, capacity: int, names: Sequence[str] | None
     names = list(names) if names is not None else [f"r{r}" for r in range(n)]
     colors = [PALETTE[r % len(PALETTE)] for r in range(n)]
     cmap = ListedColormap(["#f1f3f5", *colors])
-    fig = BookFigure(figsize=(10, 8.5), layout="constrained")
-    top, mid, bottom = fig.subplots(3, 1, height_ratios=[1, 5, 1.3])
+    fig, (top, mid, bottom) = page_figure(height_in=8.0, rows=3, height_ratios=[1, 5, 1.3])
 
     row = np.concatenate([np.full(k, r + 1) for r, k in enumerate(batch.new_lens)])[None, :]
     top.imshow(row, cmap=cmap, vmin=0, vmax=n, aspect="auto")
     top.set_yticks([])
-    top.set_xlabel(f"row of the flat matrix (the {batch.num_tokens} new tokens of the step)")
-    top.set_title(f"{title}: new tokens end to end, one color per request")
+    top.grid(False)
+    label_axes(top, f"{title}: new tokens end to end", f"row of the flat matrix "
+               f"({batch.num_tokens} new tokens)")
 
     mid.imshow(attention_mask(batch), cmap=cmap, vmin=0, vmax=n, aspect="auto",
                interpolation="nearest")
-    mid.set_xlabel("keys: each request's cached prefix, then its new tokens (request order)")
-    mid.set_ylabel("query (flat row)")
-    mid.set_title("Attention mask: block-diagonal across requests, causal within each")
+    mid.grid(False)
+    label_axes(mid, "Attention mask: block-diagonal, causal in each block",
+               "key: each request's cached prefix, then its new tokens", "query (flat row)")
 
     pool = np.zeros(capacity)
     for r, slots in enumerate(batch.slots):
@@ -70,8 +71,9 @@ def plot_flat_batch(batch: FlatBatch, capacity: int, names: Sequence[str] | None
     bottom.imshow(np.round(pool * 2).astype(int)[None, :], cmap=ListedColormap(shades),
                   vmin=0, vmax=2 * n, aspect="auto", interpolation="nearest")
     bottom.set_yticks([])
-    bottom.set_xlabel("KV pool slot index (pale: prefix already cached; dark: written this step)")
-    bottom.set_title(f"Slot mapping: where each request's K/V live in a pool of {capacity}")
-    handles = [Patch(color=c, label=name) for c, name in zip(colors, names)]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(n, 7), frameon=False)
+    bottom.grid(False)
+    label_axes(bottom, f"Slot mapping: each request's K/V in a pool of {capacity}",
+               "KV pool slot (pale: cached prefix; dark: written this step)")
+    handles = [Patch(color=c, label=name) for c, name in zip(colors, names, strict=True)]
+    legend_below(fig, handles, ncol=min(n, 3))
     return fig

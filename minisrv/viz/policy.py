@@ -1,7 +1,7 @@
 """Figures and widgets of the cache-aware scheduling chapter.
 
 The numbers come from ``minisrv.cache_aware`` (DataFrames); these functions only draw them.
-Figures are ``BookFigure`` objects about 10 inches wide with fonts of at least 10 pt.
+Figures follow the house style of ``minisrv.viz.style``: page width, legends below the axes.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+from matplotlib.patches import Patch
 
 from minisrv.cache_aware import few_shot_experiment
 from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
 __all__ = [
     "plot_forest_sweep",
@@ -23,26 +24,17 @@ __all__ = [
     "policy_widget",
 ]
 
-FONT = 11
 COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
           "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
 NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight",
          "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
 
 
-def _style(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
-    ax.set_title(title, fontsize=FONT + 1)
-    ax.set_xlabel(xlabel, fontsize=FONT)
-    ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.tick_params(labelsize=FONT - 1)
-    ax.grid(alpha=0.3)
-
-
+@styled
 def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> BookFigure:
     """Hit rate against cache capacity per policy (``forest_sweep``), the optimum as a
     horizontal line and the longest request as a vertical one; log capacity axis."""
-    fig = BookFigure(figsize=(10, 4.6), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = page_figure(height_in=4.4)
     markers = {"fcfs": "s", "random": "^", "lpm": "o", "dfs-weight": "x"}
     for policy in table.columns:
         if policy == "optimal":
@@ -56,36 +48,36 @@ def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> Boo
                label=f"longest request ({longest} tokens)")
     ax.set_xscale("log")
     ax.set_ylim(0, 100)
-    _style(ax, title or "Serving order and cache size: hit rate of a prefix forest",
+    label_axes(ax, title or "Serving order and cache size: hit rate of a prefix forest",
            "cache capacity (tokens, log scale)", "hit rate (% of prompt tokens)")
-    ax.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend_below(fig, ncol=3)
     return fig
 
 
+@styled
 def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate and prefill tokens against pool size per policy (``capacity_table``)."""
-    fig = BookFigure(figsize=(10, 4), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = page_figure(height_in=4.0, cols=2)
     policies = table["hit rate"].columns
     for policy in policies:
         kw = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy)}
         left.plot(table.index, 100 * table["hit rate"][policy], **kw)
         right.plot(table.index, table["prefill tokens"][policy], **kw)
-    _style(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
+    label_axes(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
     left.set_ylim(0, 100)
-    _style(right, "Tokens prefilled (recomputation included)", "KV pool capacity (tokens)",
-           "prefill tokens")
+    label_axes(right, "Tokens prefilled", "KV pool capacity (tokens)",
+               "prefill tokens (recomputed included)")
     right.set_ylim(0, None)
-    right.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(title or "Interleaved few-shot groups: FCFS against LPM", fontsize=FONT + 1)
+    legend_below(fig, ncol=len(policies))
+    fig.suptitle(title or "Interleaved few-shot groups: FCFS against LPM", x=0.02, ha="left")
     return fig
 
 
+@styled
 def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
     """CPU time of one scheduling round against the number of waiting requests
     (``scheduling_cost``), log-log, with SGLang's matching limit marked."""
-    fig = BookFigure(figsize=(10, 4.2), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = page_figure(height_in=4.0)
     for policy in table.columns:
         ax.plot(table.index, table[policy], marker="o", color=COLORS.get(policy),
                 label=NAMES.get(policy, policy))
@@ -93,36 +85,38 @@ def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
                label=f"{WAITING_QUEUE_PREFIX_MATCH_MAX} waiting: LPM stops matching")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    _style(ax, title or "What a scheduling round costs", "waiting requests (log scale)",
+    label_axes(ax, title or "What a scheduling round costs", "waiting requests (log scale)",
            "CPU time per round (ms, log scale)")
-    ax.legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend_below(fig, ncol=3)
     return fig
 
 
+@styled
 def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate, prefill tokens and waits (mean and max, in steps) per policy: one bar per
     row of a ``policy_table``/``few_shot_experiment`` table."""
-    fig = BookFigure(figsize=(10, 3.6), layout="constrained")
-    axes = fig.subplots(1, 3)
+    fig, axes = page_figure(height_in=3.8, cols=3)
     labels = list(table.index)
     colors = [COLORS.get(label, "tab:blue") for label in labels]
     names = [NAMES.get(label, label) for label in labels]
     x = range(len(labels))
     axes[0].bar(x, 100 * table["hit rate"], color=colors)
-    _style(axes[0], "Hit rate", "policy", "hit rate (% of prompt tokens)")
+    label_axes(axes[0], "Hit rate", "policy", "hit rate (% of prompt tokens)")
     axes[0].set_ylim(0, 100)
     axes[1].bar(x, table["prefill tokens"], color=colors)
-    _style(axes[1], "Tokens prefilled", "policy", "prefill tokens")
+    label_axes(axes[1], "Tokens prefilled", "policy", "prefill tokens")
     width = 0.4
     axes[2].bar([i - width / 2 for i in x], table["mean wait"], width, color=colors,
                 alpha=0.55, label="mean")
     axes[2].bar([i + width / 2 for i in x], table["max wait"], width, color=colors,
                 hatch="//", edgecolor="white", label="max")
-    _style(axes[2], "Queueing delay", "policy", "wait (steps)")
-    axes[2].legend(fontsize=FONT - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    label_axes(axes[2], "Queueing delay", "policy", "wait (steps)")
     for ax in axes:
-        ax.set_xticks(list(x), names)
-    fig.suptitle(title or "Policies compared", fontsize=FONT + 1)
+        ax.set_xticks(list(x), names, rotation=40, ha="right", rotation_mode="anchor")
+    legend_below(fig, [Patch(facecolor="#999999", alpha=0.55, label="mean wait"),
+                       Patch(facecolor="#999999", hatch="//", edgecolor="white",
+                             label="max wait")])
+    fig.suptitle(title or "Policies compared", x=0.02, ha="left")
     return fig
 
 

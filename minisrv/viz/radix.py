@@ -10,6 +10,7 @@ the colours: the path just matched, nodes just split or inserted, ghosts of node
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -19,7 +20,15 @@ import pandas as pd
 from minisrv.experiments import chat_capacity_report
 from minisrv.prefix_cache import NodeView, TreeEvent
 from minisrv.radix import RadixCache
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import (
+    PAGE_WIDTH_IN,
+    BookFigure,
+    graph_attrs,
+    label_axes,
+    legend_below,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 
 __all__ = [
@@ -41,7 +50,7 @@ COLORS = {
     "locked": "#495057",  # border of nodes in use by running requests
     "ghost": "#adb5bd",  # just evicted
 }
-MAX_LINE = 18  # characters per line of a node's text
+MAX_LINE = 15  # characters per line of a node's text: narrow boxes keep deep trees on the page
 MAX_LINES = 3
 
 
@@ -100,7 +109,7 @@ def _label(view: NodeView, tokenizer: Any) -> str:
     if view.parent is None:
         return "root"
     return (f"{edge_text(view.key, tokenizer)}\n"
-            f"{len(view.key)} tok · lock {view.lock_ref} · t={view.last_access}")
+            f"{len(view.key)} tok · lock {view.lock_ref}\nt={view.last_access}")
 
 
 def to_graphviz(
@@ -151,40 +160,49 @@ def to_graphviz(
         title = event_caption(events[0])
 
     # A bushy tree drawn top-down is wider than the page and shrinks to unreadable boxes;
-    # drawn left to right it grows downwards instead.
-    leaves = sum(1 for v in views if v.parent is not None
-                 and not any(w.parent == v.id for w in views)) + len(ghosts)
-    dot = graphviz.Digraph(graph_attr={"rankdir": "LR" if leaves > 4 else "TB",
-                                       "fontname": "Helvetica", "fontsize": "12",
-                                       "nodesep": "0.15", "ranksep": "0.3"},
-                           node_attr={"shape": "box", "style": "rounded,filled",
-                                      "fillcolor": "white", "fontname": "Helvetica",
-                                      "fontsize": "12"},
-                           edge_attr={"arrowsize": "0.6"})
-    if title:
-        dot.attr(label=title, labelloc="b")
-    for view in views:
-        attrs = {}
-        if view.id in inserted:
-            attrs["fillcolor"] = COLORS["inserted"]
-        elif view.id in split:
-            attrs["fillcolor"] = COLORS["split"]
-        elif view.id in path:
-            attrs["fillcolor"] = COLORS["path"]
-        if view.lock_ref > 0:
-            attrs.update(penwidth="2.5", color=COLORS["locked"])
-        dot.node(f"n{view.id}", _label(view, tokenizer), **attrs)
-        if view.parent is not None:
-            bold = view.id in path
-            dot.edge(f"n{view.parent}", f"n{view.id}",
-                     **({"penwidth": "2", "color": "#1c7ed6"} if bold else {}))
-    known = {view.id for view in views} | {ghost.id for ghost in ghosts}
-    for ghost in ghosts:
-        dot.node(f"n{ghost.id}", _label(ghost, tokenizer) + "\n(evicted)",
-                 style="rounded,dashed", color=COLORS["ghost"], fontcolor=COLORS["ghost"])
-        parent = ghost.parent if ghost.parent in known else 0
-        dot.edge(f"n{parent}", f"n{ghost.id}", style="dashed", color=COLORS["ghost"])
-    return dot
+    # drawn left to right it grows downwards instead. Top-down reads best, so it is kept
+    # whenever it fits the page; otherwise the narrower of the two is drawn.
+    def build(rankdir: str) -> graphviz.Digraph:
+        dot = graphviz.Digraph(**graph_attrs(rankdir=rankdir, nodesep="0.15", ranksep="0.3"))
+        dot.attr("node", shape="box", style="rounded,filled", fillcolor="white")
+        dot.attr("edge", arrowsize="0.6")
+        if title:
+            dot.attr(label=title, labelloc="b")
+        for view in views:
+            attrs = {}
+            if view.id in inserted:
+                attrs["fillcolor"] = COLORS["inserted"]
+            elif view.id in split:
+                attrs["fillcolor"] = COLORS["split"]
+            elif view.id in path:
+                attrs["fillcolor"] = COLORS["path"]
+            if view.lock_ref > 0:
+                attrs.update(penwidth="2.5", color=COLORS["locked"])
+            dot.node(f"n{view.id}", _label(view, tokenizer), **attrs)
+            if view.parent is not None:
+                bold = view.id in path
+                dot.edge(f"n{view.parent}", f"n{view.id}",
+                         **({"penwidth": "2", "color": "#1c7ed6"} if bold else {}))
+        known = {view.id for view in views} | {ghost.id for ghost in ghosts}
+        for ghost in ghosts:
+            dot.node(f"n{ghost.id}", _label(ghost, tokenizer) + "\n(evicted)",
+                     style="rounded,dashed", color=COLORS["ghost"], fontcolor=COLORS["ghost"])
+            parent = ghost.parent if ghost.parent in known else 0
+            dot.edge(f"n{parent}", f"n{ghost.id}", style="dashed", color=COLORS["ghost"])
+        return dot
+
+    top_down = build("TB")
+    if _width_pt(top_down) <= PAGE_WIDTH_IN * 72:
+        return top_down
+    left_right = build("LR")
+    return min(top_down, left_right, key=_width_pt)
+
+
+def _width_pt(dot: graphviz.Digraph) -> float:
+    """Width of the laid-out drawing in points (graphviz's own layout, no rendering)."""
+    svg = dot.pipe(format="svg").decode()
+    match = re.search(r'<svg width="([\d.]+)pt"', svg)
+    return float(match.group(1)) if match else float("inf")
 
 
 def event_caption(event: RecordedEvent) -> str:
@@ -227,21 +245,18 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
 
 
 # ------------------------------------------------------------------------ figures of runs
+@styled
 def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     """Hit rate against KV pool size (one point per run of ``capacity_sweep``)."""
-    fig = BookFigure(figsize=(10, 4))
-    ax = fig.add_subplot()
+    fig, ax = page_figure(height_in=3.6)
     ax.plot(sweep.index, 100 * sweep["hit rate"], marker="o", label="radix cache, LRU")
     ax.set_xscale("log")
     ax.set_xticks(list(sweep.index), [str(c) for c in sweep.index])
     ax.minorticks_off()
-    ax.set_xlabel("KV pool capacity (tokens, log scale)")
-    ax.set_ylabel("hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)
-    ax.set_title(title or "Keeping chat history: hit rate against pool size")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
+    label_axes(ax, title or "Keeping chat history: hit rate against pool size",
+               "KV pool capacity (tokens, log scale)", "hit rate (% of prompt tokens)")
+    legend_below(fig)
     return fig
 
 

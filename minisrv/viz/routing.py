@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.patches import Patch
 
 from minisrv.router import ClusterResult, simulate_cluster
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.workloads import prefix_groups_workload
 
 __all__ = [
@@ -44,46 +45,46 @@ def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("run")
 
 
+@styled
 def plot_policy_comparison(results: Mapping[str, ClusterResult], title: str) -> BookFigure:
     """Hit rate and throughput of each labelled run, side by side."""
-    fig = BookFigure(figsize=(9, 3.4), layout="constrained")
-    ax_hit, ax_tput = fig.subplots(1, 2)
+    fig, (ax_hit, ax_tput) = page_figure(height_in=3.6, cols=2)
     labels = list(results)
     colors = [f"C{i}" for i in range(len(labels))]
     hits = [100 * results[k].hit_rate for k in labels]
     tputs = [results[k].throughput for k in labels]
     unit = next(iter(results.values())).time_unit if results else "s"
-    for ax, values, label, fmt in ((ax_hit, hits, "prefix-cache hit rate (%)", "{:.0f}%"),
-                                   (ax_tput, tputs, f"throughput (output tokens/{unit})",
-                                    "{:,.0f}")):
-        bars = ax.bar(labels, values, color=colors)
+    x = np.arange(len(labels))
+    for ax, values, name, ylabel, fmt in (
+            (ax_hit, hits, "Hit rate", "prefix-cache hit rate (%)", "{:.0f}%"),
+            (ax_tput, tputs, "Throughput", f"output tokens/{unit}", "{:,.0f}")):
+        bars = ax.bar(x, values, color=colors)
         ax.bar_label(bars, [fmt.format(v) for v in values], padding=2)
-        ax.set_ylabel(label)
-        ax.set_xlabel("routing policy")
+        ax.set_xticks([])
         ax.margins(y=0.15)
-        ax.tick_params(axis="x", labelrotation=12)
-    ax_hit.set_title("hit rate")
-    ax_tput.set_title("throughput")
-    handles = [ax_tput.patches[i] for i in range(len(labels))]
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-    fig.suptitle(title)
+        label_axes(ax, name, None, ylabel)
+    handles = [Patch(color=c, label=k) for c, k in zip(colors, labels, strict=True)]
+    legend_below(fig, handles, ncol=min(len(labels), 3))
+    fig.suptitle(title, x=0.02, ha="left")
     return fig
 
 
+@styled
 def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> BookFigure:
     """Requests in flight on each worker over time, one panel per labelled run."""
     n = len(results)
-    fig = BookFigure(figsize=(4.6 * n, 3.3), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, n, sharey=True))
+    fig, axes = page_figure(height_in=1.4 + 2.2 * n, rows=n, sharex=True, squeeze=False)
+    axes = axes[:, 0]
     for ax, (label, r) in zip(axes, results.items(), strict=True):
         for w in range(r.n_workers):
-            ax.step(r.load_times, r.load_trace[:, w], where="post", lw=1,
-                    label=f"worker {w} ({r.worker_requests[w]} requests)")
-        ax.set_title(f"{label}: load ratio {r.load_ratio:.2f}", fontsize=10)
-        ax.set_xlabel(f"time ({r.time_unit})")
-        ax.legend(fontsize=7, loc="upper left")
-    axes[0].set_ylabel("requests in flight")
-    fig.suptitle(title)
+            ax.step(r.load_times, r.load_trace[:, w], where="post", lw=1, color=f"C{w}",
+                    label=f"worker {w}")
+        counts = ", ".join(str(k) for k in r.worker_requests)
+        label_axes(ax, f"{label}: load ratio {r.load_ratio:.2f}; requests {counts}",
+                   None, "requests in flight")
+    axes[-1].set_xlabel(f"time ({next(iter(results.values())).time_unit})")
+    legend_below(fig, ncol=4)
+    fig.suptitle(title, x=0.02, ha="left")
     return fig
 
 
@@ -106,28 +107,27 @@ def threshold_sweep(workload: Any, thresholds: Sequence[float], *, n_workers: in
     return pd.DataFrame(rows).set_index("run")
 
 
+@styled
 def plot_threshold_sweep(table: pd.DataFrame, title: str) -> BookFigure:
     """Throughput and hit rate of cache-aware routing against the absolute balance
     threshold, with round robin as a horizontal line."""
-    fig = BookFigure(figsize=(8, 3.4), layout="constrained")
-    ax = fig.subplots()
+    fig, ax = page_figure(height_in=3.8)
     aware = table[table["abs threshold"].notna()]
     xs = np.arange(len(aware))
     ax.plot(xs, aware["throughput (tok/s)"], "o-", color="C1", label="cache-aware throughput")
     rr = table.loc["round robin", "throughput (tok/s)"]
     ax.axhline(rr, color="C0", ls="--", label="round robin throughput")
     ax.set_xticks(xs, [f"{t:g}" for t in aware["abs threshold"]])
-    ax.set_xlabel("balance_abs_threshold (requests; inf = no balancing)")
-    ax.set_ylabel("throughput (output tokens/s)")
+    label_axes(ax, title, "balance_abs_threshold (requests; inf = no balancing)",
+               "throughput (output tokens/s)")
     ax.set_ylim(bottom=0)
     twin = ax.twinx()
     twin.plot(xs, 100 * aware["hit rate"], "s:", color="C2", label="cache-aware hit rate")
     twin.set_ylabel("hit rate (%)")
     twin.set_ylim(0, 100)
-    lines = ax.get_legend_handles_labels()
-    more = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower left")
-    ax.set_title(title)
+    twin.grid(False)
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    legend_below(fig, handles, ncol=2)
     return fig
 
 

@@ -105,6 +105,38 @@ class BookFigure(Figure):
         width = round(self.get_figwidth() * SCREEN_DPI)
         return buffer.getvalue(), {"width": width}
 
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """IPython asks for the mime bundle before any printer registered for ``Figure``
+        (matplotlib's inline backend adds one that draws at screen resolution), so this
+        keeps the book's rendering and display width on every page."""
+        png = self._repr_png_()
+        data, meta = png if isinstance(png, tuple) else (png, None)
+        return ({"image/png": data, "text/plain": repr(self)},
+                {"image/png": meta} if meta else {})
+
+
+def _register_png_printer() -> None:
+    """Keep ``BookFigure._repr_png_`` in charge inside IPython.
+
+    Once pyplot is imported with the inline backend (ipywidgets' ``interactive_output`` does
+    so), IPython gets a PNG printer for every matplotlib ``Figure``, and a printer registered
+    for a type wins over ``_repr_png_``: every later figure of the page would come out at
+    screen resolution and without its display width. A printer for ``BookFigure`` itself is
+    more specific and wins over that one.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:  # plain Python: _repr_png_ is only called by whoever asks for it
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.display_formatter.formatters["image/png"].for_type(BookFigure,
+                                                                 BookFigure._repr_png_)
+
+
+_register_png_printer()
+
 
 def page_figure(
     height_in: float,
@@ -126,7 +158,7 @@ def page_figure(
     with book_style():
         fig = BookFigure(figsize=(width_in, height_in), layout="constrained")
         fig.book_styled = True
-        axes = fig.subplots(rows, cols, squeeze=True, **subplots)
+        axes = fig.subplots(rows, cols, **{"squeeze": True, **subplots})
     return fig, axes
 
 

@@ -12,13 +12,23 @@ from collections.abc import Mapping, Sequence
 import graphviz
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
 
 from minisrv.engine import RunResult, simulate
 from minisrv.metrics import RunMetrics
 from minisrv.request import Req
 from minisrv.scheduler import MODES, StepRecord
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import (
+    FONT_SIZES,
+    BookFigure,
+    graph_attrs,
+    label_axes,
+    legend_below,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
 
@@ -40,12 +50,13 @@ MODE_LABELS: dict[str, str] = {
 
 # --------------------------------------------------------------------------- the loop
 def loop_diagram() -> graphviz.Digraph:
-    """The scheduler's main loop as a cycle of its four calls, with the two queues."""
-    g = graphviz.Digraph("loop", graph_attr={"rankdir": "LR", "fontsize": "16", "nodesep": "0.3",
-                                             "ranksep": "0.35"})
-    g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef3fb", fontname="Helvetica",
-           fontsize="16")
-    g.attr("edge", fontname="Helvetica", fontsize="14")
+    """The scheduler's main loop as a cycle of its four calls, with the two queues.
+
+    Drawn as a square (two calls per row, the queues between the rows) rather than one long
+    row: a row of four boxes is wider than the page and the browser shrinks its text.
+    """
+    g = graphviz.Digraph("loop", **graph_attrs(rankdir="TB", nodesep="0.5", ranksep="0.35"))
+    g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef3fb")
     steps = [
         ("recv", "receive_arrivals()\nnew requests join\nthe waiting queue"),
         ("pick", "get_next_batch_to_run()\nadmit (FCFS, slots, KV)\nprefill and/or decode"),
@@ -57,13 +68,20 @@ def loop_diagram() -> graphviz.Digraph:
     g.attr("node", shape="cylinder", fillcolor="#fff4e0")
     g.node("waiting", "waiting queue")
     g.node("running", "running batch")
-    for (a, _), (b, _) in zip(steps, steps[1:], strict=False):
-        g.edge(a, b)
-    g.edge("post", "recv", label="next step", constraint="false")
+    for row in (("recv", "pick"), ("waiting", "running"), ("post", "run")):
+        with g.subgraph() as same:
+            same.attr(rank="same")
+            for name in row:
+                same.node(name)
+    g.edge("recv", "pick", constraint="false")
+    g.edge("pick", "run")
+    g.edge("run", "post", constraint="false")
+    g.edge("post", "recv", label=" next step")
     g.edge("recv", "waiting", style="dashed", arrowhead="none")
     g.edge("pick", "waiting", style="dashed", arrowhead="none")
     g.edge("pick", "running", style="dashed", arrowhead="none")
-    g.edge("post", "running", style="dashed", arrowhead="none")
+    g.edge("running", "post", style="dashed", arrowhead="none")
+    g.edge("waiting", "running", style="invis")
     return g
 
 
@@ -145,63 +163,64 @@ def _draw_gantt(ax, trace: Sequence[StepRecord], reqs: Sequence[Req]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+@styled
 def gantt(
     trace: Sequence[StepRecord], reqs: Sequence[Req], title: str = "Requests over steps"
 ) -> BookFigure:
     """One row per request, one column per step, coloured by what the request did."""
-    fig = BookFigure(figsize=(min(12, max(8, 2.5 + 0.35 * len(trace))), 1.9 + 0.38 * len(reqs)),
-                     layout="constrained")
-    ax = fig.subplots()
+    fig, ax = page_figure(height_in=1.6 + 0.3 * len(reqs))
     _draw_gantt(ax, trace, reqs)
     if len(trace) <= 30:
-        ax.set_xticks(np.arange(len(trace)) + 0.5, [str(i) for i in range(len(trace))])
-    ax.set_xlabel("step")
-    ax.set_ylabel("request")
-    ax.set_title(title)
-    _state_legend(ax)
+        every = 1 if len(trace) <= 20 else 2
+        ticks = np.arange(0, len(trace), every)
+        ax.set_xticks(ticks + 0.5, [str(i) for i in ticks])
+    label_axes(ax, title, "step", "request")
+    _state_legend(fig)
     return fig
 
 
-def _state_legend(ax) -> None:
+def _state_legend(fig) -> None:
     handles = [Patch(facecolor=c, label=s) for s, c in STATE_COLORS.items()]
-    ax.figure.legend(handles=handles, loc="outside lower center", ncol=len(handles),
-                     frameon=False)
+    legend_below(fig, handles, ncol=len(handles))
 
 
+@styled
 def gantt_compare(runs: Mapping[str, RunResult], title: str = "") -> BookFigure:
     """Gantt charts of several runs of the same requests, stacked on one step axis."""
     n_reqs = max(len(run.requests) for run in runs.values())
-    fig = BookFigure(figsize=(11, 1.0 + len(runs) * (0.8 + 0.2 * n_reqs)), layout="constrained")
-    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    fig, axes = page_figure(height_in=1.2 + len(runs) * (0.9 + 0.12 * n_reqs), rows=len(runs),
+                            sharex=True, squeeze=False)
+    axes = axes[:, 0]
     for ax, (label, run) in zip(axes, runs.items(), strict=True):
         _draw_gantt(ax, run.trace, run.requests)
-        ax.set_title(f"{label}: {len(run.trace)} steps, slot utilisation "
-                     f"{run.metrics.slot_utilisation:.0%}", fontsize=10)
-        ax.set_ylabel("request")
-        ax.tick_params(axis="y", labelsize=7)
+        label_axes(ax, f"{label}: {len(run.trace)} steps, slot utilisation "
+                   f"{run.metrics.slot_utilisation:.0%}", ylabel="request")
+        if n_reqs > 8:  # every other request's name, at a legible size
+            ax.set_yticks(range(0, len(run.requests), 2),
+                          [f"r{r.rid}" for r in run.requests][::2])
     axes[-1].set_xlim(0, max(len(run.trace) for run in runs.values()))
     axes[-1].set_xlabel("step")
-    _state_legend(axes[0])
+    _state_legend(fig)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, x=0.02, ha="left")
     return fig
 
 
+@styled
 def latency_bars(runs: Mapping[str, RunResult], unit: str = "steps") -> BookFigure:
     """Each request's latency (arrival to last token) under each run, side by side."""
-    fig = BookFigure(figsize=(10, 3.6), layout="constrained")
-    ax = fig.subplots()
+    fig, ax = page_figure(height_in=3.4)
     width = 0.8 / len(runs)
     for k, (label, run) in enumerate(runs.items()):
         x = np.arange(len(run.requests)) + (k - (len(runs) - 1) / 2) * width
         color = MODE_COLORS.get(run.mode, None)
         ax.bar(x, [r.latency for r in run.requests], width, label=label, color=color)
     first = next(iter(runs.values()))
-    ax.set_xticks(range(len(first.requests)), [f"r{r.rid}" for r in first.requests], fontsize=8)
-    ax.set_xlabel("request")
-    ax.set_ylabel(f"latency ({unit})")
-    ax.set_title("Per-request latency: arrival to last token")
-    ax.legend()
+    every = 1 if len(first.requests) <= 16 else 2
+    ax.set_xticks(range(0, len(first.requests), every),
+                  [f"r{r.rid}" for r in first.requests][::every])
+    label_axes(ax, "Per-request latency: arrival to last token", "request", f"latency ({unit})")
+    legend_below(fig, ncol=len(runs))
     return fig
 
 
@@ -222,14 +241,15 @@ def metrics_table(runs: Mapping[str, RunMetrics], unit: str = "s") -> pd.DataFra
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+@styled
 def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
     """Throughput, mean batch, latency (mean and p99) and TTFT against arrival rate."""
-    fig = BookFigure(figsize=(11, 7), layout="constrained")
-    axes = fig.subplots(2, 2).ravel()
+    fig, axes = page_figure(height_in=6.6, rows=2, cols=2, sharex=True)
+    axes = axes.ravel()
     panels = [
         ("throughput", "throughput (output tokens/s)", False),
         ("mean_batch", "mean decode batch (requests)", False),
-        ("mean_latency", "latency (s), solid mean, dashed p99", True),
+        ("mean_latency", "latency (s)", True),
         ("mean_ttft", "mean time to first token (s)", True),
     ]
     for ax, (column, ylabel, log) in zip(axes, panels, strict=True):
@@ -238,13 +258,13 @@ def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
             ax.plot(group["rate"], group[column], "o-", color=color, label=MODE_LABELS.get(mode))
             if column == "mean_latency":
                 ax.plot(group["rate"], group["p99_latency"], "o--", color=color, alpha=0.6)
-        ax.set_xlabel("arrival rate (requests/s)")
-        ax.set_ylabel(ylabel)
+        label_axes(ax, None, "arrival rate (req/s)" if ax in axes[2:] else None, ylabel)
         if log:
             ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("Static vs continuous batching, LLaMA-3-8B on a simulated H100")
+    axes[2].set_title("solid: mean, dashed: p99", loc="left", fontsize=FONT_SIZES["ticks"])
+    legend_below(fig, ncol=3)
+    fig.suptitle("Static vs continuous batching, LLaMA-3-8B on a simulated H100", x=0.02,
+                 ha="left")
     return fig
 
 
@@ -258,6 +278,7 @@ def itl_points(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(times), np.concatenate(gaps)
 
 
+@styled
 def plot_step_times(
     runs: Mapping[str, RunResult], window: tuple[float, float] = (10.0, 12.0)
 ) -> BookFigure:
@@ -266,36 +287,38 @@ def plot_step_times(
     Top: every step's duration (a step that prefills is marked). Bottom: for every token a
     decoding request received in the window, the gap since its previous token.
     """
-    fig = BookFigure(figsize=(11, 6.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True)
+    fig, (top, bottom) = page_figure(height_in=6.4, rows=2, sharex=True)
     lo, hi = window
+    counts: list[str] = []
     for label, run in runs.items():
         color = MODE_COLORS.get(run.mode)
         steps = [s for s in run.trace if lo <= s.start < hi]
         top.step([s.start for s in steps], [s.duration * 1e3 for s in steps], where="post",
-                 color=color, lw=1, label=f"{label} ({len(steps)} steps)")
+                 color=color, lw=1, label=label)
         pre = [s for s in steps if s.prefill]
         top.plot([s.start for s in pre], [s.duration * 1e3 for s in pre], "v", color=color,
                  ms=4, alpha=0.7)
         t, gap = itl_points(run)
         keep = (t >= lo) & (t < hi)
         p99 = np.percentile(gap[keep], 99) * 1e3
-        bottom.plot(t[keep], gap[keep] * 1e3, "o", color=color, ms=3, alpha=0.6,
-                    label=f"{label}: p99 in this window {p99:.1f} ms")
-    top.set_ylabel("step duration (ms)")
-    top.set_title("Step durations (triangles: steps that prefill)")
-    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
-    bottom.set_ylabel("inter-token latency (ms)")
-    bottom.set_xlabel("simulated time (s)")
-    bottom.set_title("Gap before each decoded token")
-    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, markerscale=2)
+        bottom.plot(t[keep], gap[keep] * 1e3, "o", color=color, ms=3, alpha=0.6)
+        counts.append(f"{label}: {len(steps)} steps, p99 gap {p99:.1f} ms")
+    label_axes(top, "Step durations (triangles: steps that prefill)", None, "step duration (ms)")
+    label_axes(bottom, "Gap before each decoded token", "simulated time (s)",
+               "inter-token gap (ms)")
     for ax in (top, bottom):
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in (5, 20, 50)
+                                                   else ""))
+    handles = [Line2D([], [], color=MODE_COLORS.get(run.mode), marker="o", label=text)
+               for run, text in zip(runs.values(), counts, strict=True)]
+    legend_below(fig, handles, ncol=1)
     return fig
 
 
 # --------------------------------------------------------------------------- widget
+@styled
 def sim_dashboard(
     rate: float = 64.0,
     max_running: int = GPU_SCALE_BATCH_CAP,
@@ -308,29 +331,27 @@ def sim_dashboard(
     workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
     run = simulate(workload, mode=mode, max_running=max_running, admission="reserve")
     m = run.metrics
-    fig = BookFigure(figsize=(11, 4.4), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1.6, 1])
+    fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
     times = [s.start for s in run.trace]
     holding = [s.batch_size + len(s.paused) for s in run.trace]
-    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running (holding a slot)")
+    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running")
     left.axhline(max_running, color="black", ls="--", lw=1, label=f"batch cap {max_running}")
-    left.set_xlabel("simulated time (s)")
-    left.set_ylabel("running requests")
-    left.set_title(f"{MODE_LABELS.get(mode, mode)}: {rate:g} req/s, output cv {output_cv:g}")
+    label_axes(left, f"{rate:g} req/s, output cv {output_cv:g}", "simulated time (s)",
+               "running requests")
     queue = left.twinx()
     queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
     queue.set_ylabel("waiting requests", color="#d62728")
-    handles = left.get_legend_handles_labels()[0] + queue.get_legend_handles_labels()[0]
-    fig.legend(handles=handles, loc="outside lower left", ncol=3, frameon=False)
+    queue.grid(False)
     latency = np.array([r.latency for r in run.requests])
     right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
     right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
     right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
-    right.set_xlabel("latency (s)")
-    right.set_ylabel("requests")
-    right.set_title(f"{m.throughput:,.0f} tok/s, mean batch {m.mean_batch:.1f}, "
-                    f"TTFT {m.mean_ttft:.2f} s", fontsize=10)
-    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
+    handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
+               *right.get_legend_handles_labels()[0]]
+    legend_below(fig, handles, ncol=3)
+    fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
+                 f"mean time to first token {m.mean_ttft:.2f} s", x=0.02, ha="left")
     return fig
 
 
