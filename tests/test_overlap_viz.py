@@ -15,6 +15,7 @@ from minisrv.viz.overlap import (
     plot_timelines,
     timeline_widget,
 )
+from minisrv.viz.style import PAGE_WIDTH_IN
 
 MODEL_SEED = 5
 
@@ -38,7 +39,7 @@ def test_timeline_figure_shows_both_loops_with_their_totals() -> None:
     assert [len(c.get_paths()) for c in top.collections] == [6, 6, 6, 6]
     assert [len(c.get_paths()) for c in bottom.collections] == [6, 6, 1, 1]
     assert all(t.get_fontsize() >= 10 for t in fig.legends[0].get_texts())
-    assert fig.get_figwidth() == 10
+    assert fig.get_figwidth() == PAGE_WIDTH_IN  # the house style: page width, text >= 10 pt
 
 
 def test_timeline_figure_with_varying_steps_and_no_idle() -> None:
@@ -78,7 +79,7 @@ def test_cpu_breakdown_table_and_plot(model) -> None:
     fig = plot_cpu_breakdown(frames)
     whole, cpu_only = fig.axes
     assert whole.get_ylabel() == cpu_only.get_ylabel() == "mean time per step (ms)"
-    assert whole.get_title() and cpu_only.get_title() and fig.get_suptitle()
+    assert whole.get_title(loc="left") and cpu_only.get_title(loc="left") and fig.get_suptitle()
     assert len(whole.patches) == 2 * len(PARTS) and len(cpu_only.patches) == 2 * (len(PARTS) - 1)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == list(reversed(PARTS))
     shares = [t.get_text() for t in whole.texts]

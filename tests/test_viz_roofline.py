@@ -82,4 +82,4 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     labels = [text.get_text() for text in fig.legends[0].get_texts()]
     assert labels == ["measured on CPU, float32, padded attention",
                       "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
-    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in fig.axes)
+    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left") for ax in fig.axes)

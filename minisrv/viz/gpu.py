@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
 __all__ = ["plot_step_times_vs_roofline"]
 
 
+@styled
 def plot_step_times_vs_roofline(
     measured: pd.DataFrame, predicted: pd.DataFrame, model_name: str
 ) -> BookFigure:
@@ -22,8 +23,7 @@ def plot_step_times_vs_roofline(
     ``measured``: rows of ``real_model.step_time_sweep`` (device, dtype, attention, batch,
     step_ms, us_per_token); ``predicted``: rows of ``real_model.roofline_step_times``.
     """
-    fig = BookFigure(figsize=(10, 4.8), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = page_figure(5.4, cols=2)
     for (device, dtype, attention), rows in measured.groupby(
         ["device", "dtype", "attention"], sort=False
     ):
@@ -37,14 +37,11 @@ def plot_step_times_vs_roofline(
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("requests in the decode step (batch size)")
+        ax.set_xlabel("batch size (requests)")
         ax.grid(True, which="major", alpha=0.3)
     contexts = sorted(set(measured["context"]) | set(predicted["context"]))
-    left.set_ylabel("decode step time (ms)")
-    left.set_title(f"One decode step of {model_name}, context {', '.join(map(str, contexts))}",
-                   fontsize=10)
-    right.set_ylabel("time per generated token (µs)")
-    right.set_title("Step time divided by the tokens it produced", fontsize=10)
-    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncols=2,
-               fontsize=8)
+    label_axes(left, "One decode step", ylabel="decode step time (ms)")
+    label_axes(right, "Per generated token", ylabel="time per token (µs)")
+    fig.suptitle(f"{model_name}, context {', '.join(map(str, contexts))}")
+    legend_below(fig, ncol=1)
     return fig

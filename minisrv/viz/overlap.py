@@ -15,7 +15,8 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from minisrv.overlap import CPU_PARTS, PARTS, Timeline, throughput_ratio, time_steps, timeline
-from minisrv.viz.roofline import BookFigure
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
 
 __all__ = [
     "LANE_COLORS",
@@ -67,13 +68,13 @@ def _draw_lanes(ax: Any, t: Timeline, unit: str, label_steps: bool) -> None:
                    edgecolor="#7f7f7f", hatch="///", linewidth=0)
     ax.broken_barh([(a, b - a) for a, b in gaps], (-height / 2, height),
                    facecolors=LANE_COLORS["idle"], alpha=0.6, linewidth=0)
-    ax.set_yticks(range(len(_LANES)), list(_LANES), fontsize=11)
+    ax.set_yticks(range(len(_LANES)), list(_LANES))
     ax.set_ylim(-0.6, len(_LANES) - 0.4)
-    ax.tick_params(axis="x", labelsize=10)
-    ax.set_xlabel(f"time ({unit})", fontsize=11)
+    ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
 
 
+@styled
 def plot_timelines(
     gpu_step: float | Sequence[float],
     cpu_step: float | Sequence[float],
@@ -87,57 +88,44 @@ def plot_timelines(
     """
     block = timeline(gpu_step, cpu_step, n_steps, overlap=False)
     over = timeline(gpu_step, cpu_step, n_steps, overlap=True)
-    fig = BookFigure(figsize=(10, 4.8), layout="constrained")
-    axes = fig.subplots(2, 1, sharex=True)
+    fig, axes = page_figure(5.2, rows=2, sharex=True)
     for ax, t, name in zip(axes, (block, over), ("Blocking", "Overlapped")):
         _draw_lanes(ax, t, unit, label_steps=n_steps <= 12)
-        ax.set_title(
-            f"{name} loop: {n_steps} steps in {t.total:.3g} {unit}, device busy "
-            f"{100 * t.utilisation:.0f}%, idle {t.device_idle:.3g} {unit}",
-            fontsize=11, loc="left",
-        )
+        label_axes(ax, f"{name}: {n_steps} steps in {t.total:.3g} {unit}, device busy "
+                       f"{100 * t.utilisation:.0f}%, idle {t.device_idle:.3g} {unit}")
     axes[0].set_xlabel("")
     axes[1].set_xlim(0, block.total * 1.01)
-    title = f"{n_steps} steps, blocking vs overlapped: {block.total / over.total:.2f}x faster"
+    title = f"Overlapped: {block.total / over.total:.2f}x faster over {n_steps} steps"
     if np.isscalar(gpu_step) and np.isscalar(cpu_step):
         ratio = throughput_ratio(float(gpu_step), float(cpu_step))
-        title = (f"Device step {gpu_step:g} {unit}, CPU step {cpu_step:g} {unit}: overlapped is "
-                 f"{block.total / over.total:.2f}x faster over {n_steps} steps "
-                 f"({ratio:.2f}x in the long run)")
-    fig.suptitle(title, fontsize=12)
+        title = (f"Device {gpu_step:g} {unit}, CPU {cpu_step:g} {unit}: overlap "
+                 f"{block.total / over.total:.2f}x over {n_steps} steps, {ratio:.2f}x long run")
+    fig.suptitle(title)
     handles = [
         Patch(facecolor=LANE_COLORS["cpu"], label="CPU: schedule, prepare, process results"),
         Patch(facecolor=LANE_COLORS["device"], label="device: forward"),
         Patch(facecolor=LANE_COLORS["idle"], edgecolor="#7f7f7f", hatch="///",
               label="device idle"),
     ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=10, frameon=False)
+    legend_below(fig, handles, ncol=2)
     return fig
 
 
 def timeline_widget(gpu_step: float = 7.36, cpu_step: float = 3.0, n_steps: int = 6):
     """Sliders for the device's and the CPU's step time (ms) and the number of steps; each
     change redraws ``plot_timelines``. Needs a live kernel (draw the static figure first)."""
-    import ipywidgets as widgets
     from IPython.display import display
 
-    style = {"description_width": "initial"}
     controls = {
-        "gpu_step": widgets.FloatSlider(value=gpu_step, min=0.5, max=20, step=0.01,
-                                        description="device step (ms)", style=style,
-                                        continuous_update=False),
-        "cpu_step": widgets.FloatSlider(value=cpu_step, min=0.0, max=20, step=0.01,
-                                        description="CPU step (ms)", style=style,
-                                        continuous_update=False),
-        "n_steps": widgets.IntSlider(value=n_steps, min=1, max=20, description="steps",
-                                     style=style, continuous_update=False),
+        "gpu_step": slider(gpu_step, 0.5, 20.0, "device step (ms)"),
+        "cpu_step": slider(cpu_step, 0.0, 20.0, "CPU step (ms)"),
+        "n_steps": slider(n_steps, 1, 20, "steps"),
     }
 
     def redraw(gpu_step: float, cpu_step: float, n_steps: int) -> None:
         display(plot_timelines(gpu_step, cpu_step, n_steps))
 
-    output = widgets.interactive_output(redraw, controls)
-    return widgets.VBox([widgets.HBox(list(controls.values())), output])
+    return panel(redraw, controls, per_row=3)
 
 
 # ----------------------------------------------------------------------------- breakdown
@@ -179,32 +167,31 @@ def breakdown_summary(frames: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index").round(3)
 
 
+@styled
 def plot_cpu_breakdown(frames: Mapping[str, pd.DataFrame]) -> BookFigure:
     """Stacked bars of the mean step, one bar per run: the whole step (left) and its CPU
     parts alone, magnified (right), with each run's CPU share above its bar."""
     summary = breakdown_summary(frames)
     labels = list(summary.index)
     x = np.arange(len(labels))
-    fig = BookFigure(figsize=(10, 4.6), layout="constrained")
-    whole, cpu_only = fig.subplots(1, 2)
+    fig, (whole, cpu_only) = page_figure(5.6, cols=2)
     for ax, parts in ((whole, PARTS), (cpu_only, CPU_PARTS)):
         bottom = np.zeros(len(labels))
         for part in parts:
             values = summary[part].to_numpy()
             ax.bar(x, values, 0.6, bottom=bottom, color=PART_COLORS[part], label=part)
             bottom += values
-        ax.set_xticks(x, labels, fontsize=10)
-        ax.tick_params(axis="y", labelsize=10)
-        ax.set_ylabel("mean time per step (ms)", fontsize=11)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("mean time per step (ms)")
         ax.set_ylim(0, bottom.max() * 1.15)
         ax.grid(axis="y", alpha=0.3)
     for xi, top, share in zip(x, summary["total"], summary["CPU %"]):
-        whole.text(xi, top, f"CPU {share:.1f}%", ha="center", va="bottom", fontsize=10)
-    whole.set_title("The whole step: forward vs CPU work", fontsize=11)
-    cpu_only.set_title("The CPU work alone (what overlap can hide)", fontsize=11)
-    fig.suptitle("Where a step's time goes in the real engine (CityLM)", fontsize=12)
+        whole.text(xi, top, f"CPU {share:.1f}%", ha="center", va="bottom")
+    label_axes(whole, "The whole step")
+    label_axes(cpu_only, "The CPU work alone")
+    fig.suptitle("Where a step's time goes in the real engine (CityLM)")
     handles = [Patch(facecolor=PART_COLORS[p], label=p) for p in reversed(PARTS)]  # as stacked
-    fig.legend(handles=handles, loc="outside right center", fontsize=10, frameon=False)
+    legend_below(fig, handles, ncol=3)
     return fig
 
 

@@ -15,6 +15,7 @@ from matplotlib.patches import Patch
 from minisrv.cache_aware import few_shot_experiment
 from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
 
 __all__ = [
     "plot_forest_sweep",
@@ -129,18 +130,13 @@ def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-w
     import ipywidgets as widgets
     from IPython.display import display
 
-    style = {"description_width": "initial"}
     controls = {
         "policy": widgets.Dropdown(options=list(policies), value=policies[0],
-                                   description="policy vs FCFS", style=style),
-        "capacity": widgets.IntSlider(value=kv_capacity, min=100, max=1000, step=20,
-                                      description="KV capacity (tokens)", style=style,
-                                      continuous_update=False),
-        "gap": widgets.FloatSlider(value=arrival_every, min=0.0, max=8.0, step=0.5,
-                                   description="steps between waves", style=style,
-                                   continuous_update=False),
-        "groups": widgets.IntSlider(value=n_groups, min=2, max=5, description="groups",
-                                    continuous_update=False),
+                                   description="policy vs FCFS",
+                                   style={"description_width": "initial"}),
+        "capacity": slider(kv_capacity, 100, 1000, "KV capacity (tokens)", step=20),
+        "gap": slider(arrival_every, 0.0, 8.0, "steps between waves", step=0.5),
+        "groups": slider(n_groups, 2, 5, "groups"),
     }
 
     def redraw(policy: str, capacity: int, gap: float, groups: int) -> None:
@@ -155,6 +151,4 @@ def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-w
                    f"steps"))
         display(table.round(3))
 
-    output = widgets.interactive_output(redraw, controls)
-    return widgets.VBox([widgets.HBox(list(controls.values())[:2]),
-                         widgets.HBox(list(controls.values())[2:]), output])
+    return panel(redraw, controls)
