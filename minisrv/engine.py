@@ -6,10 +6,10 @@ the request alone). ``Engine.run_workload`` and ``simulate`` replay a ``Workload
 return the metrics of the run; with a ``SimBackend`` that is a GPU-scale experiment that
 runs in about a second.
 
-Only the options built so far are accepted; the keyword names are already the final ones,
-and later chapters add values (``policy="lpm"``, ``cache="radix"``, ``overlap=True``).
-Every argument is validated before anything is queued, so a bad call raises ValueError and
-leaves the engine exactly as it was.
+The options (``EngineConfig``) grow with the book: continuous batching modes, admission,
+the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` selects
+``minisrv.overlap.OverlapScheduler``). Every argument is validated before anything is
+queued, so a bad call raises ValueError and leaves the engine exactly as it was.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A ``TextCodec`` hides which tokenizer turns text into ids and back, and which ch
 applies, so the rest of the server is the same for both. CityLM needs no download; a
 folder is read with ``minisrv.model.from_hf_llama`` and its own tokenizer (through
 ``transformers``, only when such a folder is served). Every stop id of the folder's
-``eos_token_id`` list is kept: the model stops on the first (the engine's ``eos_id``), the
-server ends a reply on any of the others.
+``eos_token_id`` lists is kept: the engine stops on all of them (``CityLM.eos_ids``), and
+the codec drops them from the text it streams.
 """
 
 from __future__ import annotations
