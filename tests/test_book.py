@@ -241,3 +241,11 @@ def test_glue_stores_numpy_scalars_as_python_numbers(monkeypatch) -> None:
     book.glue("share", np.float64(0.845), display=False)
     book.glue("count", np.int64(476), display=False)
     assert type(seen["share"]) is float and type(seen["count"]) is int
+
+
+def test_long_listing_lines_wrap_inside_the_column() -> None:
+    """Source listings keep the package's 100-character lines; the book's stylesheet wraps
+    them inside the ~80-character column instead of cutting them off at its edge."""
+    css = (ROOT / "_static" / "minisrv.css").read_text()
+    rule = css[css.index("div.cell_output pre"):]
+    assert "white-space: pre-wrap" in rule.split("}")[0]

@@ -27,7 +27,13 @@ from minisrv.model.flat import (
     pool_attention,
     resolve_attention,
 )
-from minisrv.model.hf import HFTokenizer, config_from_hf, from_hf_llama, hf_name
+from minisrv.model.hf import (
+    HFTokenizer,
+    config_from_hf,
+    folder_eos_ids,
+    from_hf_llama,
+    hf_name,
+)
 from minisrv.model.kvcache import DenseKVCache, cache_attention
 from minisrv.model.layers import (
     Attend,
@@ -80,6 +86,7 @@ __all__ = [
     "cache_attention",
     "causal_mask",
     "config_from_hf",
+    "folder_eos_ids",
     "default_dtype",
     "flat_attention_flex",
     "flat_attention_loop",

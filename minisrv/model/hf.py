@@ -95,6 +95,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def folder_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """Every stop id a checkpoint folder names, in ``config.json`` and then in
+    ``generation_config.json`` (chat models often list end-of-text and end-of-turn)."""
+    folder = Path(folder)
+    return merge_eos_ids(_read_json(folder / "config.json").get("eos_token_id"),
+                         _read_json(folder / "generation_config.json").get("eos_token_id"))
+
+
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Config dict and tensors of a local checkpoint: config.json + one or more .safetensors."""
     from safetensors.torch import load_file

@@ -10,7 +10,6 @@ the codec drops them from the text it streams.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,17 +61,6 @@ def model_name(model: str) -> str:
     return "citylm" if model == "citylm" else Path(model).resolve().name
 
 
-def _eos_ids(folder: Path) -> list[int]:
-    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    eos = hf.get("eos_token_id")
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", eos)
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
 def load_codec(model: str) -> TextCodec:
     """The tokenizer side of ``model`` alone (what a data-parallel front end needs)."""
     if model == "citylm":
@@ -85,8 +73,10 @@ def load_codec(model: str) -> TextCodec:
                          f"{model!r} has no config.json")
     from transformers import AutoTokenizer
 
+    from minisrv.model import folder_eos_ids
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    return TextCodec(tokenizer, "hf", frozenset(_eos_ids(folder)))
+    return TextCodec(tokenizer, "hf", frozenset(folder_eos_ids(folder)))
 
 
 def load_served_model(model: str, device: str | None = None) -> tuple[Any, TextCodec]:
