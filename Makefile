@@ -2,7 +2,8 @@
 #   make book   build the HTML book into _build/html, executing every chapter fresh
 #   make test   ruff, unit and property tests, and nbval over every chapter
 #   make gpu-check   on a CUDA machine: the engine/model tests on cpu and cuda, and every
-#                    chapter under nbval with MINISRV_DEVICE=cuda (fails without a GPU)
+#                    chapter executed under nbval with MINISRV_DEVICE=cuda, outputs not
+#                    compared (tests/nbval_execute_only.py; fails without a GPU)
 # Both create .venv (or use VENV=$$CONDA_PREFIX for the conda route) and install what they need.
 
 PYTHON ?= python3
@@ -33,7 +34,7 @@ gpu-check: setup
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
 	  echo "error: make gpu-check needs a CUDA GPU, and torch.cuda.is_available() is False" \
 	       "(torch $$($(BIN)/python -c 'import torch; print(torch.__version__)'))." >&2; exit 1; }
-	MINISRV_DEVICE=cuda $(BIN)/python -m pytest $(GPU_TESTS) chapters/
+	MINISRV_DEVICE=cuda $(BIN)/python -m pytest -p tests.nbval_execute_only $(GPU_TESTS) chapters/
 
 setup: $(STAMP) dot
 

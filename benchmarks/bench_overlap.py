@@ -19,6 +19,7 @@ Prints, from one process on the same machine:
    (the forward on the CPU in a worker thread), outputs checked against each request alone.
 
     python benchmarks/bench_overlap.py [--threads 1] [--steps 200] [--output-len 16]
+                                       [--device cuda] [--skip-timed]
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--requests", type=int, default=1024, help="timed device: requests")
     parser.add_argument("--batch", type=int, default=512, help="timed device: max running")
+    parser.add_argument("--skip-timed", action="store_true",
+                        help="leave out section 4a (the timed device: CPU-only, slow)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_table(args.steps, args.output_len)
@@ -172,7 +175,8 @@ def main() -> None:
     device_plan("2-layer CityLM, radix", *tiny_times)
     device_plan("SimBackend, radix", *sim_times)
 
-    timed_device_table(args.requests, 16, args.batch)
+    if not args.skip_timed:
+        timed_device_table(args.requests, 16, args.batch)
     print()
     citylm_overlap(model, prompts, lens, shares["radix"])
 

@@ -27,7 +27,7 @@ from minisrv.kvpool import KVPool, SlotAllocator
 from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
 from minisrv.request import Req
 from minisrv.roofline import step_cost_from_totals
-from minisrv.sampling import SamplingParams, make_generator, sample_next
+from minisrv.sampling import SamplingParams, make_generator, sample_batch, sample_next
 from minisrv.scheduler import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -130,7 +130,8 @@ class ModelBackend:
         from minisrv.model import resolve_attention
 
         self.model = model
-        self.attention = resolve_attention(attention, model.device, model.dtype)
+        self.attention = resolve_attention(attention, model.device, model.dtype,
+                                           model.config.head_dim)
         self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
@@ -184,10 +185,7 @@ class ModelBackend:
             new_ids = [[next(it) for _ in ids] for ids in new_ids]
         flat = FlatBatch(new_ids, step.slots, self.model.device)
         logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
-        tokens = [
-            sample_next(row, params, gen)
-            for row, params, gen in zip(logits, step.params, step.generators, strict=True)
-        ]
+        tokens = sample_batch(logits, step.params, step.generators)
         return BatchResult(next_tokens=tokens, cost=float(flat.num_tokens), elapsed=1.0)
 
     def release(self, req: Req) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "predicted_decode_throughput",
     "ragged_vs_padded",
     "random_model",
+    "recorded_gpu_run",
     "roofline_step_times",
     "step_time_sweep",
     "write_tiny_llama",
@@ -290,3 +291,30 @@ def predicted_decode_throughput(
     seconds = sum(decode_step_time(cfg, gpu, run.batch, run.prompt_len + j - 1, dtype_bytes)
                   for j in range(1, run.new_tokens))
     return run.decode_tokens / seconds
+
+
+RECORDED = Path(__file__).parent / "measured"
+"""Runs of ``benchmarks/bench_gpu.py --out`` on lent GPUs, shipped so a page built on a CPU
+can still show what a GPU measured (each row names its GPU and torch)."""
+
+
+def recorded_gpu_run(gpu: str = "h200") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(decode_steps, engine_throughput)`` of the recorded ``bench_gpu.py`` run on ``gpu``.
+
+    ``decode_steps``: one row per (batch, attention) with ``step_ms``, in the long format of
+    ``step_time_sweep`` (so ``viz.gpu.plot_step_times_vs_roofline`` draws it);
+    ``engine_throughput``: one row per (batch, attention), measured and roofline tokens/s.
+    """
+    steps_file = RECORDED / f"{gpu}_decode_steps.csv"
+    if not steps_file.exists():
+        known = sorted(f.name.split("_")[0] for f in RECORDED.glob("*_decode_steps.csv"))
+        raise ValueError(f"no recorded GPU run {gpu!r}; recorded: {known}")
+    wide = pd.read_csv(steps_file)
+    steps = wide.melt(id_vars=["batch", "context", "device", "torch"],
+                      value_vars=["padded ms", "flex ms"], var_name="attention",
+                      value_name="step_ms")
+    steps["attention"] = steps["attention"].str.removesuffix(" ms")
+    steps["dtype"] = "bfloat16"
+    steps["us_per_token"] = steps["step_ms"] * 1e3 / steps["batch"]
+    throughput = pd.read_csv(RECORDED / f"{gpu}_engine_throughput.csv")
+    return steps, throughput

@@ -11,6 +11,7 @@ produce the same samples.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,3 +109,28 @@ def sample_next(
     while probs[index] == 0:  # never land on a token outside the nucleus
         index -= 1
     return index
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """``sample_next`` for every row of a step's logits [requests, vocab], in one go.
+
+    The same tokens as one ``sample_next`` call per row, but on a GPU the step waits for the
+    device once (one argmax for every row, one copy of the sampled rows to the host) instead
+    of once per request: at batch 64 that is 64 synchronisations saved per step.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(
+            f"logits must be [requests, vocab] with one params and generator per row, got "
+            f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
+        )
+    tokens: list[int] = logits.argmax(dim=-1).tolist()  # greedy rows: the lowest id of ties
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = logits[sampled].to("cpu")
+        for row, i in zip(rows, sampled):
+            tokens[i] = sample_next(row, params[i], generators[i])
+    return tokens

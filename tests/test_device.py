@@ -75,3 +75,20 @@ def test_minisrv_device_cuda_without_a_gpu_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setenv("MINISRV_DEVICE", "cuda")
     with pytest.raises(ValueError, match="no CUDA GPU"):
         default_device()
+
+
+def test_a_batch_built_for_the_cpu_runs_where_the_model_is(model: CityLM) -> None:
+    """``FlatBatch`` defaults to the CPU; ``forward_flat`` moves it to the model's device
+    (the block mask of the ragged call included), so the same cell runs on a GPU."""
+    pool = KVPool.for_model(model, 40)
+    ids, slots = [[1, 2, 3], [4, 5]], [pool.alloc(3), pool.alloc(2)]
+    on_cpu = FlatBatch(ids, slots)
+    assert on_cpu.to("cpu") is on_cpu
+    moved = on_cpu.to("meta")
+    assert moved.device == torch.device("meta") and on_cpu.device == torch.device("cpu")
+    assert all(t.device.type == "meta" for t in (moved.ids, moved.positions, *moved.slots))
+    for attention in ("padded", "flex"):
+        here = model.forward_flat(FlatBatch(ids, slots, model.device), pool, attention=attention)
+        there = model.forward_flat(on_cpu, pool, attention=attention)
+        assert there.device == model.device
+        assert torch.equal(here, there)

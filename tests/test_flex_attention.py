@@ -26,6 +26,8 @@ from minisrv.model import (
 )
 from minisrv.model.ragged import (
     FLEX_BLOCK_SIZE,
+    flex_attention,
+    flex_kernel,
     ragged_layout,
     ragged_mask_mod,
     ragged_tiles,
@@ -116,7 +118,8 @@ def test_mask_mod_is_the_padded_rule_on_the_ragged_layout(
     layout = ragged_layout(new, cached, torch.device("cpu"), block)
     n_rows, n_cols = layout[0].shape[0], layout[2].shape[0]
     assert n_rows % block == 0 and n_cols % block == 0
-    dense = create_mask(ragged_mask_mod(*layout), None, None, n_rows, n_cols)[0, 0]
+    mask_mod = ragged_mask_mod(*layout)
+    dense = create_mask(mask_mod, None, None, n_rows, n_cols, device="cpu")[0, 0]
     want = expected_mask(mix)
     assert torch.equal(dense[: want.shape[0], : want.shape[1]], want)
     assert dense.sum() == want.sum()  # nothing on the padding
@@ -209,6 +212,10 @@ def test_auto_is_flex_on_cuda_and_padded_on_the_cpu() -> None:
     assert resolve_attention("auto", torch.device("cuda"), torch.bfloat16) == "flex"
     assert resolve_attention("auto", "cuda:0", torch.float32) == "flex"
     assert resolve_attention("auto", "cuda", torch.float64) == "padded"  # no Triton fp64
+    # the compiled kernel needs heads of >= 16 (this file's model has 8): padded, and an
+    # explicit "flex" runs eagerly instead of failing to compile
+    assert resolve_attention("auto", "cuda", torch.float32, head_dim=8) == "padded"
+    assert flex_kernel(torch.device("cuda"), torch.float32, 8) is flex_attention
     assert resolve_attention("flex", "cpu", torch.float32) == "flex"  # asked for: obeyed
     assert ModelBackend(model_for(torch.float32, "cpu")).attention == "padded"
 
@@ -218,3 +225,29 @@ def test_unknown_attention_is_named() -> None:
         resolve_attention("ragged", "cpu", torch.float32)
     with pytest.raises(ValueError, match="unknown attention"):
         ModelBackend(model_for(torch.float32, "cpu"), attention="flash")
+
+
+def test_a_failed_compile_falls_back_to_the_padded_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the compiled kernel fails (torch 2.11 on an H200 raised NoValidChoicesError for some
+    small steps), the step still gets the right attention, from the padded call, with a
+    warning naming the failure; later steps go straight to the padded call."""
+    from minisrv.model import ragged
+
+    calls = []
+
+    def failing_kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError("NoValidChoicesError: No choices to select")
+
+    monkeypatch.setattr(ragged, "COMPILE_ERRORS", (RuntimeError,))
+    monkeypatch.setattr(ragged, "flex_kernel", lambda *args: failing_kernel)
+    monkeypatch.setattr(ragged, "compile_failure", None)
+    model = model_for(torch.float32, "cpu")
+    mix = [(0, 5), (7, 1), (3, 4)]
+    padded = step_logits(model, mix, "padded", seed=3)
+    with pytest.warns(RuntimeWarning, match="NoValidChoicesError.*padded attention"):
+        first = step_logits(model, mix, "flex", seed=3)
+    assert ragged.compile_failure.startswith("RuntimeError: NoValidChoicesError")
+    again = step_logits(model, mix, "flex", seed=3)
+    assert len(calls) == 1  # tried once (first layer), then never again
+    assert torch.equal(first, padded) and torch.equal(again, padded)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -201,3 +202,15 @@ def test_retraction_while_a_step_is_in_flight(model, mode, cache) -> None:
     assert overlapped.stats.retractions > 0
     assert overlapped.stats.late_stop_tokens == late_stops(overlapped.trace)
     assert_drained(overlapped)
+
+
+def test_steps_run_on_their_own_cuda_stream_only_on_a_gpu(model) -> None:
+    """On a GPU the device thread issues every step on a stream of its own (one per
+    scheduler, waiting for the default stream's work first); the CPU needs none."""
+    sched = OverlapScheduler(TimedBackend(ModelBackend(model), 0.0), kv_capacity=200)
+    stream = sched._stream
+    if model.device.type == "cuda":
+        assert stream is not None and stream != torch.cuda.current_stream(model.device)
+    else:
+        assert stream is None
+    assert OverlapScheduler(SimBackend())._stream is None

@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")
 from minisrv.configs import CITYLM, H200, SMOLLM2_135M, T4  # noqa: E402
 from minisrv.engine import Engine  # noqa: E402
 from minisrv.model import HFTokenizer, load_model  # noqa: E402
-from minisrv.real_model import (  # noqa: E402
+from minisrv.real_model import (
     DEMO_TEXT,
     current_gpu,
     device_label,
@@ -23,6 +23,7 @@ from minisrv.real_model import (  # noqa: E402
     predicted_decode_throughput,
     ragged_vs_padded,
     random_model,
+    recorded_gpu_run,  # noqa: E402
     roofline_step_times,
     step_time_sweep,
     write_tiny_llama,
@@ -107,3 +108,16 @@ def test_device_labels() -> None:
 def test_ragged_and_padded_agree_on_a_mixed_step() -> None:
     model = random_model(TINY, "cpu", torch.float32)
     assert ragged_vs_padded(model, [(0, 20), (9, 1), (30, 1), (4, 6)]) < 1e-5
+
+
+def test_the_recorded_h200_run_is_shipped_and_labelled() -> None:
+    """The GPU appendix draws a recorded bench_gpu.py run: both attentions at every batch,
+    each row naming the GPU and torch that produced it; an unknown run is named."""
+    steps, engine = recorded_gpu_run("h200")
+    assert set(steps["attention"]) == {"padded", "flex"}
+    assert sorted(set(steps["batch"])) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert (steps["step_ms"] > 0).all() and set(steps["device"]) == {"NVIDIA H200"}
+    assert steps["torch"].str.contains("cu").all()
+    assert {"measured tok/s", "fraction"} <= set(engine.columns)
+    with pytest.raises(ValueError, match="no recorded GPU run 'a100'.*'h200'"):
+        recorded_gpu_run("a100")

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from minisrv.sampling import SamplingParams, make_generator, nucleus_probs, sample_next
+from minisrv.sampling import (
+    SamplingParams,
+    make_generator,
+    nucleus_probs,
+    sample_batch,
+    sample_next,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,3 +87,22 @@ def test_a_draw_depends_only_on_the_request_and_not_on_logit_dtype_or_device() -
     a = [sample_next(logits, params, gen_a) for _ in range(20)]
     b = [sample_next(logits.double(), params, gen_b) for _ in range(20)]
     assert a == b
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.7, 1.3]), min_size=1, max_size=8), st.integers(0, 99))
+def test_sample_batch_gives_each_rows_sample_next(temperatures: list[float], seed: int) -> None:
+    """One call for the whole step picks exactly what one call per row picks: greedy rows
+    (ties to the lowest id) and sampled rows, each from its own generator."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (len(temperatures), 12), generator=gen).float()  # many ties
+    params = [SamplingParams(temperature=t, top_p=0.9, seed=seed + i)
+              for i, t in enumerate(temperatures)]
+    one_by_one = [sample_next(row, p, make_generator(p)) for row, p in zip(logits, params)]
+    batched = sample_batch(logits, params, [make_generator(p) for p in params])
+    assert batched == one_by_one
+
+
+def test_sample_batch_refuses_mismatched_rows() -> None:
+    with pytest.raises(ValueError, match=r"\[requests, vocab\].*\(3, 5\), 2 params"):
+        sample_batch(torch.zeros(3, 5), [SamplingParams()] * 2, [None] * 2)

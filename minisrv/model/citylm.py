@@ -205,15 +205,16 @@ class CityLM(nn.Module):
         [T_total, vocab], or [requests, vocab] for each request's last token with
         ``last_only`` (all a decoder needs). Checks run before the pool is written.
         """
-        kind = resolve_attention(attention, self.device, self.dtype)
+        kind = resolve_attention(attention, self.device, self.dtype, self.config.head_dim)
+        batch = batch.to(self.device)
         self.check_flat(batch, pool, kind)
-        ids = batch.ids.to(self.device)
+        ids = batch.ids
         self.check_ids(ids)
-        write = batch.write_slots.to(self.device)
+        write = batch.write_slots
         attend = partial(pool_attention, batch=batch, pool=pool, write=write, kind=kind)
-        x = self.run_layers(ids, batch.positions.to(self.device), attend)
+        x = self.run_layers(ids, batch.positions, attend)
         if last_only:
-            x = x[batch.last_rows.to(self.device)]
+            x = x[batch.last_rows]
         return self.lm_head(self.norm(x))
 
     def check_flat(self, batch: FlatBatch, pool: KVPool, attention: str) -> None:

@@ -10,6 +10,7 @@ tokens' K/V into their slots, then attends with one of the strategies of ``ATTEN
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from minisrv.model.layers import causal_mask, grouped_attention
 from minisrv.model.ragged import (
     FLEX_AVAILABLE,
-    FLEX_DTYPES,
     BlockMask,
     flat_attention_flex,
+    flex_compiles,
     ragged_block_mask,
 )
 
@@ -33,17 +34,20 @@ ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
 """How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
 ragged ``flex_attention`` call for all. ``"auto"`` (``resolve_attention``) picks one."""
 
-def resolve_attention(kind: str, device: str | torch.device, dtype: torch.dtype) -> str:
+def resolve_attention(
+    kind: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64
+) -> str:
     """The attention kind to run: ``kind`` itself, or for ``"auto"`` the best for ``device``.
 
-    ``"auto"`` is ``"flex"`` on CUDA (one ragged kernel, no padding) when this torch has
-    flex_attention and the weights are 16- or 32-bit, and ``"padded"`` otherwise: on the CPU
-    flex_attention runs unfused (it builds the full score matrix), so the padded SDPA call is
-    as fast there and needs no compiler. An explicit ``"flex"`` without flex_attention raises.
+    ``"auto"`` is ``"flex"`` where flex_attention compiles to one ragged kernel (CUDA, 16- or
+    32-bit weights, heads of at least 16: ``flex_compiles``) and ``"padded"`` otherwise: on
+    the CPU flex_attention runs unfused (it builds the full score matrix), so the padded SDPA
+    call is as fast there and needs no compiler. An explicit ``"flex"`` without
+    flex_attention raises.
     """
     if kind == "auto":
-        on_gpu = torch.device(device).type == "cuda"
-        return "flex" if on_gpu and FLEX_AVAILABLE and dtype in FLEX_DTYPES else "padded"
+        fast = FLEX_AVAILABLE and flex_compiles(torch.device(device), dtype, head_dim)
+        return "flex" if fast else "padded"
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {kind!r}; choose from {ATTENTION_KINDS} or 'auto'")
     if kind == "flex" and not FLEX_AVAILABLE:
@@ -107,6 +111,20 @@ class FlatBatch:
         self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
         self._padded: tuple[torch.Tensor, ...] | None = None
         self._flex: tuple[torch.Tensor, BlockMask] | None = None
+
+    def to(self, device: str | torch.device) -> FlatBatch:
+        """This batch with its tensors on ``device`` (itself when already there), so a batch
+        built for the CPU runs on a model on a GPU; the index tensors are rebuilt there."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = copy.copy(self)
+        moved.device = device
+        for name in ("ids", "positions", "write_slots", "last_rows"):
+            setattr(moved, name, getattr(self, name).to(device))
+        moved.slots = [s.to(device) for s in self.slots]
+        moved._padded = moved._flex = None
+        return moved
 
     def __len__(self) -> int:
         """Requests in the batch."""

@@ -18,6 +18,7 @@ unfused reference implementation), which is how the CPU tests check its numbers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,14 @@ try:  # torch >= 2.5; Colab and the pinned CPU wheel have it, an old torch falls
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - depends on the installed torch
     BlockMask = flex_attention = None
+
+try:  # what a failed torch.compile raises (private modules: guarded)
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    COMPILE_ERRORS: tuple[type[BaseException], ...] = (BackendCompilerFailed, InductorError)
+except ImportError:  # pragma: no cover - depends on the installed torch
+    COMPILE_ERRORS = ()
 
 if TYPE_CHECKING:
     from minisrv.model.flat import FlatBatch
@@ -40,6 +49,17 @@ FLEX_BLOCK_SIZE = 128
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Dtypes the compiled (Triton) flex kernel takes on a GPU; others run eagerly there."""
 
+FLEX_MIN_HEAD_DIM = 16
+"""Narrowest head the compiled flex kernel takes (torch 2.11 on an H200 refused 8: "embedding
+dimension ... must be at least 16"); narrower heads run eagerly on a GPU too."""
+
+
+def flex_compiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flex_attention runs as the compiled kernel here: CUDA, a ``FLEX_DTYPES``
+    dtype and heads of at least ``FLEX_MIN_HEAD_DIM``."""
+    return (torch.device(device).type == "cuda" and dtype in FLEX_DTYPES
+            and head_dim >= FLEX_MIN_HEAD_DIM)
+
 
 def ragged_layout(
     new_lens: Sequence[int], cached_lens: Sequence[int], device: torch.device, block: int
@@ -51,14 +71,27 @@ def ragged_layout(
     ids that never match (-1 for rows, -2 for columns), so ``mask_mod`` is defined (and False)
     on the padding flex_attention evaluates at a ragged edge.
     """
-    def padded(values: list[int], fill: int) -> torch.Tensor:
-        values += [fill] * (-len(values) % block)
-        return torch.tensor(values, dtype=torch.long, device=device)
+    cpu = torch.device("cpu")  # explicit: a default device set by the caller must not apply
+    new = torch.tensor(new_lens, dtype=torch.long, device=cpu)
+    total = new + torch.tensor(cached_lens, dtype=torch.long, device=cpu)
+    reqs = torch.arange(len(new_lens), device=cpu)
 
-    q_req = [r for r, n in enumerate(new_lens) for _ in range(n)]
-    q_pos = [p for n, c in zip(new_lens, cached_lens) for p in range(c, c + n)]
-    k_req = [r for r, (n, c) in enumerate(zip(new_lens, cached_lens)) for _ in range(c + n)]
-    k_pos = [p for n, c in zip(new_lens, cached_lens) for p in range(c + n)]
+    def run_positions(lens: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Per index of runs of ``lens`` laid end to end: ``first`` of its run + its offset."""
+        starts = torch.cumsum(lens, 0) - lens
+        index = torch.arange(int(lens.sum()), device=cpu)
+        return index - torch.repeat_interleave(starts - first, lens)
+
+    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+        pad = values.new_full((-len(values) % block,), fill)
+        return torch.cat([values, pad]).to(device)
+
+    # Built with whole-tensor ops (a decode step of 256 requests at context 512 has 131,328
+    # keys: Python lists took 44 ms per step here), then moved to the device once.
+    q_req = torch.repeat_interleave(reqs, new)
+    q_pos = run_positions(new, total - new)  # request r's new tokens: cached_r, cached_r + 1, ...
+    k_req = torch.repeat_interleave(reqs, total)
+    k_pos = run_positions(total, torch.zeros_like(total))
     return padded(q_req, -1), padded(q_pos, 0), padded(k_req, -2), padded(k_pos, 0)
 
 
@@ -134,16 +167,25 @@ def ragged_block_mask(
 
 _COMPILED_FLEX: dict[str, Callable[..., torch.Tensor]] = {}
 
+compile_failure: str | None = None
+"""Why the compiled flex kernel failed in this process, if it did (then the padded call runs).
 
-def flex_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """flex_attention as it should run on ``device``: compiled to one fused Triton kernel on a
-    GPU for ``FLEX_DTYPES`` (``dynamic=True``, so a new batch shape does not recompile), eager
-    elsewhere (the CPU, or float64 tests on a GPU).
+torch 2.11 on an H200 compiled it for most steps but raised ``NoValidChoicesError`` for some
+small ones; a server must not stop on that, so the first failure switches the ragged call
+to the padded one for the rest of the process, with a warning that says why."""
+
+
+def flex_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int = FLEX_MIN_HEAD_DIM
+) -> Callable[..., torch.Tensor]:
+    """flex_attention as it should run on ``device``: compiled to one fused Triton kernel
+    where ``flex_compiles`` (``dynamic=True``, so a new batch shape does not recompile),
+    eager elsewhere (the CPU, float64 tests on a GPU, heads narrower than 16).
 
     Eager flex_attention is the unfused reference implementation (it materializes the
     scores and warns so): right for checking numbers, never fast.
     """
-    if device.type != "cuda" or dtype not in FLEX_DTYPES:
+    if not flex_compiles(device, dtype, head_dim):
         return flex_attention
     if "cuda" not in _COMPILED_FLEX:
         _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=True)
@@ -166,6 +208,29 @@ def flat_attention_flex(
     n_heads, head_dim = q.shape[1], q.shape[2]
     k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
     v = v_layer[key_slots].transpose(0, 1)[None]
-    attend = flex_kernel(q.device, q.dtype)
-    out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
+    attend = flex_kernel(q.device, q.dtype, head_dim)
+    if attend is not flex_attention and compile_failure is not None:
+        return _padded(q, batch, k_layer, v_layer)
+    try:
+        out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
+    except COMPILE_ERRORS as err:  # only the compiled kernel raises these
+        _compile_failed(err)
+        return _padded(q, batch, k_layer, v_layer)
     return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)
+
+
+def _compile_failed(err: BaseException) -> None:
+    """Remember (and say once) that the compiled kernel failed: the padded call takes over."""
+    global compile_failure
+    compile_failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+    warnings.warn(f"compiled flex_attention failed ({compile_failure}); attention='flex' runs "
+                  "the padded attention for the rest of this process", RuntimeWarning,
+                  stacklevel=3)
+
+
+def _padded(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    from minisrv.model.flat import flat_attention_padded  # flat imports this module
+
+    return flat_attention_padded(q, batch, k_layer, v_layer)

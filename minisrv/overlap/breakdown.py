@@ -37,7 +37,7 @@ PARTS: tuple[str, ...] = (
 * prepare inputs: ``backend.run`` without the forward and the sampling (building the flat
   batch of ids and KV slots);
 * forward: ``model.forward_flat``, the device's work (any other backend: all of its ``run``);
-* sample: ``sample_next`` for every request (greedy: argmax, read back to the CPU);
+* sample: ``sample_batch`` over the step's logits (greedy: one argmax, read back to the CPU);
 * process results: ``process_batch_result`` (append, stream, stop checks, free) without the
   cache inserts;
 * loop other: the rest of ``scheduler.step()`` (trace record, statistics).
@@ -150,7 +150,7 @@ def time_steps(
     Timed from outside the scheduler: its public calls (``step``, ``receive_arrivals``,
     ``get_next_batch_to_run``, ``process_batch_result``), the prefix cache's
     ``match_prefix`` and ``insert``, ``backend.run``, the model's ``forward_flat`` and
-    ``minisrv.backends.sample_next`` are shadowed by timing wrappers for the run and
+    ``minisrv.backends.sample_batch`` are shadowed by timing wrappers for the run and
     restored afterwards, so the engine is left as it was. A backend that is not a
     ``ModelBackend`` (a ``SimBackend``, a ``TimedBackend``) is the device as a whole: all
     of ``backend.run`` counts as its forward. On CUDA the forward is
@@ -193,7 +193,7 @@ def time_steps(
         patches += [
             (backend, "run", watch.wrap("prepare inputs", backend.run)),
             (model, "forward_flat", watch.wrap("forward", model.forward_flat, device=True)),
-            (backends, "sample_next", watch.wrap("sample", backends.sample_next)),
+            (backends, "sample_batch", watch.wrap("sample", backends.sample_batch)),
         ]
     with ExitStack() as stack:
         for obj, name, fn in patches:

@@ -20,14 +20,17 @@ which is discarded and counted in ``stats.wasted_tokens``. With
 step i+1 (its length is known before its token), so only ``<eos>`` costs a token.
 
 On the CPU the device thread is a worker thread (torch releases the GIL in its kernels;
-a ``TimedBackend`` sleeps). Steps run one after the other in that thread, which is what
-makes reusing a slot freed by step i safe in step i+1.
+a ``TimedBackend`` sleeps). On a GPU the same thread issues each step's kernels on its own
+CUDA stream, so the main thread's (and any other thread's) work on the default stream never
+waits behind a step, nor a step behind it. Steps run one after the other in that thread and
+on that stream, which is what makes reusing a slot freed by step i safe in step i+1.
 """
 
 from __future__ import annotations
 
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +96,7 @@ class OverlapScheduler(Scheduler):
         # Futures are resolved one step after they are handed out: two batches suffice.
         self.futures = FutureMap(4 * self.config.max_running)
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisrv-device")
+        self._stream = _step_stream(backend)
         self._inflight: _InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
         self.future_trace: list[FutureStep] = []  # one per step when config.record_trace
@@ -183,8 +187,12 @@ class OverlapScheduler(Scheduler):
         return _InFlight(batch, positions, before, result, inputs, futures)
 
     def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
-        """On the device thread: resolve futures, compute, store this step's tokens."""
-        result = self.backend.compute(prepared, self.futures.resolve)  # type: ignore[attr-defined]
+        """On the device thread (and its CUDA stream on a GPU): resolve futures, compute,
+        store this step's tokens. The sampled ids come back to the host, so the step's
+        kernels are done when this returns."""
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with stream:
+            result = self.backend.compute(prepared, self.futures.resolve)  # type: ignore[attr-defined]
         self.futures.store(future_ids, torch.tensor(result.next_tokens, dtype=torch.long))
         return result
 
@@ -293,3 +301,21 @@ class OverlapScheduler(Scheduler):
         for req, pos in zip(step.batch.reqs, step.positions, strict=True):
             if pos < len(req.output) and req.output[pos] < 0:
                 del req.output[pos:]
+
+
+def _step_stream(backend: Any) -> torch.cuda.Stream | None:
+    """A CUDA stream for the device thread's steps when ``backend`` computes on a GPU.
+
+    The stream first waits for everything queued so far on the default stream (the weights
+    and the KV pool may still be being written there). ``None`` on the CPU.
+    """
+    inner = backend
+    while getattr(inner, "inner", None) is not None:  # TimedBackend wraps another backend
+        inner = inner.inner
+    model = getattr(inner, "model", None)
+    device = getattr(model, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
