@@ -169,12 +169,16 @@ class ModelBackend:
                          [req.params for req in reqs], [self._generators[req] for req in reqs])
 
     def compute(
-        self, step: ModelStep, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        step: ModelStep,
+        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: Callable[[list[int]], None] | None = None,
     ) -> BatchResult:
         """The device half of ``run``: one flat forward, then sampling.
 
         ``resolve`` replaces future ids (< 0) by their tokens (``FutureMap.resolve``): one
-        ``torch.where`` over the step's input ids.
+        ``torch.where`` over the step's input ids. ``store`` receives the sampled tokens
+        before this returns (``FutureMap.store``): on a GPU part of the same step's work.
         """
         from minisrv.model import FlatBatch
 
@@ -186,6 +190,8 @@ class ModelBackend:
         flat = FlatBatch(new_ids, step.slots, self.model.device)
         logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
         tokens = sample_batch(logits, step.params, step.generators)
+        if store is not None:
+            store(tokens)
         return BatchResult(next_tokens=tokens, cost=float(flat.num_tokens), elapsed=1.0)
 
     def release(self, req: Req) -> None:
@@ -262,12 +268,18 @@ class SimBackend:
         return SimStep(tokens, new, attended, cached)
 
     def compute(
-        self, step: SimStep, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        step: SimStep,
+        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: Callable[[list[int]], None] | None = None,
     ) -> BatchResult:
-        """The device half of ``run``: the roofline time (no input ids are read)."""
+        """The device half of ``run``: the roofline time (no input ids are read); ``store``
+        receives the tokens, as ``ModelBackend.compute``'s does."""
         cost = step_cost_from_totals(
             self.cfg, self.gpu, step.new, step.attended, step.cached, self.dtype_bytes
         )
+        if store is not None:
+            store(step.tokens)
         return BatchResult(next_tokens=list(step.tokens), cost=cost.time_s, elapsed=cost.time_s)
 
     def release(self, req: Req) -> None:

@@ -105,7 +105,8 @@ class FlatBatch:
         self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)
-        self.slots = [torch.tensor(list(s), dtype=torch.long, device=self.device) for s in slots]
+        self._slot_lists = [list(s) for s in slots]  # tensors made only where an attention asks
+        self._slots: list[torch.Tensor] | None = None
         ends = list(itertools.accumulate(self.new_lens))
         self.starts = [end - n for end, n in zip(ends, self.new_lens)]
         self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
@@ -122,9 +123,17 @@ class FlatBatch:
         moved.device = device
         for name in ("ids", "positions", "write_slots", "last_rows"):
             setattr(moved, name, getattr(self, name).to(device))
-        moved.slots = [s.to(device) for s in self.slots]
+        moved._slots = None
         moved._padded = moved._flex = None
         return moved
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        """Each request's KV slots as a tensor on the batch's device (built on first use)."""
+        if self._slots is None:
+            self._slots = [torch.tensor(s, dtype=torch.long, device=self.device)
+                           for s in self._slot_lists]
+        return self._slots
 
     def __len__(self) -> int:
         """Requests in the batch."""
@@ -148,14 +157,13 @@ class FlatBatch:
             dev = self.device
             n_b = len(self.new_lens)
             t_max = max(self.new_lens)
-            s_max = max(len(s) for s in self.slots)
+            s_max = max(len(s) for s in self._slot_lists)
             row_b = torch.repeat_interleave(
                 torch.arange(n_b, device=dev), torch.tensor(self.new_lens, device=dev)
             )
             row_t = torch.cat([torch.arange(n, device=dev) for n in self.new_lens])
-            key_slots = torch.zeros(n_b, s_max, dtype=torch.long, device=dev)
-            for b, s in enumerate(self.slots):
-                key_slots[b, : s.shape[0]] = s
+            key_slots = torch.tensor([s + [0] * (s_max - len(s)) for s in self._slot_lists],
+                                     dtype=torch.long, device=dev)  # padded with slot 0
             cached = torch.tensor(self.cached_lens, device=dev)[:, None]
             last = torch.tensor(self.new_lens, device=dev)[:, None] - 1
             t = torch.arange(t_max, device=dev)[None, :]
@@ -174,7 +182,8 @@ class FlatBatch:
         """
         if self._flex is None:
             block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
-            self._flex = (torch.cat(self.slots), block_mask)
+            keys = [slot for s in self._slot_lists for slot in s]
+            self._flex = (torch.tensor(keys, dtype=torch.long, device=self.device), block_mask)
         return self._flex
 
     def __repr__(self) -> str:
@@ -214,18 +223,27 @@ def flat_attention_padded(
     decodes); ragged kernels (FlashInfer, ``flat_attention_flex``) avoid it on a GPU.
     """
     row_b, row_t, key_slots, mask = batch.padded_index()
-    n_b, t_max = key_slots.shape[0], mask.shape[2]
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    group = n_heads // k_layer.shape[1]
-    q_pad = q.new_zeros(n_b, t_max, n_heads, head_dim)
-    q_pad[row_b, row_t] = q
-    k = k_layer[key_slots].repeat_interleave(group, dim=2)  # [B, S_max, n_heads, head_dim]
-    v = v_layer[key_slots].repeat_interleave(group, dim=2)
+    n_b, s_max = key_slots.shape
+    t_max, n_heads, head_dim = mask.shape[2], q.shape[1], q.shape[2]
+    n_kv = k_layer.shape[1]
+    group = n_heads // n_kv
+    rows = row_b * t_max + row_t  # each flat token's row in the padded [B * T_max] block
+    q_pad = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, rows, q)
+    # Query heads that share a KV head sit side by side as extra query rows, so the pool's
+    # K/V are read once per KV head instead of being copied for each query head. index_select
+    # gathers a whole [B * S_max] row set in one call (several times faster than k_layer[idx]).
+    q_pad = q_pad.view(n_b, t_max, n_kv, group, head_dim).permute(0, 2, 1, 3, 4)
+    q_pad = q_pad.reshape(n_b, n_kv, t_max * group, head_dim)
+    flat_slots = key_slots.reshape(-1)
+    k = k_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
+    v = v_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
+    mask = mask[:, :, :, None].expand(n_b, 1, t_max, group, s_max)
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-    )  # [B, n_heads, T_max, head_dim]
-    out = out.transpose(1, 2)[row_b, row_t]  # [T, n_heads, head_dim]
-    return out.reshape(out.shape[0], n_heads * head_dim)
+        q_pad, k, v, attn_mask=mask.reshape(n_b, 1, t_max * group, s_max)
+    )  # [B, n_kv, T_max * group, head_dim]
+    out = out.view(n_b, n_kv, t_max, group, head_dim).permute(0, 2, 1, 3, 4)
+    out = out.reshape(n_b * t_max, n_heads * head_dim)
+    return out.index_select(0, rows)  # [T, n_heads * head_dim]
 
 
 ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {

@@ -29,6 +29,7 @@ on that stream, which is what makes reusing a slot freed by step i safe in step 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -147,9 +148,7 @@ class OverlapScheduler(Scheduler):
     def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
         """As the blocking loop; with ``skip_finishing_decode``, requests whose pending token
         is their last sit the step out (they finish when that token arrives)."""
-        if not self.config.skip_finishing_decode:
-            return super().prepare_decode()
-        ending = {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
+        ending = self._ending()
         if not ending:
             return super().prepare_decode()
         everyone = self.running
@@ -160,6 +159,34 @@ class OverlapScheduler(Scheduler):
             kept = {id(r) for r in self.running}
             self.running = [r for r in everyone if id(r) in ending or id(r) in kept]
         return decoding, retracted
+
+    def admit(self) -> list[Req]:
+        """As the blocking loop; with ``skip_finishing_decode``, the seats of requests that sit
+        the step out are free for newcomers.
+
+        Those requests finish when the step in flight returns, before the step being formed
+        runs, so the batch never exceeds ``max_running``. Their KV slots stay counted as used
+        until then (memory is not promised twice); only their seats are given away, which
+        keeps the overlapped loop from running a step with empty seats after every finish.
+        """
+        ending = self._ending()
+        if not ending:
+            return super().admit()
+        everyone = self.running
+        self.running = [r for r in everyone if id(r) not in ending]
+        kept = len(self.running)
+        try:
+            new = super().admit()
+        finally:
+            self.running = everyone + self.running[kept:]
+        return new
+
+    def _ending(self) -> set[int]:
+        """``id``s of running requests whose pending token is their last (with
+        ``skip_finishing_decode``; empty otherwise)."""
+        if not self.config.skip_finishing_decode:
+            return set()
+        return {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
 
     # ----------------------------------------------------------------- helpers
     def _form(self) -> Batch:
@@ -175,7 +202,8 @@ class OverlapScheduler(Scheduler):
     def _launch(self, batch: Batch) -> _InFlight:
         """Copy the batch's inputs, give each request a placeholder, start the device."""
         before = self._snapshot(batch)
-        inputs = tuple(req.output[-1] if req.output else req.prompt[-1] for req in batch.reqs)
+        inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
+                       for req in batch.reqs) if self.config.record_trace else ()
         prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
         future_ids = self.futures.reserve(len(batch))
         positions = []
@@ -188,13 +216,16 @@ class OverlapScheduler(Scheduler):
 
     def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
         """On the device thread (and its CUDA stream on a GPU): resolve futures, compute,
-        store this step's tokens. The sampled ids come back to the host, so the step's
-        kernels are done when this returns."""
+        store this step's tokens for the next step's futures, all as one step of the device.
+        The sampled ids come back to the host, so the step's kernels are done when this
+        returns."""
+
+        def store(tokens: list[int]) -> None:
+            self.futures.store(future_ids, torch.tensor(tokens, dtype=torch.long))
+
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
-            result = self.backend.compute(prepared, self.futures.resolve)  # type: ignore[attr-defined]
-        self.futures.store(future_ids, torch.tensor(result.next_tokens, dtype=torch.long))
-        return result
+            return self.backend.compute(prepared, self.futures.resolve, store)  # type: ignore[attr-defined]
 
     def _complete(self, step: _InFlight, stream: bool) -> StepRecord:
         """Wait for ``step``; put its tokens in place, stop the finished, stream, record."""
@@ -236,6 +267,7 @@ class OverlapScheduler(Scheduler):
         """The late stop check; returns (finished, (req, token) to stream, extra tokens)."""
         now, stops = self.clock, self.backend.eos_ids
         finished: list[Req] = []
+        finished_at: list[tuple[Req, int]] = []  # with the index of its token in req.output
         streamed: list[tuple[Req, int]] = []
         extra = 0
         for req, pos, token in zip(step.batch.reqs, step.positions, tokens, strict=True):
@@ -252,20 +284,20 @@ class OverlapScheduler(Scheduler):
             else:
                 continue
             finished.append(req)
+            finished_at.append((req, pos))
         done = {id(req) for req in finished}
         for req in step.batch.prefill:
             if id(req) not in done and req.state == ReqState.RUNNING:
                 self.memory.cache_unfinished(req)
-        last = {id(req): pos for req, pos in zip(step.batch.reqs, step.positions, strict=True)}
-        for req in finished:
-            self._finish(req, in_next_step=len(req.output) > last[id(req)] + 1)
+        requeued = False  # a finished request retracted meanwhile sits in the waiting queue
+        for req, pos in finished_at:
+            requeued |= req.state == ReqState.WAITING
+            self._finish(req, in_next_step=len(req.output) > pos + 1)
             self.stats.finished += 1
         if finished:
             self.running = [req for req in self.running if req.state == ReqState.RUNNING]
-            waiting = [req for req in self.waiting if req.state == ReqState.WAITING]
-            if len(waiting) != len(self.waiting):
-                self.waiting.clear()
-                self.waiting.extend(waiting)
+        if requeued:
+            self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
         self.stats.evicted_tokens = self.memory.evicted_tokens
         return finished, streamed, extra
 

@@ -86,8 +86,8 @@ class _TimedRun(NamedTuple):
         return (self.wall - self.busy) / self.steps
 
 
-def _serve_timed(step_time: float, overlap: bool, prompts: list[list[int]], output_len: int,
-                 max_running: int) -> _TimedRun:
+def _serve_timed(step_time: float, overlap: bool, prompts: list[list[int]],
+                 output_len: list[int], max_running: int) -> _TimedRun:
     """One run on ``TimedBackend(SimBackend(), step_time)``."""
     backend = TimedBackend(SimBackend(), step_time)
     engine = Engine(backend, mode="mixed", overlap=overlap, skip_finishing_decode=True,
@@ -98,7 +98,7 @@ def _serve_timed(step_time: float, overlap: bool, prompts: list[list[int]], outp
     return _TimedRun(wall, backend.busy, engine.stats.steps, outputs)
 
 
-def _best(step_time: float, overlap: bool, prompts: list[list[int]], output_len: int,
+def _best(step_time: float, overlap: bool, prompts: list[list[int]], output_len: list[int],
           max_running: int, repeats: int) -> _TimedRun:
     """The fastest of ``repeats`` runs (a shared machine only ever adds time)."""
     runs = [_serve_timed(step_time, overlap, prompts, output_len, max_running)
@@ -106,8 +106,8 @@ def _best(step_time: float, overlap: bool, prompts: list[list[int]], output_len:
     return min(runs, key=lambda run: run.wall)
 
 
-def _best_pair(step_time: float, prompts: list[list[int]], output_len: int, max_running: int,
-               repeats: int) -> tuple[_TimedRun, _TimedRun]:
+def _best_pair(step_time: float, prompts: list[list[int]], output_len: list[int],
+               max_running: int, repeats: int) -> tuple[_TimedRun, _TimedRun]:
     """The fastest blocking and the fastest overlapped of ``repeats`` runs each, taken in
     turns so that a busy moment of the machine falls on both loops alike."""
     block: list[_TimedRun] = []
@@ -118,9 +118,15 @@ def _best_pair(step_time: float, prompts: list[list[int]], output_len: int, max_
     return min(block, key=lambda run: run.wall), min(over, key=lambda run: run.wall)
 
 
-def timed_gain(shares: Sequence[float] = (0.1, 0.3, 0.6), n_requests: int = 256,
-               output_len: int = 32, max_running: int = 128, repeats: int = 3) -> pd.DataFrame:
+def timed_gain(shares: Sequence[float] = (0.1, 0.3, 0.6), n_requests: int = 1024,
+               output_len: int = 16, max_running: int = 128, repeats: int = 2) -> pd.DataFrame:
     """Blocking vs overlapped on a timed simulated device, one row per target CPU share.
+
+    The requests want ``output_len // 2`` to ``output_len // 2 + output_len`` tokens
+    (``output_len`` on average), spread evenly, so that after the first batch some
+    requests finish and others join in every step: the steady state of continuous batching,
+    which is what ``throughput_ratio`` describes (equal lengths would finish in waves, and
+    the step after each wave can only be formed once the wave is seen to finish).
 
     A first blocking run with a device that takes 1 ms measures the loop's CPU time per
     step: the time the device was *not* busy. For each share s the device step is set to
@@ -140,9 +146,10 @@ def timed_gain(shares: Sequence[float] = (0.1, 0.3, 0.6), n_requests: int = 256,
         if not 0 < share < 1:
             raise ValueError(f"each CPU share must lie strictly between 0 and 1, got {share!r}")
     prompts = [[0, *range(2, 2 + 32 + i % 32)] for i in range(n_requests)]
-    args = (prompts, output_len, max_running, repeats)
+    lengths = [max(1, output_len // 2 + (7 * i) % (output_len + 1)) for i in range(n_requests)]
+    args = (prompts, lengths, max_running, repeats)
     cpu = _best(1e-3, False, *args).outside
-    tokens = n_requests * output_len
+    tokens = sum(lengths)
     rows = []
     for share in shares:
         block, over = _best_pair(cpu * (1 - share) / share, *args)

@@ -73,10 +73,15 @@ class TimedBackend:
         """The inner backend's ``prepare`` (the CPU half of a step, not timed)."""
         return self.inner.prepare(batch)
 
-    def compute(self, step: Any, resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> BatchResult:
-        """The inner backend's ``compute``, returned ``step_time`` seconds after the call."""
-        return self._timed(lambda: self.inner.compute(step, resolve))
+    def compute(
+        self,
+        step: Any,
+        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: Callable[[list[int]], None] | None = None,
+    ) -> BatchResult:
+        """The inner backend's ``compute``, returned ``step_time`` seconds after the call
+        (``store`` included: on a GPU, writing the step's tokens is part of the step)."""
+        return self._timed(lambda: self.inner.compute(step, resolve, store))
 
     def _timed(self, work: Callable[[], BatchResult]) -> BatchResult:
         start = time.perf_counter()
