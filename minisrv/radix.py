@@ -217,7 +217,8 @@ class RadixCache(PrefixCache):
             walker.lock_ref += 1
             length += len(walker.key)
             walker = walker.parent
-        self._report("lock", tag, length, self._path_to(node), ())
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("lock", tag, length, self._path_to(node), ())
 
     def unlock(self, node: TreeNode, *, tag: str = "") -> None:
         """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
@@ -235,7 +236,8 @@ class RadixCache(PrefixCache):
                     self._push(walker)
             length += len(walker.key)
             walker = walker.parent
-        self._report("unlock", tag, length, self._path_to(node), ())
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("unlock", tag, length, self._path_to(node), ())
 
     def _check_live(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):

@@ -61,8 +61,9 @@ class KVManager:
         """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
         compute (the forward over that token yields the logits of the next one)."""
         tokens = req.prompt[:-1] if not req.output else [*req.prompt, *req.output][:-1]
-        match = self.tree.match_prefix(tokens, tag=_tag(req))
-        self.tree.lock(match.node, tag=_tag(req))
+        tag = _tag(req)
+        match = self.tree.match_prefix(tokens, tag=tag)
+        self.tree.lock(match.node, tag=tag)
         return match
 
     def allocate(self, req: Req, match: MatchResult) -> bool:
@@ -96,7 +97,7 @@ class KVManager:
         then ``req`` locks the longer prefix and releases the old lock.
         """
         tree, tag = self.tree, _tag(req)
-        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]  # a tuple: the tree's key type
         already = tree.insert(tokens, req.kv_slots, tag=tag)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
@@ -114,7 +115,7 @@ class KVManager:
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
         (with ``NoCache`` that is all of them).
         """
-        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]
         already = self.tree.insert(tokens, req.kv_slots, tag=_tag(req))
         self.kv.free(req.kv_slots[req.cached_len:already])
         self._unlock(req)
