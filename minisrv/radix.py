@@ -82,6 +82,8 @@ class RadixCache(PrefixCache):
         self._protected = 0
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
+        self._shape = 0  # bumped whenever a node is added, split or removed
+        self._last: tuple[Any, ...] = ((), -1)  # (key, shape, walk result) of the last match
 
     # ----------------------------------------------------------------- lookups
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -101,9 +103,13 @@ class RadixCache(PrefixCache):
         """
         key = tuple(tokens)
         self.clock += 1
-        node, length, values, path, split = self._walk(key, collect=True)
+        if key is self._last[0] and self._shape == self._last[1]:
+            node, length, values, path, split = self._rewalk(*self._last[2:])
+        else:
+            node, length, values, path, split = self._walk(key, collect=True)
+            self._last = (key, self._shape, node, length, values, path)
         self._report("match", tag, length, path, split)
-        return MatchResult(length, node, values)
+        return MatchResult(length, node, list(values))
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "") -> int:
@@ -133,6 +139,7 @@ class RadixCache(PrefixCache):
             leaf = TreeNode(next(self._ids), key[length:], vals[length:], node, self.clock)
             node.children[key[length]] = leaf
             self.n_nodes += 1
+            self._shape += 1
             self._evictable += len(leaf.key)
             self._push(leaf)
             inserted = (leaf.id,)
@@ -180,6 +187,20 @@ class RadixCache(PrefixCache):
                 break
         return node, pos, values, tuple(path), tuple(split)
 
+    def _rewalk(self, node: TreeNode, length: int, values: list[Any], path: tuple[int, ...]
+                ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """``_walk`` again for the same key object in a tree of the same shape: the same path,
+        so only its LRU stamps are renewed, without comparing tokens again. The scheduler asks
+        this at every step for the request at the head of the queue while it does not fit."""
+        walker = node
+        while walker is not self.root:
+            walker.last_access = self.clock
+            if not walker.children:
+                self._push(walker)
+            walker = walker.parent
+        self.root.last_access = self.clock
+        return node, length, values, path, ()
+
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
 
@@ -199,6 +220,7 @@ class RadixCache(PrefixCache):
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
         self.n_nodes += 1
+        self._shape += 1
         return upper
 
     # ------------------------------------------------------------ reference counts
@@ -276,6 +298,7 @@ class RadixCache(PrefixCache):
             node.removed = True
             node.parent = None
             self.n_nodes -= 1
+            self._shape += 1
             self._evictable -= len(node.key)
             freed += len(node.key)
             if self.on_evict is not None:

@@ -40,6 +40,7 @@ class KVManager:
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
         self.tree: PrefixCache = make_cache(cache, on_evict=allocator.free)
         self.evicted_tokens = 0
+        self._last_query: tuple[Req | None, int, tuple[int, ...]] = (None, 0, ())
 
     @property
     def free_count(self) -> int:
@@ -60,11 +61,18 @@ class KVManager:
     def match(self, req: Req) -> MatchResult:
         """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
         compute (the forward over that token yields the logits of the next one)."""
-        tokens = req.prompt[:-1] if not req.output else [*req.prompt, *req.output][:-1]
         tag = _tag(req)
-        match = self.tree.match_prefix(tokens, tag=tag)
+        match = self.tree.match_prefix(self._query(req), tag=tag)
         self.tree.lock(match.node, tag=tag)
         return match
+
+    def _query(self, req: Req) -> tuple[int, ...]:
+        """``req``'s tokens but the last, the same tuple object while they stay the same: a
+        request that does not fit is matched again at every step, and the tree skips the walk
+        when asked the same object twice with nothing changed in between."""
+        if self._last_query[0] is not req or self._last_query[1] != len(req.output):
+            self._last_query = (req, len(req.output), (*req.prompt, *req.output)[:-1])
+        return self._last_query[2]
 
     def allocate(self, req: Req, match: MatchResult) -> bool:
         """Give ``req`` the matched prefix plus fresh slots for the rest; False (changing
