@@ -67,7 +67,9 @@ class RadixCache(PrefixCache):
     per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
     keeps a lazy heap of (last access, node) entries: an entry whose node has since been
     touched, locked, extended or removed is skipped when popped, so no operation scans the
-    whole tree (the heap is compacted when stale entries outnumber the nodes).
+    whole tree (the heap is compacted when stale entries outnumber the nodes). A
+    ``match_prefix`` given the very tuple of the previous one, with no node added, split or
+    removed since, only renews the LRU stamps of the path it found then (O(depth)).
     """
 
     def __init__(self, on_evict: EvictCallback | None = None,
@@ -83,7 +85,7 @@ class RadixCache(PrefixCache):
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
         self._shape = 0  # bumped whenever a node is added, split or removed
-        self._last: tuple[Any, ...] = ((), -1)  # (key, shape, walk result) of the last match
+        self._last: tuple[Any, ...] = (None, -1)  # (key, shape, walk result) of the last match
 
     # ----------------------------------------------------------------- lookups
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -103,7 +105,7 @@ class RadixCache(PrefixCache):
         """
         key = tuple(tokens)
         self.clock += 1
-        if key is self._last[0] and self._shape == self._last[1]:
+        if key is self._last[0] and self._shape == self._last[1]:  # asked again, tree unchanged
             node, length, values, path, split = self._rewalk(*self._last[2:])
         else:
             node, length, values, path, split = self._walk(key, collect=True)

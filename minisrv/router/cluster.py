@@ -137,12 +137,12 @@ class _ClusterLoop:
     def __init__(self, engines: Sequence[Engine], router: Router, workload: Workload) -> None:
         self.engines, self.router, self.workload = list(engines), router, workload
         n = len(workload)
-        # Python floats: a workload may hold a numpy array, whose scalars are slow to compare
+        # Python floats whatever the workload holds (numpy scalars compare slowly)
         self.arrivals = [float(t) for t in workload.arrivals]
         self.order = sorted(range(n), key=lambda i: (self.arrivals[i], i))
         # rid = workload index, unique over the cluster; the latency counts from the arrival
         self.pending = [
-            Req(rid=i, prompt=workload.prompts[i], arrival=self.arrivals[i],
+            Req(rid=i, prompt=list(workload.prompts[i]), arrival=self.arrivals[i],
                 params=SamplingParams(max_new_tokens=workload.output_lens[i]))
             for i in range(n)
         ]

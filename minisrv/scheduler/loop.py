@@ -129,8 +129,7 @@ class Scheduler(ConfigView):
 
     def enqueue(self, req: Req) -> None:
         """``submit`` without ``check``, for a caller that already checked ``req`` (a cluster
-        checks every request once before anything runs; checking again costs a scan of each
-        prompt, a sizeable share of a large simulation)."""
+        checks each request once, up front; a second scan of every prompt costs real time)."""
         req.state = ReqState.PENDING
         heapq.heappush(self._pending, (req.arrival, next(self._order), req))
 
@@ -388,17 +387,12 @@ class Scheduler(ConfigView):
 
     def _snapshot(self, batch: Batch) -> dict[str, Any]:
         """The trace fields known before the backend runs the step."""
-        running = self.running
-        if len(batch) == len(running):  # everyone computes (the batch is drawn from running)
-            paused: tuple[int, ...] = ()
-        else:
-            computing = {id(req) for req in batch.reqs}
-            paused = tuple(r.rid for r in running if id(r) not in computing)
+        computing = {id(req) for req in batch.reqs}
         return {
             "start": self.clock,
             "prefill": tuple(req.rid for req in batch.prefill),
             "decode": tuple(req.rid for req in batch.decode),
-            "paused": paused,
+            "paused": tuple(r.rid for r in self.running if id(r) not in computing),
             "kv_reserved": self.kv_reserved,
             "kv_used": self.kv.used_count,
             "new_token_ratio": self.new_token_ratio,
