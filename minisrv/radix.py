@@ -109,9 +109,9 @@ class RadixCache(PrefixCache):
             node, length, values, path, split = self._rewalk(*self._last[2:])
         else:
             node, length, values, path, split = self._walk(key, collect=True)
-            self._last = (key, self._shape, node, length, values, path)
+            self._last = (key, self._shape, node, length, path)
         self._report("match", tag, length, path, split)
-        return MatchResult(length, node, list(values))
+        return MatchResult(length, node, values)
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "") -> int:
@@ -127,18 +127,15 @@ class RadixCache(PrefixCache):
             rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
         """
         key = tuple(tokens)
-        if values is None:
-            vals: list[Any] = [None] * len(key)
-        else:
-            vals = list(values)
-            if len(vals) != len(key):
-                raise ValueError(f"insert got {len(key)} tokens but {len(vals)} values; "
-                                 "give one value (KV slot) per token")
+        if values is not None and len(values) != len(key):
+            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         inserted: tuple[int, ...] = ()
         if length < len(key):
-            leaf = TreeNode(next(self._ids), key[length:], vals[length:], node, self.clock)
+            vals = [None] * (len(key) - length) if values is None else list(values[length:])
+            leaf = TreeNode(next(self._ids), key[length:], vals, node, self.clock)
             node.children[key[length]] = leaf
             self.n_nodes += 1
             self._shape += 1
@@ -189,18 +186,24 @@ class RadixCache(PrefixCache):
                 break
         return node, pos, values, tuple(path), tuple(split)
 
-    def _rewalk(self, node: TreeNode, length: int, values: list[Any], path: tuple[int, ...]
+    def _rewalk(self, node: TreeNode, length: int, path: tuple[int, ...]
                 ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
         """``_walk`` again for the same key object in a tree of the same shape: the same path,
-        so only its LRU stamps are renewed, without comparing tokens again. The scheduler asks
-        this at every step for the request at the head of the queue while it does not fit."""
+        so only its LRU stamps are renewed and its values gathered, without comparing tokens
+        again. The scheduler asks this at every step for the request at the head of the queue
+        while it does not fit."""
+        nodes: list[TreeNode] = []
         walker = node
         while walker is not self.root:
             walker.last_access = self.clock
             if not walker.children:
                 self._push(walker)
+            nodes.append(walker)
             walker = walker.parent
         self.root.last_access = self.clock
+        values: list[Any] = []
+        for walker in reversed(nodes):
+            values.extend(walker.value)
         return node, length, values, path, ()
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
