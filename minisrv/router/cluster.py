@@ -140,9 +140,11 @@ class _ClusterLoop:
         # Python floats whatever the workload holds (numpy scalars compare slowly)
         self.arrivals = [float(t) for t in workload.arrivals]
         self.order = sorted(range(n), key=lambda i: (self.arrivals[i], i))
-        # rid = workload index, unique over the cluster; the latency counts from the arrival
+        # rid = workload index, unique over the cluster; the latency counts from the arrival.
+        # A prompt that is a list already is shared, not copied: nothing writes to a prompt, and
+        # thousands of long copies would only double what the garbage collector traverses.
         self.pending = [
-            Req(rid=i, prompt=list(workload.prompts[i]), arrival=self.arrivals[i],
+            Req(rid=i, prompt=_as_list(workload.prompts[i]), arrival=self.arrivals[i],
                 params=SamplingParams(max_new_tokens=workload.output_lens[i]))
             for i in range(n)
         ]
@@ -246,3 +248,7 @@ class _ClusterLoop:
             load_trace=np.asarray(self.trace, dtype=int).reshape(len(self.times), n_workers),
             decisions=dict(self.router.decisions),
         )
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    return tokens if isinstance(tokens, list) else list(tokens)
