@@ -69,7 +69,8 @@ class KVManager:
     def _query(self, req: Req) -> tuple[int, ...]:
         """``req``'s tokens but the last, the same tuple object while they stay the same: a
         request that does not fit is matched again at every step, and the tree skips the walk
-        when asked the same object twice with nothing changed in between."""
+        when asked the same object twice with nothing changed in between. Its output changes
+        only in length, or in its last token (the overlapped loop's placeholder), left out."""
         if self._last_query[0] is not req or self._last_query[1] != len(req.output):
             self._last_query = (req, len(req.output), (*req.prompt, *req.output)[:-1])
         return self._last_query[2]
