@@ -7,6 +7,20 @@ per second, the time spent in the router alone, and, for the record, the simulat
 throughput of each policy relative to round robin.
 
     python benchmarks/bench_router.py [--requests 4000] [--rate 300] [--repeats 1]
+
+Measured on the book's 2-core machine (best of 3, one core, the other shared), before and
+after making the simulator lean (identical results, float for float):
+
+    policy         before   after
+    round-robin    4.93 s   2.66 s
+    least-load     5.01 s   2.76 s
+    cache-aware    3.45 s   2.18 s
+
+The time went to sorting slots on every free (now a numpy stack with a counting check), to
+re-walking the radix tree for the request at the head of the queue at every step it did not
+fit (now the tree renews that path's LRU stamps without comparing tokens), to checking each
+request twice, to step traces nobody reads, and to prompt-sized copies. On a busy machine
+both versions slow down alike: after / before stays about 0.5-0.65.
 """
 
 from __future__ import annotations

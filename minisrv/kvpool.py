@@ -34,35 +34,36 @@ class SlotAllocator:
     def __init__(self, capacity: int) -> None:
         check_int("capacity", capacity, minimum=1)
         self.capacity = capacity
-        # A stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ...
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        # A stack of free slots, its top at ``_stack[_n_free - 1]``; reversed so a fresh pool
+        # hands out 0, 1, 2, ... A numpy array, so a prefill's thousands of slots move in one
+        # slice instead of being converted between Python ints and array indices one by one.
+        self._stack = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._n_free = capacity
         self._used = np.zeros(capacity, dtype=bool)  # True where the slot is handed out
 
     @property
     def free_count(self) -> int:
         """Slots available to ``alloc``."""
-        return len(self._free)
+        return self._n_free
 
     @property
     def used_count(self) -> int:
         """Slots handed out and not yet freed."""
-        return self.capacity - len(self._free)
+        return self.capacity - self._n_free
 
     def alloc(self, n: int) -> list[int]:
         """``n`` free slots (n may be 0); ValueError, changing nothing, if fewer are free."""
         n = check_int("alloc's slot count", n, minimum=0)
-        if n > len(self._free):
+        top = self._n_free
+        if n > top:
             raise ValueError(
-                f"KV pool exhausted: asked for {n} slots, only {len(self._free)} of "
+                f"KV pool exhausted: asked for {n} slots, only {top} of "
                 f"{self.capacity} are free"
             )
-        if n == 0:
-            return []
-        slots = self._free[-n:]
-        del self._free[-n:]
-        slots.reverse()
+        slots = self._stack[top - n:top][::-1]  # popped from the top, the top first
         self._used[slots] = True
-        return slots
+        self._n_free = top - n
+        return slots.tolist()
 
     def free(self, slots: Iterable[int]) -> None:
         """Give ``slots`` back. Rejects foreign slots and double frees before freeing any."""
@@ -70,16 +71,23 @@ class SlotAllocator:
             else np.asarray(slots, dtype=np.int64)
         if index.size == 0:
             return
-        outside = (index < 0) | (index >= self.capacity)
-        if outside.any():
-            s = int(index[np.argmax(outside)])
+        if index.min() < 0 or index.max() >= self.capacity:
+            s = int(index[np.argmax((index < 0) | (index >= self.capacity))])
             raise ValueError(f"slot {s} does not belong to this pool (0..{self.capacity - 1})")
-        unused = ~self._used[index]
-        if unused.any() or np.unique(index).size != index.size:
-            s = int(index[np.argmax(unused)]) if unused.any() else _first_repeat(index.tolist())
+        used = self._used[index]
+        if not used.all():
+            s = int(index[np.argmin(used)])
             raise ValueError(f"slot {s} is not in use: double free or never allocated")
         self._used[index] = False
-        self._free.extend(index[::-1].tolist())
+        # Clearing n distinct used slots leaves exactly n fewer in use; a slot listed twice
+        # leaves fewer cleared. Counting the flags is one cheap pass, unlike sorting the slots.
+        if np.count_nonzero(self._used) != self.used_count - index.size:
+            self._used[index] = True  # all were in use: put them back, change nothing
+            s = _first_repeat(index.tolist())
+            raise ValueError(f"slot {s} is not in use: double free or never allocated")
+        top = self._n_free
+        self._stack[top:top + index.size] = index[::-1]  # pushed in order, the last on top
+        self._n_free = top + index.size
 
     def is_used(self, slot: int) -> bool:
         """True while ``slot`` is handed out."""

@@ -67,7 +67,9 @@ class RadixCache(PrefixCache):
     per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
     keeps a lazy heap of (last access, node) entries: an entry whose node has since been
     touched, locked, extended or removed is skipped when popped, so no operation scans the
-    whole tree (the heap is compacted when stale entries outnumber the nodes).
+    whole tree (the heap is compacted when stale entries outnumber the nodes). A
+    ``match_prefix`` given the very tuple of the previous one, with no node added, split or
+    removed since, only renews the LRU stamps of the path it found then (O(depth)).
     """
 
     def __init__(self, on_evict: EvictCallback | None = None,
@@ -82,6 +84,8 @@ class RadixCache(PrefixCache):
         self._protected = 0
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
+        self._shape = 0  # bumped whenever a node is added, split or removed
+        self._last: tuple[Any, ...] = (None, -1)  # (key, shape, walk result) of the last match
 
     # ----------------------------------------------------------------- lookups
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -101,7 +105,11 @@ class RadixCache(PrefixCache):
         """
         key = tuple(tokens)
         self.clock += 1
-        node, length, values, path, split = self._walk(key, collect=True)
+        if key is self._last[0] and self._shape == self._last[1]:  # asked again, tree unchanged
+            node, length, values, path, split = self._rewalk(*self._last[2:])
+        else:
+            node, length, values, path, split = self._walk(key, collect=True)
+            self._last = (key, self._shape, node, length, path)
         self._report("match", tag, length, path, split)
         return MatchResult(length, node, values)
 
@@ -119,20 +127,18 @@ class RadixCache(PrefixCache):
             rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
         """
         key = tuple(tokens)
-        if values is None:
-            vals: list[Any] = [None] * len(key)
-        else:
-            vals = list(values)
-            if len(vals) != len(key):
-                raise ValueError(f"insert got {len(key)} tokens but {len(vals)} values; "
-                                 "give one value (KV slot) per token")
+        if values is not None and len(values) != len(key):
+            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         inserted: tuple[int, ...] = ()
         if length < len(key):
-            leaf = TreeNode(next(self._ids), key[length:], vals[length:], node, self.clock)
+            vals = [None] * (len(key) - length) if values is None else list(values[length:])
+            leaf = TreeNode(next(self._ids), key[length:], vals, node, self.clock)
             node.children[key[length]] = leaf
             self.n_nodes += 1
+            self._shape += 1
             self._evictable += len(leaf.key)
             self._push(leaf)
             inserted = (leaf.id,)
@@ -180,6 +186,26 @@ class RadixCache(PrefixCache):
                 break
         return node, pos, values, tuple(path), tuple(split)
 
+    def _rewalk(self, node: TreeNode, length: int, path: tuple[int, ...]
+                ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """``_walk`` again for the same key object in a tree of the same shape: the same path,
+        so only its LRU stamps are renewed and its values gathered, without comparing tokens
+        again. The scheduler asks this at every step for the request at the head of the queue
+        while it does not fit."""
+        nodes: list[TreeNode] = []
+        walker = node
+        while walker is not self.root:
+            walker.last_access = self.clock
+            if not walker.children:
+                self._push(walker)
+            nodes.append(walker)
+            walker = walker.parent
+        self.root.last_access = self.clock
+        values: list[Any] = []
+        for walker in reversed(nodes):
+            values.extend(walker.value)
+        return node, length, values, path, ()
+
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
 
@@ -199,6 +225,7 @@ class RadixCache(PrefixCache):
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
         self.n_nodes += 1
+        self._shape += 1
         return upper
 
     # ------------------------------------------------------------ reference counts
@@ -217,7 +244,8 @@ class RadixCache(PrefixCache):
             walker.lock_ref += 1
             length += len(walker.key)
             walker = walker.parent
-        self._report("lock", tag, length, self._path_to(node), ())
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("lock", tag, length, self._path_to(node), ())
 
     def unlock(self, node: TreeNode, *, tag: str = "") -> None:
         """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
@@ -235,7 +263,8 @@ class RadixCache(PrefixCache):
                     self._push(walker)
             length += len(walker.key)
             walker = walker.parent
-        self._report("unlock", tag, length, self._path_to(node), ())
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("unlock", tag, length, self._path_to(node), ())
 
     def _check_live(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):
@@ -274,6 +303,7 @@ class RadixCache(PrefixCache):
             node.removed = True
             node.parent = None
             self.n_nodes -= 1
+            self._shape += 1
             self._evictable -= len(node.key)
             freed += len(node.key)
             if self.on_evict is not None:

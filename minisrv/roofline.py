@@ -24,6 +24,7 @@ simulated backend, which needs a step time that reacts to batch composition.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -66,6 +67,16 @@ def attention_flops_per_pair(cfg: ModelConfig) -> int:
     return cfg.n_layers * cfg.n_heads * 2 * (qk + v)
 
 
+@functools.lru_cache(maxsize=64)
+def _model_rates(cfg: ModelConfig, dtype_bytes: float) -> tuple[float, float, float, float]:
+    """FLOPs per new token (2 x active parameters), FLOPs per attended pair, weight bytes and
+    KV bytes per token: what a step's cost multiplies its totals by. They depend only on the
+    model and the width, so they are worked out once, not on each of the tens of thousands
+    of steps a simulation asks for."""
+    return (2.0 * cfg.active_param_count, float(attention_flops_per_pair(cfg)),
+            weight_bytes(cfg, dtype_bytes), float(kv_bytes_per_token(cfg, dtype_bytes)))
+
+
 def step_cost_from_totals(
     cfg: ModelConfig,
     gpu: GPUSpec,
@@ -89,10 +100,9 @@ def step_cost_from_totals(
         )
     if cached_tokens < 0:
         raise ValueError(f"cached_tokens must be >= 0, got {cached_tokens}")
-    kv_token = kv_bytes_per_token(cfg, dtype_bytes)
-    flops = 2.0 * cfg.active_param_count * new_tokens
-    flops += float(attention_flops_per_pair(cfg)) * attended_pairs
-    traffic = weight_bytes(cfg, dtype_bytes) + float(kv_token) * (cached_tokens + new_tokens)
+    per_token, per_pair, weights, kv_token = _model_rates(cfg, check_dtype_bytes(dtype_bytes))
+    flops = per_token * new_tokens + per_pair * attended_pairs
+    traffic = weights + kv_token * (cached_tokens + new_tokens)
     compute_s = flops / gpu.flops
     memory_s = traffic / gpu.bandwidth
     return StepCost(max(compute_s, memory_s), compute_s, memory_s, flops, traffic)

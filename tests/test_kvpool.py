@@ -35,6 +35,16 @@ def test_asking_for_too_much_raises_and_changes_nothing() -> None:
     assert len(alloc.alloc(2)) == 2
 
 
+def test_freed_slots_come_back_first_in_the_order_they_were_freed() -> None:
+    alloc = SlotAllocator(8)
+    held = alloc.alloc(6)
+    alloc.free([held[4], held[1], held[2]])
+    assert alloc.alloc(2) == [held[4], held[1]] and alloc.alloc(2) == [held[2], 6]
+    with pytest.raises(ValueError, match="slot 3 is not in use"):
+        alloc.free([held[3], held[3]])  # a repeat within one call: nothing is freed
+    assert alloc.used_count == 7 and alloc.is_used(3) and alloc.alloc(1) == [7]
+
+
 @pytest.mark.parametrize("bad", [[7], [-1], [1], [0, 0]])
 def test_foreign_or_double_free_raises_and_changes_nothing(bad: list[int]) -> None:
     alloc = SlotAllocator(5)

@@ -8,7 +8,7 @@ checks, after every random operation, that the tree answers exactly as the set w
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -228,6 +228,44 @@ def test_the_recorder_keeps_a_snapshot_per_operation() -> None:
     assert len(recorder.events[-1].tree) == 3 and recorder.events[0].step == 1
     with pytest.raises(ValueError, match="only a RadixCache"):
         TreeRecorder(NoCache())
+
+
+ops_st = st.lists(st.one_of(
+    st.tuples(st.just("insert"), tokens_st), st.tuples(st.just("match"), tokens_st),
+    st.tuples(st.just("again"), st.just([])), st.tuples(st.just("evict"), st.integers(0, 6)),
+    st.tuples(st.just("lock"), st.just([])), st.tuples(st.just("unlock"), st.just([])),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops_st)
+def test_asking_the_same_query_again_equals_a_fresh_walk(ops) -> None:
+    """A match given the previous query's very tuple may skip the walk; the tree must end up
+    exactly as if it had walked: same answers, LRU stamps, locks and eviction order."""
+    memo, fresh = RadixCache(), RadixCache()  # fresh is only ever asked with new tuples
+    freed: tuple[list[object], list[object]] = ([], [])
+    memo.on_evict, fresh.on_evict = freed[0].extend, freed[1].extend
+    last, locked = (), []
+    for op, arg in ops:
+        if op == "insert":
+            assert memo.insert(arg, list(arg)) == fresh.insert(arg, list(arg))
+        elif op in ("match", "again"):
+            last = last if op == "again" else tuple(arg)
+            got, want = memo.match_prefix(last), fresh.match_prefix(list(last))
+            assert (got.length, got.node.id, got.values) == (want.length, want.node.id,
+                                                              want.values)
+            locked.append((got.node, want.node))
+        elif op == "evict":
+            assert memo.evict(arg) == fresh.evict(arg)
+        elif locked:
+            a, b = locked.pop()
+            if op == "lock" and not a.removed:
+                memo.lock(a), fresh.lock(b)
+            elif op == "unlock" and a.lock_ref > 0:
+                memo.unlock(a), fresh.unlock(b)
+        assert memo.snapshot() == fresh.snapshot()
+        assert freed[0] == freed[1]
+    assert memo.evict(10**6) == fresh.evict(10**6) and freed[0] == freed[1]
 
 
 def test_many_touches_keep_the_eviction_heap_small() -> None:

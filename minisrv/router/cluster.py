@@ -83,8 +83,8 @@ def run_cluster(engines: Sequence[Engine], router: Router, workload: Workload) -
     if any(not e.scheduler.idle or e.scheduler.clock != 0 for e in engines) or any(router.loads):
         raise ValueError("run_cluster needs fresh engines (clock 0, nothing queued) and router")
     loop = _ClusterLoop(engines, router, workload)
-    for req in loop.pending:  # a request no worker could serve fails here, before any runs
-        engines[0].scheduler.check(req)
+    for req in loop.pending:  # a request no worker could serve fails here, before any runs;
+        engines[0].scheduler.check(req)  # so routing later enqueues it without a second check
     loop.run()
     return loop.result()
 
@@ -105,9 +105,11 @@ def simulate_cluster(
     each, at most ``max_running`` requests each) behind a ``Router(n_workers, policy,
     **router_options)``; ``workload`` arrivals in seconds."""
     router = Router(n_workers, policy, **router_options)
+    # No step traces: nobody can read these engines' (the result keeps only the requests),
+    # and tens of thousands of records would only cost time and memory.
     engines = [
         Engine(SimBackend(cfg, gpu, dtype_bytes), kv_capacity=kv_capacity,
-               max_running=max_running, cache="radix", admission=admission)
+               max_running=max_running, cache="radix", admission=admission, record_trace=False)
         for _ in range(n_workers)
     ]
     return run_cluster(engines, router, workload)
@@ -135,10 +137,14 @@ class _ClusterLoop:
     def __init__(self, engines: Sequence[Engine], router: Router, workload: Workload) -> None:
         self.engines, self.router, self.workload = list(engines), router, workload
         n = len(workload)
-        self.order = sorted(range(n), key=lambda i: (workload.arrivals[i], i))
-        # rid = workload index, unique over the cluster; the latency counts from the arrival
+        # Python floats whatever the workload holds (numpy scalars compare slowly)
+        self.arrivals = [float(t) for t in workload.arrivals]
+        self.order = sorted(range(n), key=lambda i: (self.arrivals[i], i))
+        # rid = workload index, unique over the cluster; the latency counts from the arrival.
+        # A prompt that is a list already is shared, not copied: nothing writes to a prompt, and
+        # thousands of long copies would only double what the garbage collector traverses.
         self.pending = [
-            Req(rid=i, prompt=list(workload.prompts[i]), arrival=float(workload.arrivals[i]),
+            Req(rid=i, prompt=_as_list(workload.prompts[i]), arrival=self.arrivals[i],
                 params=SamplingParams(max_new_tokens=workload.output_lens[i]))
             for i in range(n)
         ]
@@ -150,7 +156,7 @@ class _ClusterLoop:
         self.trace: list[tuple[int, ...]] = []
 
     def run(self) -> None:
-        arrivals, order = self.workload.arrivals, self.order
+        arrivals, order = self.arrivals, self.order
         nxt = 0
         while True:
             worker, ready = self._next_worker()
@@ -185,7 +191,7 @@ class _ClusterLoop:
         w = self.router.route(req.prompt)
         # The engine's clock may be past ``t`` (it is mid-step): the request then joins at its
         # next step, and its latency still counts from ``t``.
-        self.engines[w].scheduler.submit(req)
+        self.engines[w].scheduler.enqueue(req)  # checked in run_cluster
         self.requests[i], self.workers[i] = req, w
         self.wake[w] = min(self.wake[w], t)
         self._record(t)
@@ -242,3 +248,7 @@ class _ClusterLoop:
             load_trace=np.asarray(self.trace, dtype=int).reshape(len(self.times), n_workers),
             decisions=dict(self.router.decisions),
         )
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    return tokens if isinstance(tokens, list) else list(tokens)

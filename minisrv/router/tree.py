@@ -35,7 +35,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     about a dozen slice comparisons instead of a 2,000-step Python loop.
     """
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):  # no needless copy
         return n
     low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
     while high - low > 1:

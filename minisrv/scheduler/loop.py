@@ -125,6 +125,11 @@ class Scheduler(ConfigView):
     def submit(self, req: Req) -> None:
         """Queue ``req`` to arrive at ``req.arrival`` on the scheduler's clock."""
         self.check(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """``submit`` without ``check``, for a caller that already checked ``req`` (a cluster
+        checks each request once, up front; a second scan of every prompt costs real time)."""
         req.state = ReqState.PENDING
         heapq.heappush(self._pending, (req.arrival, next(self._order), req))
 

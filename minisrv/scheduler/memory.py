@@ -40,6 +40,7 @@ class KVManager:
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
         self.tree: PrefixCache = make_cache(cache, on_evict=allocator.free)
         self.evicted_tokens = 0
+        self._last_query: tuple[Req | None, int, tuple[int, ...]] = (None, 0, ())
 
     @property
     def free_count(self) -> int:
@@ -60,10 +61,19 @@ class KVManager:
     def match(self, req: Req) -> MatchResult:
         """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
         compute (the forward over that token yields the logits of the next one)."""
-        tokens = req.prompt[:-1] if not req.output else [*req.prompt, *req.output][:-1]
-        match = self.tree.match_prefix(tokens, tag=_tag(req))
-        self.tree.lock(match.node, tag=_tag(req))
+        tag = _tag(req)
+        match = self.tree.match_prefix(self._query(req), tag=tag)
+        self.tree.lock(match.node, tag=tag)
         return match
+
+    def _query(self, req: Req) -> tuple[int, ...]:
+        """``req``'s tokens but the last, the same tuple object while they stay the same: a
+        request that does not fit is matched again at every step, and the tree skips the walk
+        when asked the same object twice with nothing changed in between. Its output changes
+        only in length, or in its last token (the overlapped loop's placeholder), left out."""
+        if self._last_query[0] is not req or self._last_query[1] != len(req.output):
+            self._last_query = (req, len(req.output), (*req.prompt, *req.output)[:-1])
+        return self._last_query[2]
 
     def allocate(self, req: Req, match: MatchResult) -> bool:
         """Give ``req`` the matched prefix plus fresh slots for the rest; False (changing
@@ -96,7 +106,7 @@ class KVManager:
         then ``req`` locks the longer prefix and releases the old lock.
         """
         tree, tag = self.tree, _tag(req)
-        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]  # a tuple: the tree's key type
         already = tree.insert(tokens, req.kv_slots, tag=tag)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
@@ -114,7 +124,7 @@ class KVManager:
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
         (with ``NoCache`` that is all of them).
         """
-        tokens = [*req.prompt, *req.output][: len(req.kv_slots)]
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]
         already = self.tree.insert(tokens, req.kv_slots, tag=_tag(req))
         self.kv.free(req.kv_slots[req.cached_len:already])
         self._unlock(req)
