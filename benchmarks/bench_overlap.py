@@ -136,8 +136,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps of the timeline model")
     parser.add_argument("--output-len", type=int, default=16, help="tokens per request")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--requests", type=int, default=1024, help="timed device: requests")
-    parser.add_argument("--batch", type=int, default=512, help="timed device: max running")
+    parser.add_argument("--requests", type=int, default=4096, help="timed device: requests")
+    parser.add_argument("--batch", type=int, default=256, help="timed device: max running")
     parser.add_argument("--skip-timed", action="store_true",
                         help="leave out section 4a (the timed device: CPU-only, slow)")
     args = parser.parse_args()

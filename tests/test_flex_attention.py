@@ -167,11 +167,14 @@ def test_block_mask_skips_the_tiles_no_request_sees() -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=st.lists(request, min_size=1, max_size=6))
 def test_flex_equals_padded_in_float32(device: str, mix: list[tuple[int, int]]) -> None:
+    """Within 1e-5 of the logits' scale: float32 rounding through two layers (logits reach
+    about 5 here; hypothesis found a mix whose logits differ by 1.2e-5)."""
     model = model_for(torch.float32, device)
     flex = step_logits(model, mix, "flex", seed=1)
     padded = step_logits(model, mix, "padded", seed=1)
     assert flex.shape == padded.shape
-    assert (flex - padded).abs().max().item() < 1e-5
+    scale = max(1.0, padded.abs().max().item())
+    assert (flex - padded).abs().max().item() < 1e-5 * scale
 
 
 def test_flex_equals_each_request_alone_in_float64() -> None:

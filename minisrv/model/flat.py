@@ -229,20 +229,15 @@ def flat_attention_padded(
     group = n_heads // n_kv
     rows = row_b * t_max + row_t  # each flat token's row in the padded [B * T_max] block
     q_pad = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, rows, q)
-    # Query heads that share a KV head sit side by side as extra query rows, so the pool's
-    # K/V are read once per KV head instead of being copied for each query head. index_select
-    # gathers a whole [B * S_max] row set in one call (several times faster than k_layer[idx]).
-    q_pad = q_pad.view(n_b, t_max, n_kv, group, head_dim).permute(0, 2, 1, 3, 4)
-    q_pad = q_pad.reshape(n_b, n_kv, t_max * group, head_dim)
+    q_pad = q_pad.view(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
+    # The pool's K/V are gathered once per KV head (index_select: one call for all B x S_max
+    # slots, several times faster than k_layer[key_slots]); SDPA shares each KV head among
+    # its group of query heads (enable_gqa) instead of copying it for each.
     flat_slots = key_slots.reshape(-1)
     k = k_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
     v = v_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
-    mask = mask[:, :, :, None].expand(n_b, 1, t_max, group, s_max)
-    out = F.scaled_dot_product_attention(
-        q_pad, k, v, attn_mask=mask.reshape(n_b, 1, t_max * group, s_max)
-    )  # [B, n_kv, T_max * group, head_dim]
-    out = out.view(n_b, n_kv, t_max, group, head_dim).permute(0, 2, 1, 3, 4)
-    out = out.reshape(n_b * t_max, n_heads * head_dim)
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, enable_gqa=group > 1)
+    out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
     return out.index_select(0, rows)  # [T, n_heads * head_dim]
 
 
