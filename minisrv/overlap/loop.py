@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,17 +149,8 @@ class OverlapScheduler(Scheduler):
     def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
         """As the blocking loop; with ``skip_finishing_decode``, requests whose pending token
         is their last sit the step out (they finish when that token arrives)."""
-        ending = self._ending()
-        if not ending:
+        with self._ending_set_aside():
             return super().prepare_decode()
-        everyone = self.running
-        self.running = [r for r in everyone if id(r) not in ending]
-        try:
-            decoding, retracted = super().prepare_decode()
-        finally:
-            kept = {id(r) for r in self.running}
-            self.running = [r for r in everyone if id(r) in ending or id(r) in kept]
-        return decoding, retracted
 
     def admit(self) -> list[Req]:
         """As the blocking loop; with ``skip_finishing_decode``, the seats of requests that sit
@@ -169,24 +161,30 @@ class OverlapScheduler(Scheduler):
         until then (memory is not promised twice); only their seats are given away, which
         keeps the overlapped loop from running a step with empty seats after every finish.
         """
-        ending = self._ending()
-        if not ending:
+        with self._ending_set_aside():
             return super().admit()
+
+    @contextmanager
+    def _ending_set_aside(self) -> Iterator[None]:
+        """With ``skip_finishing_decode``: for the duration, ``self.running`` holds only the
+        requests whose pending token is not their last. Afterwards those that sit the step out
+        are back in their places; requests the body retracted stay out, admitted ones join."""
+        if not self.config.skip_finishing_decode:
+            yield
+            return
+        ending = {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
+        if not ending:
+            yield
+            return
         everyone = self.running
         self.running = [r for r in everyone if id(r) not in ending]
-        kept = len(self.running)
         try:
-            new = super().admit()
+            yield
         finally:
-            self.running = everyone + self.running[kept:]
-        return new
-
-    def _ending(self) -> set[int]:
-        """``id``s of running requests whose pending token is their last (with
-        ``skip_finishing_decode``; empty otherwise)."""
-        if not self.config.skip_finishing_decode:
-            return set()
-        return {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
+            after = self.running
+            still, before = {id(r) for r in after}, {id(r) for r in everyone}
+            self.running = [r for r in everyone if id(r) in ending or id(r) in still]
+            self.running += [r for r in after if id(r) not in before]
 
     # ----------------------------------------------------------------- helpers
     def _form(self) -> Batch:
