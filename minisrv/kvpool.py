@@ -67,10 +67,10 @@ class SlotAllocator:
 
     def free(self, slots: Iterable[int]) -> None:
         """Give ``slots`` back. Rejects foreign slots and double frees before freeing any."""
-        index = np.fromiter(slots, dtype=np.int64) if not isinstance(slots, list) \
-            else np.asarray(slots, dtype=np.int64)
-        if index.size == 0:
+        values = slots if isinstance(slots, list) else list(slots)
+        if not values:
             return
+        index = np.asarray(values, dtype=np.int64)
         if index.min() < 0 or index.max() >= self.capacity:
             s = int(index[np.argmax((index < 0) | (index >= self.capacity))])
             raise ValueError(f"slot {s} does not belong to this pool (0..{self.capacity - 1})")
@@ -78,13 +78,12 @@ class SlotAllocator:
         if not used.all():
             s = int(index[np.argmin(used)])
             raise ValueError(f"slot {s} is not in use: double free or never allocated")
-        self._used[index] = False
-        # Clearing n distinct used slots leaves exactly n fewer in use; a slot listed twice
-        # leaves fewer cleared. Counting the flags is one cheap pass, unlike sorting the slots.
-        if np.count_nonzero(self._used) != self.used_count - index.size:
-            self._used[index] = True  # all were in use: put them back, change nothing
-            s = _first_repeat(index.tolist())
+        # A set of the slots costs what freeing them costs; a pass over the pool's flags
+        # would cost its whole capacity on every free.
+        if len(set(values)) != len(values):
+            s = _first_repeat(values)
             raise ValueError(f"slot {s} is not in use: double free or never allocated")
+        self._used[index] = False
         top = self._n_free
         self._stack[top:top + index.size] = index[::-1]  # pushed in order, the last on top
         self._n_free = top + index.size

@@ -4,6 +4,7 @@ ratio, the timed device and the per-step CPU breakdown of the real engine."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -188,6 +189,26 @@ def test_timed_backend_forwards_the_protocol(model) -> None:
     allocator = timed.attach_kv(20)
     assert allocator is inner.pool.allocator and allocator.capacity == 20
     assert TimedBackend(SimBackend(), 0.001).attach_kv(20) is None  # stores no KV
+
+
+def test_timed_backend_ends_steps_on_its_own_one_after_the_other() -> None:
+    """``compute`` returns at once with the time the device ends the step; steps follow each
+    other on the device; ``wait`` returns only once that time has passed."""
+    engine = Engine(SimBackend(), max_running=4, kv_capacity=400)
+    for req in engine.make_requests([[0, 5, 6], [0, 7, 8, 9]], 4):
+        engine.scheduler.submit(req)
+    engine.scheduler.receive_arrivals()
+    batch = engine.scheduler.get_next_batch_to_run()
+    timed = TimedBackend(SimBackend(), 0.05)
+    first = timed.compute(timed.prepare(batch))
+    second = timed.compute(timed.prepare(batch))
+    assert time.perf_counter() < first.done_at  # handed over, not done
+    assert second.done_at >= first.done_at + 0.05  # the device runs one step at a time
+    assert first.next_tokens == SimBackend().run(batch).next_tokens  # the inner answer
+    timed.wait(second)
+    assert time.perf_counter() >= second.done_at
+    assert timed.busy == pytest.approx(0.1) and timed.steps == 2 and timed.overruns == 0
+    assert timed.waited > 0
 
 
 def test_timed_backend_counts_overruns(model) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -52,9 +54,10 @@ def assert_drained(engine: Engine) -> None:
     max_running=st.integers(1, 4),
     kv_capacity=st.sampled_from([20, 22, 200]),  # 20 and 22 may retract
     skip=st.booleans(),
+    timed=st.booleans(),  # a device thread (the model), or steps handed over (a timed device)
 )
 def test_overlap_equals_blocking_and_each_request_alone(
-    model, prompts, data, mode, cache, max_running, kv_capacity, skip
+    model, prompts, data, mode, cache, max_running, kv_capacity, skip, timed
 ) -> None:
     n = len(prompts)
     prompts = [*prompts, *(p + [5] for p in prompts[: data.draw(st.integers(0, n))])]
@@ -65,7 +68,8 @@ def test_overlap_equals_blocking_and_each_request_alone(
     options = dict(mode=mode, cache=cache, max_running=max_running, kv_capacity=kv_capacity,
                    new_token_ratio=ratio, min_ratio=0.05)
     blocking = Engine(model, **options)
-    overlapped = Engine(model, overlap=True, skip_finishing_decode=skip, debug=True, **options)
+    device = TimedBackend(ModelBackend(model), 0.0) if timed else model
+    overlapped = Engine(device, overlap=True, skip_finishing_decode=skip, debug=True, **options)
     expected = blocking.generate(prompts, lengths, arrival_steps=arrivals)
     assert expected == [model.reference_generate(p, m) for p, m in zip(prompts, lengths)]
     assert overlapped.generate(prompts, lengths, arrival_steps=arrivals) == expected
@@ -169,6 +173,47 @@ def test_abort_mid_run_drains_the_step_in_flight(model) -> None:
     assert [req.output for req in kept] == [
         model.reference_generate(req.prompt, 10) for req in kept
     ]
+    assert_drained(engine)
+
+
+def test_a_timed_device_needs_no_thread(model) -> None:
+    """A device that ends its steps on its own is handed each step on the loop's thread."""
+    before = {t.name for t in threading.enumerate()}
+    timed = TimedBackend(ModelBackend(model), 0.001)
+    engine = Engine(timed, max_running=2, overlap=True)
+    prompts = [[0, 5, 6], [0, 7], [0, 8, 9]]
+    assert engine.generate(prompts, 5) == [model.reference_generate(p, 5) for p in prompts]
+    started = {t.name for t in threading.enumerate()} - before
+    assert not any(name.startswith("minisrv-device") for name in started)
+    assert timed.waited > 0  # the loop waited for the device at least once
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_failing_step_is_raised_and_the_engine_stays_usable(model, timed) -> None:
+    """A step that fails on the device (thread or handed over) raises from the loop; the
+    step launched after it is abandoned too, and the next call is served normally."""
+    engine = Engine(TimedBackend(ModelBackend(model), 0.0) if timed else model,
+                    max_running=2, overlap=True)
+    device = engine.backend.inner if timed else engine.backend
+    real_compute, calls = device.compute, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return real_compute(*args)
+
+    prompts = [[0, 5, 6], [0, 7], [0, 8, 9]]
+    device.compute = failing
+    reqs = engine.make_requests(prompts, 5)
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.serve(reqs)
+    device.compute = real_compute
+    assert all(req.state == ReqState.ABORTED for req in reqs)  # withdrawn, memory freed
+    assert all(t >= 0 for req in reqs for t in req.output)  # no placeholder left behind
+    assert_drained(engine)
+    assert engine.generate(prompts, 5) == [model.reference_generate(p, 5) for p in prompts]
     assert_drained(engine)
 
 

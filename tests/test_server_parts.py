@@ -287,3 +287,58 @@ def test_bench_summary_statistics_and_table():
     assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
     assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
     assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_events_that_arrive_together_go_out_in_one_write(chat):
+    """Items already queued when the handler runs are written at once, and the bytes are the
+    same events, in the same order and with OpenAI's field order, as one write per item."""
+    import asyncio
+    import json
+
+    from minisrv.server.responses import Call
+
+    class NoFrontend:
+        def abort(self, reply, disconnected=False):
+            pass
+
+    def call() -> Call:
+        streams = {0: TextStream(TextCodec(TOK, "citylm"), [], frozenset())}
+        body = SimpleNamespace(include_usage=True, n=1)
+        return Call(NoFrontend(), streams, {0: None}, chat, "citylm", body, 3, None)
+
+    ids = TOK.encode("Paris", bos=False)
+    items = [(0, ids[:1], None, None), (0, ids[1:3], None, None), (0, ids[3:], "length", None)]
+
+    async def all_queued(c: Call) -> list[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        return [w async for w in c.sse([], queue)]
+
+    async def one_at_a_time(c: Call) -> list[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = c.sse([], queue)
+        out = [await anext(stream)] if chat else []  # chat opens with a role chunk
+        for item in items:
+            queue.put_nowait(item)
+            out.append(await anext(stream))
+        return out + [w async for w in stream]
+
+    together, apart = call(), call()
+    apart.id, apart.created = together.id, together.created
+    at_once = asyncio.run(all_queued(together))
+    one_by_one = asyncio.run(one_at_a_time(apart))
+    assert len(at_once) == (2 if chat else 1)
+    assert len(one_by_one) == len(items) + (1 if chat else 0)
+    assert "".join(at_once) == "".join(one_by_one)
+    events = [e for e in "".join(at_once).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [list(c) for c in chunks[:-1]] == [["id", "object", "created", "model", "choices"]] * (
+        len(chunks) - 1)
+    text = "".join(c["choices"][0]["delta"].get("content", "") if chat else
+                   c["choices"][0]["text"] for c in chunks[:-1])
+    assert text == "Paris"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)

@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -154,22 +155,22 @@ class FlatBatch:
         (never an empty row, so softmax gives no NaN); their outputs are dropped.
         """
         if self._padded is None:
-            dev = self.device
-            n_b = len(self.new_lens)
-            t_max = max(self.new_lens)
-            s_max = max(len(s) for s in self._slot_lists)
-            row_b = torch.repeat_interleave(
-                torch.arange(n_b, device=dev), torch.tensor(self.new_lens, device=dev)
-            )
-            row_t = torch.cat([torch.arange(n, device=dev) for n in self.new_lens])
-            key_slots = torch.tensor([s + [0] * (s_max - len(s)) for s in self._slot_lists],
-                                     dtype=torch.long, device=dev)  # padded with slot 0
-            cached = torch.tensor(self.cached_lens, device=dev)[:, None]
-            last = torch.tensor(self.new_lens, device=dev)[:, None] - 1
-            t = torch.arange(t_max, device=dev)[None, :]
-            query_pos = cached + torch.minimum(t, last)  # [B, T_max]
-            key_pos = torch.arange(s_max, device=dev)
-            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+            # Built with numpy on the host (one small array op each, instead of one torch
+            # call per request), then moved to the device in one copy each.
+            new = np.asarray(self.new_lens, dtype=np.int64)
+            lens = np.fromiter(map(len, self._slot_lists), dtype=np.int64, count=len(new))
+            n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
+            row_b = np.repeat(np.arange(n_b), new)
+            row_t = np.arange(int(new.sum())) - np.repeat(np.cumsum(new) - new, new)
+            key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
+            key_slots[np.arange(s_max)[None, :] < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(self._slot_lists), dtype=np.int64,
+                count=int(lens.sum()))
+            cached = np.asarray(self.cached_lens, dtype=np.int64)[:, None]
+            query_pos = cached + np.minimum(np.arange(t_max)[None, :], new[:, None] - 1)
+            mask = np.arange(s_max)[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+            row_b, row_t, key_slots, mask = (torch.from_numpy(a).to(self.device)
+                                             for a in (row_b, row_t, key_slots, mask))
             self._padded = (row_b, row_t, key_slots, mask[:, None])
         return self._padded
 

@@ -37,7 +37,10 @@ class FutureMap:
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self.buffer = torch.zeros(self.capacity + 1, dtype=torch.long, device=self.device)
-        self._next = 0  # slots handed out so far (the ring position is this mod capacity)
+        # Every future id twice over, so that n ids from any ring position are one slice.
+        ids = -torch.arange(1, self.capacity + 1, device=self.device)
+        self._ids = torch.cat([ids, ids])
+        self._next = 0  # the ring position of the next future id handed out
 
     def reserve(self, n: int) -> torch.Tensor:
         """``n`` fresh future ids (negative, on the device), one per request of a step."""
@@ -45,9 +48,9 @@ class FutureMap:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         if n > self.capacity:
             raise ValueError(f"cannot reserve {n} futures in a ring of {self.capacity}")
-        slots = (self._next + torch.arange(n, device=self.device)) % self.capacity + 1
-        self._next = (self._next + n) % self.capacity
-        return -slots
+        start = self._next
+        self._next = (start + n) % self.capacity
+        return self._ids[start:start + n]
 
     def store(self, future_ids: torch.Tensor, tokens: torch.Tensor) -> None:
         """Write the tokens a step sampled into the slots its future ids name (on device).

@@ -19,11 +19,13 @@ which is discarded and counted in ``stats.wasted_tokens``. With
 ``skip_finishing_decode=True`` a request whose length limit ends it in step i is left out of
 step i+1 (its length is known before its token), so only ``<eos>`` costs a token.
 
-On the CPU the device thread is a worker thread (torch releases the GIL in its kernels;
-a ``TimedBackend`` sleeps). On a GPU the same thread issues each step's kernels on its own
-CUDA stream, so the main thread's (and any other thread's) work on the default stream never
-waits behind a step, nor a step behind it. Steps run one after the other in that thread and
-on that stream, which is what makes reusing a slot freed by step i safe in step i+1.
+On the CPU the device thread is a worker thread (torch releases the GIL in its kernels).
+On a GPU the same thread issues each step's kernels on its own CUDA stream, so the main
+thread's (and any other thread's) work on the default stream never waits behind a step, nor
+a step behind it. Steps run one after the other in that thread and on that stream, which is
+what makes reusing a slot freed by step i safe in step i+1. A device that ends its steps on
+its own (a backend with ``wait(result)``: ``TimedBackend``) needs no thread: each step is
+handed to it on the main thread, and ``wait`` is called before its result is used.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from minisrv.overlap.futures import FutureMap
-from minisrv.request import Req, ReqState
+from minisrv.request import ABORTED, FINISHED, Req, ReqState
 from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
 
 __all__ = ["SWITCH_INTERVAL", "FutureStep", "OverlapScheduler"]
@@ -83,7 +86,7 @@ class OverlapScheduler(Scheduler):
     """``Scheduler`` whose CPU work for step i+1 overlaps the device's step i.
 
     The backend must split ``run`` into ``prepare(batch)`` (main thread: copy the inputs)
-    and ``compute(prepared, resolve)`` (device thread), as ``ModelBackend``,
+    and ``compute(prepared, resolve, store)`` (device thread), as ``ModelBackend``,
     ``SimBackend`` and ``TimedBackend`` do. Outputs equal the blocking loop's.
     """
 
@@ -97,10 +100,15 @@ class OverlapScheduler(Scheduler):
             )
         # Futures are resolved one step after they are handed out: two batches suffice.
         self.futures = FutureMap(4 * self.config.max_running)
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisrv-device")
+        # A device that ends its steps on its own (``TimedBackend``, as a GPU does) is only
+        # handed each step and waited for; a synchronous one (torch on the CPU) gets a thread.
+        self._wait = getattr(backend, "wait", None)
+        self._device = None if self._wait is not None else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="minisrv-device")
         self._stream = _step_stream(backend)
         self._inflight: _InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
+        self._ending: list[Req] = []  # running, and the step in flight gives their last token
         self.future_trace: list[FutureStep] = []  # one per step when config.record_trace
 
     @property
@@ -167,28 +175,30 @@ class OverlapScheduler(Scheduler):
     @contextmanager
     def _ending_set_aside(self) -> Iterator[None]:
         """With ``skip_finishing_decode``: for the duration, ``self.running`` holds only the
-        requests whose pending token is not their last. Afterwards those that sit the step out
-        are back in their places; requests the body retracted stay out, admitted ones join."""
-        if not self.config.skip_finishing_decode:
-            yield
-            return
-        ending = {id(r) for r in self.running if len(r.output) >= r.params.max_new_tokens}
+        requests whose pending token is not their last. ``_form`` put the others (``_ending``)
+        first, so they are a slice away; afterwards they are back in front, requests the body
+        retracted stay out, and admitted ones join."""
+        ending = self._ending
         if not ending:
             yield
             return
-        everyone = self.running
-        self.running = [r for r in everyone if id(r) not in ending]
+        self.running = self.running[len(ending):]
         try:
             yield
         finally:
-            after = self.running
-            still, before = {id(r) for r in after}, {id(r) for r in everyone}
-            self.running = [r for r in everyone if id(r) in ending or id(r) in still]
-            self.running += [r for r in after if id(r) not in before]
+            self.running = ending + self.running
 
     # ----------------------------------------------------------------- helpers
     def _form(self) -> Batch:
         """The next batch; the clock jumps to the next arrival only when the device is idle."""
+        if self.config.skip_finishing_decode:  # requests whose pending token is their last
+            ending: list[Req] = []
+            staying: list[Req] = []
+            for req in self.running:
+                (staying if len(req.output) < req.params.max_new_tokens else ending).append(req)
+            self._ending = ending
+            if ending:
+                self.running = ending + staying
         self.receive_arrivals()
         batch = self.get_next_batch_to_run()
         if not batch and self._pending and self._inflight is None:
@@ -203,13 +213,16 @@ class OverlapScheduler(Scheduler):
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in batch.reqs) if self.config.record_trace else ()
         prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
-        future_ids = self.futures.reserve(len(batch))
-        positions = []
+        reqs = batch.reqs
+        future_ids = self.futures.reserve(len(reqs))
         futures = tuple(future_ids.tolist())
-        for req, fid in zip(batch.reqs, futures, strict=True):
+        positions = [len(req.output) for req in reqs]  # where each placeholder goes
+        for req, fid in zip(reqs, futures, strict=True):
             req.output.append(fid)
-            positions.append(len(req.output) - 1)
-        result = self._device.submit(self._compute, prepared, future_ids)
+        if self._device is None:
+            result = _handed_over(self._compute, prepared, future_ids)
+        else:
+            result = self._device.submit(self._compute, prepared, future_ids)
         return _InFlight(batch, positions, before, result, inputs, futures)
 
     def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
@@ -218,8 +231,8 @@ class OverlapScheduler(Scheduler):
         The sampled ids come back to the host, so the step's kernels are done when this
         returns."""
 
-        def store(tokens: list[int]) -> None:
-            self.futures.store(future_ids, torch.tensor(tokens, dtype=torch.long))
+        def store(tokens: list[int]) -> None:  # (through numpy: torch.tensor(list) is slow)
+            self.futures.store(future_ids, torch.from_numpy(np.array(tokens, dtype=np.int64)))
 
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
@@ -230,8 +243,11 @@ class OverlapScheduler(Scheduler):
         batch = step.batch
         try:
             result = step.result.result()
+            if self._wait is not None:  # a device that ends its steps on its own
+                self._wait(result)
         except BaseException:
             self._drop_placeholders(step)
+            self._abandon_later_step(step)
             raise
         if len(result.next_tokens) != len(batch):
             raise ValueError(
@@ -267,14 +283,16 @@ class OverlapScheduler(Scheduler):
         finished: list[Req] = []
         finished_at: list[tuple[Req, int]] = []  # with the index of its token in req.output
         streamed: list[tuple[Req, int]] = []
+        stream = streamed.append if self.on_token is not None else None
         extra = 0
         for req, pos, token in zip(step.batch.reqs, step.positions, tokens, strict=True):
-            if req.state in (ReqState.FINISHED, ReqState.ABORTED):
+            if req.state is FINISHED or req.state is ABORTED:
                 extra += 1  # it finished in the step before: this token is discarded
                 continue
             req.output[pos] = token
             req.token_times.append(now)
-            streamed.append((req, token))
+            if stream is not None:
+                stream((req, token))
             if token in stops and not req.params.ignore_eos:
                 req.finish_reason = "eos"
             elif pos + 1 >= req.params.max_new_tokens:
@@ -326,11 +344,32 @@ class OverlapScheduler(Scheduler):
         else:
             self.backend.release(req)
 
+    def _abandon_later_step(self, failed: _InFlight) -> None:
+        """After ``failed`` raised: the step launched after it read its futures, so its
+        tokens mean nothing. Wait for it to end (its error, if any, is dropped), then remove
+        its placeholders too."""
+        later, self._inflight = self._inflight, None
+        if later is None or later is failed:
+            return
+        later.result.exception()  # waits for the device thread; raises nothing
+        self._drop_placeholders(later)
+
     def _drop_placeholders(self, step: _InFlight) -> None:
         """After a device error: no request keeps a placeholder for the failed step."""
         for req, pos in zip(step.batch.reqs, step.positions, strict=True):
             if pos < len(req.output) and req.output[pos] < 0:
                 del req.output[pos:]
+
+
+def _handed_over(compute: Any, *args: Any) -> Future[BatchResult]:
+    """``compute(*args)`` on this thread, as a finished future: an error is raised where the
+    step's answer is waited for, as from the device thread."""
+    future: Future[BatchResult] = Future()
+    try:
+        future.set_result(compute(*args))
+    except Exception as exc:  # noqa: BLE001 - re-raised by future.result()
+        future.set_exception(exc)
+    return future
 
 
 def _step_stream(backend: Any) -> torch.cuda.Stream | None:

@@ -1,9 +1,10 @@
 """A timed device: real tokens, and a step time chosen by the experiment.
 
 On a CPU-only machine the "device" is the same CPU that schedules, so overlap has nothing
-to hide behind. ``TimedBackend`` makes every step last a set wall-clock time, most of it
-asleep (which frees the GIL, as a GPU kernel does), so the measured gain of an overlapped
-loop can be held against ``throughput_ratio``'s prediction.
+to hide behind. ``TimedBackend`` makes every step last a set wall-clock time that passes
+without the host, as a GPU's kernels do: the host only sleeps when it needs a step's answer
+before the device is done (sleeping frees the GIL). The measured gain of an overlapped loop
+can then be held against ``throughput_ratio``'s prediction.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minisrv.request import Req
@@ -22,20 +24,32 @@ if TYPE_CHECKING:
 
     from minisrv.kvpool import SlotAllocator
 
-__all__ = ["TimedBackend"]
+__all__ = ["SPIN", "TimedBackend", "TimedResult"]
+
+SPIN = 2e-4
+"""Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedResult(BatchResult):
+    """A step's answer from a ``TimedBackend``: the tokens, and when the device is done."""
+
+    done_at: float = 0.0  # time.perf_counter() at which the step ends on the device
 
 
 class TimedBackend:
     """A device whose every step takes ``step_time`` seconds, computing the real tokens.
 
-    Each ``run`` computes the step with ``inner`` (any backend: ``ModelBackend``,
-    ``SimBackend``, ...) and then sleeps out what is left of ``step_time``; a step whose
-    computation takes longer simply takes that long (``overruns`` counts them). Sleeping
-    releases the GIL, like a GPU kernel does, so a loop that overlaps CPU work with the
-    step sees the device's time as free: the measured gain of overlap on a CPU-only machine
-    can be held against ``throughput_ratio``. The answer (tokens, cost, clock) is the
-    inner backend's, unchanged. ``busy`` sums the seconds the steps really took (a loaded
-    machine wakes a sleeper late), so a run's device and CPU time per step can be measured.
+    The device works through its steps in order and on its own, like a CUDA stream: a step
+    starts when it is handed over or when the previous step ends, whichever is later, and
+    ends ``step_time`` later (or when its computation ends, if that takes longer:
+    ``overruns`` counts those). ``compute`` (the overlapped loop's device half) computes the
+    tokens with ``inner`` (any backend: ``ModelBackend``, ``SimBackend``, ...) and returns
+    at once with the time the step ends (``TimedResult.done_at``); ``wait`` sleeps until
+    then, which frees the GIL. ``run`` (the blocking loop) is the two in a row. So no thread
+    has to wake up for a step to end, just as no host thread ends a GPU kernel. The answer
+    (tokens, cost, clock) is the inner backend's, unchanged. ``busy`` sums the steps' device
+    time, so a run's device and host time per step can be measured.
     """
 
     def __init__(self, inner: Any, step_time: float) -> None:
@@ -58,7 +72,9 @@ class TimedBackend:
         self.vocab_size: int | None = getattr(inner, "vocab_size", None)
         self.steps = 0
         self.overruns = 0
-        self.busy = 0.0  # seconds spent inside steps, as measured (sleep overshoot included)
+        self.busy = 0.0  # seconds the device spent on steps
+        self.waited = 0.0  # seconds the host spent in wait(), for the device to end a step
+        self._free_at = 0.0  # time.perf_counter() at which the device ends its last step
 
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
@@ -66,8 +82,10 @@ class TimedBackend:
         return attach(capacity) if callable(attach) else None
 
     def run(self, batch: Batch) -> BatchResult:
-        """The inner backend's answer, returned ``step_time`` seconds after the call."""
-        return self._timed(lambda: self.inner.run(batch))
+        """The inner backend's answer, once the device has spent ``step_time`` on it."""
+        result = self.compute(self.prepare(batch))
+        self.wait(result)
+        return result
 
     def prepare(self, batch: Batch) -> Any:
         """The inner backend's ``prepare`` (the CPU half of a step, not timed)."""
@@ -78,22 +96,36 @@ class TimedBackend:
         step: Any,
         resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
         store: Callable[[list[int]], None] | None = None,
-    ) -> BatchResult:
-        """The inner backend's ``compute``, returned ``step_time`` seconds after the call
-        (``store`` included: on a GPU, writing the step's tokens is part of the step)."""
-        return self._timed(lambda: self.inner.compute(step, resolve, store))
-
-    def _timed(self, work: Callable[[], BatchResult]) -> BatchResult:
-        start = time.perf_counter()
-        result = work()
-        left = self.step_time - (time.perf_counter() - start)
-        self.steps += 1
-        if left > 0:
-            time.sleep(left)
-        else:
+    ) -> TimedResult:
+        """The inner backend's ``compute`` (``store`` included: on a GPU, writing the step's
+        tokens is part of the step), stamped with the time the device ends the step."""
+        handed = time.perf_counter()
+        result = self.inner.compute(step, resolve, store)
+        computed = time.perf_counter()
+        start = max(handed, self._free_at)
+        done_at = start + self.step_time
+        if computed > done_at:
+            done_at = computed
             self.overruns += 1
-        self.busy += time.perf_counter() - start
-        return result
+        self.steps += 1
+        self.busy += done_at - start
+        self._free_at = done_at
+        return TimedResult(result.next_tokens, result.cost, result.elapsed, done_at)
+
+    def wait(self, result: BatchResult) -> None:
+        """Return once the device has ended the step that gave ``result``.
+
+        It sleeps until ``SPIN`` seconds before the end and spins the rest (CUDA can
+        synchronise by spinning too): a sleeper wakes up to a tenth of a millisecond late,
+        which would add to every step it waits for. ``waited`` adds up the time spent here.
+        """
+        start = time.perf_counter()
+        done_at = getattr(result, "done_at", 0.0)
+        if done_at - start > SPIN:
+            time.sleep(done_at - start - SPIN)
+        while (now := time.perf_counter()) < done_at:
+            pass
+        self.waited += now - start
 
     def release(self, req: Req) -> None:
         self.inner.release(req)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -54,6 +55,9 @@ def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         frontend.start()
+        # A streamed reply loads anyio's asyncio backend on first use: load it now, not in
+        # the middle of the first replies, where it competes with the engine for the GIL.
+        await anyio.sleep(0)
         yield
         await asyncio.to_thread(engines.close)
 

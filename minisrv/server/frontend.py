@@ -103,12 +103,13 @@ class Frontend:
             self.latest = snapshot
         now = time.perf_counter()
         m = self.metrics
+        generated = 0
         for key, tokens, finish, error in events:
             reply = self.replies.get(key)
             if reply is None:  # aborted meanwhile
                 continue
             if tokens:
-                m.generation_tokens.inc(len(tokens))
+                generated += len(tokens)
                 if reply.last is None:
                     m.ttft.observe(now - reply.received)
                 else:
@@ -119,3 +120,5 @@ class Frontend:
                     m.e2e.observe(now - reply.received)
                 self._forget(reply)
             reply.queue.put_nowait((reply.index, tokens, finish, error))
+        if generated:
+            m.generation_tokens.inc(generated)

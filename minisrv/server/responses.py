@@ -10,8 +10,10 @@ with ``delta.role``), a chunk with ``finish_reason``, then, when
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -69,48 +71,71 @@ class Call:
     # ------------------------------------------------------------------ streaming
     def chunk(self, index: int, text: str | None, finish: str | None,
               role: bool = False) -> str:
+        """One ``data:`` event with one choice; the fields every chunk of this call shares
+        are serialised once (``_head``), the choice each time."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": index, "delta": delta}
-            kind = "chat.completion.chunk"
         else:
             choice = {"index": index, "text": text or ""}
-            kind = "text_completion"
         choice.update(logprobs=None, finish_reason=finish)
-        return self.event({"id": self.id, "object": kind, "created": self.created,
-                           "model": self.model, "choices": [choice]})
+        return f"{self._head}{json.dumps(choice, separators=(',', ':'))}]}}\n\n"
+
+    @functools.cached_property
+    def _head(self) -> str:
+        """``data: {"id":...,"object":...,"created":...,"model":...,"choices":[``."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        shared = json.dumps({"id": self.id, "object": kind, "created": self.created,
+                             "model": self.model}, separators=(",", ":"))
+        return f'data: {shared[:-1]},"choices":['
 
     @staticmethod
     def event(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     async def sse(self, first: list[Any], queue: asyncio.Queue[Any]) -> AsyncIterator[str]:
+        """The call's events. Whatever has arrived when the handler runs goes out in one
+        write: a server that falls behind its engine sends several tokens' events at once
+        instead of paying for one write per token."""
         try:
+            opening = []
             for index in sorted(self.streams):
                 if self.chat:
-                    yield self.chunk(index, "", None, role=True)
+                    opening.append(self.chunk(index, "", None, role=True))
                 elif self.echo:
-                    yield self.chunk(index, self.echo[index // self.body.n], None)
-            pending = list(first)
+                    opening.append(self.chunk(index, self.echo[index // self.body.n], None))
+            if opening:
+                yield "".join(opening)
+            pending = deque(first)
             while not self.finished:
-                item = pending.pop(0) if pending else await queue.get()
-                index, text, finish, error = self.take(item)
-                if error is not None:
-                    yield self.event(error_body(error, None, 500, "internal_error"))
-                if text:
-                    yield self.chunk(index, text, None)
-                if finish is not None:
-                    yield self.chunk(index, None if self.chat else "", finish)
+                if not pending:
+                    pending.append(await queue.get())
+                    while not queue.empty():
+                        pending.append(queue.get_nowait())
+                yield "".join(self._events(pending))
+        finally:  # the client went away (or the stream ended): free what still runs
+            for reply in self.replies.values():
+                self.frontend.abort(reply, disconnected=True)
+
+    def _events(self, pending: deque[Any]) -> Iterator[str]:
+        """The events for the items in ``pending`` (taken from it), and the closing ones
+        (usage, ``[DONE]``) once every choice has finished."""
+        while pending and not self.finished:
+            index, text, finish, error = self.take(pending.popleft())
+            if error is not None:
+                yield self.event(error_body(error, None, 500, "internal_error"))
+            if text:
+                yield self.chunk(index, text, None)
+            if finish is not None:
+                yield self.chunk(index, None if self.chat else "", finish)
+        if self.finished:
             if self.body.include_usage:
                 yield self.event({"id": self.id, "object": "chat.completion.chunk" if self.chat
                                   else "text_completion", "created": self.created,
                                   "model": self.model, "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (or the stream ended): free what still runs
-            for reply in self.replies.values():
-                self.frontend.abort(reply, disconnected=True)
 
     # ------------------------------------------------------------------ one body
     def client_gone(self) -> Response:
