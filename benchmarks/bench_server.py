@@ -13,10 +13,17 @@ which move less than wall-clock time when other processes share the machine.
 
     python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
 
-Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores), two
-runs of ``--repeats 3``: engine in a process 0.73x and 0.94x (met), engine in a thread 0.51x and
-0.65x, against an in-process engine of 4,200-8,200 tok/s (it got about 2x faster this session,
-which raised the bar the server is held to). CPU per token, server vs engine alone: 0.57-0.72x.
+Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores),
+``--repeats 3``: engine in a process 0.72x (runs 0.69-0.84x, met), engine in a thread 0.55x
+(0.51-0.60x), against an in-process engine of 7,000-9,900 tok/s; CPU per token, server vs
+engine alone: 0.58-0.59x. With the engine in a thread, the engine and the HTTP side share one
+interpreter lock: a profile of the server showed the asyncio thread busy about 0.7x as long as
+the engine thread, and the two can only partly overlap (the engine lets go of the lock only
+inside torch's kernels), which caps this layout near 0.6x whatever the load generator does (an
+aiohttp client using a third of httpx's CPU per token gave the same server throughput). Since the
+previous numbers (process 0.73x and 0.94x, thread 0.51x and 0.65x) the server runs on uvloop and
+httptools (``uvicorn[standard]``), loads anyio's backend at start-up instead of during the first
+streamed replies, and writes the events that have piled up for a reply in one write.
 """
 
 from __future__ import annotations
