@@ -6,22 +6,24 @@ Starts ``minisrv serve`` (CityLM) as a subprocess, sends the same requests throu
 second and their ratio (goal: at least 0.7x), and checks that every streamed reply is the
 text the engine produced for that request (greedy; each also equals
 ``reference_generate``, which the server tests check). Both layouts are measured: the
-engine in a thread of the HTTP process (the default) and in its own process
-(``--engine-process``). Each HTTP run is paired with an in-process run right after it and
+engine in its own process (the default) and in a thread of the HTTP process
+(``--engine-thread``). Each HTTP run is paired with an in-process run right after it and
 the median ratio over ``--repeats`` is reported, with the CPU seconds per token of each side,
 which move less than wall-clock time when other processes share the machine.
 
     python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
 
-Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores),
-``--repeats 3``: engine in a process 0.72x (runs 0.69-0.84x, met), engine in a thread 0.55x
-(0.51-0.60x), against an in-process engine of 7,000-9,900 tok/s; CPU per token, server vs
-engine alone: 0.58-0.59x. With the engine in a thread, the engine and the HTTP side share one
-interpreter lock: a profile of the server showed the asyncio thread busy about 0.7x as long as
-the engine thread, and the two can only partly overlap (the engine lets go of the lock only
-inside torch's kernels), which caps this layout near 0.6x whatever the load generator does (an
-aiohttp client using a third of httpx's CPU per token gave the same server throughput). Since the
-previous numbers (process 0.73x and 0.94x, thread 0.51x and 0.65x) the server runs on uvloop and
+Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores), two
+runs of ``--repeats 3``: engine in its own process (``minisrv serve``'s default now) 0.96x and
+0.96x (single runs 0.62-1.06x; TTFT median 22-35 ms, ITL median 6-9 ms), met; engine in a thread
+(``--engine-thread``) 0.52x and 0.46x (0.46-0.69x). In-process engine 5,600-10,200 tok/s. With the
+engine in a thread, the engine and the HTTP side share one interpreter lock: a profile of the
+server showed the asyncio thread busy about 0.7x as long as the engine thread, and the two only
+partly overlap (the engine lets go of the lock only inside torch's kernels), which caps that
+layout near 0.5-0.6x. The previous numbers (process 0.73x and 0.94x with TTFT medians of
+90-215 ms and tokens arriving in bursts, thread 0.51x and 0.65x) came from an httpx client that
+spent 0.16 ms of CPU per streamed token on the same two cores; ``minisrv bench`` now uses
+aiohttp (0.05 ms per token), as ``sglang.bench_serving`` does. The server also runs on uvloop and
 httptools (``uvicorn[standard]``), loads anyio's backend at start-up instead of during the first
 streamed replies, and writes the events that have piled up for a reply in one write.
 """
@@ -49,7 +51,7 @@ GOAL = 0.7
 ROOT = Path(__file__).resolve().parents[1]
 
 
-LAYOUTS = {"thread": [], "process": ["--engine-process"]}
+LAYOUTS = {"thread": ["--engine-thread"], "process": []}
 
 
 def start_server(port: int, args: argparse.Namespace, layout: str) -> subprocess.Popen:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -343,14 +344,48 @@ def answers(url: str) -> list[str]:
 
 
 def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server):
-    """``--dp 2`` (two engines behind the router) and ``--engine-process`` (one engine in
-    its own process) serve exactly what the in-thread engine serves."""
-    with running_servers(("--dp", "2"), ("--engine-process",)) as started:
+    """``--dp 2`` (two engines behind the router) and ``--engine-thread`` (the engine in a
+    thread of the HTTP process) serve exactly what the default layout (one engine in its own
+    process) serves."""
+    with running_servers(("--dp", "2"), ("--engine-thread",)) as started:
         for url, seen in started:
             assert seen[0] == 503 and seen[-1] == 200
             assert answers(url) == answers(server)
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
             assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
+
+
+def test_a_stopped_server_leaves_nothing_behind():
+    """SIGTERM stops the server and its engine process cleanly: within the timeout, with
+    uvicorn's graceful exit (which re-raises the signal it caught), and no queue semaphores
+    reported as leaked."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "minisrv", "serve", "--port", str(port), "--threads", "1"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, -signal.SIGTERM), err[-2000:]
+    assert "Traceback" not in err and "leaked" not in err, err[-2000:]
+
+
+def test_cli_takes_one_engine_layout():
+    cmd = [sys.executable, "-m", "minisrv", "serve", "--engine-thread", "--engine-process"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr
 
 
 def test_cli_rejects_bad_engine_options_before_loading():

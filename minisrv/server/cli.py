@@ -32,9 +32,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="prefill-first", help="step formation (see Engine)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--dp", type=int, default=1, help="data-parallel worker processes")
-    p.add_argument("--engine-process", action="store_true",
-                   help="with --dp 1: run the engine in a worker process instead of a thread "
-                   "of the HTTP process (no GIL shared with HTTP work; SGLang's layout)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", action="store_true",
+                       help="run the engine loop in a worker process of its own (the default: "
+                       "no GIL shared with HTTP work; SGLang's layout)")
+    where.add_argument("--engine-thread", action="store_true",
+                       help="with --dp 1: run the engine loop in a thread of the HTTP process "
+                       "instead (one process; its engine can be inspected from the server)")
     p.add_argument("--router-policy", default="cache-aware", help="--dp router policy")
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
@@ -90,7 +94,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         check_engine_options(options)
         codec = load_codec(args.model)
-        if args.dp == 1 and not args.engine_process:
+        if args.dp == 1 and args.engine_thread:
             engines = LocalEngine(options)
         else:
             router = dict(policy=args.router_policy, cache_threshold=args.cache_threshold,

@@ -32,9 +32,10 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Layout:
     """One way to serve: the engine's options and the number of data-parallel workers
-    (``--dp``). With one worker the engine runs in a thread of the server, as ``minisrv
-    serve`` does, unless ``engine_process`` (``--engine-process``) puts it in a process of
-    its own, as every worker of ``--dp 2`` is."""
+    (``--dp``). With one worker the engine runs in a thread of the server (``minisrv serve
+    --engine-thread``), where the book can look inside it, unless ``engine_process`` puts it
+    in a process of its own, as ``minisrv serve`` does by default and as every worker of
+    ``--dp 2`` is."""
 
     options: EngineOptions = field(default_factory=EngineOptions)
     dp: int = 1

@@ -150,9 +150,9 @@ def _worker_main(index: int, options: EngineOptions, inbox: Any, outbox: Any) ->
 class DataParallelEngines:
     """``n`` worker processes, each with its own engine and cache, behind the ``Router``.
 
-    With ``n=1`` (``--engine-process``) there is no router: the one worker gets everything,
-    and the HTTP process keeps its interpreter lock to itself, which matters on a CPU where
-    the engine's own Python work holds that lock most of each step.
+    With ``n=1`` (``minisrv serve``'s default) there is no router: the one worker gets
+    everything, and the HTTP process keeps its interpreter lock to itself, which matters on
+    a CPU where the engine's own Python work holds that lock most of each step.
     """
 
     def __init__(self, options: EngineOptions, n: int, router_kwargs: dict[str, Any]) -> None:
@@ -169,13 +169,14 @@ class DataParallelEngines:
         self._failed: str | None = None
         self.limits: dict[str, Any] = {}
         ctx = mp.get_context("spawn")  # never fork a process that already runs threads
-        self._outbox = ctx.Queue()
+        self._outbox: Any = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(n)]
         self._procs = [
             ctx.Process(target=_worker_main, args=(i, options, self._inboxes[i], self._outbox),
                         name=f"minisrv-dp{i}", daemon=True)
             for i in range(n)
         ]
+        self._reader: threading.Thread | None = None
         self._worker_of: dict[int, int] = {}
         self._snapshots: list[dict[str, float]] = [{} for _ in range(n)]
         self._capacity = [options.kv_capacity] * n
@@ -183,7 +184,8 @@ class DataParallelEngines:
     def start(self, deliver: Deliver) -> None:
         for proc in self._procs:
             proc.start()
-        threading.Thread(target=self._read, args=(deliver,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(deliver,), daemon=True)
+        self._reader.start()
 
     def _read(self, deliver: Deliver) -> None:
         """Forward every worker's events to the front end; track readiness."""
@@ -246,6 +248,8 @@ class DataParallelEngines:
             self.router.finish(worker)
 
     def close(self) -> None:
+        """Stop the workers and the reader, then release the queues (their semaphores would
+        otherwise be reported as leaked when the server exits)."""
         for inbox in self._inboxes:
             inbox.put(("stop",))
         for proc in self._procs:
@@ -254,3 +258,13 @@ class DataParallelEngines:
                 proc.terminate()
                 proc.join(2)
         self._outbox.put(("close", -1))
+        if self._reader is not None:
+            self._reader.join(5)
+        for queue in (*self._inboxes, self._outbox):
+            queue.close()
+            queue.join_thread()
+        for proc in self._procs:
+            if proc.exitcode is not None:
+                proc.close()
+        # Drop the last references, so that the queues' semaphores are released now.
+        self._procs, self._inboxes, self._outbox = [], [], None
