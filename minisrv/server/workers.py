@@ -249,7 +249,9 @@ class DataParallelEngines:
 
     def close(self) -> None:
         """Stop the workers and the reader, then release the queues (their semaphores would
-        otherwise be reported as leaked when the server exits)."""
+        otherwise be reported as leaked when the server exits). A second call does nothing."""
+        if self._outbox is None:
+            return
         for inbox in self._inboxes:
             inbox.put(("stop",))
         for proc in self._procs:
