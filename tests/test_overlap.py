@@ -199,16 +199,16 @@ def test_timed_backend_ends_steps_on_its_own_one_after_the_other() -> None:
         engine.scheduler.submit(req)
     engine.scheduler.receive_arrivals()
     batch = engine.scheduler.get_next_batch_to_run()
-    timed = TimedBackend(SimBackend(), 0.05)
+    timed = TimedBackend(SimBackend(), 0.2)
     first = timed.compute(timed.prepare(batch))
     second = timed.compute(timed.prepare(batch))
     assert time.perf_counter() < first.done_at  # handed over, not done
-    assert second.done_at >= first.done_at + 0.05  # the device runs one step at a time
+    assert second.done_at >= first.done_at + 0.2  # the device runs one step at a time
     assert first.next_tokens == SimBackend().run(batch).next_tokens  # the inner answer
     timed.wait(second)
     assert time.perf_counter() >= second.done_at
-    assert timed.busy == pytest.approx(0.1) and timed.steps == 2 and timed.overruns == 0
-    assert timed.waited > 0
+    assert timed.busy == pytest.approx(0.4) and timed.steps == 2 and timed.overruns == 0
+    assert timed.waited > 0.2  # most of the two steps was spent waiting for the device
 
 
 def test_timed_backend_counts_overruns(model) -> None:
