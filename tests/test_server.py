@@ -26,6 +26,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from minisrv.server.launch import wait_healthy  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,15 +365,7 @@ def test_a_stopped_server_leaves_nothing_behind():
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", 90, alive=lambda: proc.poll() is None)
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     finally:
