@@ -116,3 +116,28 @@ def test_bad_inputs_raise_before_the_pool_is_written() -> None:
     with pytest.raises(ValueError, match="float32"):
         MODEL.forward_flat(FlatBatch([[1]], [[0]]), other)
     assert torch.equal(pool.k, before)
+
+
+def test_decodes_are_padded_apart_from_the_prefills_before_them() -> None:
+    """A mixed step (prefills, then decodes) makes two padded calls, so one long prompt does
+    not pad every decode to its length; each group is a slice of the flat rows."""
+    lens = [(0, 9), (0, 7), (5, 1), (12, 1), (3, 1)]
+    slots, start = [], 0
+    for p, n in lens:
+        slots.append(list(range(start, start + p + n)))
+        start += p + n
+    batch = FlatBatch([[2] * n for _, n in lens], slots)
+    prefills, decodes = batch.padded_groups(torch.float64)
+    assert (prefills.tokens, decodes.tokens) == (slice(0, 16), slice(16, 19))
+    assert prefills.bias.shape == (2, 1, 9, 9) and decodes.bias.shape == (3, 1, 1, 13)
+    assert prefills.bias.dtype == decodes.bias.dtype == torch.float64
+    assert prefills.rows is not None and prefills.rows.tolist() == [*range(9), *range(9, 16)]
+    assert decodes.rows is None  # every decode has exactly T_max = 1 new token: no padding
+    # a decode may see its whole context and nothing past it
+    assert (decodes.bias[0, 0, 0, :6] == 0).all() and (decodes.bias[0, 0, 0, 6:] < 0).all()
+
+
+def test_a_batch_whose_kinds_alternate_is_padded_as_one_group() -> None:
+    batch = FlatBatch([[2], [2, 3, 4], [2]], [[0, 1], [2, 3, 4], [5, 6, 7]])
+    (group,) = batch.padded_groups()
+    assert group.tokens == slice(0, 5) and group.bias.shape == (3, 1, 3, 3)

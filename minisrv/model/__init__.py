@@ -22,8 +22,10 @@ from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.flat import (
     ATTENTION_KINDS,
     FlatBatch,
+    PaddedGroup,
     flat_attention_loop,
     flat_attention_padded,
+    padded_attention,
     pool_attention,
     resolve_attention,
 )
@@ -77,6 +79,7 @@ __all__ = [
     "CityLM",
     "DenseKVCache",
     "FlatBatch",
+    "PaddedGroup",
     "HFTokenizer",
     "LayerAttend",
     "RMSNorm",
@@ -97,6 +100,7 @@ __all__ = [
     "load_citylm",
     "load_model",
     "merge_eos_ids",
+    "padded_attention",
     "pool_attention",
     "ragged_block_mask",
     "ragged_tiles",

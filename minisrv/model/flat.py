@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +57,15 @@ def resolve_attention(
             f"this is torch {torch.__version__}; use 'padded'"
         )
     return kind
+
+
+class PaddedGroup(NamedTuple):
+    """Consecutive requests of a flat batch that one padded attention call serves."""
+
+    tokens: slice  # their rows of the flat [T] batch
+    rows: torch.Tensor | None  # each token's row in the padded [B * T_max] block; None: no padding
+    key_slots: torch.Tensor  # [B, S_max]: every request's slots, padded with slot 0
+    bias: torch.Tensor  # [B, 1, T_max, S_max]: 0 where a query may see a key, -inf elsewhere
 
 
 class FlatBatch:
@@ -111,7 +120,7 @@ class FlatBatch:
         ends = list(itertools.accumulate(self.new_lens))
         self.starts = [end - n for end, n in zip(ends, self.new_lens)]
         self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
-        self._padded: tuple[torch.Tensor, ...] | None = None
+        self._padded: tuple[PaddedGroup, ...] | None = None
         self._flex: tuple[torch.Tensor, BlockMask] | None = None
 
     def to(self, device: str | torch.device) -> FlatBatch:
@@ -145,34 +154,55 @@ class FlatBatch:
         """New tokens in all (the rows of the flat matrix)."""
         return int(self.ids.shape[0])
 
-    def padded_index(self) -> tuple[torch.Tensor, ...]:
-        """Index tensors of the padded attention, built on first use.
+    def padded_groups(self, dtype: torch.dtype = torch.float32) -> tuple[PaddedGroup, ...]:
+        """The padded attention's groups of requests and their index tensors, built on first use.
 
-        Returns ``(row_b, row_t, key_slots, mask)``: flat token i sits at row ``row_t[i]`` of
-        request ``row_b[i]``'s padded block; ``key_slots`` [B, S_max] are every request's
-        slots padded with slot 0; ``mask`` [B, 1, T_max, S_max] lets query t of request b
-        see keys at positions <= its own. Padding rows see the request's last real position
-        (never an empty row, so softmax gives no NaN); their outputs are dropped.
+        Decodes (one new token) and prefills (more) are padded apart, so that one long
+        prefill does not pad every decode of a mixed step to its length: a group per run of
+        consecutive requests of one kind. A mixed step lists its prefills first, which makes
+        two groups; a batch whose kinds alternate more than once is padded as one group
+        (correct, only slower). ``dtype`` is the queries' type, which the bias must share.
         """
-        if self._padded is None:
-            # Built with numpy on the host (one small array op each, instead of one torch
-            # call per request), then moved to the device in one copy each.
-            new = np.asarray(self.new_lens, dtype=np.int64)
-            lens = np.fromiter(map(len, self._slot_lists), dtype=np.int64, count=len(new))
-            n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
-            row_b = np.repeat(np.arange(n_b), new)
-            row_t = np.arange(int(new.sum())) - np.repeat(np.cumsum(new) - new, new)
-            key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
-            key_slots[np.arange(s_max)[None, :] < lens[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(self._slot_lists), dtype=np.int64,
-                count=int(lens.sum()))
-            cached = np.asarray(self.cached_lens, dtype=np.int64)[:, None]
-            query_pos = cached + np.minimum(np.arange(t_max)[None, :], new[:, None] - 1)
-            mask = np.arange(s_max)[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
-            row_b, row_t, key_slots, mask = (torch.from_numpy(a).to(self.device)
-                                             for a in (row_b, row_t, key_slots, mask))
-            self._padded = (row_b, row_t, key_slots, mask[:, None])
+        if self._padded is None or self._padded[0].bias.dtype != dtype:
+            decode = np.asarray(self.new_lens) == 1
+            cuts = (np.flatnonzero(decode[1:] != decode[:-1]) + 1).tolist()  # kind changes
+            bounds = [0, *cuts, len(decode)] if len(cuts) <= 1 else [0, len(decode)]
+            self._padded = tuple(self._padded_group(lo, hi, dtype)
+                                 for lo, hi in itertools.pairwise(bounds))
         return self._padded
+
+    def _padded_group(self, lo: int, hi: int, dtype: torch.dtype) -> PaddedGroup:
+        """Requests ``lo .. hi - 1`` padded to their longest new-token run (T_max) and their
+        longest context (S_max).
+
+        Request b's tokens take rows ``b * T_max`` on of the padded block. The bias lets
+        query t of request b see keys at positions <= its own; SDPA adds it to the scores
+        (a boolean mask would be turned into exactly this inside every layer's call, so it
+        is made once per step). Padding rows see the request's last real position (never an
+        empty row, so softmax gives no NaN); their outputs are dropped. Built with numpy on
+        the host (one small array op each, not one torch call per request), then moved to
+        the device in one copy each.
+        """
+        new = np.asarray(self.new_lens[lo:hi], dtype=np.int64)
+        slot_lists = self._slot_lists[lo:hi]
+        lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(new))
+        n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
+        key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
+        key_slots[np.arange(s_max)[None, :] < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(slot_lists), dtype=np.int64, count=int(lens.sum()))
+        cached = np.asarray(self.cached_lens[lo:hi], dtype=np.int64)[:, None]
+        query_pos = cached + np.minimum(np.arange(t_max)[None, :], new[:, None] - 1)
+        visible = np.arange(s_max)[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]
+        rows = None
+        if (new < t_max).any():  # some requests are padded
+            starts = np.arange(n_b) * t_max - np.cumsum(new) + new  # padded minus flat start
+            rows = torch.from_numpy(np.arange(int(new.sum())) + np.repeat(starts, new))
+        start = self.starts[lo]
+        return PaddedGroup(slice(start, start + int(new.sum())),
+                           None if rows is None else rows.to(self.device),
+                           torch.from_numpy(key_slots).to(self.device),
+                           torch.from_numpy(bias).to(self.device, dtype))
 
     def flex_index(self) -> tuple[torch.Tensor, BlockMask]:
         """``(key_slots, block_mask)`` of the ragged attention, built on first use.
@@ -215,31 +245,42 @@ def flat_attention_loop(
 def flat_attention_padded(
     q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
 ) -> torch.Tensor:
-    """The same attention as ``flat_attention_loop`` in ONE call for the whole batch.
+    """The same attention as ``flat_attention_loop`` in one call per group of requests.
 
     Requests are padded to the longest new-token run (T_max) and the longest context
-    (S_max) and a boolean mask hides what each query must not see; PyTorch's
-    ``scaled_dot_product_attention`` then runs once per layer whatever the batch size. The
-    price is wasted work on padding when lengths differ a lot (a long prefill beside many
-    decodes); ragged kernels (FlashInfer, ``flat_attention_flex``) avoid it on a GPU.
+    (S_max) and a mask hides what each query must not see; PyTorch's
+    ``scaled_dot_product_attention`` then runs once per layer whatever the batch size.
+    Decodes and prefills are padded apart (``FlatBatch.padded_groups``), so a step of both
+    makes two calls; otherwise a long prefill would pad every decode beside it to its
+    length. What padding remains (prompts of different lengths, contexts of different
+    lengths) is wasted work, which ragged kernels (FlashInfer, ``flat_attention_flex``)
+    avoid on a GPU.
     """
-    row_b, row_t, key_slots, mask = batch.padded_index()
+    outs = [padded_attention(q[group.tokens], group, k_layer, v_layer)
+            for group in batch.padded_groups(q.dtype)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def padded_attention(
+    q: torch.Tensor, group: PaddedGroup, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """One padded SDPA call for the queries ``q`` [T, n_heads, head_dim] of ``group``."""
+    key_slots, bias = group.key_slots, group.bias
     n_b, s_max = key_slots.shape
-    t_max, n_heads, head_dim = mask.shape[2], q.shape[1], q.shape[2]
+    t_max, n_heads, head_dim = bias.shape[2], q.shape[1], q.shape[2]
     n_kv = k_layer.shape[1]
-    group = n_heads // n_kv
-    rows = row_b * t_max + row_t  # each flat token's row in the padded [B * T_max] block
-    q_pad = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, rows, q)
-    q_pad = q_pad.view(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
+    if group.rows is not None:  # each flat token to its row of the padded [B * T_max] block
+        q = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, group.rows, q)
+    q_pad = q.reshape(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
     # The pool's K/V are gathered once per KV head (index_select: one call for all B x S_max
     # slots, several times faster than k_layer[key_slots]); SDPA shares each KV head among
     # its group of query heads (enable_gqa) instead of copying it for each.
     flat_slots = key_slots.reshape(-1)
     k = k_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
     v = v_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, enable_gqa=group > 1)
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=bias, enable_gqa=n_heads > n_kv)
     out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
-    return out.index_select(0, rows)  # [T, n_heads * head_dim]
+    return out if group.rows is None else out.index_select(0, group.rows)
 
 
 ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {

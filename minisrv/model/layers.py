@@ -45,9 +45,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Low-precision inputs (bf16/fp16) are normalised in float32, as HF Llama does.
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps): the same ATen ops, so the same numbers, as
+        # x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), in one call from Python.
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rms_inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * (xf * rms_inv).to(x.dtype)
+        return self.weight * F.rms_norm(xf, xf.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(
