@@ -273,13 +273,17 @@ class SimBackend:
         resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
         store: Callable[[list[int]], None] | None = None,
     ) -> BatchResult:
-        """The device half of ``run``: the roofline time (no input ids are read); ``store``
-        receives the tokens, as ``ModelBackend.compute``'s does."""
+        """The device half of ``run``: the roofline time.
+
+        The simulator reads no input ids (``prepare`` fixed its tokens), so no future id of
+        an overlapped loop ever needs resolving from its steps: ``resolve`` and ``store`` are
+        accepted, as ``ModelBackend.compute`` takes them, and left unused. Storing would only
+        spend the host's time on a write that nothing reads (on a GPU the store is the
+        device's work).
+        """
         cost = step_cost_from_totals(
             self.cfg, self.gpu, step.new, step.attended, step.cached, self.dtype_bytes
         )
-        if store is not None:
-            store(step.tokens)
         return BatchResult(next_tokens=list(step.tokens), cost=cost.time_s, elapsed=cost.time_s)
 
     def release(self, req: Req) -> None:

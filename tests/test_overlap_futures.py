@@ -27,6 +27,16 @@ def test_reserve_store_resolve_by_hand() -> None:
     assert inputs.tolist() == [-2, 5, -1, 0, -3]  # resolve does not write into its input
 
 
+def test_reserve_ids_gives_the_same_ids_as_ints_and_store_takes_a_list() -> None:
+    fm = FutureMap(4)
+    fm.reserve(3)
+    ids, as_ints = fm.reserve_ids(3)  # wraps round the ring
+    assert ids.tolist() == as_ints == [-4, -1, -2]
+    fm.store(ids, [7, 8, 9])
+    assert fm.resolve(torch.tensor([-1, -2, -4, 3])).tolist() == [8, 9, 7, 3]
+    assert fm.buffer.tolist() == [0, 8, 9, 0, 7]  # the device buffer itself holds them
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     plan=st.lists(  # per step: which live requests step in, and how many new ones join

@@ -38,7 +38,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from minisrv.overlap.futures import FutureMap
@@ -77,7 +76,7 @@ class _InFlight:
     batch: Batch
     positions: list[int]  # per request: the index of its placeholder in req.output
     before: dict[str, Any]  # trace fields known when the step was formed
-    result: Future[BatchResult]
+    result: Future[BatchResult] | _Ready
     inputs: tuple[int, ...] = ()  # per request: its last input id when formed
     futures: tuple[int, ...] = ()  # per request: the placeholder its new token got
 
@@ -210,12 +209,11 @@ class OverlapScheduler(Scheduler):
     def _launch(self, batch: Batch) -> _InFlight:
         """Copy the batch's inputs, give each request a placeholder, start the device."""
         before = self._snapshot(batch)
-        inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
-                       for req in batch.reqs) if self.config.record_trace else ()
-        prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
         reqs = batch.reqs
-        future_ids = self.futures.reserve(len(reqs))
-        futures = tuple(future_ids.tolist())
+        inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
+                       for req in reqs) if self.config.record_trace else ()
+        prepared = self.backend.prepare(batch)  # type: ignore[attr-defined]
+        future_ids, futures = self.futures.reserve_ids(len(reqs))
         positions = [len(req.output) for req in reqs]  # where each placeholder goes
         for req, fid in zip(reqs, futures, strict=True):
             req.output.append(fid)
@@ -223,7 +221,7 @@ class OverlapScheduler(Scheduler):
             result = _handed_over(self._compute, prepared, future_ids)
         else:
             result = self._device.submit(self._compute, prepared, future_ids)
-        return _InFlight(batch, positions, before, result, inputs, futures)
+        return _InFlight(batch, positions, before, result, inputs, tuple(futures))
 
     def _compute(self, prepared: Any, future_ids: torch.Tensor) -> BatchResult:
         """On the device thread (and its CUDA stream on a GPU): resolve futures, compute,
@@ -231,8 +229,8 @@ class OverlapScheduler(Scheduler):
         The sampled ids come back to the host, so the step's kernels are done when this
         returns."""
 
-        def store(tokens: list[int]) -> None:  # (through numpy: torch.tensor(list) is slow)
-            self.futures.store(future_ids, torch.from_numpy(np.array(tokens, dtype=np.int64)))
+        def store(tokens: list[int]) -> None:
+            self.futures.store(future_ids, tokens)
 
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
@@ -286,7 +284,7 @@ class OverlapScheduler(Scheduler):
         stream = streamed.append if self.on_token is not None else None
         extra = 0
         for req, pos, token in zip(step.batch.reqs, step.positions, tokens, strict=True):
-            if req.state is FINISHED or req.state is ABORTED:
+            if (state := req.state) is FINISHED or state is ABORTED:
                 extra += 1  # it finished in the step before: this token is discarded
                 continue
             req.output[pos] = token
@@ -361,15 +359,31 @@ class OverlapScheduler(Scheduler):
                 del req.output[pos:]
 
 
-def _handed_over(compute: Any, *args: Any) -> Future[BatchResult]:
-    """``compute(*args)`` on this thread, as a finished future: an error is raised where the
-    step's answer is waited for, as from the device thread."""
-    future: Future[BatchResult] = Future()
+class _Ready:
+    """A step the device was handed on the loop's own thread, already answered: its result,
+    or the error it raised, given back where the answer is waited for (as a ``Future`` from
+    the device thread would, without a ``Future``'s lock and condition)."""
+
+    __slots__ = ("_error", "_value")
+
+    def __init__(self, value: BatchResult | None, error: BaseException | None) -> None:
+        self._value, self._error = value, error
+
+    def result(self) -> BatchResult:
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+
+def _handed_over(compute: Any, *args: Any) -> _Ready:
+    """``compute(*args)`` on this thread; an error is raised where the answer is waited for."""
     try:
-        future.set_result(compute(*args))
-    except Exception as exc:  # noqa: BLE001 - re-raised by future.result()
-        future.set_exception(exc)
-    return future
+        return _Ready(compute(*args), None)
+    except Exception as exc:  # noqa: BLE001 - re-raised by result()
+        return _Ready(None, exc)
 
 
 def _step_stream(backend: Any) -> torch.cuda.Stream | None:
