@@ -22,15 +22,22 @@ Prints, from one process on the same machine:
                                        [--device cuda] [--skip-timed]
 
 Numbers (2026-11-30, the 2-core build machine, torch 2.13 CPU; measured / predicted gain):
-timed device, 4,096 requests of 8-24 tokens, 256 running, best of 3: CPU 13% of a step 1.151x /
-1.155x (0.997), 35%: 1.527x / 1.550x (0.985), 56%: 1.389x / 1.776x (0.782); at 56% the
-overlapped loop's own CPU work was 0.76 ms per step against the blocking loop's 0.61 ms (the
-future map, placeholders, the late stop check's bookkeeping). Other runs at the 60% target gave
-0.68-1.26: the realised share and the CPU work per step move from run to run on this VM. The
-timed device ends its steps on its own, so the overlapped loop runs it without a thread; before
-(a worker thread that slept through each step) the same measurement gave 0.97, 0.88 and 0.52.
-CityLM as it is, CPU share 8.5%: blocking 2,620 tok/s, overlapped 0.84x, skip_finishing_decode
-0.94x (a worker thread, whose forward and the scheduler share the GIL and the two cores).
+timed device, 4,096 requests of 8-24 tokens, 256 running, best of 3, in three runs of this
+script: CPU 13-16% of a step 0.995-0.997, 29-37%: 0.980-0.990, 61%: 1.076, 0.885 and 1.074
+(1.776x / 1.651x, 1.447x / 1.635x, 1.764x / 1.643x); three more runs of ``timed_gain`` alone at
+the same scale gave 0.945, 0.907 and 0.968 at the 60% target. At the 60% target the overlapped
+loop's own CPU work was 0.70-0.72 ms per step against the blocking loop's 0.63-0.78 ms: the
+future map, the placeholders and the late stop check's bookkeeping cost it about 10% more per
+step, which comes straight off the gain when the CPU is the slower lane. Before this round the
+60% target gave 0.78 (0.60-1.26 over 14 runs): placeholders came from ``tolist()`` of the
+future ids, tokens were stored with a torch index_put (40 us a step in the loop), a step
+handed over on the loop's thread was wrapped in a ``Future``, and the simulator stored tokens
+that nothing reads. The timed device ends its steps on its own, so the overlapped loop runs it
+without a thread; with a worker thread that slept through each step the same measurement gave
+0.97, 0.88 and 0.52. CityLM as it is, CPU share 8.8-9.3%: the overlapped loop 0.76-0.80x of
+blocking, 0.78-0.86x with skip_finishing_decode (the forward runs in a worker thread, and it and
+the scheduler take turns with Python's lock: the forward slowed by about 0.6 ms a step, more than
+the 0.25 ms of scheduling it overlaps).
 On an NVIDIA H200 (torch 2.11, ``--device cuda --skip-timed``, section 2 only): a CityLM step
 took 6.5-7.8 ms (forward 5.6-6.7 ms, host-bound kernel launches), CPU share 13.1-13.5%, model
 prediction 1.15x; the 2-layer CityLM 4.1 ms, CPU share 23.4%, prediction 1.31x. The overlap

@@ -14,9 +14,11 @@ which move less than wall-clock time when other processes share the machine.
     python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
 
 Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores), two
-runs of ``--repeats 3``: engine in its own process (``minisrv serve``'s default now) 0.96x and
-0.96x (single runs 0.62-1.06x; TTFT median 22-35 ms, ITL median 6-9 ms), met; engine in a thread
-(``--engine-thread``) 0.52x and 0.46x (0.46-0.69x). In-process engine 5,600-10,200 tok/s. With the
+runs of ``--repeats 3``: engine in its own process (``minisrv serve``'s default now) 0.82x and
+0.98x (single runs 0.64-1.06x; TTFT median 18-25 ms, ITL median 6-9 ms), met; engine in a thread
+(``--engine-thread``) 0.58x and 0.54x (0.51-0.60x). In-process engine 7,200-10,300 tok/s, faster
+than in the two runs before the padded attention's last change (0.96x and 0.96x against
+5,600-10,200 tok/s; thread 0.52x and 0.46x), so the server's own cost weighs more. With the
 engine in a thread, the engine and the HTTP side share one interpreter lock: a profile of the
 server showed the asyncio thread busy about 0.7x as long as the engine thread, and the two only
 partly overlap (the engine lets go of the lock only inside torch's kernels), which caps that
