@@ -85,6 +85,7 @@ class FutureMap:
         else:
             values = torch.as_tensor(tokens, device=self.device)
             self.buffer[-future_ids] = values.to(self.buffer.dtype)
+
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` with every future id replaced by its token: one ``torch.where``."""
         slots = (-input_ids).clamp(min=0, max=self.capacity)
