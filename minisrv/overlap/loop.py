@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from minisrv.overlap.futures import FutureMap
-from minisrv.request import ABORTED, FINISHED, Req, ReqState
+from minisrv.request import ABORTED, FINISHED, RUNNING, Req, ReqState
 from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
 
 __all__ = ["SWITCH_INTERVAL", "FutureStep", "OverlapScheduler"]
@@ -107,7 +107,9 @@ class OverlapScheduler(Scheduler):
         self._stream = _step_stream(backend)
         self._inflight: _InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
-        self._ending: list[Req] = []  # running, and the step in flight gives their last token
+        # Running, and the step in flight gives their last token (in front of self.running);
+        # None: not sorted out yet for the step being formed.
+        self._ending: list[Req] | None = None
         self.future_trace: list[FutureStep] = []  # one per step when config.record_trace
 
     @property
@@ -152,6 +154,7 @@ class OverlapScheduler(Scheduler):
             self.drain()
         finally:
             super().abort(reqs)
+            self._ending = None  # running has changed: sort it out again
 
     def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
         """As the blocking loop; with ``skip_finishing_decode``, requests whose pending token
@@ -174,9 +177,9 @@ class OverlapScheduler(Scheduler):
     @contextmanager
     def _ending_set_aside(self) -> Iterator[None]:
         """With ``skip_finishing_decode``: for the duration, ``self.running`` holds only the
-        requests whose pending token is not their last. ``_form`` put the others (``_ending``)
-        first, so they are a slice away; afterwards they are back in front, requests the body
-        retracted stay out, and admitted ones join."""
+        requests whose pending token is not their last. ``_put_ending_first`` put the others
+        (``_ending``) first, so they are a slice away; afterwards they are back in front,
+        requests the body retracted stay out, and admitted ones join."""
         ending = self._ending
         if not ending:
             yield
@@ -190,21 +193,30 @@ class OverlapScheduler(Scheduler):
     # ----------------------------------------------------------------- helpers
     def _form(self) -> Batch:
         """The next batch; the clock jumps to the next arrival only when the device is idle."""
-        if self.config.skip_finishing_decode:  # requests whose pending token is their last
-            ending: list[Req] = []
-            staying: list[Req] = []
-            for req in self.running:
-                (staying if len(req.output) < req.params.max_new_tokens else ending).append(req)
-            self._ending = ending
-            if ending:
-                self.running = ending + staying
-        self.receive_arrivals()
-        batch = self.get_next_batch_to_run()
-        if not batch and self._pending and self._inflight is None:
-            self.clock = max(self.clock, self._pending[0][0])
+        if self.config.skip_finishing_decode and self._ending is None:
+            self._put_ending_first()  # the first step, or after an abort (else _apply did)
+        try:
             self.receive_arrivals()
             batch = self.get_next_batch_to_run()
+            if not batch and self._pending and self._inflight is None:
+                self.clock = max(self.clock, self._pending[0][0])
+                self.receive_arrivals()
+                batch = self.get_next_batch_to_run()
+        finally:
+            self._ending = None  # the step about to launch changes whose token is the last
         return batch
+
+    def _put_ending_first(self) -> None:
+        """Keep in ``running`` only the requests still running, those whose pending token is
+        their last in front (``_ending``): one pass over the batch, made where ``_apply``
+        has to drop the finished anyway, so that ``_form`` does not pass over it again."""
+        ending: list[Req] = []
+        staying: list[Req] = []
+        for req in self.running:
+            if req.state is RUNNING:
+                (staying if len(req.output) < req.params.max_new_tokens else ending).append(req)
+        self._ending = ending
+        self.running = ending + staying
 
     def _launch(self, batch: Batch) -> _InFlight:
         """Copy the batch's inputs, give each request a placeholder, start the device."""
@@ -308,8 +320,10 @@ class OverlapScheduler(Scheduler):
             requeued |= req.state == ReqState.WAITING
             self._finish(req, in_next_step=len(req.output) > pos + 1)
             self.stats.finished += 1
-        if finished:
-            self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+        if self.config.skip_finishing_decode:  # the next _form's partition, in the same pass
+            self._put_ending_first()
+        elif finished:
+            self.running = [req for req in self.running if req.state is RUNNING]
         if requeued:
             self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
         self.stats.evicted_tokens = self.memory.evicted_tokens
