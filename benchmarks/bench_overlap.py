@@ -21,24 +21,25 @@ Prints, from one process on the same machine:
     python benchmarks/bench_overlap.py [--threads 1] [--steps 200] [--output-len 16]
                                        [--device cuda] [--skip-timed]
 
-Numbers (2026-11-30, the 2-core build machine, torch 2.13 CPU; measured / predicted gain):
-timed device, 4,096 requests of 8-24 tokens, 256 running, in five runs of this script (best of
-3, then of 5): CPU 13-16% of a step 0.995-0.997, 29-39%: 0.980-0.990, 59-62%: 1.076, 0.885,
-1.074, 0.938 and 0.853 (e.g. 1.776x / 1.651x, 1.447x / 1.635x); three runs of ``timed_gain``
-alone at the same scale gave 0.945, 0.907 and 0.968 at the 60% target: median 0.94 over the
-eight. At the 60% target the overlapped loop's own CPU work was 0.66-0.72 ms per step against
-the blocking loop's 0.58-0.78 ms: the placeholders and the late stop check's bookkeeping cost
-it about 10-15% more per step in a steady phase of the machine, which comes straight off the
-gain when the CPU is the slower lane. Before this round the
-60% target gave 0.78 (0.60-1.26 over 14 runs): placeholders came from ``tolist()`` of the
-future ids, tokens were stored with a torch index_put (40 us a step in the loop), a step
-handed over on the loop's thread was wrapped in a ``Future``, and the simulator stored tokens
-that nothing reads. The timed device ends its steps on its own, so the overlapped loop runs it
-without a thread; with a worker thread that slept through each step the same measurement gave
-0.97, 0.88 and 0.52. CityLM as it is, CPU share 8.8-9.3%: the overlapped loop 0.76-0.80x of
-blocking, 0.78-0.86x with skip_finishing_decode (the forward runs in a worker thread, and it and
-the scheduler take turns with Python's lock: the forward slowed by about 0.6 ms a step, more than
-the 0.25 ms of scheduling it overlaps).
+Numbers (2026-11-30, the 2-core build machine, torch 2.13 CPU; measured / predicted gain): timed
+device, 4,096 requests of 8-24 tokens, 256 running, best of 5, two runs of this script: CPU
+11-13% of a step 0.997-0.998, 29-31%: 0.989-0.992, 54-56%: 1.076 (1.979x / 1.839x) and 0.944
+(1.678x / 1.777x); three runs of ``timed_gain`` alone at the same scale (best of 3) gave 0.958,
+0.975 and 0.875 at the 60% target. In the 0.944 run the overlapped loop's own CPU work was 0.62
+ms per step against the blocking loop's 0.61 ms; the blocking loop's figure moves more from run
+to run (0.58-0.81 ms), since a late wake-up from its every wait counts as CPU time. At smaller
+batches (``timed_gain``'s defaults, 128 running) the overlapped loop's per-step bookkeeping
+weighs more: 0.86 at 60% in the chapter's build. Earlier this round, before the late stop
+check's partition shared ``_apply``'s pass over the batch, eight runs at 60% gave 0.85-1.08
+(median 0.94). Before this round the 60% target gave 0.78 (0.60-1.26 over 14 runs): placeholders
+came from ``tolist()`` of the future ids, tokens were stored with a torch index_put (40 us a
+step in the loop), a step handed over on the loop's thread was wrapped in a ``Future``, and the
+simulator stored tokens that nothing reads. The timed device ends its steps on its own, so the
+overlapped loop runs it without a thread; with a worker thread that slept through each step the
+same measurement gave 0.97, 0.88 and 0.52. CityLM as it is, CPU share 8.6-9.3%: the overlapped
+loop 0.76-0.83x of blocking, 0.78-0.91x with skip_finishing_decode (the forward runs in a worker
+thread, and it and the scheduler take turns with Python's lock: the forward slowed by about 0.6
+ms a step, more than the 0.25 ms of scheduling it overlaps).
 On an NVIDIA H200 (torch 2.11, ``--device cuda --skip-timed``, section 2 only): a CityLM step
 took 6.5-7.8 ms (forward 5.6-6.7 ms, host-bound kernel launches), CPU share 13.1-13.5%, model
 prediction 1.15x; the 2-layer CityLM 4.1 ms, CPU share 23.4%, prediction 1.31x. The overlap
