@@ -66,7 +66,7 @@ from minisrv.overlap import (
     timeline,
 )
 from minisrv.overlap.measure import model_gain, timed_gain
-from minisrv.prefix_workloads import few_shot_workload
+from minisrv.workloads import few_shot_workload
 
 SHARES = (0.10, 0.30, 0.60)
 STEP_MS = 10.0  # a blocking step (device + CPU) for the model's table

@@ -20,6 +20,8 @@ _PUBLIC = {
     "ModelConfig": "minisrv.configs",
     "Engine": "minisrv.engine",
     "RadixCache": "minisrv.radix",
+    "calc_priority": "minisrv.scheduler",
+    "optimal_hit_rate": "minisrv.scheduler",
 }
 
 __all__ = sorted(_PUBLIC)

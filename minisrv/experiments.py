@@ -258,7 +258,7 @@ def chat_capacity_report(model: Any, tok: Any, capacity: int = 400, sessions: in
     ``built`` maps ``(sessions, turns)`` to workloads already built (generating the chats'
     answers is the slow part); new ones are added to it.
     """
-    from minisrv.prefix_workloads import chat_sessions_workload
+    from minisrv.workloads import chat_sessions_workload
 
     built = {} if built is None else built
     if (sessions, turns) not in built:

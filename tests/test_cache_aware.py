@@ -6,9 +6,8 @@ import matplotlib
 import pytest
 
 from minisrv import cache_aware as ca
-from minisrv.policy import optimal_hit_rate
-from minisrv.prefix_workloads import prefix_forest_workload
-from minisrv.workloads import Workload
+from minisrv.scheduler import optimal_hit_rate
+from minisrv.workloads import Workload, prefix_forest_workload
 
 matplotlib.use("Agg")
 

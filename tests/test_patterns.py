@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minisrv.patterns import (
+from minisrv.tokenizer import Tokenizer
+from minisrv.workloads import (
     chat_turns,
     parallel_samples,
     repeated_prefill,
     shared_system_prompt,
     system_prompt,
 )
-from minisrv.tokenizer import Tokenizer
 
 TOK = Tokenizer()
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv.policy import (
+from minisrv.radix import NoCache, RadixCache, TreeNode
+from minisrv.scheduler.policy import (
     CACHE_AWARE,
     IN_BATCH_CHECK_THRESHOLD,
     IN_BATCH_DEPRIORITIZE_THRESHOLD,
@@ -26,8 +27,7 @@ from minisrv.policy import (
     distinct_prefix_tokens,
     optimal_hit_rate,
 )
-from minisrv.prefix_workloads import prefix_forest_workload
-from minisrv.radix import NoCache, RadixCache, TreeNode
+from minisrv.workloads import prefix_forest_workload
 
 
 def tree_of(*sequences: list[int]) -> RadixCache:

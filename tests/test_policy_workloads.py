@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv.policy import distinct_prefix_tokens
-from minisrv.prefix_workloads import (
+from minisrv.scheduler.policy import distinct_prefix_tokens
+from minisrv.tokenizer import Tokenizer
+from minisrv.workloads import (
     FOREST_LENGTHS,
     FOREST_SHAPE,
     few_shot_groups_workload,
     prefix_forest_workload,
 )
-from minisrv.tokenizer import Tokenizer
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from minisrv.patterns import repeated_prefill
-from minisrv.prefix_workloads import (
+from minisrv.tokenizer import Tokenizer
+from minisrv.workloads import (
     chat_sessions_workload,
     few_shot_workload,
     parallel_sampling_workload,
+    repeated_prefill,
     shared_prompt_workload,
 )
-from minisrv.tokenizer import Tokenizer
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -101,7 +101,6 @@ def bench_requests(workload: str, num_prompts: int, seed: int = 0,
                    output_range: tuple[int, int] = (2, 40)) -> list[BenchRequest]:
     """``num_prompts`` text requests of one of ``BENCH_WORKLOADS`` (CityLM's city lines:
     independent prompts, one shared system prompt, or few-shot groups)."""
-    from minisrv import prefix_workloads as pw
     from minisrv import workloads as w
     from minisrv.tokenizer import Tokenizer
 
@@ -115,10 +114,10 @@ def bench_requests(workload: str, num_prompts: int, seed: int = 0,
     if workload == "citylm":
         prompts = w.city_prompts(tok, num_prompts, seed)
     elif workload == "shared-prompt":
-        prompts = pw.shared_prompt_workload(tok, n_users=num_prompts).prompts
+        prompts = w.shared_prompt_workload(tok, n_users=num_prompts).prompts
     else:
         groups = max(1, math.ceil(num_prompts / 8))
-        prompts = pw.few_shot_workload(tok, n_groups=groups, per_group=8).prompts[:num_prompts]
+        prompts = w.few_shot_workload(tok, n_groups=groups, per_group=8).prompts[:num_prompts]
     return [BenchRequest(tok.decode(p), m) for p, m in zip(prompts, lows)]
 
 

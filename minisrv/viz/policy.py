@@ -13,7 +13,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from minisrv.cache_aware import few_shot_experiment
-from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.scheduler.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 

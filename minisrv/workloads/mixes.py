@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minisrv.checks import check_int, check_number
+from minisrv.data import SHOWCASE_COUNTRIES, country_line
 
 if TYPE_CHECKING:
     from minisrv.tokenizer import Tokenizer
@@ -38,8 +39,6 @@ __all__ = [
     "arrival_times",
     "output_lengths",
     "gpu_scale_workload",
-    "prefix_groups_workload",
-    "group_popularity",
     "city_prompts",
     "citylm_workload",
     "lecture_trace_workload",
@@ -169,7 +168,7 @@ def gpu_scale_workload(
     capped at ``max_output``), arrivals from ``arrival`` at ``rate`` requests per second.
 
     Prompt tokens are random ids, distinct across requests, so no two prompts share a prefix
-    (prefix caching has nothing to find here; later chapters build workloads that share).
+    (prefix caching has nothing to find here; ``groups`` builds workloads that share).
     """
     low, high = prompt_range
     if not 1 <= low <= high:
@@ -190,75 +189,10 @@ def gpu_scale_workload(
     return Workload("gpu-scale", prompts, outputs, arrivals, description)
 
 
-def group_popularity(n_groups: int, hot_share: float | None = None) -> np.ndarray:
-    """Probability of each prefix group: uniform, or group 0 drawing ``hot_share`` of all
-    requests and the others splitting the rest evenly (one hot system prompt)."""
-    if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
-        raise ValueError(f"n_groups must be an int >= 1, got {n_groups!r}")
-    if hot_share is None:
-        return np.full(n_groups, 1.0 / n_groups)
-    if not 0 <= hot_share <= 1 or (n_groups == 1 and hot_share != 1):
-        raise ValueError(f"hot_share must be in [0, 1] (1 with a single group), got {hot_share}")
-    if n_groups == 1:
-        return np.ones(1)
-    probs = np.full(n_groups, (1.0 - hot_share) / (n_groups - 1))
-    probs[0] = hot_share
-    return probs
-
-
-def prefix_groups_workload(
-    n: int = 4000,
-    n_groups: int = 16,
-    prefix_len: int = 2000,
-    question_range: tuple[int, int] = (20, 60),
-    mean_output: float = 100,
-    output_cv: float = 1.0,
-    max_output: int = 1000,
-    rate: float = 100.0,
-    arrival: str = "poisson",
-    hot_share: float | None = None,
-    vocab_size: int = 128256,
-    seed: int = 0,
-) -> Workload:
-    """Requests from ``n_groups`` prefix groups: each prompt is its group's shared
-    ``prefix_len``-token prefix (a system prompt, a document, few-shot examples) followed by
-    its own question of ``question_range`` tokens (inclusive). A request's group is drawn
-    from ``group_popularity(n_groups, hot_share)``; outputs and arrivals as in
-    ``gpu_scale_workload``. The routing chapter's workload: with several workers, only a
-    router that sends a group to the same worker lets that worker's cache keep the prefix.
-    """
-    low, high = question_range
-    if not 1 <= low <= high:
-        raise ValueError(f"question_range must satisfy 1 <= low <= high, got {question_range}")
-    check_int("prefix_len", prefix_len, minimum=0)
-    check_workload_args(n)
-    probs = group_popularity(n_groups, hot_share)
-    rng = np.random.default_rng(seed)
-    prefixes = rng.integers(2, vocab_size, size=(n_groups, prefix_len)).tolist()
-    groups = rng.choice(n_groups, size=n, p=probs)
-    question_lens = rng.integers(low, high + 1, size=n)
-    outputs = output_lengths(n, mean_output, output_cv, max_output, rng)
-    arrivals = arrival_times(n, rate, arrival, rng)
-    tokens = rng.integers(2, vocab_size, size=int(question_lens.sum())).tolist()
-    bounds = np.concatenate([[0], np.cumsum(question_lens)]).tolist()
-    prompts = [prefixes[g] + tokens[a:b]
-               for g, a, b in zip(groups.tolist(), bounds, bounds[1:], strict=False)]
-    skew = "uniform" if hot_share is None else f"group 0 drawing {hot_share:.0%}"
-    description = (
-        f"{n} requests from {n_groups} groups ({skew}) of {prefix_len}-token prefixes + "
-        f"{low}-{high}-token questions, outputs gamma(mean {mean_output:g}, cv {output_cv:g}), "
-        f"{arrival} arrivals" + ("" if arrival == "all-at-once" else f" at {rate:g}/s")
-        + f", seed {seed}"
-    )
-    return Workload("prefix-groups", prompts, outputs, arrivals, description)
-
-
 def city_prompts(tok: Tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     """``n`` CityLM prompts: a showcase country's line cut after 0-2 cities, e.g. ``"FR:"``
     or ``"JP: Tokyo, Yokohama,"``, so the model continues with more cities.
     """
-    from minisrv.data import SHOWCASE_COUNTRIES, country_line
-
     check_workload_args(n)
     rng = np.random.default_rng(seed)
     prompts = []
@@ -303,11 +237,6 @@ def lecture_trace_workload(tok: Tokenizer) -> Workload:
     return Workload(
         "lecture-trace", prompts, [3, 5, 3], [0.0, 0.0, 2.0], "3 requests, max 2 running"
     )
-
-
-# ------------------------------------------------------------------------------------------
-# The serving patterns whose prompts share prefixes (the RadixAttention chapter).
-# Request ``i`` arrives at step ``arrivals[i]``; the lists are in arrival order.
 
 
 def summarize_lengths(values: Sequence[int]) -> str:

@@ -4,7 +4,10 @@ A server rarely sees unrelated prompts. Many users share one system prompt; a ch
 turn resends the whole conversation; one prompt is sampled several times. These builders
 produce each pattern in the city language, and ``repeated_prefill`` counts how many prompt
 tokens a server would prefill again although it has already computed them: the work that
-prefix caching (RadixAttention, a later chapter) exists to remove.
+prefix caching (RadixAttention, a later chapter) exists to remove. That chapter serves the
+chat and sampling patterns as workloads (``chat_sessions_workload``,
+``parallel_sampling_workload``); the shared prompt and few-shot groups are prefix groups
+(``groups``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from minisrv.data import country_line
+from minisrv.data import SHOWCASE_COUNTRIES, country_line
 from minisrv.tokenizer import Tokenizer
+from minisrv.workloads.mixes import Workload, check_workload_args
 
 SYSTEM_COUNTRIES: tuple[str, ...] = ("FR", "DE", "IT")  # the shared "system prompt"
 USER_COUNTRIES: tuple[str, ...] = ("JP", "US", "GB", "ES", "CN", "IN", "BR", "CA", "MX")
+# The four serving patterns of the RadixAttention chapter, as workload names.
+PREFIX_WORKLOADS: tuple[str, ...] = (
+    "shared-prompt", "chat-sessions", "few-shot", "parallel-sampling")
 
 
 class PrefillCount(NamedTuple):
@@ -78,6 +85,60 @@ def _complete_line(text: str, finished: bool) -> str:
     if not (newline or finished) and "," in line:
         line = line.rsplit(",", 1)[0]
     return line + "\n"
+
+
+def chat_sessions_workload(
+    model, tok: Tokenizer, n_sessions: int = 8, n_turns: int = 4, max_answer_tokens: int = 10,
+    turn_gap: float = 48.0, message_cities: int = 1,
+) -> Workload:
+    """``n_sessions`` independent chats of ``n_turns`` turns: turn ``t``'s prompt is turn
+    ``t - 1``'s prompt + its answer + the user's new message.
+
+    A message is one more example line (a country and ``message_cities`` of its cities; none
+    when 0) and a question (a country code). Session ``s`` opens with its own line, so
+    sessions share nothing but ``<bos>`` and all reuse comes from a session's own history.
+    Answers are CityLM's greedy continuation (``model.reference_generate``), kept up to the
+    last complete city and a newline, as in ``chat_turns``; a request's
+    ``max_new_tokens`` is its answer's length. Every
+    session's turn ``t`` arrives at step ``t * turn_gap``; request ``i`` is turn
+    ``i // n_sessions`` of session ``i % n_sessions``.
+    """
+    check_workload_args(n_sessions)
+    check_workload_args(n_turns, max_answer_tokens, turn_gap)
+    if message_cities < 0:
+        raise ValueError(f"message_cities must be >= 0, got {message_cities}")
+    codes = SHOWCASE_COUNTRIES
+    histories = [tok.encode(country_line(codes[s % len(codes)], 1) + "\n")
+                 for s in range(n_sessions)]
+    prompts: list[list[int]] = []
+    outputs: list[int] = []
+    arrivals: list[float] = []
+    for turn in range(n_turns):
+        for s in range(n_sessions):
+            example = codes[(s + 1 + 3 * turn) % len(codes)]
+            code = codes[(s + 2 + 3 * turn) % len(codes)]
+            line = country_line(example, message_cities) + "\n" if message_cities else ""
+            prompt = histories[s] + tok.encode(f"{line}{code}:", bos=False)
+            generated = model.reference_generate(prompt, max_answer_tokens)
+            finished = bool(generated) and generated[-1] == tok.eos_id
+            answer = tok.encode(_complete_line(tok.decode(generated), finished), bos=False)
+            prompts.append(prompt)
+            outputs.append(len(answer))
+            arrivals.append(turn * turn_gap)
+            histories[s] = prompt + answer
+    return Workload("chat-sessions", prompts, outputs, arrivals,
+                    f"{n_sessions} chat sessions x {n_turns} turns")
+
+
+def parallel_sampling_workload(
+    tok: Tokenizer, n_samples: int = 8, question: str = "JP:", output_len: int = 16,
+) -> Workload:
+    """One prompt (system prompt + ``question``) sent ``n_samples`` times at once, as when
+    sampling several answers to pick the best."""
+    check_workload_args(n_samples, output_len, 1.0)
+    prompts = parallel_samples(tok, n_samples, question) if n_samples else []
+    return Workload("parallel-sampling", prompts, [output_len] * n_samples, [0.0] * n_samples,
+                    f"one prompt sampled {n_samples} times")
 
 
 def repeated_prefill(prompts: Sequence[Sequence[int]],
