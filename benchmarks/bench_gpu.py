@@ -53,7 +53,7 @@ import pandas as pd
 import torch
 
 from minisrv.configs import CITYLM, H200, SMOLLM2_135M, GPUSpec, ModelConfig
-from minisrv.real_model import (
+from minisrv.experiments.gpu import (
     current_gpu,
     device_label,
     engine_decode_throughput,

@@ -11,7 +11,7 @@ Prints, from one process on the same machine:
 3. for a ``TimedBackend`` that should realise each CPU share, the device step time it needs
    given the measured CPU time per step, wrapping CityLM, a 2-layer CityLM or the
    simulator: a device cannot be faster than the forward it computes;
-4. measured (``minisrv.overlap.measure``): blocking vs overlapped (``Engine(...,
+4. measured (``minisrv.experiments.overlap``): blocking vs overlapped (``Engine(...,
    overlap=True)``) tokens/s on a timed simulated device whose step time aims at a CPU share
    of 10%, 30% and 60% of a blocking step (large batches, so the CPU work per step is long
    enough to time), each run split into device busy / idle time per step and held against
@@ -56,16 +56,10 @@ import torch
 from minisrv import Engine, load_citylm
 from minisrv.backends import SimBackend
 from minisrv.configs import CITYLM
+from minisrv.experiments.breakdown import CPU_PARTS, PARTS, StepTimings, time_steps
+from minisrv.experiments.lanes import throughput_ratio, timeline
+from minisrv.experiments.overlap import model_gain, timed_gain
 from minisrv.model import CityLM
-from minisrv.overlap import (
-    CPU_PARTS,
-    PARTS,
-    StepTimings,
-    throughput_ratio,
-    time_steps,
-    timeline,
-)
-from minisrv.overlap.measure import model_gain, timed_gain
 from minisrv.workloads import few_shot_workload
 
 SHARES = (0.10, 0.30, 0.60)

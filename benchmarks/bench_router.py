@@ -28,7 +28,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from minisrv.router import Router, simulate_cluster
+from minisrv.experiments.routing import simulate_cluster
+from minisrv.router import Router
 from minisrv.workloads import prefix_groups_workload
 
 POLICIES = ("round-robin", "least-load", "cache-aware")

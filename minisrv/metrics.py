@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minisrv.request import Req
-from minisrv.scheduler import StepRecord, hit_rate
+from minisrv.scheduler import StepRecord
 
 __all__ = [
     "RunMetrics",
@@ -33,7 +33,6 @@ __all__ = [
     "slot_utilisation",
     "mean_decode_batch",
     "itl_values",
-    "request_hit_rate",
     "wait_values",
 ]
 
@@ -124,8 +123,3 @@ def summarize(reqs: Sequence[Req], trace: Sequence[StepRecord], max_running: int
         max_wait=float(wait.max()) if wait.size else 0.0,
     )
 
-
-def request_hit_rate(reqs: Sequence[Req]) -> float:
-    """The hit rate of any group of requests (one turn of a chat, one worker's share):
-    their cached prompt tokens at first admission over their prompt tokens."""
-    return hit_rate(sum(r.cached_prompt_tokens for r in reqs), sum(r.prompt_len for r in reqs))

@@ -1,11 +1,12 @@
-"""The cache-aware chapter's experiment runners (minisrv.cache_aware) and their drawings."""
+"""The cache-aware chapter's experiment runners (minisrv.experiments.cache_aware) and their
+drawings."""
 
 from __future__ import annotations
 
 import matplotlib
 import pytest
 
-from minisrv import cache_aware as ca
+from minisrv.experiments import cache_aware as ca
 from minisrv.scheduler import optimal_hit_rate
 from minisrv.workloads import Workload, prefix_forest_workload
 

@@ -84,7 +84,9 @@ def test_debug_mode_checks_every_step() -> None:
 
 def test_the_serving_core_imports_no_drawing_code() -> None:
     code = (
-        "import sys, minisrv.engine, minisrv.experiments\n"
+        "import sys, pkgutil, importlib, minisrv.engine, minisrv.experiments\n"
+        "for m in pkgutil.iter_modules(minisrv.experiments.__path__):\n"
+        "    importlib.import_module('minisrv.experiments.' + m.name)\n"
         "bad = [m for m in sys.modules if m.startswith('minisrv.viz') or "
         "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')]\n"
         "print(bad)\n"

@@ -13,14 +13,9 @@ from hypothesis import strategies as st
 from minisrv import backends
 from minisrv.backends import ModelBackend, SimBackend
 from minisrv.engine import Engine
-from minisrv.overlap import (
-    CPU_PARTS,
-    PARTS,
-    TimedBackend,
-    throughput_ratio,
-    time_steps,
-    timeline,
-)
+from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
+from minisrv.experiments.lanes import throughput_ratio, timeline
+from minisrv.overlap import TimedBackend
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 3

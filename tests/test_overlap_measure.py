@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minisrv.engine import Engine
-from minisrv.overlap.measure import LOOPS, model_gain, timed_gain, waste_by_length
+from minisrv.experiments.overlap import LOOPS, model_gain, timed_gain, waste_by_length
 from minisrv.scheduler import MODES
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.overlap import future_trace_frame

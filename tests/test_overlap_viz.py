@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from minisrv.engine import Engine
-from minisrv.overlap import PARTS, timeline
+from minisrv.experiments.breakdown import PARTS
+from minisrv.experiments.lanes import timeline
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.overlap import (
     breakdown_summary,

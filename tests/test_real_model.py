@@ -14,8 +14,7 @@ pytest.importorskip("tokenizers")
 
 from minisrv.configs import CITYLM, H200, SMOLLM2_135M, T4  # noqa: E402
 from minisrv.engine import Engine  # noqa: E402
-from minisrv.model import HFTokenizer, load_model  # noqa: E402
-from minisrv.real_model import (
+from minisrv.experiments.gpu import (
     DEMO_TEXT,
     current_gpu,
     device_label,
@@ -23,11 +22,12 @@ from minisrv.real_model import (
     predicted_decode_throughput,
     ragged_vs_padded,
     random_model,
-    recorded_gpu_run,  # noqa: E402
+    recorded_gpu_run,
     roofline_step_times,
     step_time_sweep,
     write_tiny_llama,
 )
+from minisrv.model import HFTokenizer, load_model  # noqa: E402
 from minisrv.roofline import decode_step_time  # noqa: E402
 
 TINY = CITYLM.with_(name="tiny", n_layers=2, max_seq_len=64)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from minisrv.backends import SimBackend
 from minisrv.engine import Engine
-from minisrv.router import POLICIES, Router, run_cluster, serve_cluster, simulate_cluster
+from minisrv.experiments.routing import run_cluster, serve_cluster, simulate_cluster
+from minisrv.router import POLICIES, Router
 from minisrv.tokenizer import Tokenizer
 from minisrv.workloads import Workload, prefix_groups_workload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from minisrv.router import simulate_cluster
+from minisrv.experiments.routing import simulate_cluster
 from minisrv.viz import routing as rv
 from minisrv.workloads import prefix_groups_workload
 

@@ -12,10 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 
 from minisrv.engine import Engine  # noqa: E402
-from minisrv.sampling import SamplingParams  # noqa: E402
-from minisrv.server.bench import BenchRequest  # noqa: E402
-from minisrv.server.engine_loop import FINISHED_KEPT, EngineLoop  # noqa: E402
-from minisrv.server.experiments import (  # noqa: E402
+from minisrv.experiments.server import (  # noqa: E402
     Layout,
     bench_frame,
     bench_layouts,
@@ -24,6 +21,9 @@ from minisrv.server.experiments import (  # noqa: E402
     slot_ranges,
     stream_completion,
 )
+from minisrv.sampling import SamplingParams  # noqa: E402
+from minisrv.server.bench import BenchRequest  # noqa: E402
+from minisrv.server.engine_loop import FINISHED_KEPT, EngineLoop  # noqa: E402
 from minisrv.server.launch import running_server  # noqa: E402
 from minisrv.server.workers import EngineOptions  # noqa: E402
 

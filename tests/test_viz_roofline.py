@@ -72,7 +72,7 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     import torch
 
     from minisrv.configs import CITYLM, SMOLLM2_135M, T4
-    from minisrv.real_model import random_model, roofline_step_times, step_time_sweep
+    from minisrv.experiments.gpu import random_model, roofline_step_times, step_time_sweep
     from minisrv.viz.gpu import plot_step_times_vs_roofline
 
     model = random_model(CITYLM.with_(n_layers=1), "cpu", torch.float32)

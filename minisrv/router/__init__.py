@@ -1,24 +1,20 @@
-"""Routing requests across workers: the router, its approximate tree, and clusters.
+"""Routing requests across workers: the router and its approximate tree.
 
 ``Router`` chooses a worker per request (``POLICIES``); ``ApproxTree`` is its memory of
-which prefixes went where; ``simulate_cluster`` serves a workload on N simulated GPUs and
-``serve_cluster`` on N real CityLM engines, both on one event clock (``ClusterResult``).
+which prefixes went where. The router is part of the serving runtime (``--dp N`` workers
+behind it); the routing chapter's cluster simulation, ``simulate_cluster`` and
+``serve_cluster``, lives on the book side in ``minisrv.experiments.routing``.
 """
 
-from minisrv.router.cluster import ClusterResult, run_cluster, serve_cluster, simulate_cluster
 from minisrv.router.policy import BRANCHES, LAUNCHER_DEFAULTS, POLICIES, Router
 from minisrv.router.tree import ApproxTree, TreeMatch, common_prefix_length
 
 __all__ = [
     "ApproxTree",
     "BRANCHES",
-    "ClusterResult",
     "LAUNCHER_DEFAULTS",
     "POLICIES",
     "Router",
     "TreeMatch",
     "common_prefix_length",
-    "run_cluster",
-    "serve_cluster",
-    "simulate_cluster",
 ]

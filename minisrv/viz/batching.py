@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from minisrv.experiments import PoolRun, run_pool
+from minisrv.experiments.batching import PoolRun, run_pool
 from minisrv.model import CityLM
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider

@@ -20,8 +20,8 @@ def plot_step_times_vs_roofline(
 ) -> BookFigure:
     """Decode step time (left) and time per generated token (right) against batch size.
 
-    ``measured``: rows of ``real_model.step_time_sweep`` (device, dtype, attention, batch,
-    step_ms, us_per_token); ``predicted``: rows of ``real_model.roofline_step_times``.
+    ``measured``: rows of ``experiments.gpu.step_time_sweep`` (device, dtype, attention, batch,
+    step_ms, us_per_token); ``predicted``: rows of ``experiments.gpu.roofline_step_times``.
     """
     fig, (left, right) = page_figure(5.4, cols=2)
     for (device, dtype, attention), rows in measured.groupby(

@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from minisrv.overlap import CPU_PARTS, PARTS, Timeline, throughput_ratio, time_steps, timeline
+from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
+from minisrv.experiments.lanes import Timeline, throughput_ratio, timeline
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 

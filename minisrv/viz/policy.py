@@ -1,6 +1,7 @@
 """Figures and widgets of the cache-aware scheduling chapter.
 
-The numbers come from ``minisrv.cache_aware`` (DataFrames); these functions only draw them.
+The numbers come from ``minisrv.experiments.cache_aware`` (DataFrames); these functions only
+draw them.
 Figures follow the house style of ``minisrv.viz.style``: page width, legends below the axes.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.patches import Patch
 
-from minisrv.cache_aware import few_shot_experiment
+from minisrv.experiments.cache_aware import few_shot_experiment
 from minisrv.scheduler.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider

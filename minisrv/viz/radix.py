@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import graphviz
 import pandas as pd
 
-from minisrv.experiments import chat_capacity_report
+from minisrv.experiments.radix import chat_capacity_report
 from minisrv.prefix_cache import NodeView, TreeEvent
 from minisrv.radix import RadixCache
 from minisrv.viz.style import (

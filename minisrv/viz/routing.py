@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from minisrv.router import ClusterResult, simulate_cluster
+from minisrv.experiments.routing import ClusterResult, simulate_cluster
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.workloads import prefix_groups_workload
 

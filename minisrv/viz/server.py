@@ -1,6 +1,6 @@
 """Plots for the server chapter: ``minisrv bench`` results of several server layouts.
 
-Reads the table of ``minisrv.server.experiments.bench_frame`` (one row per run); nothing in
+Reads the table of ``minisrv.experiments.server.bench_frame`` (one row per run); nothing in
 the serving core imports this module.
 """
 

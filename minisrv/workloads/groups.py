@@ -156,7 +156,7 @@ def shared_prompt_workload(
     n_cities: int = 3,
 ) -> Workload:
     """Many users, one system prompt: the three-country few-shot header of
-    ``patterns.system_prompt``, then each user's own question (a country code, followed by
+    ``system_prompt``, then each user's own question (a country code, followed by
     0-2 of its cities once the codes run out, so no two prompts are equal). One group.
     """
     check_workload_args(n_users, output_len, arrival_every)

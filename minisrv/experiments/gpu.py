@@ -293,7 +293,7 @@ def predicted_decode_throughput(
     return run.decode_tokens / seconds
 
 
-RECORDED = Path(__file__).parent / "measured"
+RECORDED = Path(__file__).parents[1] / "measured"
 """Runs of ``benchmarks/bench_gpu.py --out`` on lent GPUs, shipped so a page built on a CPU
 can still show what a GPU measured (each row names its GPU and torch)."""
 

@@ -23,7 +23,7 @@ import pandas as pd
 from minisrv.backends import SimBackend
 from minisrv.checks import check_int
 from minisrv.engine import Engine
-from minisrv.overlap.lanes import throughput_ratio
+from minisrv.experiments.lanes import throughput_ratio
 from minisrv.overlap.timed import TimedBackend
 from minisrv.sampling import SamplingParams
 

@@ -1,0 +1,104 @@
+"""The book's experiments: one module per chapter's runs and sweeps.
+
+Each function builds fresh engines, serves a workload, checks the outputs where a reference
+is given (every token against the request generated alone) and returns plain results, named
+tuples or DataFrames; ``minisrv.viz`` only draws them. A reader can re-run any of them
+larger than the chapter does by passing other arguments.
+
+* ``scheduler`` (the scheduler loop): ``rate_sweep`` on the simulated GPU;
+* ``batching`` (selective batching): flat against separate forwards, the engine against
+  each request alone, KV pool sweeps;
+* ``radix`` (RadixAttention): serving with and without the cache, hit rates per chat turn;
+* ``cache_aware`` (cache-aware scheduling): policies, capacities, rounds, scheduling cost;
+* ``routing`` (routing across workers): ``simulate_cluster`` and ``serve_cluster``;
+* ``overlap``, ``lanes``, ``breakdown`` (zero-overhead scheduling): measured waste and gain,
+  the two-lane model (``timeline``, ``throughput_ratio``), the per-step time breakdown;
+* ``server`` (serving it for real): a server opened in-process, layouts benchmarked;
+* ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs.
+
+Names are imported lazily (``from minisrv.experiments import rate_sweep`` loads only the
+scheduler chapter's module). The serving runtime never imports this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "rate_sweep": "scheduler",
+    "EngineVsAlone": "batching",
+    "FlatCheck": "batching",
+    "PoolRun": "batching",
+    "engine_vs_alone": "batching",
+    "flat_equivalence": "batching",
+    "pool_sweep": "batching",
+    "run_pool": "batching",
+    "ServedRequest": "radix",
+    "cache_comparison": "radix",
+    "capacity_sweep": "radix",
+    "chat_capacity_report": "radix",
+    "per_turn_hit_rates": "radix",
+    "request_hit_rate": "radix",
+    "serve_step": "radix",
+    "serve_with_cache": "radix",
+    "PolicyRun": "cache_aware",
+    "admission_rounds": "cache_aware",
+    "capacity_table": "cache_aware",
+    "few_shot_experiment": "cache_aware",
+    "forest_sweep": "cache_aware",
+    "gpu_policy_table": "cache_aware",
+    "group_table": "cache_aware",
+    "policy_table": "cache_aware",
+    "prefix_stream_workload": "cache_aware",
+    "reference_outputs": "cache_aware",
+    "request_table": "cache_aware",
+    "run_policy": "cache_aware",
+    "scheduling_cost": "cache_aware",
+    "ClusterResult": "routing",
+    "run_cluster": "routing",
+    "serve_cluster": "routing",
+    "simulate_cluster": "routing",
+    "LOOPS": "overlap",
+    "model_gain": "overlap",
+    "timed_gain": "overlap",
+    "waste_by_length": "overlap",
+    "Interval": "lanes",
+    "Timeline": "lanes",
+    "throughput_ratio": "lanes",
+    "timeline": "lanes",
+    "CPU_PARTS": "breakdown",
+    "PARTS": "breakdown",
+    "StepTiming": "breakdown",
+    "StepTimings": "breakdown",
+    "time_steps": "breakdown",
+    "Layout": "server",
+    "LayoutRun": "server",
+    "bench_frame": "server",
+    "bench_layouts": "server",
+    "open_server": "server",
+    "read_metrics": "server",
+    "run_sync": "server",
+    "slot_ranges": "server",
+    "stream_completion": "server",
+    "DEMO_TEXT": "gpu",
+    "DecodeRun": "gpu",
+    "current_gpu": "gpu",
+    "device_label": "gpu",
+    "engine_decode_throughput": "gpu",
+    "predicted_decode_throughput": "gpu",
+    "ragged_vs_padded": "gpu",
+    "random_model": "gpu",
+    "recorded_gpu_run": "gpu",
+    "roofline_step_times": "gpu",
+    "step_time_sweep": "gpu",
+    "write_tiny_llama": "gpu",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"minisrv.experiments.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'minisrv.experiments' has no attribute {name!r}")

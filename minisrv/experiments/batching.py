@@ -1,0 +1,150 @@
+"""The selective-batching chapter's runs: one flat forward against separate ones, the engine
+against generating each request alone, and the KV pool's capacity and admission sweeps.
+
+Each function builds fresh engines, serves a workload, checks the outputs where a reference
+is given, and returns plain results (named tuples or DataFrames); ``minisrv.viz`` only draws
+them. The defaults are the chapter's small settings, so each call takes seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from minisrv.engine import Engine
+from minisrv.kvpool import KVPool
+from minisrv.model import CityLM, FlatBatch
+from minisrv.workloads import Workload
+
+__all__ = [
+    "EngineVsAlone",
+    "FlatCheck",
+    "PoolRun",
+    "engine_vs_alone",
+    "flat_equivalence",
+    "pool_sweep",
+    "run_pool",
+]
+
+
+class FlatCheck(NamedTuple):
+    """One flat forward over prefills and decodes against running each request alone."""
+
+    n_requests: int  # requests in the step
+    n_tokens: int  # new tokens the step computes (rows of every linear layer)
+    max_diff: dict[str, float]  # per attention kind: largest |flat - separate| logit
+
+
+def flat_equivalence(model: CityLM, prompts: Sequence[Sequence[int]], n_decodes: int) -> FlatCheck:
+    """Run ``prompts`` as one flat step, the last ``n_decodes`` of them as decodes (their
+    earlier tokens already in the pool), and compare each attention kind's logits with a
+    separate forward per request. Use a float64 model to see only rounding differences."""
+    seqs = [list(p) for p in prompts]
+    n_prefill = len(seqs) - n_decodes
+    n_new = [len(s) for s in seqs[:n_prefill]] + [1] * n_decodes
+    pool = KVPool.for_model(model, sum(map(len, seqs)))
+    slots = [pool.alloc(len(s)) for s in seqs]
+    with torch.no_grad():
+        if n_decodes:
+            earlier = FlatBatch([s[:-1] for s in seqs[n_prefill:]],
+                                [sl[:-1] for sl in slots[n_prefill:]], model.device)
+            model.forward_flat(earlier, pool)
+        step = FlatBatch([s[len(s) - n:] for s, n in zip(seqs, n_new)], slots, model.device)
+        ids = [torch.tensor(s, device=model.device) for s in seqs]
+        separate = torch.cat([model(t)[len(t) - n:] for t, n in zip(ids, n_new)])
+        diffs = {attention: (model.forward_flat(step, pool, attention=attention) - separate)
+                 .abs().max().item() for attention in ("loop", "padded")}
+    return FlatCheck(len(step), step.num_tokens, diffs)
+
+
+class EngineVsAlone(NamedTuple):
+    """The engine against generating every request alone, on the same prompts."""
+
+    tokens: int  # output tokens generated (the same both ways)
+    seconds_alone: float  # reference_generate, one request after another
+    seconds_engine: float  # Engine.generate, all requests together
+    steps: int  # engine steps
+    identical: int  # requests whose outputs are equal both ways
+    total: int
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster the engine served the same tokens."""
+        return self.seconds_alone / self.seconds_engine
+
+
+def engine_vs_alone(model: CityLM, workload: Workload, **options: Any) -> EngineVsAlone:
+    """Time ``reference_generate`` request by request against one ``Engine(**options)``
+    serving them all (default: mixed steps, every request in one batch)."""
+    options = {"kv_capacity": 8000, "max_running": len(workload), "mode": "mixed", **options}
+    start = time.perf_counter()
+    alone = [model.reference_generate(p, m) for p, m in zip(workload.prompts, workload.output_lens)]
+    t_alone = time.perf_counter() - start
+    engine = Engine(model, **options)
+    start = time.perf_counter()
+    served = engine.generate(workload.prompts, workload.output_lens)
+    t_engine = time.perf_counter() - start
+    same = sum(a == b for a, b in zip(served, alone))
+    return EngineVsAlone(sum(map(len, served)), t_alone, t_engine, engine.stats.steps, same,
+                         len(alone))
+
+
+class PoolRun(NamedTuple):
+    """One pool experiment: the engine after the run and whether outputs matched."""
+
+    engine: Engine
+    outputs: list[list[int]]
+    identical: int  # requests whose tokens equal the reference
+    total: int
+
+    @property
+    def check(self) -> str:
+        """The sentence every experiment prints."""
+        return f"outputs identical to each request alone: {self.identical} of {self.total}"
+
+
+def run_pool(model: CityLM, workload: Workload, reference: Sequence[Sequence[int]], *,
+             capacity: int = 120, ratio: float = 0.7, decay: float = 0.01, max_running: int = 8,
+             admission: str = "budget", mode: str = "prefill-first") -> PoolRun:
+    """Serve ``workload`` with a pool of ``capacity`` slots and compare with ``reference``."""
+    engine = Engine(model, kv_capacity=capacity, max_running=max_running, mode=mode,
+                    admission=admission, new_token_ratio=ratio, ratio_decay=decay,
+                    min_ratio=min(ratio, 0.1))
+    outputs = engine.generate(workload.prompts, workload.output_lens)
+    same = sum(list(a) == list(b) for a, b in zip(outputs, reference))
+    return PoolRun(engine, outputs, same, len(reference))
+
+
+def pool_sweep(model: CityLM, workload: Workload, reference: Sequence[Sequence[int]],
+               capacities: Sequence[int], ratios: Sequence[float | None], *,
+               decay: float = 0.001, max_running: int = 8,
+               progress: bool = False) -> tuple[pd.DataFrame, int, int]:
+    """Serve ``workload`` for every capacity and initial ratio (``None``: reserve admission).
+
+    Returns one row per run (steps, mean decode batch, retractions, recomputed tokens) and
+    the count of runs whose outputs all matched, out of all runs.
+    """
+    rows, all_same = [], 0
+    jobs = [(c, r) for c in capacities for r in ratios]
+    for capacity, ratio in tqdm(jobs, desc="pool sweep", leave=False, disable=not progress):
+        run = run_pool(model, workload, reference, capacity=capacity,
+                       ratio=1.0 if ratio is None else ratio, decay=decay,
+                       max_running=max_running,
+                       admission="reserve" if ratio is None else "budget")
+        decodes = [len(s.decode) for s in run.engine.trace if s.decode]
+        stats = run.engine.stats
+        rows.append({
+            "capacity": capacity,
+            "initial ratio": "reserve" if ratio is None else f"{ratio:g}",
+            "steps": stats.steps,
+            "mean decode batch": round(sum(decodes) / len(decodes), 2),
+            "retractions": stats.retractions,
+            "recomputed tokens": stats.wasted_tokens,
+        })
+        all_same += run.identical == run.total
+    return pd.DataFrame(rows), all_same, len(jobs)
