@@ -22,6 +22,10 @@ _PUBLIC = {
     "RadixCache": "minisrv.radix",
     "calc_priority": "minisrv.scheduler",
     "optimal_hit_rate": "minisrv.scheduler",
+    "simulate": "minisrv.engine",
+    "simulate_cluster": "minisrv.experiments.routing",
+    "timeline": "minisrv.experiments.lanes",
+    "throughput_ratio": "minisrv.experiments.lanes",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -305,5 +305,6 @@ def test_the_overlap_package_still_names_the_chapters_lanes() -> None:
 
 def test_the_public_names_of_the_design_resolve() -> None:
     for name in ("Engine", "load_citylm", "load_model", "RadixCache", "calc_priority",
-                 "optimal_hit_rate"):
+                 "optimal_hit_rate", "simulate", "simulate_cluster", "timeline",
+                 "throughput_ratio"):
         assert callable(getattr(minisrv, name))
