@@ -39,7 +39,7 @@ def test_toc_lists_every_chapter_in_reading_order() -> None:
 def test_chapter_starts_with_the_colab_setup_cell(path: Path) -> None:
     first = nbformat.read(path, as_version=4).cells[0]
     assert first.cell_type == "code"
-    assert first.source == book.SETUP_CELL
+    assert first.source == book.setup_cell(path.stem)
     assert "remove-cell" in first.metadata.get("tags", [])
 
 
@@ -96,9 +96,24 @@ def test_show_source_refuses_builtins_clearly() -> None:
         book.source_of(len)
 
 
-def test_setup_cell_is_valid_python_installing_from_the_repository() -> None:
-    compile(book.SETUP_CELL, "<setup>", "exec")
-    assert book.REPO_URL in book.SETUP_CELL
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_setup_cell_is_valid_python_installing_the_chapters_extras(path: Path) -> None:
+    cell = book.setup_cell(path.stem)
+    compile(cell, "<setup>", "exec")
+    extras = book.chapter_extras(path.stem)
+    assert f"minisrv[{','.join(extras)}] @ git+{book.REPO_URL}" in cell
+    for extra in extras:
+        assert all(f'"{module}"' in cell for module in book.EXTRA_MODULES[extra])
+
+
+def test_every_extra_a_chapter_installs_is_one_of_the_package() -> None:
+    import tomllib  # Python 3.11+, as the test environment
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for path in CHAPTERS:
+        assert set(book.chapter_extras(path.stem)) <= set(declared), path.stem
+    assert set(book.EXTRA_MODULES) <= set(declared)
 
 
 def test_chapter_map_and_readme_picture_list_every_chapter() -> None:

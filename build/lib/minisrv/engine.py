@@ -1,0 +1,266 @@
+"""The engine: the public face of minisrv, a model (or a simulated GPU) plus a scheduler.
+
+``Engine.generate`` takes token prompts and returns the generated ids in prompt order; how
+the requests were batched never changes them (each equals ``model.reference_generate`` of
+the request alone). ``Engine.run_workload`` and ``simulate`` replay a ``Workload`` and
+return the metrics of the run; with a ``SimBackend`` that is a GPU-scale experiment that
+runs in about a second.
+
+The options (``EngineConfig``) grow with the book: continuous batching modes, admission,
+the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` selects
+``minisrv.overlap.OverlapScheduler``). Every argument is validated before anything is
+queued, so a bad call raises ValueError and leaves the engine exactly as it was.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from minisrv.backends import ModelBackend, SimBackend
+from minisrv.checks import check_int, check_number, is_int
+from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.metrics import RunMetrics, summarize
+from minisrv.prefix_cache import PrefixCache
+from minisrv.radix import CACHES
+from minisrv.request import Req
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler import (
+    MODES,
+    POLICIES,
+    Backend,
+    ConfigView,
+    EngineConfig,
+    Scheduler,
+    SchedulerStats,
+    StepRecord,
+)
+from minisrv.workloads import Workload
+
+__all__ = ["POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "RunResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One replayed workload: its requests (with token times), its steps and its metrics."""
+
+    mode: str
+    max_running: int
+    requests: list[Req]
+    trace: list[StepRecord]
+    metrics: RunMetrics
+
+
+class Engine(ConfigView):
+    """A model and a scheduler behind one ``generate`` call.
+
+    ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
+    ``SimBackend``. The options are those of ``EngineConfig`` (``kv_capacity``,
+    ``max_running``, ``policy``, ``cache``, ``mode``, ``admission``, ...), given as keywords
+    or as one ``config``; an unknown option is an error that lists the valid ones.
+
+    ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
+    ``minisrv.radix``). To watch the tree change, attach the book's recorder to
+    ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``).
+    """
+
+    def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_options(config, **options)
+        backend = model if isinstance(model, Backend) else ModelBackend(model)
+        if self.config.overlap:
+            from minisrv.overlap.loop import OverlapScheduler
+
+            self.scheduler: Scheduler = OverlapScheduler(backend, self.config)
+        else:
+            self.scheduler = Scheduler(backend, self.config)
+        self._next_rid = 0
+
+    # ----------------------------------------------------------------- views
+    @property
+    def backend(self) -> Backend:
+        """What computes the steps."""
+        return self.scheduler.backend
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Totals over every step this engine has run (steps, tokens, ...)."""
+        return self.scheduler.stats
+
+    @property
+    def tree(self) -> PrefixCache:
+        """The prefix cache (a ``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
+        return self.scheduler.tree
+
+    @property
+    def trace(self) -> list[StepRecord]:
+        """One record per step this engine has run, oldest first."""
+        return self.scheduler.trace
+
+    # ----------------------------------------------------------------- serving
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | None = None,
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        arrival_steps: Sequence[float] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt; return the new ids per prompt, in prompt order.
+
+        ``max_new_tokens``: one int for all, or one per prompt; ``None`` takes it from
+        ``sampling`` (16 without). ``sampling``: one ``SamplingParams`` for all or one per
+        prompt (greedy by default); an explicit ``max_new_tokens`` overrides its length.
+        ``arrival_steps``: when each request arrives, in steps from now (default: all now).
+        ``on_token(i, token)`` is called for every token as soon as it exists (streaming).
+        A generated ``<eos>`` ends a request and is included, unless ``ignore_eos``.
+        """
+        reqs = self.make_requests(prompts, max_new_tokens, sampling, arrival_steps)
+        index = {id(req): i for i, req in enumerate(reqs)}
+        stream = None
+        if on_token is not None:
+            def stream(req: Req, token: int) -> None:
+                on_token(index[id(req)], token)
+
+        self.serve(reqs, stream)
+        return [list(req.output) for req in reqs]
+
+    def make_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        arrival_steps: Sequence[float] | None = None,
+    ) -> list[Req]:
+        """Validated ``Req`` objects for ``generate``'s arguments; nothing is queued yet."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
+        n = len(prompts)
+        clean = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+        params = _per_request_params(n, max_new_tokens, sampling)
+        arrivals = _per_request_arrivals(n, arrival_steps)
+        base = self.scheduler.clock
+        first = self._next_rid
+        self._next_rid += n
+        return [
+            Req(rid=first + i, prompt=clean[i], params=params[i], arrival=base + arrivals[i])
+            for i in range(n)
+        ]
+
+    def serve(
+        self,
+        reqs: Sequence[Req],
+        on_token: Callable[[Req, int], None] | None = None,
+        progress: bool = False,
+    ) -> list[Req]:
+        """Submit ``reqs`` and run the loop until all have finished.
+
+        Every request is checked before any is queued. If anything fails mid-run (a
+        streaming callback raising, an interrupt) the call's requests are withdrawn and
+        their memory freed before the error propagates, so the engine stays usable.
+        """
+        for req in reqs:
+            self.scheduler.check(req)
+        scheduler = self.scheduler
+        scheduler.on_token = on_token
+        try:
+            for req in reqs:
+                scheduler.submit(req)
+            scheduler.run(progress=progress)
+        except BaseException:
+            scheduler.abort(reqs)
+            raise
+        finally:
+            scheduler.on_token = None
+        return list(reqs)
+
+    def run_workload(self, workload: Workload, progress: bool = False) -> RunResult:
+        """Replay ``workload`` (arrivals relative to now); return requests, steps, metrics.
+
+        Every request runs to its ``output_lens`` entry (``ignore_eos``), so all modes
+        produce the same tokens and differ only in when they compute them.
+        """
+        params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in workload.output_lens]
+        reqs = self.make_requests(workload.prompts, None, params, workload.arrivals)
+        first_step = len(self.trace)
+        self.serve(reqs, progress=progress)
+        trace = self.trace[first_step:]
+        metrics = summarize(reqs, trace, self.max_running)
+        return RunResult(self.mode, self.max_running, reqs, trace, metrics)
+
+
+def simulate(
+    workload: Workload,
+    config: EngineConfig | None = None,
+    *,
+    cfg: ModelConfig = LLAMA3_8B,
+    gpu: GPUSpec = H100,
+    dtype_bytes: float = 2,
+    progress: bool = False,
+    **options: Any,
+) -> RunResult:
+    """Serve ``workload`` on a simulated GPU (roofline step times); arrivals in seconds.
+
+    ``options`` are those of ``EngineConfig``, with its defaults, except ``kv_capacity``:
+    left out, it is all the memory the GPU has after the weights (LLaMA-3-8B on an H100:
+    about 488k tokens), which is what a real server would give its pool.
+    """
+    backend = SimBackend(cfg, gpu, dtype_bytes)
+    if "kv_capacity" not in options and config is None:
+        options["kv_capacity"] = backend.kv_capacity()
+    engine = Engine(backend, config, **options)
+    return engine.run_workload(workload, progress=progress)
+
+
+# --------------------------------------------------------------------- argument checks
+def _check_prompt(i: int, prompt: object) -> list[int]:
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError(f"prompt {i} is empty (encode at least <bos>)")
+    if all(type(token) is int for token in ids):  # the common case, checked fast
+        return ids
+    for token in ids:
+        if not is_int(token):
+            raise ValueError(f"prompt {i} holds {token!r}, which is not a token id")
+    return [int(token) for token in ids]
+
+
+def _per_request(n: int, name: str, value: Any) -> list[Any]:
+    """``value`` repeated ``n`` times, or checked to hold exactly ``n`` entries."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _per_request_params(
+    n: int,
+    max_new_tokens: int | Sequence[int] | None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+) -> list[SamplingParams]:
+    params = _per_request(n, "sampling", sampling if sampling is not None else SamplingParams())
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling for prompt {i} must be a SamplingParams, got {p!r}")
+    if max_new_tokens is None:
+        return params
+    lengths = _per_request(n, "max_new_tokens", max_new_tokens)
+    out = []
+    for i, (p, m) in enumerate(zip(params, lengths, strict=True)):
+        m = check_int(f"max_new_tokens for prompt {i}", m, minimum=1)
+        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=m))
+    return out
+
+
+def _per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list[float]:
+    if arrival_steps is None:
+        return [0.0] * n
+    if isinstance(arrival_steps, numbers.Real):
+        raise ValueError("arrival_steps must hold one arrival per prompt")
+    arrivals = _per_request(n, "arrival_steps", arrival_steps)
+    return [check_number(f"arrival_steps[{i}]", a, low=0.0) for i, a in enumerate(arrivals)]

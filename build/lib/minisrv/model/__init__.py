@@ -1,0 +1,111 @@
+"""CityLM, the model minisrv serves, and the pieces it is made of.
+
+- ``layers``: RMSNorm, rotary positions, grouped-query attention, SwiGLU, ``Block`` (one
+  layer's step, with the attention function passed in);
+- ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
+- ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
+  (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);
+- ``ragged``: one ``flex_attention`` call over a flat batch, its block mask from lengths;
+- ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
+  ``reference_generate`` (the oracle);
+- ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
+  ``resolve_device``, ``default_dtype``, ``available_devices``;
+- ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``, and
+  ``HFTokenizer``, its tokenizer behind minisrv's tokenizer interface.
+
+Every public name is re-exported here, so ``from minisrv.model import X`` is all a user needs.
+"""
+
+from __future__ import annotations
+
+from minisrv.model.citylm import CityLM, merge_eos_ids
+from minisrv.model.flat import (
+    ATTENTION_KINDS,
+    FlatBatch,
+    PaddedGroup,
+    flat_attention_loop,
+    flat_attention_padded,
+    padded_attention,
+    pool_attention,
+    resolve_attention,
+)
+from minisrv.model.hf import (
+    HFTokenizer,
+    config_from_hf,
+    folder_eos_ids,
+    from_hf_llama,
+    hf_name,
+)
+from minisrv.model.kvcache import DenseKVCache, cache_attention
+from minisrv.model.layers import (
+    Attend,
+    Attention,
+    Block,
+    LayerAttend,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    causal_mask,
+    grouped_attention,
+    rope_inv_freq,
+    rotate_half,
+)
+from minisrv.model.loading import (
+    CITYLM_NAME,
+    META_FILE,
+    WEIGHTS_FILE,
+    available_devices,
+    default_dtype,
+    load_citylm,
+    load_model,
+    resolve_device,
+)
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    flat_attention_flex,
+    ragged_block_mask,
+    ragged_tiles,
+)
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "FLEX_AVAILABLE",
+    "CITYLM_NAME",
+    "META_FILE",
+    "WEIGHTS_FILE",
+    "Attend",
+    "Attention",
+    "Block",
+    "CityLM",
+    "DenseKVCache",
+    "FlatBatch",
+    "HFTokenizer",
+    "LayerAttend",
+    "PaddedGroup",
+    "RMSNorm",
+    "SwiGLU",
+    "apply_rope",
+    "available_devices",
+    "cache_attention",
+    "causal_mask",
+    "config_from_hf",
+    "folder_eos_ids",
+    "default_dtype",
+    "flat_attention_flex",
+    "flat_attention_loop",
+    "flat_attention_padded",
+    "from_hf_llama",
+    "grouped_attention",
+    "hf_name",
+    "load_citylm",
+    "load_model",
+    "merge_eos_ids",
+    "padded_attention",
+    "pool_attention",
+    "ragged_block_mask",
+    "ragged_tiles",
+    "resolve_attention",
+    "resolve_device",
+    "rope_inv_freq",
+    "rotate_half",
+]

@@ -1,0 +1,313 @@
+"""Selective batching's data: ``FlatBatch`` (the new tokens of many requests end to end) and
+the attention that runs over it, with every request's K/V in a shared ``KVPool``.
+
+``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
+tokens' K/V into their slots, then attends with one of the strategies of ``ATTENTION_KINDS``
+(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex`` from
+``ragged``);
+``resolve_attention`` turns ``"auto"`` into the right one for a device.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from minisrv.model.layers import causal_mask, grouped_attention
+from minisrv.model.ragged import (
+    FLEX_AVAILABLE,
+    BlockMask,
+    flat_attention_flex,
+    flex_compiles,
+    ragged_block_mask,
+)
+
+if TYPE_CHECKING:
+    from minisrv.kvpool import KVPool
+
+ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
+"""How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
+ragged ``flex_attention`` call for all. ``"auto"`` (``resolve_attention``) picks one."""
+
+def resolve_attention(
+    kind: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64
+) -> str:
+    """The attention kind to run: ``kind`` itself, or for ``"auto"`` the best for ``device``.
+
+    ``"auto"`` is ``"flex"`` where flex_attention compiles to one ragged kernel (CUDA, 16- or
+    32-bit weights, heads of at least 16: ``flex_compiles``) and ``"padded"`` otherwise: on
+    the CPU flex_attention runs unfused (it builds the full score matrix), so the padded SDPA
+    call is as fast there and needs no compiler. An explicit ``"flex"`` without
+    flex_attention raises.
+    """
+    if kind == "auto":
+        fast = FLEX_AVAILABLE and flex_compiles(torch.device(device), dtype, head_dim)
+        return "flex" if fast else "padded"
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {kind!r}; choose from {ATTENTION_KINDS} or 'auto'")
+    if kind == "flex" and not FLEX_AVAILABLE:
+        raise ValueError(
+            f"attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5), "
+            f"this is torch {torch.__version__}; use 'padded'"
+        )
+    return kind
+
+
+class PaddedGroup(NamedTuple):
+    """Consecutive requests of a flat batch that one padded attention call serves."""
+
+    tokens: slice  # their rows of the flat [T] batch
+    rows: torch.Tensor | None  # each token's row in the padded [B * T_max] block; None: no padding
+    key_slots: torch.Tensor  # [B, S_max]: every request's slots, padded with slot 0
+    bias: torch.Tensor  # [B, 1, T_max, S_max]: 0 where a query may see a key, -inf elsewhere
+
+
+class FlatBatch:
+    """The new tokens of many requests laid end to end, with where their KV lives.
+
+    ``new_ids[r]`` are request r's tokens to compute this step (a whole prompt for a prefill,
+    one token for a decode, anything in between for a chunk). ``slots[r]`` lists ALL of
+    request r's KV slots in position order: the first ``len(slots[r]) - len(new_ids[r])``
+    already hold its prefix, the last ``len(new_ids[r])`` receive the new tokens' K/V. So a
+    token's position is its index in ``slots[r]``, which is what RoPE needs.
+
+    Everything the forward needs (flat ids, positions, write slots, and the index tensors of
+    the padded attention) is computed here once per step and shared by all layers.
+    """
+
+    def __init__(
+        self,
+        new_ids: Sequence[Sequence[int]],
+        slots: Sequence[Sequence[int]],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if len(new_ids) != len(slots):
+            raise ValueError(f"{len(new_ids)} requests' ids but {len(slots)} slot lists")
+        if not new_ids:
+            raise ValueError("a flat batch needs at least one request")
+        self.device = torch.device(device)
+        self.new_lens: list[int] = []
+        self.cached_lens: list[int] = []
+        write: list[int] = []
+        positions: list[int] = []
+        for r, (ids, req_slots) in enumerate(zip(new_ids, slots)):
+            n_new, n_all = len(ids), len(req_slots)
+            if n_new == 0:
+                raise ValueError(f"request {r} of the batch has no new tokens")
+            if n_all < n_new:
+                raise ValueError(f"request {r}: {n_new} new tokens but only {n_all} slots")
+            self.new_lens.append(n_new)
+            self.cached_lens.append(n_all - n_new)
+            write.extend(req_slots[n_all - n_new :])
+            positions.extend(range(n_all - n_new, n_all))
+        if len(set(write)) != len(write):
+            raise ValueError("two new tokens of the batch are written to the same KV slot")
+        self.max_slot = max(max(s) for s in slots)  # checked against the pool by the forward
+        if min(min(s) for s in slots) < 0:
+            raise ValueError("KV slot indices must be >= 0")
+        flat_ids = [int(t) for ids in new_ids for t in ids]
+        self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)
+        self._slot_lists = [list(s) for s in slots]  # tensors made only where an attention asks
+        self._slots: list[torch.Tensor] | None = None
+        ends = list(itertools.accumulate(self.new_lens))
+        self.starts = [end - n for end, n in zip(ends, self.new_lens)]
+        self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
+        self._padded: tuple[PaddedGroup, ...] | None = None
+        self._flex: tuple[torch.Tensor, BlockMask] | None = None
+
+    def to(self, device: str | torch.device) -> FlatBatch:
+        """This batch with its tensors on ``device`` (itself when already there), so a batch
+        built for the CPU runs on a model on a GPU; the index tensors are rebuilt there."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = copy.copy(self)
+        moved.device = device
+        for name in ("ids", "positions", "write_slots", "last_rows"):
+            setattr(moved, name, getattr(self, name).to(device))
+        moved._slots = None
+        moved._padded = moved._flex = None
+        return moved
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        """Each request's KV slots as a tensor on the batch's device (built on first use)."""
+        if self._slots is None:
+            self._slots = [torch.tensor(s, dtype=torch.long, device=self.device)
+                           for s in self._slot_lists]
+        return self._slots
+
+    def __len__(self) -> int:
+        """Requests in the batch."""
+        return len(self.new_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in all (the rows of the flat matrix)."""
+        return int(self.ids.shape[0])
+
+    def padded_groups(self, dtype: torch.dtype = torch.float32) -> tuple[PaddedGroup, ...]:
+        """The padded attention's groups of requests and their index tensors, built on first use.
+
+        Decodes (one new token) and prefills (more) are padded apart, so that one long
+        prefill does not pad every decode of a mixed step to its length: a group per run of
+        consecutive requests of one kind. A mixed step lists its prefills first, which makes
+        two groups; a batch whose kinds alternate more than once is padded as one group
+        (correct, only slower). ``dtype`` is the queries' type, which the bias must share.
+        """
+        if self._padded is None or self._padded[0].bias.dtype != dtype:
+            decode = np.asarray(self.new_lens) == 1
+            cuts = (np.flatnonzero(decode[1:] != decode[:-1]) + 1).tolist()  # kind changes
+            bounds = [0, *cuts, len(decode)] if len(cuts) <= 1 else [0, len(decode)]
+            self._padded = tuple(self._padded_group(lo, hi, dtype)
+                                 for lo, hi in itertools.pairwise(bounds))
+        return self._padded
+
+    def _padded_group(self, lo: int, hi: int, dtype: torch.dtype) -> PaddedGroup:
+        """Requests ``lo .. hi - 1`` padded to their longest new-token run (T_max) and their
+        longest context (S_max).
+
+        Request b's tokens take rows ``b * T_max`` on of the padded block. The bias lets
+        query t of request b see keys at positions <= its own; SDPA adds it to the scores
+        (a boolean mask would be turned into exactly this inside every layer's call, so it
+        is made once per step). Padding rows see the request's last real position (never an
+        empty row, so softmax gives no NaN); their outputs are dropped. Built with numpy on
+        the host (one small array op each, not one torch call per request), then moved to
+        the device in one copy each.
+        """
+        new = np.asarray(self.new_lens[lo:hi], dtype=np.int64)
+        slot_lists = self._slot_lists[lo:hi]
+        lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(new))
+        n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
+        key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
+        key_slots[np.arange(s_max)[None, :] < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(slot_lists), dtype=np.int64, count=int(lens.sum()))
+        cached = np.asarray(self.cached_lens[lo:hi], dtype=np.int64)[:, None]
+        query_pos = cached + np.minimum(np.arange(t_max)[None, :], new[:, None] - 1)
+        visible = np.arange(s_max)[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]
+        rows = None
+        if (new < t_max).any():  # some requests are padded
+            starts = np.arange(n_b) * t_max - np.cumsum(new) + new  # padded minus flat start
+            rows = torch.from_numpy(np.arange(int(new.sum())) + np.repeat(starts, new))
+        start = self.starts[lo]
+        return PaddedGroup(slice(start, start + int(new.sum())),
+                           None if rows is None else rows.to(self.device),
+                           torch.from_numpy(key_slots).to(self.device),
+                           torch.from_numpy(bias).to(self.device, dtype))
+
+    def flex_index(self) -> tuple[torch.Tensor, BlockMask]:
+        """``(key_slots, block_mask)`` of the ragged attention, built on first use.
+
+        ``key_slots`` [S_total] are every request's slots end to end (no padding); the block
+        mask (``ragged.ragged_block_mask``) says which tiles of queries x keys each request
+        occupies. Built once per step and shared by every layer.
+        """
+        if self._flex is None:
+            block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
+            keys = [slot for s in self._slot_lists for slot in s]
+            self._flex = (torch.tensor(keys, dtype=torch.long, device=self.device), block_mask)
+        return self._flex
+
+    def __repr__(self) -> str:
+        return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
+
+
+def flat_attention_loop(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """Attention of a flat batch, one request at a time: the plain, obviously right version.
+
+    ``q`` [T, n_heads, head_dim]; ``k_layer``/``v_layer`` [capacity, n_kv_heads, head_dim]
+    are one layer of the pool, already holding this step's new K/V. Request r's queries see
+    its own slots only: all of its prefix, and its new tokens causally. Returns
+    [T, n_heads * head_dim]. Costs one small attention call per request per layer.
+    """
+    outs = []
+    for start, n_new, n_cached, slots in zip(
+        batch.starts, batch.new_lens, batch.cached_lens, batch.slots
+    ):
+        mask = causal_mask(n_cached, n_new, q.device)
+        outs.append(
+            grouped_attention(q[start : start + n_new], k_layer[slots], v_layer[slots], mask)
+        )
+    return torch.cat(outs, dim=0)
+
+
+def flat_attention_padded(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """The same attention as ``flat_attention_loop`` in one call per group of requests.
+
+    Requests are padded to the longest new-token run (T_max) and the longest context
+    (S_max) and a mask hides what each query must not see; PyTorch's
+    ``scaled_dot_product_attention`` then runs once per layer whatever the batch size.
+    Decodes and prefills are padded apart (``FlatBatch.padded_groups``), so a step of both
+    makes two calls; otherwise a long prefill would pad every decode beside it to its
+    length. What padding remains (prompts of different lengths, contexts of different
+    lengths) is wasted work, which ragged kernels (FlashInfer, ``flat_attention_flex``)
+    avoid on a GPU.
+    """
+    outs = [padded_attention(q[group.tokens], group, k_layer, v_layer)
+            for group in batch.padded_groups(q.dtype)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def padded_attention(
+    q: torch.Tensor, group: PaddedGroup, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """One padded SDPA call for the queries ``q`` [T, n_heads, head_dim] of ``group``."""
+    key_slots, bias = group.key_slots, group.bias
+    n_b, s_max = key_slots.shape
+    t_max, n_heads, head_dim = bias.shape[2], q.shape[1], q.shape[2]
+    n_kv = k_layer.shape[1]
+    if group.rows is not None:  # each flat token to its row of the padded [B * T_max] block
+        q = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, group.rows, q)
+    q_pad = q.reshape(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
+    # The pool's K/V are gathered once per KV head (index_select: one call for all B x S_max
+    # slots, several times faster than k_layer[key_slots]); SDPA shares each KV head among
+    # its group of query heads (enable_gqa) instead of copying it for each.
+    flat_slots = key_slots.reshape(-1)
+    k = k_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
+    v = v_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=bias, enable_gqa=n_heads > n_kv)
+    out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
+    return out if group.rows is None else out.index_select(0, group.rows)
+
+
+ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "loop": flat_attention_loop,
+    "padded": flat_attention_padded,
+    "flex": flat_attention_flex,
+}
+"""The function behind each of ``ATTENTION_KINDS``."""
+
+
+def pool_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    batch: FlatBatch,
+    pool: KVPool,
+    write: torch.Tensor,
+    kind: str = "padded",
+) -> torch.Tensor:
+    """A flat batch's attention at ``layer``: write the new K/V to slots ``write``, then attend.
+
+    Each token's K/V go to its request's slot in ``pool`` before anyone attends, so the
+    request's other new tokens see them now and its later steps find them there; ``kind``
+    picks the strategy of ``ATTENTION_KINDS``. This is ``CityLM.forward_flat``'s ``LayerAttend``.
+    """
+    pool.k[layer, write] = k
+    pool.v[layer, write] = v
+    return ATTENTION_FUNCTIONS[kind](q, batch, pool.k[layer], pool.v[layer])

@@ -1,0 +1,41 @@
+"""Zero-overhead scheduling: how much of a step is CPU work, and how much overlap can hide.
+
+A serving loop alternates two kinds of work. The *CPU* receives requests, admits them,
+matches prefixes, prepares the inputs and, once the step is done, appends tokens, checks
+stops and streams. The *device* runs the forward. Run one after the other (the blocking
+loop) the device waits for the CPU on every step; overlapped, the CPU forms step i+1 while
+the device computes step i.
+
+* ``lanes``: ``timeline`` and ``throughput_ratio``, the two-lane model of both loops and
+  the speed-up it predicts;
+* ``timed``: ``TimedBackend``, a device whose step takes a set wall-clock time while
+  computing the real tokens;
+* ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
+* ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
+  inputs name step i's not-yet-sampled tokens;
+* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``, and
+  ``FutureStep``, its record of what the future map did in each step;
+* ``measure`` (imported on its own): the chapter's measurements of waste and gain.
+"""
+
+from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
+from minisrv.overlap.futures import FutureMap
+from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
+from minisrv.overlap.loop import FutureStep, OverlapScheduler
+from minisrv.overlap.timed import TimedBackend
+
+__all__ = [
+    "CPU_PARTS",
+    "PARTS",
+    "FutureMap",
+    "FutureStep",
+    "Interval",
+    "OverlapScheduler",
+    "StepTiming",
+    "StepTimings",
+    "TimedBackend",
+    "Timeline",
+    "throughput_ratio",
+    "time_steps",
+    "timeline",
+]

@@ -1,0 +1,134 @@
+"""A timed device: real tokens, and a step time chosen by the experiment.
+
+On a CPU-only machine the "device" is the same CPU that schedules, so overlap has nothing
+to hide behind. ``TimedBackend`` makes every step last a set wall-clock time that passes
+without the host, as a GPU's kernels do: the host only sleeps when it needs a step's answer
+before the device is done (sleeping frees the GIL). The measured gain of an overlapped loop
+can then be held against ``throughput_ratio``'s prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from minisrv.request import Req
+from minisrv.scheduler import Batch, BatchResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from minisrv.kvpool import SlotAllocator
+
+__all__ = ["SPIN", "TimedBackend", "TimedResult"]
+
+SPIN = 2e-4
+"""Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedResult(BatchResult):
+    """A step's answer from a ``TimedBackend``: the tokens, and when the device is done."""
+
+    done_at: float = 0.0  # time.perf_counter() at which the step ends on the device
+
+
+class TimedBackend:
+    """A device whose every step takes ``step_time`` seconds, computing the real tokens.
+
+    The device works through its steps in order and on its own, like a CUDA stream: a step
+    starts when it is handed over or when the previous step ends, whichever is later, and
+    ends ``step_time`` later (or when its computation ends, if that takes longer:
+    ``overruns`` counts those). ``compute`` (the overlapped loop's device half) computes the
+    tokens with ``inner`` (any backend: ``ModelBackend``, ``SimBackend``, ...) and returns
+    at once with the time the step ends (``TimedResult.done_at``); ``wait`` sleeps until
+    then, which frees the GIL. ``run`` (the blocking loop) is the two in a row. So no thread
+    has to wake up for a step to end, just as no host thread ends a GPU kernel. The answer
+    (tokens, cost, clock) is the inner backend's, unchanged. ``busy`` sums the steps' device
+    time, so a run's device and host time per step can be measured.
+    """
+
+    def __init__(self, inner: Any, step_time: float) -> None:
+        if not callable(getattr(inner, "run", None)) or not callable(
+            getattr(inner, "release", None)
+        ):
+            raise ValueError(f"inner must be a backend with run() and release(), got {inner!r}")
+        if (
+            isinstance(step_time, bool)
+            or not isinstance(step_time, numbers.Real)
+            or not (math.isfinite(step_time) and step_time >= 0)
+        ):
+            raise ValueError(f"step_time must be a number of seconds >= 0, got {step_time!r}")
+        self.inner = inner
+        self.step_time = float(step_time)
+        self.time_unit: str = inner.time_unit
+        self.cost_unit: str = inner.cost_unit
+        self.eos_ids: tuple[int, ...] = inner.eos_ids
+        self.max_context: int | None = inner.max_context
+        self.vocab_size: int | None = getattr(inner, "vocab_size", None)
+        self.steps = 0
+        self.overruns = 0
+        self.busy = 0.0  # seconds the device spent on steps
+        self.waited = 0.0  # seconds the host spent in wait(), for the device to end a step
+        self._free_at = 0.0  # time.perf_counter() at which the device ends its last step
+
+    def attach_kv(self, capacity: int) -> SlotAllocator | None:
+        """The inner backend's KV store (``None`` when it stores none)."""
+        attach = getattr(self.inner, "attach_kv", None)
+        return attach(capacity) if callable(attach) else None
+
+    def run(self, batch: Batch) -> BatchResult:
+        """The inner backend's answer, once the device has spent ``step_time`` on it."""
+        result = self.compute(self.prepare(batch))
+        self.wait(result)
+        return result
+
+    def prepare(self, batch: Batch) -> Any:
+        """The inner backend's ``prepare`` (the CPU half of a step, not timed)."""
+        return self.inner.prepare(batch)
+
+    def compute(
+        self,
+        step: Any,
+        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: Callable[[list[int]], None] | None = None,
+    ) -> TimedResult:
+        """The inner backend's ``compute`` (``store`` included: on a GPU, writing the step's
+        tokens is part of the step), stamped with the time the device ends the step."""
+        handed = time.perf_counter()
+        result = self.inner.compute(step, resolve, store)
+        computed = time.perf_counter()
+        start = max(handed, self._free_at)
+        done_at = start + self.step_time
+        if computed > done_at:
+            done_at = computed
+            self.overruns += 1
+        self.steps += 1
+        self.busy += done_at - start
+        self._free_at = done_at
+        return TimedResult(result.next_tokens, result.cost, result.elapsed, done_at)
+
+    def wait(self, result: BatchResult) -> None:
+        """Return once the device has ended the step that gave ``result``.
+
+        It sleeps until ``SPIN`` seconds before the end and spins the rest (CUDA can
+        synchronise by spinning too): a sleeper wakes up to a tenth of a millisecond late,
+        which would add to every step it waits for. ``waited`` adds up the time spent here.
+        """
+        start = time.perf_counter()
+        done_at = getattr(result, "done_at", 0.0)
+        if done_at - start > SPIN:
+            time.sleep(done_at - start - SPIN)
+        while (now := time.perf_counter()) < done_at:
+            pass
+        self.waited += now - start
+
+    def release(self, req: Req) -> None:
+        self.inner.release(req)
+
+    def __repr__(self) -> str:
+        return f"TimedBackend({self.inner!r}, step_time={self.step_time!r})"

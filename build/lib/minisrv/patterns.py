@@ -1,0 +1,115 @@
+"""The three serving patterns of the overview, as CityLM prompts, and what they repeat.
+
+A server rarely sees unrelated prompts. Many users share one system prompt; a chat's next
+turn resends the whole conversation; one prompt is sampled several times. These builders
+produce each pattern in the city language, and ``repeated_prefill`` counts how many prompt
+tokens a server would prefill again although it has already computed them: the work that
+prefix caching (RadixAttention, a later chapter) exists to remove.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from minisrv.data import country_line
+from minisrv.tokenizer import Tokenizer
+
+SYSTEM_COUNTRIES: tuple[str, ...] = ("FR", "DE", "IT")  # the shared "system prompt"
+USER_COUNTRIES: tuple[str, ...] = ("JP", "US", "GB", "ES", "CN", "IN", "BR", "CA", "MX")
+
+
+class PrefillCount(NamedTuple):
+    total: int  # prompt tokens over all requests
+    repeated: int  # of those, tokens already computed for an earlier request (same prefix)
+
+    @property
+    def fraction(self) -> float:
+        """Share of prefill work that is a repeat."""
+        return self.repeated / self.total if self.total else 0.0
+
+
+def system_prompt(n_cities: int = 3) -> str:
+    """A few-shot "system prompt" in the city language: one line per system country."""
+    return "\n".join(country_line(code, n_cities) for code in SYSTEM_COUNTRIES) + "\n"
+
+
+def shared_system_prompt(tok: Tokenizer, n_users: int, n_cities: int = 3) -> list[list[int]]:
+    """Pattern 1: ``n_users`` users, one shared system prompt, each asking another country."""
+    _check_positive("n_users", n_users)
+    head = system_prompt(n_cities)
+    return [tok.encode(f"{head}{USER_COUNTRIES[i % len(USER_COUNTRIES)]}:")
+            for i in range(n_users)]
+
+
+def parallel_samples(tok: Tokenizer, n_samples: int, question: str = "JP:") -> list[list[int]]:
+    """Pattern 3: one prompt sent ``n_samples`` times (e.g. to sample several answers)."""
+    _check_positive("n_samples", n_samples)
+    return [tok.encode(system_prompt() + question) for _ in range(n_samples)]
+
+
+def chat_turns(model, tok: Tokenizer, n_turns: int,
+               max_answer_tokens: int = 40) -> tuple[list[list[int]], list[list[int]]]:
+    """Pattern 2: a multi-turn chat; turn k's prompt = turn k-1's prompt + answer + question.
+
+    Each "question" is a new country code and each answer is CityLM's greedy continuation.
+    Like a chat client that shows only complete sentences, the answer is kept up to its last
+    complete city (at most ``max_answer_tokens`` generated) and ends with a newline, so every
+    turn starts on a fresh line. Returns (prompts, answers) as token ids, one per turn.
+    """
+    _check_positive("n_turns", n_turns)
+    prompts: list[list[int]] = []
+    answers: list[list[int]] = []
+    history = tok.encode(system_prompt())
+    for turn in range(n_turns):
+        prompt = history + tok.encode(f"{USER_COUNTRIES[turn % len(USER_COUNTRIES)]}:", bos=False)
+        generated = model.reference_generate(prompt, max_answer_tokens)
+        answer = tok.encode(_complete_line(tok.decode(generated), generated[-1] == tok.eos_id),
+                            bos=False)
+        prompts.append(prompt)
+        answers.append(answer)
+        history = prompt + answer
+    return prompts, answers
+
+
+def _complete_line(text: str, finished: bool) -> str:
+    """The first line of ``text``, cut back to its last complete city unless it ended."""
+    line, newline, _ = text.partition("\n")
+    if not (newline or finished) and "," in line:
+        line = line.rsplit(",", 1)[0]
+    return line + "\n"
+
+
+def repeated_prefill(prompts: Sequence[Sequence[int]],
+                     outputs: Sequence[Sequence[int]] | None = None) -> PrefillCount:
+    """Count prompt tokens whose prefix was already computed for an earlier request.
+
+    Requests are taken in order. A token is a repeat when the prompt up to and including it
+    is a prefix of an earlier request's prompt (or of its prompt + output, when ``outputs``
+    is given, since a server has computed the KV of what it generated too). This is what an
+    unlimited prefix cache would skip; a trie of token ids finds it in O(total tokens).
+    """
+    if outputs is not None and len(outputs) != len(prompts):
+        raise ValueError(f"got {len(outputs)} outputs for {len(prompts)} prompts")
+    root: dict[int, dict] = {}
+    total = repeated = 0
+    for i, prompt in enumerate(prompts):
+        node = root
+        matched = 0
+        for token in prompt:
+            if token not in node:
+                break
+            node = node[token]
+            matched += 1
+        total += len(prompt)
+        repeated += matched
+        seen = list(prompt) + (list(outputs[i]) if outputs is not None else [])
+        node = root
+        for token in seen:
+            node = node.setdefault(token, {})
+    return PrefillCount(total, repeated)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

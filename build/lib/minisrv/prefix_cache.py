@@ -1,0 +1,210 @@
+"""The interface every prefix cache implements, and the cache that keeps nothing.
+
+A prefix cache maps token sequences to the KV slots already computed for them. The scheduler
+talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.radix``)
+and ``NoCache`` (no reuse at all: ``Engine(cache="none")``) are interchangeable, as in
+mini-sglang's ``kvcache/base.py``. The small result types name each field, so a reader of
+the scheduler sees what a match returns without opening the tree.
+
+The tree reports every operation to an optional listener as a ``TreeEvent``; the book's
+recorder (``minisrv.viz.radix.TreeRecorder``) is such a listener. Nothing here draws.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from minisrv.checks import check_int
+
+if TYPE_CHECKING:
+    from minisrv.radix import RadixCache
+
+__all__ = [
+    "EvictCallback",
+    "TreeNode",
+    "MatchResult",
+    "SizeInfo",
+    "NodeView",
+    "TreeEvent",
+    "TreeListener",
+    "PrefixCache",
+    "NoCache",
+]
+
+EvictCallback = Callable[[list[Any]], None]
+
+
+class TreeNode:
+    """One node of the tree: the edge from its parent (``key``, a token run) and its KV.
+
+    ``value[i]`` is the KV slot (or any payload) of token ``key[i]``. ``children`` is keyed by
+    each child's first token, which is unique among siblings in a radix tree, so a lookup
+    costs one dict access per edge.
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access",
+                 "removed")
+
+    def __init__(self, node_id: int, key: tuple[int, ...], value: list[Any],
+                 parent: TreeNode | None, last_access: int) -> None:
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.removed = False  # set on eviction: the node no longer belongs to the tree
+
+    @property
+    def is_leaf(self) -> bool:
+        """True when no edge continues below this node."""
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access})")
+
+
+class MatchResult(NamedTuple):
+    """What ``match_prefix`` found."""
+
+    length: int  # leading tokens of the query whose KV is cached
+    node: TreeNode  # node where the match ends (the root when nothing matched); lock it
+    values: list[Any]  # the cached value (KV slot) of each of those ``length`` tokens
+
+
+class SizeInfo(NamedTuple):
+    """How the cached tokens split between what may and may not be evicted."""
+
+    evictable: int  # tokens on unlocked nodes: memory the scheduler can reclaim
+    protected: int  # tokens on locked paths: in use by running requests
+
+    @property
+    def total(self) -> int:
+        """All cached tokens."""
+        return self.evictable + self.protected
+
+
+class NodeView(NamedTuple):
+    """A frozen copy of one node, for drawings of past states of the tree."""
+
+    id: int  # node id (the root is 0)
+    parent: int | None  # parent's id; None for the root
+    key: tuple[int, ...]  # the edge's tokens
+    lock_ref: int  # running requests using this node
+    last_access: int  # logical clock of the last match or insert that walked here
+
+
+class TreeEvent(NamedTuple):
+    """What one operation did, as reported to the tree's ``listener``."""
+
+    op: str  # "match", "insert", "lock", "unlock" or "evict"
+    tag: str  # the caller's ``tag`` argument (e.g. the request served), else ""
+    length: int  # tokens matched, already cached, locked/unlocked, or freed
+    path: tuple[int, ...]  # ids of the nodes walked, root excluded, in order
+    split: tuple[int, ...]  # ids of nodes created by splitting an edge
+    inserted: tuple[int, ...]  # ids of new leaves
+    evicted: tuple[NodeView, ...]  # nodes removed, as they were just before
+
+
+class TreeListener(Protocol):
+    """Anything told about each operation right after it ran (the tree is already updated)."""
+
+    def __call__(self, tree: RadixCache, event: TreeEvent) -> None: ...
+
+
+class PrefixCache(ABC):
+    """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
+
+    Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
+    leading tokens that were already cached. The cache keeps ``values[k:]`` and hands them to
+    ``on_evict`` when it evicts them; ``values[:k]`` duplicate what the tree already holds and
+    stay the caller's to free.
+    """
+
+    root: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
+        """Longest cached prefix of ``tokens``."""
+
+    @abstractmethod
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
+               tag: str = "") -> int:
+        """Cache ``tokens``; return how many leading tokens were already cached."""
+
+    @abstractmethod
+    def lock(self, node: TreeNode, *, tag: str = "") -> None:
+        """Protect ``node`` and its ancestors from eviction (one more user)."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode, *, tag: str = "") -> None:
+        """Undo one ``lock(node)``."""
+
+    @abstractmethod
+    def evict(self, n_tokens: int, *, tag: str = "") -> int:
+        """Free at least ``n_tokens`` if possible; return the tokens actually freed."""
+
+    @abstractmethod
+    def size_info(self) -> SizeInfo:
+        """Evictable and protected token counts."""
+
+    def evictable_size(self) -> int:
+        """Tokens that ``evict`` could free right now."""
+        return self.size_info().evictable
+
+    def protected_size(self) -> int:
+        """Tokens locked by running requests."""
+        return self.size_info().protected
+
+    def total_size(self) -> int:
+        """All cached tokens."""
+        return self.size_info().total
+
+
+class NoCache(PrefixCache):
+    """The same interface, caching nothing: every prompt is prefilled in full.
+
+    ``insert`` reports every token as "already cached", which under the ownership rule of
+    ``PrefixCache`` means the caller keeps (and frees) all its values: nothing is retained.
+    """
+
+    def __init__(self) -> None:
+        self.root = TreeNode(0, (), [], None, 0)
+
+    def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
+        """Nothing is ever cached: length 0 at the root."""
+        return MatchResult(0, self.root, [])
+
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
+               tag: str = "") -> int:
+        """Keep nothing; the caller remains the owner of all ``values``."""
+        if values is not None and len(values) != len(tokens):
+            raise ValueError(f"insert got {len(tokens)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
+        return len(tokens)
+
+    def lock(self, node: TreeNode, *, tag: str = "") -> None:
+        """Only the root exists; locking it protects nothing."""
+        if node is not self.root:
+            raise ValueError("NoCache has no nodes but its root to lock")
+
+    def unlock(self, node: TreeNode, *, tag: str = "") -> None:
+        """Only the root exists; unlocking it releases nothing."""
+        if node is not self.root:
+            raise ValueError("NoCache has no nodes but its root to unlock")
+
+    def evict(self, n_tokens: int, *, tag: str = "") -> int:
+        """Nothing to free."""
+        check_int("evict's token count", n_tokens, minimum=0)
+        return 0
+
+    def size_info(self) -> SizeInfo:
+        """Always empty."""
+        return SizeInfo(0, 0)
+
+    def __repr__(self) -> str:
+        return "NoCache()"

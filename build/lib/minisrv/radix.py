@@ -1,0 +1,404 @@
+"""RadixAttention's prefix cache: a radix tree of token runs whose nodes hold KV slots.
+
+Serving patterns repeat prefixes (a shared system prompt, a chat's history, few-shot
+examples). SGLang keeps the KV of every finished prefix in a radix tree (a compressed trie):
+each edge is a run of tokens, each node stores the KV slots of its edge's tokens, and the
+path from the root to a node spells a prefix. A new prompt walks the tree to find its longest
+cached prefix; only the rest is prefilled.
+
+Three rules keep the tree safe to share:
+
+* **Reference counts.** A running request *locks* the node where its cached prefix ends; the
+  lock walks to the root, so no node on the path can be evicted while the request reads it.
+* **Sizes.** Every cached token is either *protected* (on a locked path) or *evictable*;
+  ``lock``/``unlock`` move a node's tokens between the two, so the scheduler knows at once how
+  much memory it could reclaim.
+* **LRU eviction.** ``evict(n)`` removes least-recently-used unlocked leaves (a heap keyed by
+  last access) until ``n`` tokens are free; a parent that becomes an unlocked leaf joins the
+  heap. The root is never evicted.
+
+The tree runs standalone (values may be ``None`` or any ints; nothing is allocated), which
+is how the book draws it and the tests drive it; the engine passes real KV slot ids and an
+``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
+same interface that caches nothing (``Engine(cache="none")``).
+
+The tree draws nothing and records nothing itself. Like SGLang publishing KV-cache events,
+it reports each operation (what it matched, split, inserted, locked or evicted) to an
+optional ``listener``; ``minisrv.viz.radix.TreeRecorder`` is the listener that keeps the log
+and the snapshots the book draws. Every operation takes an optional ``tag`` (e.g. the
+request it serves) that is passed through to the listener and used for nothing else.
+"""
+
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from minisrv import prefix_cache
+from minisrv.checks import check_choice, check_int
+from minisrv.prefix_cache import (
+    EvictCallback,
+    MatchResult,
+    NoCache,
+    NodeView,
+    PrefixCache,
+    SizeInfo,
+    TreeEvent,
+    TreeListener,
+    TreeNode,
+)
+
+__all__ = [*prefix_cache.__all__, "RadixCache", "Cache", "CACHES", "make_cache"]
+
+
+class RadixCache(PrefixCache):
+    """A radix tree of cached token runs with reference counts and LRU eviction.
+
+    Args:
+        on_evict: called with the list of values of every evicted node (the engine passes
+            a function that frees those KV slots); ``None`` in standalone mode.
+        listener: told about every operation (a ``TreeListener``, e.g. the book's
+            ``TreeRecorder``); ``None`` costs nothing. It may be set later, too.
+
+    Costs: ``match_prefix`` and ``insert`` are O(length of the query) plus one dict lookup
+    per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
+    keeps a lazy heap of (last access, node) entries: an entry whose node has since been
+    touched, locked, extended or removed is skipped when popped, so no operation scans the
+    whole tree (the heap is compacted when stale entries outnumber the nodes). A
+    ``match_prefix`` given the very tuple of the previous one, with no node added, split or
+    removed since, only renews the LRU stamps of the path it found then (O(depth)).
+    """
+
+    def __init__(self, on_evict: EvictCallback | None = None,
+                 listener: TreeListener | None = None) -> None:
+        self.on_evict = on_evict
+        self.listener = listener
+        self._ids = itertools.count()
+        self.clock = 0
+        self.root = TreeNode(next(self._ids), (), [], None, 0)
+        self.n_nodes = 1
+        self._evictable = 0
+        self._protected = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
+        self._shape = 0  # bumped whenever a node is added, split or removed
+        self._last: tuple[Any, ...] = (None, -1)  # (key, shape, walk result) of the last match
+
+    # ----------------------------------------------------------------- lookups
+    def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
+        """Find the longest cached prefix of ``tokens``.
+
+        When the match ends inside an edge, that edge is split so the match ends exactly on
+        a node: the caller can then lock precisely the matched prefix. Every node on the path
+        counts as just used (LRU).
+
+        Args:
+            tokens: the query, e.g. a prompt's token ids.
+            tag: passed to the listener (e.g. the request's name); nothing else.
+
+        Returns:
+            ``MatchResult(length, node, values)``: how many leading tokens are cached, the
+            node where they end (the root when none), and their values (KV slots) in order.
+        """
+        key = tuple(tokens)
+        self.clock += 1
+        if key is self._last[0] and self._shape == self._last[1]:  # asked again, tree unchanged
+            node, length, values, path, split = self._rewalk(*self._last[2:])
+        else:
+            node, length, values, path, split = self._walk(key, collect=True)
+            self._last = (key, self._shape, node, length, path)
+        self._report("match", tag, length, path, split)
+        return MatchResult(length, node, values)
+
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
+               tag: str = "") -> int:
+        """Cache ``tokens`` with their ``values`` (one per token; ``None``: standalone mode).
+
+        Args:
+            tokens: the token run to cache, e.g. a prompt, or prompt + output.
+            values: the KV slot of each token; defaults to ``None`` per token.
+            tag: passed to the listener; nothing else.
+
+        Returns:
+            How many leading tokens were already cached. The tree keeps the values of the
+            rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
+        """
+        key = tuple(tokens)
+        if values is not None and len(values) != len(key):
+            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
+        self.clock += 1
+        node, length, _, path, split = self._walk(key, collect=False)
+        inserted: tuple[int, ...] = ()
+        if length < len(key):
+            vals = [None] * (len(key) - length) if values is None else list(values[length:])
+            leaf = TreeNode(next(self._ids), key[length:], vals, node, self.clock)
+            node.children[key[length]] = leaf
+            self.n_nodes += 1
+            self._shape += 1
+            self._evictable += len(leaf.key)
+            self._push(leaf)
+            inserted = (leaf.id,)
+            path = path + inserted
+        self._report("insert", tag, length, path, split, inserted=inserted)
+        return length
+
+    def _walk(self, key: tuple[int, ...], collect: bool
+              ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """Follow ``key`` from the root, splitting the last edge if the match ends inside it.
+
+        Returns (end node, matched length, matched values if ``collect``, path ids, split ids).
+        """
+        node = self.root
+        node.last_access = self.clock
+        pos = 0
+        values: list[Any] = []
+        path: list[int] = []
+        split: list[int] = []
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            edge = child.key
+            n = len(edge)
+            if key[pos:pos + n] == edge:
+                matched = n
+            else:
+                matched = 1  # the first token matched (it is the child's dict key)
+                limit = min(n, len(key) - pos)
+                while matched < limit and edge[matched] == key[pos + matched]:
+                    matched += 1
+            if matched < n:
+                child = self._split(child, matched)
+                split.append(child.id)
+            child.last_access = self.clock
+            if not child.children:
+                self._push(child)
+            if collect:
+                values.extend(child.value)
+            path.append(child.id)
+            pos += matched
+            node = child
+            if matched < n:
+                break
+        return node, pos, values, tuple(path), tuple(split)
+
+    def _rewalk(self, node: TreeNode, length: int, path: tuple[int, ...]
+                ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """``_walk`` again for the same key object in a tree of the same shape: the same path,
+        so only its LRU stamps are renewed and its values gathered, without comparing tokens
+        again. The scheduler asks this at every step for the request at the head of the queue
+        while it does not fit."""
+        nodes: list[TreeNode] = []
+        walker = node
+        while walker is not self.root:
+            walker.last_access = self.clock
+            if not walker.children:
+                self._push(walker)
+            nodes.append(walker)
+            walker = walker.parent
+        self.root.last_access = self.clock
+        values: list[Any] = []
+        for walker in reversed(nodes):
+            values.extend(walker.value)
+        return node, length, values, path, ()
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
+
+        The old node object keeps the lower part, so a caller holding it (e.g. a lock taken
+        before the split) still refers to the same prefix end. The upper node inherits the
+        lock count, since every lock on ``child`` also covered its whole edge; sizes do not
+        change.
+        """
+        parent = child.parent
+        assert parent is not None  # the root is never split: its edge is empty
+        upper = TreeNode(next(self._ids), child.key[:at], child.value[:at], parent,
+                         child.last_access)
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[at:]
+        child.value = child.value[at:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        self.n_nodes += 1
+        self._shape += 1
+        return upper
+
+    # ------------------------------------------------------------ reference counts
+    def lock(self, node: TreeNode, *, tag: str = "") -> None:
+        """One more running request uses the prefix ending at ``node``: protect the path.
+
+        A node whose count goes from 0 to 1 moves its tokens from evictable to protected.
+        """
+        self._check_live(node)
+        length = 0
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            if walker.lock_ref == 0:
+                self._evictable -= len(walker.key)
+                self._protected += len(walker.key)
+            walker.lock_ref += 1
+            length += len(walker.key)
+            walker = walker.parent
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("lock", tag, length, self._path_to(node), ())
+
+    def unlock(self, node: TreeNode, *, tag: str = "") -> None:
+        """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
+        self._check_live(node)
+        if node is not self.root and node.lock_ref == 0:
+            raise ValueError(f"unlock of node {node.id}, which is not locked")
+        length = 0
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            walker.lock_ref -= 1
+            if walker.lock_ref == 0:
+                self._protected -= len(walker.key)
+                self._evictable += len(walker.key)
+                if not walker.children:
+                    self._push(walker)
+            length += len(walker.key)
+            walker = walker.parent
+        if self.listener is not None:  # the path is worked out only for someone to read
+            self._report("unlock", tag, length, self._path_to(node), ())
+
+    def _check_live(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"expected a TreeNode from match_prefix, got {node!r}")
+        if node.removed:
+            raise ValueError(f"node {node.id} was evicted; match the prefix again")
+        walker = node
+        while walker.parent is not None:
+            walker = walker.parent
+        if walker is not self.root:
+            raise ValueError(f"node {node.id} belongs to another cache")
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, n_tokens: int, *, tag: str = "") -> int:
+        """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed.
+
+        Whole leaves are removed, so slightly more than ``n_tokens`` may be freed; fewer when
+        the tree has not enough evictable tokens. A parent left as an unlocked leaf becomes a
+        candidate in turn. Each removed node's values go to ``on_evict``.
+
+        Returns:
+            The number of tokens freed.
+        """
+        n_tokens = check_int("evict's token count", n_tokens, minimum=0)
+        freed = 0
+        evicted: list[NodeView] = []
+        while freed < n_tokens and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not self._evictable_leaf(node) or stamp != node.last_access:
+                continue  # stale entry
+            if self.listener is not None:
+                evicted.append(self._view(node))
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            node.removed = True
+            node.parent = None
+            self.n_nodes -= 1
+            self._shape += 1
+            self._evictable -= len(node.key)
+            freed += len(node.key)
+            if self.on_evict is not None:
+                self.on_evict(node.value)
+            if not parent.children:
+                self._push(parent)
+        if freed or n_tokens:
+            self._report("evict", tag, freed, (), (), evicted=tuple(evicted))
+        return freed
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return (not node.removed and node is not self.root and not node.children
+                and node.lock_ref == 0)
+
+    def _push(self, node: TreeNode) -> None:
+        """Offer ``node`` to the eviction heap (checked again when popped)."""
+        if not self._evictable_leaf(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 2 * self.n_nodes + 64:
+            self._heap = [entry for entry in self._heap
+                          if self._evictable_leaf(entry[2]) and entry[0] == entry[2].last_access]
+            heapq.heapify(self._heap)
+
+    # --------------------------------------------------------------------- sizes
+    def size_info(self) -> SizeInfo:
+        """Evictable and protected token counts, kept up to date by every operation."""
+        return SizeInfo(self._evictable, self._protected)
+
+    def reset(self) -> None:
+        """Drop every unlocked node (their values go to ``on_evict``)."""
+        self.evict(self._evictable)
+
+    # ------------------------------------------------------------ introspection
+    def nodes(self) -> list[TreeNode]:
+        """All nodes, root first, parents before children (depth-first)."""
+        out: list[TreeNode] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(sorted(node.children.values(), key=lambda c: c.key[0], reverse=True))
+        return out
+
+    def cached_sequences(self) -> list[tuple[int, ...]]:
+        """The token sequence spelled by every leaf: what the cache can serve in full."""
+        out: list[tuple[int, ...]] = []
+        for node in self.nodes():
+            if node is not self.root and not node.children:
+                out.append(self.prefix_of(node))
+        return out
+
+    def prefix_of(self, node: TreeNode) -> tuple[int, ...]:
+        """The tokens on the path from the root to ``node``."""
+        parts: list[tuple[int, ...]] = []
+        walker: TreeNode | None = node
+        while walker is not None:
+            parts.append(walker.key)
+            walker = walker.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        """A frozen copy of the tree (root first), for drawing it later."""
+        return tuple(self._view(node) for node in self.nodes())
+
+    def _view(self, node: TreeNode) -> NodeView:
+        parent = None if node.parent is None else node.parent.id
+        return NodeView(node.id, parent, node.key, node.lock_ref, node.last_access)
+
+    def _path_to(self, node: TreeNode) -> tuple[int, ...]:
+        ids: list[int] = []
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            ids.append(walker.id)
+            walker = walker.parent
+        return tuple(reversed(ids))
+
+    def _report(self, op: str, tag: str, length: int, path: tuple[int, ...],
+                split: tuple[int, ...], inserted: tuple[int, ...] = (),
+                evicted: tuple[NodeView, ...] = ()) -> None:
+        if self.listener is not None:
+            self.listener(self, TreeEvent(op, tag, length, path, split, inserted, evicted))
+
+    def __repr__(self) -> str:
+        info = self.size_info()
+        return (f"RadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
+                f"protected={info.protected})")
+
+
+Cache = Literal["none", "radix"]
+CACHES: tuple[Cache, ...] = ("none", "radix")
+"""``Engine(cache=...)``: RadixAttention's tree, or no prefix cache at all."""
+
+
+def make_cache(kind: Cache, on_evict: EvictCallback | None = None) -> PrefixCache:
+    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the radix tree's slots."""
+    check_choice("cache", kind, CACHES)
+    return RadixCache(on_evict=on_evict) if kind == "radix" else NoCache()

@@ -1,0 +1,138 @@
+"""A request as the scheduler sees it: its prompt, how to decode it, and what happened to it.
+
+The scheduler moves a ``Req`` through four states: *pending* (submitted, its arrival time
+not reached yet), *waiting* (arrived, queued for admission), *running* (prefilled, holding
+KV memory, decoding one token per step) and *finished*. Every output token is stamped with
+the clock at the end of the step that produced it, so latency, time to first token and
+inter-token latency are all read off the request afterwards instead of being tracked by
+separate bookkeeping that could drift out of step with what actually ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from minisrv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from minisrv.radix import TreeNode
+
+__all__ = [
+    "ReqState", "PENDING", "WAITING", "RUNNING", "FINISHED", "ABORTED", "Req", "SamplingParams",
+]
+
+
+class ReqState(str, Enum):
+    """Where a request is in its life; a ``str`` so it prints and compares as its name."""
+
+    PENDING = "pending"  # submitted, its arrival time not reached yet
+    WAITING = "waiting"  # arrived, queued for admission (again, after a retraction)
+    RUNNING = "running"  # admitted: holds KV slots and computes a token each step it is in
+    FINISHED = "finished"  # stopped on <eos> or its length limit
+    ABORTED = "aborted"  # withdrawn by the caller before it finished
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PENDING, WAITING, RUNNING, FINISHED, ABORTED = ReqState
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    """One generation request.
+
+    ``eq=False`` keeps identity semantics: two requests with the same prompt are still two
+    requests, and a backend can key its per-request state (KV cache, random generator) on
+    the object itself.
+    """
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0  # in the scheduler's clock units (steps, or simulated seconds)
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # clock after each output token
+    state: ReqState = ReqState.PENDING
+    admitted_at: float | None = None  # clock when its prefill step started
+    finish_reason: str | None = None  # "length" or "eos"
+    kv_slots: list[int] = field(default_factory=list)  # KV pool slots, in position order
+    retractions: int = 0  # times it was pushed back to the queue to free memory
+    cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
+    cache_node: TreeNode | None = None  # the cache node locking that prefix while it runs
+    cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Upper bound on the output length (the request may stop earlier at ``<eos>``)."""
+        return self.params.max_new_tokens
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus the tokens generated so far: what its KV cache holds after a step."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens a prefill must compute: the prompt, plus any output kept from before,
+        minus the first ``cached_len`` tokens whose KV the prefix cache already holds.
+
+        A fresh request has no output yet, so this is its prompt (or its uncached suffix). A
+        request that was pushed back to the queue by a retraction keeps its output and
+        prefills it again as if it were part of the prompt, which is why its final output is
+        unchanged.
+        """
+        return [*self.prompt, *self.output][self.cached_len:]
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Output tokens it may still generate (``max_new_tokens`` minus those it has)."""
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
+    def kv_reservation(self) -> int:
+        """KV tokens it may ever need: the prompt plus its longest possible output."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        """True once it has stopped (length or ``<eos>``)."""
+        return self.state == FINISHED
+
+    @property
+    def first_token_time(self) -> float:
+        """Clock at which its first output token existed (the end of its prefill step)."""
+        self._require_output()
+        return self.token_times[0]
+
+    @property
+    def finish_time(self) -> float:
+        """Clock at which its last output token existed."""
+        self._require_output()
+        return self.token_times[-1]
+
+    @property
+    def latency(self) -> float:
+        """End-to-end time: from arrival to its last token, queueing included."""
+        return self.finish_time - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: from arrival to the end of its prefill step."""
+        return self.first_token_time - self.arrival
+
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between consecutive output tokens, as a streaming client would feel them."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    def _require_output(self) -> None:
+        if not self.token_times:
+            raise ValueError(f"request {self.rid} has produced no token yet (state {self.state})")

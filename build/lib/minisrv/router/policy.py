@@ -1,0 +1,140 @@
+"""The router: which of N workers, each with its own KV cache, serves the next request.
+
+Policies (``POLICIES``):
+
+* ``"round-robin"``: workers in turn. Perfectly even, and blind to the cache: with G prompt
+  groups, every worker must eventually hold all G prefixes.
+* ``"random"``: a seeded uniform choice; even on average, equally blind.
+* ``"least-load"``: the worker with the fewest requests in flight (SGLang's shortest queue).
+* ``"cache-aware"``: SGLang's default (``sgl-router``, ``policies/cache_aware.rs``). If the
+  load is imbalanced, i.e. ``max_load - min_load > balance_abs_threshold`` and
+  ``max_load > min_load * balance_rel_threshold``, the least-loaded worker. Otherwise, if
+  the approximate tree's longest match covers more than ``cache_threshold`` of the prompt,
+  a worker holding that match. Otherwise the least-loaded worker.
+
+Load is what the router itself counts: ``route`` adds one request in flight on the chosen
+worker and ``finish`` removes it. Every routed prompt is inserted into the tree under its
+worker, whatever the policy, so the tree always says where each prefix was sent.
+
+Choices that SGLang leaves to hash-map order are made deterministic here: among several
+workers holding the match, the one most recently sent it (its copy is the freshest, so the
+likeliest to be still cached; a group the balancer moved stays where it went); among
+equally loaded workers, the smallest tree (the most room, SGLang's older miss rule), then
+the lowest index.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+from minisrv.router.tree import ApproxTree
+
+__all__ = ["POLICIES", "BRANCHES", "LAUNCHER_DEFAULTS", "Router"]
+
+POLICIES: tuple[str, ...] = ("round-robin", "random", "least-load", "cache-aware")
+
+BRANCHES: tuple[str, ...] = ("balance", "cache", "miss", "policy")
+"""Why a request went where it went: the cache-aware rule's three branches, or ``"policy"``
+for the other policies."""
+
+LAUNCHER_DEFAULTS: dict[str, float] = {
+    "cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5}
+"""What SGLang's router launcher passes (the policy's own defaults are 0.5, 32 and 1.1)."""
+
+
+class Router:
+    """Chooses a worker per request and remembers, approximately, what each worker caches.
+
+    ``loads[w]`` is the number of requests in flight on worker ``w``; ``tree`` is the
+    ``ApproxTree`` of routed prompts; ``decisions`` counts the branch taken per request
+    (``BRANCHES``) and ``last_branch`` is the latest one.
+    """
+
+    def __init__(self, n_workers: int, policy: str = "cache-aware", *, cache_threshold: float = 0.5,
+                 balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
+                 max_tree_size: int = 2**20, seed: int = 0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; supported: {', '.join(POLICIES)}")
+        _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
+        _check_number("balance_abs_threshold", balance_abs_threshold, 0.0, math.inf)
+        _check_number("balance_rel_threshold", balance_rel_threshold, 0.0, math.inf)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.tree = ApproxTree(n_workers, max_tree_size)  # checks n_workers, max_tree_size
+        self.n_workers = n_workers
+        self.policy = policy
+        self.cache_threshold = float(cache_threshold)
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.loads: list[int] = [0] * n_workers
+        self.routed: list[int] = [0] * n_workers  # requests ever sent to each worker
+        self.decisions: Counter[str] = Counter()
+        self.last_branch: str | None = None
+        self._rng = random.Random(seed)
+        self._turn = 0
+
+    def route(self, tokens: Sequence[int]) -> int:
+        """Choose the worker for a prompt, count it in flight there, insert it under it."""
+        if isinstance(tokens, str) or not isinstance(tokens, Sequence):
+            raise ValueError(f"tokens must be a sequence of token ids, got {type(tokens).__name__}")
+        worker, branch = self.choose(tokens)
+        self.tree.insert(tokens, worker)
+        self.loads[worker] += 1
+        self.routed[worker] += 1
+        self.decisions[branch] += 1
+        self.last_branch = branch
+        return worker
+
+    def finish(self, worker: int) -> None:
+        """A request on ``worker`` has completed: one fewer in flight there."""
+        if isinstance(worker, bool) or not isinstance(worker, int) \
+                or not 0 <= worker < self.n_workers:
+            raise ValueError(f"worker must be an int in 0..{self.n_workers - 1}, got {worker!r}")
+        if self.loads[worker] == 0:
+            raise ValueError(f"worker {worker} has no request in flight to finish")
+        self.loads[worker] -= 1
+
+    # ----------------------------------------------------------------- the rule
+    def choose(self, tokens: Sequence[int]) -> tuple[int, str]:
+        """The worker ``route`` would pick now and the branch that picked it; changes nothing
+        (except the random policy's generator)."""
+        if self.policy == "round-robin":
+            worker = self._turn
+            self._turn = (self._turn + 1) % self.n_workers
+            return worker, "policy"
+        if self.policy == "random":
+            return self._rng.randrange(self.n_workers), "policy"
+        if self.policy == "least-load":
+            return min(range(self.n_workers), key=self.loads.__getitem__), "policy"
+        if self.imbalanced():
+            return self.least_loaded(), "balance"
+        match = self.tree.match(tokens)
+        if tokens and match.length / len(tokens) > self.cache_threshold:
+            return match.workers[0], "cache"
+        return self.least_loaded(), "miss"
+
+    def imbalanced(self) -> bool:
+        """SGLang's test: the busiest worker is ahead of the idlest by more than the absolute
+        threshold *and* by more than the relative one."""
+        high, low = max(self.loads), min(self.loads)
+        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+
+    def least_loaded(self) -> int:
+        """Fewest requests in flight; among equals the smallest tree, then the lowest index."""
+        loads, sizes = self.loads, self.tree.sizes
+        return min(range(self.n_workers), key=lambda w: (loads[w], sizes[w], w))
+
+    def __repr__(self) -> str:
+        return (f"Router({self.n_workers}, {self.policy!r}, "
+                f"cache_threshold={self.cache_threshold}, "
+                f"balance_abs_threshold={self.balance_abs_threshold}, "
+                f"balance_rel_threshold={self.balance_rel_threshold}, loads={self.loads})")
+
+
+def _check_number(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")

@@ -1,0 +1,117 @@
+"""One frozen configuration for the engine, the scheduler and the simulator.
+
+Every option is declared once, with one default, and validated once (``__post_init__``),
+so ``Engine``, ``Scheduler``, ``simulate`` and the book's experiment helpers cannot drift
+apart. ``EngineConfig.from_options(**options)`` turns keyword arguments into a config and
+names the valid options when one is misspelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from minisrv.checks import check_choice, check_int, check_number
+from minisrv.radix import CACHES, Cache
+from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
+
+__all__ = [
+    "ADMISSIONS",
+    "MODES",
+    "POLICIES",
+    "Admission",
+    "ConfigView",
+    "EngineConfig",
+    "Mode",
+    "Policy",
+]
+
+Mode = Literal["static", "prefill-first", "mixed"]
+MODES: tuple[Mode, ...] = ("static", "prefill-first", "mixed")
+"""How steps are formed: request-level batching, SGLang's default, and ORCA's mixed steps."""
+
+Admission = Literal["reserve", "budget"]
+ADMISSIONS: tuple[Admission, ...] = ("reserve", "budget")
+"""How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes how an engine schedules; one default per option."""
+
+    kv_capacity: int = 4000  # KV token slots in the pool
+    max_running: int = 8  # cap on the running batch
+    policy: Policy = "fcfs"  # order in which waiting requests are considered (policy.py)
+    in_batch_prefix_check: bool | None = None  # None: on for the cache-aware policies
+    seed: int | None = None  # the random policy's generator
+    cache: Cache = "none"  # "radix": reuse cached prefixes (RadixAttention)
+    mode: Mode = "prefill-first"  # how a step is formed
+    overlap: bool = False  # form step i+1 on the CPU while the device computes step i
+    skip_finishing_decode: bool = False  # overlap: leave requests ending on length out of i+1
+    admission: Admission = "budget"  # how memory is promised to admitted requests
+    new_token_ratio: float = 0.7  # budget: share of remaining output assumed still needed
+    ratio_decay: float = 0.001  # budget: how much the ratio falls per decode step
+    min_ratio: float = 0.1  # budget: the ratio's floor
+    record_trace: bool = True  # keep one StepRecord per step
+    debug: bool = False  # check the memory invariants after every step (slow)
+
+    def __post_init__(self) -> None:
+        check_int("kv_capacity", self.kv_capacity, minimum=1)
+        check_int("max_running", self.max_running, minimum=1)
+        check_choice("policy", self.policy, POLICIES)
+        check_choice("cache", self.cache, CACHES)
+        check_choice("mode", self.mode, MODES)
+        check_choice("admission", self.admission, ADMISSIONS)
+        check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)
+        check_number("min_ratio", self.min_ratio, 0.0, self.new_token_ratio)
+        check_number("ratio_decay", self.ratio_decay, 0.0)
+        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check = self.in_batch_prefix_check
+        if check is not None and not isinstance(check, bool):
+            raise ValueError(f"in_batch_prefix_check must be True, False or None, got {check!r}")
+        if check and self.policy not in IN_BATCH_POLICIES:
+            raise ValueError(f"in_batch_prefix_check=True works with policies "
+                             f"{', '.join(sorted(IN_BATCH_POLICIES))}, not {self.policy!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed)
+
+    @classmethod
+    def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """``config`` (or the defaults) with ``options`` replaced; unknown names are an error."""
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                f"valid options: {', '.join(valid)}"
+            )
+        return dataclasses.replace(config or cls(), **options)
+
+
+class ConfigView:
+    """Read-only shortcuts to the options of ``self.config``, for the engine and the loop."""
+
+    config: EngineConfig
+
+    @property
+    def mode(self) -> Mode:
+        return self.config.mode
+
+    @property
+    def max_running(self) -> int:
+        return self.config.max_running
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.config.kv_capacity
+
+    @property
+    def policy(self) -> Policy:
+        return self.config.policy
+
+    @property
+    def cache(self) -> Cache:
+        return self.config.cache

@@ -1,0 +1,186 @@
+"""The one owner of KV memory: the pool's slots and the prefix cache's bookkeeping.
+
+Every slot is in exactly one of three places: free in the allocator, owned by a running
+request (the tokens it computed itself), or owned by the prefix cache (a cached prefix,
+shared by every request that matched it). All moves between them happen here, following
+SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
+
+* **admission**: match the request's longest cached prefix and lock it; allocate slots for
+  the rest (evicting unlocked prefixes when the pool is short);
+* **after its prefill**: insert what it computed into the tree, so requests arriving from
+  the next step on can share it, and lock the longer prefix;
+* **at finish**: insert prompt + output, unlock; the KV stays cached (evictable);
+* **on retraction or abort**: free the request's own slots and unlock.
+
+``check_integrity`` verifies the bookkeeping; the tests call it after every run, and
+``EngineConfig(debug=True)`` after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from minisrv.kvpool import SlotAllocator
+from minisrv.prefix_cache import MatchResult, PrefixCache, TreeNode
+from minisrv.radix import Cache, RadixCache, make_cache
+from minisrv.request import Req
+
+__all__ = ["KVManager"]
+
+
+def _tag(req: Req) -> str:
+    return f"r{req.rid}"
+
+
+class KVManager:
+    """KV slots and the prefix cache, moved together so that no slot is lost or shared."""
+
+    def __init__(self, allocator: SlotAllocator, cache: Cache) -> None:
+        self.kv = allocator
+        # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
+        self.tree: PrefixCache = make_cache(cache, on_evict=allocator.free)
+        self.evicted_tokens = 0
+        self._last_query: tuple[Req | None, int, tuple[int, ...]] = (None, 0, ())
+
+    @property
+    def free_count(self) -> int:
+        """Slots free right now."""
+        return self.kv.free_count
+
+    def available(self) -> int:
+        """Slots a new request could get: free ones plus cached prefixes nobody uses."""
+        return self.kv.free_count + self.tree.evictable_size()
+
+    def evict(self, n_tokens: int, tag: str) -> int:
+        """Evict at least ``n_tokens`` cached tokens if possible; return how many were freed."""
+        freed = self.tree.evict(n_tokens, tag=tag)
+        self.evicted_tokens += freed
+        return freed
+
+    # ------------------------------------------------------------------ admission
+    def match(self, req: Req) -> MatchResult:
+        """Find and lock ``req``'s longest cached prefix, leaving at least its last token to
+        compute (the forward over that token yields the logits of the next one)."""
+        tag = _tag(req)
+        match = self.tree.match_prefix(self._query(req), tag=tag)
+        self.tree.lock(match.node, tag=tag)
+        return match
+
+    def _query(self, req: Req) -> tuple[int, ...]:
+        """``req``'s tokens but the last, the same tuple object while they stay the same: a
+        request that does not fit is matched again at every step, and the tree skips the walk
+        when asked the same object twice with nothing changed in between. Its output changes
+        only in length, or in its last token (the overlapped loop's placeholder), left out."""
+        if self._last_query[0] is not req or self._last_query[1] != len(req.output):
+            self._last_query = (req, len(req.output), (*req.prompt, *req.output)[:-1])
+        return self._last_query[2]
+
+    def allocate(self, req: Req, match: MatchResult) -> bool:
+        """Give ``req`` the matched prefix plus fresh slots for the rest; False (changing
+        nothing) when even evicting every unused prefix leaves too few slots."""
+        fill = req.seq_len - match.length
+        if fill > self.kv.free_count:
+            self.evict(fill - self.kv.free_count, _tag(req))
+        if fill > self.kv.free_count:
+            return False
+        req.kv_slots = [*match.values, *self.kv.alloc(fill)]
+        req.cached_len, req.cache_node = match.length, match.node
+        return True
+
+    def drop_match(self, req: Req, match: MatchResult) -> None:
+        """Undo ``match`` for a request that was not admitted after all."""
+        self.tree.unlock(match.node, tag=_tag(req))
+
+    def alloc_decode(self, reqs: Sequence[Req]) -> None:
+        """One slot each for the next token of ``reqs`` (the caller made room)."""
+        for req, slot in zip(reqs, self.kv.alloc(len(reqs)), strict=True):
+            req.kv_slots.append(slot)
+
+    # ------------------------------------------------------------------ handing KV over
+    def cache_unfinished(self, req: Req) -> None:
+        """Right after ``req``'s prefill, put its KV in the cache and switch ``req`` to the
+        cache's copy.
+
+        Where the tree already held some of these tokens (another request prefilled the same
+        text meanwhile), ``req``'s duplicate slots are freed and the tree's used instead;
+        then ``req`` locks the longer prefix and releases the old lock.
+        """
+        tree, tag = self.tree, _tag(req)
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]  # a tuple: the tree's key type
+        already = tree.insert(tokens, req.kv_slots, tag=tag)
+        match = tree.match_prefix(tokens, tag=tag)
+        if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
+            return
+        self.kv.free(req.kv_slots[req.cached_len:already])
+        req.kv_slots[: match.length] = match.values
+        tree.lock(match.node, tag=tag)
+        tree.unlock(req.cache_node, tag=tag)
+        req.cached_len, req.cache_node = match.length, match.node
+
+    def cache_finished(self, req: Req) -> None:
+        """Give a finished request's KV (prompt + output) to the cache, then unlock.
+
+        Its KV is not freed but kept for the next turn of a chat or any request with the same
+        prefix; it becomes evictable. Slots duplicating what the tree already held are freed
+        (with ``NoCache`` that is all of them).
+        """
+        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]
+        already = self.tree.insert(tokens, req.kv_slots, tag=_tag(req))
+        self.kv.free(req.kv_slots[req.cached_len:already])
+        self._unlock(req)
+
+    def release(self, req: Req) -> int:
+        """Free the slots ``req`` owns and unlock its cached prefix (retraction, abort);
+        return how many computed tokens were thrown away."""
+        owned = req.kv_slots[req.cached_len:]
+        self.kv.free(owned)
+        self._unlock(req)
+        return len(owned)
+
+    def _unlock(self, req: Req) -> None:
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node, tag=_tag(req))
+        req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(self, running: Sequence[Req]) -> None:
+        """Raise ``AssertionError`` naming the broken rule if the bookkeeping is off.
+
+        * every slot is free, owned by one running request, or owned by the tree, never two
+          of these: owned + cached + free == capacity;
+        * the tree's evictable + protected sizes add up to the tokens it holds;
+        * every node's lock count equals the running requests whose prefix passes through it
+          (so no locked node is left without a running owner).
+        """
+        tree = self.tree
+        owned = [s for req in running for s in req.kv_slots[req.cached_len:]]
+        shared = [s for req in running for s in req.kv_slots[: req.cached_len]]
+        nodes = tree.nodes() if isinstance(tree, RadixCache) else [tree.root]
+        cached = [s for node in nodes for s in node.value]
+        total = len(owned) + len(cached) + self.kv.free_count
+        assert total == self.kv.capacity, (
+            f"slots leaked or double-counted: {len(owned)} owned by requests + {len(cached)} "
+            f"cached + {self.kv.free_count} free = {total} != capacity {self.kv.capacity}"
+        )
+        assert len(set(owned) | set(cached)) == len(owned) + len(cached), "a slot has two owners"
+        assert all(self.kv.is_used(s) for s in owned), "a request holds a free slot"
+        assert all(self.kv.is_used(s) for s in cached), "the tree holds a free slot"
+        assert set(shared) <= set(cached), "a request reads a prefix slot the tree does not hold"
+        info = tree.size_info()
+        held = sum(len(node.key) for node in nodes)
+        assert info.total == held, f"sizes say {info.total} cached tokens, the tree holds {held}"
+        expected: dict[int, int] = {}
+        for req in running:
+            node: TreeNode | None = req.cache_node
+            while node is not None and node is not tree.root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        for node in nodes[1:]:
+            assert node.lock_ref == expected.get(id(node), 0), (
+                f"node {node.id} has lock count {node.lock_ref} but "
+                f"{expected.get(id(node), 0)} running requests use it"
+            )
+        protected = sum(len(n.key) for n in nodes[1:] if n.lock_ref > 0)
+        assert info.protected == protected, (
+            f"protected size {info.protected} != {protected} tokens on locked nodes"
+        )

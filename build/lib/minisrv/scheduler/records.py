@@ -1,0 +1,167 @@
+"""What the scheduler exchanges with a backend, and what it keeps about each step.
+
+``Batch`` goes to the backend, ``BatchResult`` comes back; ``StepRecord`` is one line of the
+trace and ``SchedulerStats`` the running totals. ``Backend`` declares everything the
+scheduler needs from whatever computes the tokens, so a new backend is checked against
+one list instead of the scheduler probing it for optional methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+from minisrv.request import Req
+
+if TYPE_CHECKING:
+    from minisrv.kvpool import SlotAllocator
+
+__all__ = ["Backend", "Batch", "BatchResult", "SchedulerStats", "StepRecord", "hit_rate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The requests one step computes: new ones to prefill, running ones to decode.
+
+    The backend returns one next token per request, prefills first, then decodes.
+    ``retracted`` lists the requests pushed back to the queue while the step was formed;
+    they compute nothing in it and are there for the trace.
+    """
+
+    prefill: list[Req]
+    decode: list[Req]
+    retracted: tuple[Req, ...] = ()
+
+    @property
+    def reqs(self) -> list[Req]:
+        """All requests of the step in the order the backend answers them."""
+        return [*self.prefill, *self.decode]
+
+    def __len__(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """What a backend reports for one step.
+
+    ``cost`` is what the step computed in the backend's own unit (tokens for the real model,
+    seconds for the simulator); ``elapsed`` is how far the clock advances: one step for the
+    real model, the roofline time for the simulator.
+    """
+
+    next_tokens: list[int]
+    cost: float
+    elapsed: float
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the scheduler needs from whatever computes the tokens."""
+
+    time_unit: str  # unit of the clock, e.g. "step" or "s"
+    cost_unit: str  # unit of BatchResult.cost, e.g. "tokens" or "s"
+    eos_ids: tuple[int, ...]  # tokens that end a request (empty: outputs have fixed lengths)
+    max_context: int | None  # longest sequence (prompt + output) the model takes (None: any)
+    vocab_size: int | None  # prompts must hold ids below this (None: any id)
+
+    def attach_kv(self, capacity: int) -> SlotAllocator | None:
+        """Build the KV store for ``capacity`` token slots and return its allocator, so the
+        slots the scheduler hands out index the backend's tensors; ``None`` when the backend
+        stores no KV (the scheduler then counts slots alone)."""
+        ...
+
+    def run(self, batch: Batch) -> BatchResult:
+        """Compute one step: one next token for every request of ``batch``."""
+        ...
+
+    def release(self, req: Req) -> None:
+        """Forget everything kept for ``req`` (its random generator, any private state)."""
+        ...
+
+
+class StepRecord(NamedTuple):
+    """One line of the trace: who did what in one step, and what the step cost."""
+
+    index: int
+    start: float  # clock when the step began
+    end: float  # clock when its tokens existed
+    prefill: tuple[int, ...]  # request ids prefilled (each produced its first token)
+    decode: tuple[int, ...]  # request ids that decoded one token
+    paused: tuple[int, ...]  # running requests that sat this step out
+    finished: tuple[int, ...]  # request ids that stopped at the end of this step
+    queued: int  # requests left waiting in the queue after admission
+    kv_reserved: int  # KV tokens promised to the requests running in this step
+    prefill_tokens: int  # tokens the prefills computed
+    cost: float  # backend cost of the step (tokens, or seconds)
+    kv_used: int = 0  # KV slots held while the step ran (its new tokens included)
+    new_token_ratio: float = 0.0  # the admission estimate in force during the step
+    retracted: tuple[int, ...] = ()  # request ids pushed back to the queue before the step
+
+    @property
+    def duration(self) -> float:
+        """How long the step took on the clock."""
+        return self.end - self.start
+
+    @property
+    def batch_size(self) -> int:
+        """Requests that computed a token in this step."""
+        return len(self.prefill) + len(self.decode)
+
+
+def hit_rate(cached_prompt_tokens: int, prompt_tokens: int) -> float:
+    """The lecture's hit rate: prompt tokens found in the prefix cache / all prompt tokens.
+
+    The one definition in the package: ``SchedulerStats.hit_rate`` applies it to a run's
+    totals and ``minisrv.metrics.request_hit_rate`` to any subset of requests.
+    """
+    return cached_prompt_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals over everything the scheduler has executed.
+
+    ``cached_tokens`` counts tokens whose KV came from the prefix cache instead of a prefill,
+    re-admissions after a retraction included (always 0 with ``cache="none"``); ``hit_rate``
+    uses first admissions only: cached prompt tokens / all prompt tokens, the lecture's
+    definition. ``retractions`` counts requests pushed back to the queue to free memory,
+    ``wasted_tokens`` the KV they threw away (and must compute again when they are
+    re-admitted); ``evicted_tokens`` the cached tokens the prefix cache dropped for room.
+    """
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that prefilled at least one request
+    prefill_tokens: int = 0  # prompt tokens computed
+    decode_tokens: int = 0  # tokens produced by decode steps
+    cached_tokens: int = 0  # tokens served from a prefix cache instead of computed
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache at admission
+    evicted_tokens: int = 0  # cached tokens evicted to make room
+    retractions: int = 0
+    wasted_tokens: int = 0  # tokens computed and then thrown away
+    late_stop_tokens: int = 0  # overlap: tokens computed after a finish (in wasted_tokens too)
+    finished: int = 0  # requests completed
+    generated_tokens: int = 0  # output tokens, the first (from prefill) included
+    busy_time: float = 0.0  # clock time spent in steps (idle gaps excluded)
+    cost: float = 0.0  # sum of the backend's step costs
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted requests' prompt tokens that were found in the prefix cache."""
+        return hit_rate(self.cached_prompt_tokens, self.prompt_tokens)
+
+    def as_dict(self) -> dict[str, float]:
+        """Every field plus ``hit_rate``, e.g. for a table in a chapter."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {**fields, "hit_rate": self.hit_rate}
+
+    def count_step(self, batch: Batch, result: BatchResult, prefill_tokens: int) -> None:
+        """Add one executed step to the totals."""
+        self.steps += 1
+        self.prefill_steps += bool(batch.prefill)
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += len(batch.decode)
+        self.generated_tokens += len(batch)
+        self.busy_time += result.elapsed
+        self.cost += result.cost

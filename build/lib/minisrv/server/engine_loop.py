@@ -1,0 +1,177 @@
+"""The engine loop of a server: one thread that owns the scheduler and steps it forever.
+
+HTTP handlers never touch the scheduler. They put commands (submit a request, abort one)
+into a queue; the loop drains the queue *between* steps, so a request that arrives while
+a step runs joins the batch at the next step (continuous batching), and a request whose
+client went away is aborted before the next step and its KV freed. After each step the
+loop hands every new token to ``emit`` in one call, so the cost of crossing from this
+thread to the asyncio event loop (or to another process, for ``--dp``) is paid once per
+step, not once per token.
+
+When nothing is queued or running, the loop blocks on the queue and uses no CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from minisrv.request import Req
+from minisrv.sampling import SamplingParams
+
+__all__ = ["EngineLoop", "Event", "engine_snapshot"]
+
+Event = tuple[int, list[int], "str | None", "str | None"]
+"""``(key, new tokens, finish reason or None, error message or None)`` for one request."""
+
+FINISHED_KEPT = 64  # finished requests an ``EngineLoop`` remembers
+
+Emit = Callable[[list[Event], dict[str, float]], None]
+
+
+def engine_snapshot(engine: Any) -> dict[str, float]:
+    """The gauges of ``/metrics`` for one engine: requests running and queued, the share of
+    KV slots held by requests (cached prefixes nobody uses do not count: they can be
+    evicted at any time, as in SGLang's ``token_usage``), and the prefix-cache hit rate."""
+    sched = engine.scheduler
+    used = sched.kv.used_count - engine.tree.evictable_size()
+    stats = engine.stats
+    return {
+        "running": float(len(sched.running)),
+        "queued": float(len(sched.waiting) + getattr(sched, "pending", 0)),
+        "token_usage": used / engine.kv_capacity,
+        "kv_used": float(used),
+        "hit_rate": float(stats.hit_rate),
+        "prompt_tokens": float(getattr(stats, "prompt_tokens", 0)),
+    }
+
+
+class EngineLoop:
+    """Runs ``engine`` in a daemon thread; ``emit(events, snapshot)`` gets each step's tokens.
+
+    ``emit`` is called from the loop's thread: it must only hand the events over (e.g.
+    ``loop.call_soon_threadsafe``), never block.
+    """
+
+    def __init__(self, engine: Any, emit: Emit) -> None:
+        self.engine = engine
+        self.emit = emit
+        self._inbox: queue.SimpleQueue[tuple[str, int, Req | None]] = queue.SimpleQueue()
+        self._by_key: dict[int, Req] = {}
+        self._key_of: dict[int, int] = {}  # rid -> key
+        self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
+        self._make_lock = threading.Lock()
+        # The last requests that finished, kept for inspection (the book reads the
+        # scheduler's own record of one request); bounded, so a server never grows.
+        self.finished: deque[Req] = deque(maxlen=FINISHED_KEPT)
+        self._thread = threading.Thread(target=self._run, name="minisrv-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def make_request(self, prompt: list[int], params: SamplingParams) -> Req:
+        """A validated request; ValueError (naming the problem) if it could never be served."""
+        with self._make_lock:
+            req = self.engine.make_requests([prompt], None, params)[0]
+        self.engine.scheduler.check(req)  # reads only fixed limits: safe from any thread
+        return req
+
+    def submit(self, key: int, req: Req) -> None:
+        """Queue ``req``; its tokens come back through ``emit`` under ``key``."""
+        self._inbox.put(("submit", key, req))
+
+    def abort(self, key: int) -> None:
+        """Withdraw the request ``key`` (finished or unknown keys are ignored)."""
+        self._inbox.put(("abort", key, None))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the loop to end after its current step and wait for it."""
+        self._inbox.put(("stop", -1, None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict[str, float]:
+        return engine_snapshot(self.engine)
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        sched = self.engine.scheduler
+        sched.on_token = self._on_token
+        try:
+            while self._drain(block=sched.idle):
+                if sched.idle:
+                    continue
+                try:
+                    record = sched.step()
+                except Exception as exc:  # a bug must not kill the server: fail these requests
+                    self._fail_all(f"engine error: {exc!r}")
+                    continue
+                finished = set(record.finished) if record is not None else set()
+                self._flush(finished)
+        finally:
+            sched.on_token = None
+
+    def _on_token(self, req: Req, token: int) -> None:
+        self._new_tokens.setdefault(req.rid, []).append(token)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; wait for one first if ``block``. False once told to stop."""
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        aborted = False
+        while True:
+            kind, key, req = command
+            if kind == "stop":
+                return False
+            if kind == "submit" and req is not None:
+                self._by_key[key] = req
+                self._key_of[req.rid] = key
+                self.engine.scheduler.submit(req)
+            elif kind == "abort":
+                aborted |= self._abort(key)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if aborted:  # let /metrics see the freed memory even if nothing else runs
+            self.emit([], self.snapshot())
+        return True
+
+    def _abort(self, key: int) -> bool:
+        req = self._by_key.pop(key, None)
+        if req is None:
+            return False
+        self._key_of.pop(req.rid, None)
+        self._new_tokens.pop(req.rid, None)
+        self.engine.scheduler.abort([req])
+        return True
+
+    def _flush(self, finished: set[int]) -> None:
+        events: list[Event] = []
+        for rid, tokens in self._new_tokens.items():
+            key = self._key_of.get(rid)
+            if key is None:
+                continue
+            req = self._by_key[key]
+            reason = req.finish_reason if rid in finished else None
+            events.append((key, tokens, reason, None))
+            if reason is not None:
+                self.finished.append(req)
+                del self._by_key[key], self._key_of[rid]
+        self._new_tokens = {}
+        if events:
+            self.emit(events, self.snapshot())
+
+    def _fail_all(self, message: str) -> None:
+        keys = list(self._by_key)
+        self.engine.scheduler.abort(list(self._by_key.values()))
+        self._by_key.clear()
+        self._key_of.clear()
+        self._new_tokens = {}
+        self.emit([(key, [], None, message) for key in keys], self.snapshot())

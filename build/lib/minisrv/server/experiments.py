@@ -1,0 +1,157 @@
+"""The server chapter's experiments: a running server looked at from both sides.
+
+``open_server`` builds the same app ``minisrv serve`` runs, in this process, so the caller
+can read its engine while it serves (its trace, its radix tree, the requests it finished);
+``stream_completion`` sends one streamed request and timestamps every server-sent event;
+``bench_layouts`` serves each of several layouts in turn and replays the same requests
+against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pandas as pd
+
+from minisrv.server.bench import BenchRequest, BenchResult, run_bench
+from minisrv.server.workers import EngineOptions
+
+__all__ = ["Layout", "LayoutRun", "bench_frame", "bench_layouts", "open_server", "read_metrics",
+           "run_sync", "slot_ranges", "stream_completion"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to serve: the engine's options and the number of data-parallel workers
+    (``--dp``). With one worker the engine runs in a thread of the server (``minisrv serve
+    --engine-thread``), where the book can look inside it, unless ``engine_process`` puts it
+    in a process of its own, as ``minisrv serve`` does by default and as every worker of
+    ``--dp 2`` is."""
+
+    options: EngineOptions = field(default_factory=EngineOptions)
+    dp: int = 1
+    engine_process: bool = False
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to the end from synchronous code, even where an event loop already runs
+    (a notebook's): in a fresh loop on a helper thread."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@contextmanager
+def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str, Any]]:
+    """Serve CityLM with ``layout`` on a free local port; yield ``(base URL, engines)``
+    (a ``LocalEngine``, whose ``loop.engine`` is the engine, or ``DataParallelEngines``).
+    The server and its workers are always stopped on exit."""
+    from minisrv.server.app import create_app
+    from minisrv.server.launch import serving_app
+    from minisrv.server.loading import load_codec, model_name
+    from minisrv.server.workers import DataParallelEngines, LocalEngine, check_engine_options
+
+    options = layout.options
+    check_engine_options(options)
+    engines: Any
+    if layout.dp == 1 and not layout.engine_process:
+        engines = LocalEngine(options)
+    else:
+        engines = DataParallelEngines(options, layout.dp, {})
+    app = create_app(engines, load_codec(options.model), model_name(options.model))
+    with serving_app(app, startup_s) as url:
+        yield url, engines
+
+
+def stream_completion(url: str, body: Mapping[str, Any]) -> list[tuple[float, Any]]:
+    """POST ``body`` (with ``stream: true``) to ``/v1/completions``; return every event's
+    arrival in milliseconds after the request was sent, with its parsed chunk (``"[DONE]"``
+    for the last event)."""
+    import httpx
+
+    events: list[tuple[float, Any]] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                chunk = data if data == "[DONE]" else json.loads(data)
+                events.append(((time.perf_counter() - start) * 1e3, chunk))
+    return events
+
+
+WARM_UP = BenchRequest("US:", 2)
+"""Sent before a measured run: pays the first connection and step, and shares no prefix
+with the book's workloads, so it lends no run a cache hit."""
+
+
+@dataclass(frozen=True)
+class LayoutRun:
+    """One layout's bench result and its server's own gauges and counters afterwards."""
+
+    result: BenchResult
+    metrics: dict[str, float]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """``/metrics`` parsed with prometheus_client's parser: sample name -> value."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+def bench_layouts(layouts: Mapping[str, Layout], requests: Sequence[BenchRequest],
+                  **bench: Any) -> dict[str, LayoutRun]:
+    """Serve each layout in turn and replay ``requests`` against it (``bench`` goes to
+    ``run_bench``: ``max_concurrency``, ``request_rate``, ``ignore_eos`` ...), after one
+    ``WARM_UP`` request; read the server's ``/metrics`` before stopping it."""
+    bench.setdefault("progress", False)
+    out: dict[str, LayoutRun] = {}
+    for name, layout in layouts.items():
+        with open_server(layout) as (url, _):
+            run_sync(run_bench(url, [WARM_UP], progress=False))
+            result = run_sync(run_bench(url, requests, **bench))
+            out[name] = LayoutRun(result, read_metrics(url))
+    return out
+
+
+def bench_frame(runs: Mapping[str, LayoutRun]) -> pd.DataFrame:
+    """One row per run: throughput, the server's cache hit rate and the latency statistics
+    ``minisrv bench`` prints."""
+    rows = []
+    for name, run in runs.items():
+        r = run.result
+        row: dict[str, Any] = {"run": name, "completed": r.completed, "failed": r.failed,
+                               "req/s": r.request_throughput, "out tok/s": r.output_throughput,
+                               "hit rate": run.metrics.get("minisrv:cache_hit_rate", 0.0)}
+        for key in ("ttft", "itl", "e2e"):
+            for stat in ("median", "p99"):
+                row[f"{key} {stat} (ms)"] = r.latency_ms[key][stat]
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")
+
+
+def slot_ranges(slots: Sequence[int]) -> str:
+    """KV slots as runs of consecutive numbers, ``"0-31, 40-49"``: how a request's KV lies
+    in the pool (one run per allocation, unless the pool was fragmented)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and slot == runs[-1][1] + 1:
+            runs[-1][1] = slot
+        else:
+            runs.append([slot, slot])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)

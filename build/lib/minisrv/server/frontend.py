@@ -1,0 +1,124 @@
+"""The asyncio side of the server: requests in flight, and tokens routed back to them.
+
+``Frontend.open`` submits one engine request and returns its ``Reply``; the engine thread
+(or a worker process's reader thread) calls ``deliver`` with each step's events, which
+hops onto the event loop with ``loop.call_soon_threadsafe`` and puts every request's new
+tokens in the queue its HTTP handler awaits. The front end is also where latencies are
+measured for ``/metrics``: from the moment the request was received to each token's
+arrival here, which is what a client sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisrv.sampling import SamplingParams
+from minisrv.server.engine_loop import Event
+from minisrv.server.metrics import ServerMetrics
+
+__all__ = ["Frontend", "Reply"]
+
+
+@dataclass
+class Reply:
+    """One engine request as its handler sees it: ``(index, tokens, finish, error)`` items
+    arrive in ``queue``, which several replies of one HTTP request (``n``, prompt lists)
+    share, ``index`` telling them apart."""
+
+    key: int
+    index: int
+    prompt_len: int
+    queue: asyncio.Queue[tuple[int, list[int], str | None, str | None]]
+    received: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+    done: bool = False
+
+
+class Frontend:
+    """Keeps the replies in flight and feeds them from the engine's events."""
+
+    def __init__(self, engines: Any) -> None:
+        self.engines = engines
+        self.replies: dict[int, Reply] = {}
+        self.latest: dict[str, float] = {}
+        self.metrics = ServerMetrics(lambda: self.latest)
+        self._keys = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start the engines (non-blocking); call from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self.engines.start(self.deliver)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.engines.ready)
+
+    # ------------------------------------------------------------------ requests
+    def open(self, prompt: list[int], params: SamplingParams, index: int,
+             queue: asyncio.Queue[Any]) -> Reply:
+        """Submit one request; ValueError if the engine could never serve it."""
+        key = next(self._keys)
+        reply = Reply(key, index, len(prompt), queue)
+        self.replies[key] = reply
+        try:
+            self.engines.submit(key, prompt, params)
+        except ValueError:
+            self._forget(reply)
+            raise
+        self.metrics.requests.inc()
+        self.metrics.prompt_tokens.inc(len(prompt))
+        return reply
+
+    def abort(self, reply: Reply, disconnected: bool = False) -> None:
+        """Stop generating for ``reply`` (client gone, or a stop string ended it)."""
+        if reply.done:
+            return
+        self.engines.abort(reply.key)
+        self._forget(reply)
+        if disconnected:
+            self.metrics.aborted.inc()
+
+    def _forget(self, reply: Reply) -> None:
+        reply.done = True
+        if self.replies.pop(reply.key, None) is not None:
+            self.engines.done(reply.key)
+
+    # ------------------------------------------------------------------ engine side
+    def deliver(self, events: list[Event], snapshot: dict[str, float]) -> None:
+        """Called from an engine thread: hand the events to the event loop."""
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, events, snapshot)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _dispatch(self, events: list[Event], snapshot: dict[str, float]) -> None:
+        if snapshot:
+            self.latest = snapshot
+        now = time.perf_counter()
+        m = self.metrics
+        generated = 0
+        for key, tokens, finish, error in events:
+            reply = self.replies.get(key)
+            if reply is None:  # aborted meanwhile
+                continue
+            if tokens:
+                generated += len(tokens)
+                if reply.last is None:
+                    m.ttft.observe(now - reply.received)
+                else:
+                    m.itl.observe(now - reply.last)
+                reply.last = now
+            if finish is not None or error is not None:
+                if finish is not None:
+                    m.e2e.observe(now - reply.received)
+                self._forget(reply)
+            reply.queue.put_nowait((reply.index, tokens, finish, error))
+        if generated:
+            m.generation_tokens.inc(generated)

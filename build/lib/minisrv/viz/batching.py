@@ -1,0 +1,140 @@
+"""Figures and widgets of the selective-batching chapter: step times, the KV pool over time.
+
+Everything here only draws or drives what the package computes: ``decode_step_seconds``
+times a step, the ``Engine`` runs the pool experiments, and each run is checked against
+``reference_generate`` before it is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+
+from minisrv.experiments import PoolRun, run_pool
+from minisrv.model import CityLM
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
+from minisrv.workloads import Workload
+
+ATTENTION_COLORS = {"padded": "#1f77b4", "loop": "#ff7f0e"}
+ATTENTION_LABELS = {"padded": "one padded attention call", "loop": "attention loop per request"}
+
+
+@styled
+def plot_decode_step_times(
+    table: Mapping[str, Mapping[int, float]], device: str = "cpu"
+) -> BookFigure:
+    """Per-request time of a decode step against batch size, one line per attention kind.
+
+    ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
+    Left: the whole step; right: divided by the batch, relative to batch 1.
+    """
+    fig, (left, right) = page_figure(height_in=3.8, cols=2)
+    for attention, times in table.items():
+        sizes = sorted(times)
+        color, label = ATTENTION_COLORS.get(attention), ATTENTION_LABELS.get(attention, attention)
+        left.plot(sizes, [times[b] * 1e3 for b in sizes], "o-", color=color, label=label)
+        base = times[sizes[0]] / sizes[0]
+        right.plot(sizes, [times[b] / b / base for b in sizes], "o-", color=color, label=label)
+    sizes = sorted({b for times in table.values() for b in times})
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+    label_axes(left, f"One decode step on {device}", "batch size (requests)", "step time (ms)")
+    right.axhline(1.0, color="grey", lw=0.8, ls=":")
+    label_axes(right, "Time per request", "batch size (requests)",
+               "time per request (x batch 1)")
+    legend_below(fig)
+    return fig
+
+
+@styled
+def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
+    """Used slots and running requests per step (top), ``new_token_ratio`` (bottom).
+
+    Red lines mark the steps before which requests were retracted.
+    """
+    trace, sched = run.engine.trace, run.engine.scheduler
+    steps = [s.index for s in trace]
+    fig, (top, bottom) = page_figure(height_in=5.2, rows=2, sharex=True, height_ratios=[2, 1])
+    top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
+    top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
+                label=f"pool capacity {sched.kv_capacity}")
+    top.set_ylabel("KV slots (tokens)")
+    top.set_ylim(0, sched.kv_capacity * 1.15)
+    running = top.twinx()
+    running.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
+                 color="#2ca02c", label="running requests")
+    running.set_ylabel("running requests", color="#2ca02c")
+    running.grid(False)
+    bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
+                label="new_token_ratio")
+    label_axes(bottom, None, "step", "new_token_ratio")
+    bottom.set_ylim(0, 1.05)
+    retract_steps = [s.index for s in trace if s.retracted]
+    for i, x in enumerate(retract_steps):
+        for ax in (top, bottom):
+            ax.axvline(x, color="#d62728", lw=0.8, alpha=0.7,
+                       label="retraction" if i == 0 and ax is bottom else None)
+    handles = [*top.get_legend_handles_labels()[0], *running.get_legend_handles_labels()[0],
+               *bottom.get_legend_handles_labels()[0]]
+    legend_below(fig, handles, ncol=3)
+    stats = run.engine.stats
+    label_axes(top, title or (
+        f"{stats.retractions} retractions, {stats.wasted_tokens} tokens recomputed, "
+        f"{stats.steps} steps"
+    ))
+    return fig
+
+
+@styled
+def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
+    """Concurrency (mean decode batch) and waste (recomputed tokens) per capacity and ratio."""
+    fig, (left, right) = page_figure(height_in=3.8, cols=2)
+    labels = list(dict.fromkeys(sweep["initial ratio"]))
+    width = 0.8 / len(labels)
+    capacities = sorted(set(sweep["capacity"]))
+    for i, label in enumerate(labels):
+        part = sweep[sweep["initial ratio"] == label].set_index("capacity").loc[capacities]
+        xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(capacities))]
+        name = "reserve (no estimate)" if label == "reserve" else f"ratio {label}"
+        left.bar(xs, part["mean decode batch"], width, label=name)
+        right.bar(xs, part["recomputed tokens"], width, label=name)
+    for ax in (left, right):
+        ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
+    label_axes(left, "Concurrency", "KV pool capacity (tokens)", "mean decode batch (requests)")
+    label_axes(right, "Waste from retraction", "KV pool capacity (tokens)", "recomputed tokens")
+    legend_below(fig, ncol=3)
+    return fig
+
+
+def pool_widget(
+    model: CityLM,
+    workload: Workload,
+    reference: Sequence[Sequence[int]],
+    capacity: int = 120,
+    ratio: float = 0.7,
+    decay: float = 0.01,
+    max_running: int = 8,
+):
+    """Sliders for pool capacity, initial ratio, decay and max running; each change re-serves
+    the workload on CityLM (a second or two) and redraws. Needs a live kernel."""
+    from IPython.display import display
+
+    smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
+    controls = {
+        "capacity": slider(capacity, smallest, 600, "pool capacity (tokens)", step=10),
+        "ratio": slider(ratio, 0.05, 1.0, "initial new_token_ratio", step=0.05),
+        "decay": slider(decay, -4, -1, "decay per decode step", log=True),
+        "max_running": slider(max_running, 1, 16, "max running"),
+    }
+
+    def redraw(capacity: int, ratio: float, decay: float, max_running: int) -> None:
+        run = run_pool(model, workload, reference, capacity=capacity, ratio=ratio, decay=decay,
+                       max_running=max_running)
+        print(run.check)
+        display(plot_pool_run(run))
+
+    return panel(redraw, controls)

@@ -1,0 +1,208 @@
+"""Diagrams for the overview: the server's architecture and the map of chapters.
+
+Both are drawn from the small tables below, so when a chapter lands, adding one row here
+updates the README picture, the intro and the overview chapter together.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import graphviz
+
+from minisrv.viz.style import BookFigure, graph_attrs, label_axes, legend_below, page_figure, styled
+
+
+class Chapter(NamedTuple):
+    file: str  # notebook stem under chapters/
+    title: str  # short title used in diagrams
+    question: str  # the question the chapter answers
+    modules: tuple[str, ...]  # files or packages under minisrv/ it builds
+
+
+CHAPTERS: tuple[Chapter, ...] = (
+    Chapter("00_overview", "The server at a glance",
+            "What does an inference server do, and what model do we serve?",
+            ("model/", "tokenizer.py", "train.py")),
+    Chapter("01_kv_cache", "KV cache and batching",
+            "How big is the KV cache, and why must a server batch?",
+            ("configs.py", "kvsize.py", "roofline.py")),
+    Chapter("02_scheduler", "The scheduler loop",
+            "How does continuous batching keep the GPU busy?",
+            ("scheduler/", "backends.py", "engine.py", "workloads.py")),
+    Chapter("03_selective_batching", "Selective batching and the KV pool",
+            "How does one forward pass serve many requests, and how many fit in memory?",
+            ("model/flat.py", "kvpool.py", "scheduler/admission.py")),
+    Chapter("04_radix_attention", "RadixAttention",
+            "How does a server reuse the KV of prefixes it has already computed?",
+            ("radix.py", "scheduler/memory.py", "prefix_workloads.py")),
+    Chapter("05_cache_aware", "Cache-aware scheduling",
+            "Which waiting request should run first when some prefixes are cached?",
+            ("scheduler/policy.py", "cache_aware.py")),
+    Chapter("06_routing", "Routing across workers",
+            "Which replica should serve a request when each has its own cache?",
+            ("router/",)),
+    Chapter("07_overlap", "Zero-overhead scheduling",
+            "How does the CPU plan the next step while the device computes this one?",
+            ("overlap/",)),
+    Chapter("08_server", "Serving it for real",
+            "What does the whole request path look like behind an OpenAI-compatible API?",
+            ("server/",)),
+    Chapter("09_gpu_appendix", "Appendix: a real model on a GPU",
+            "How does the engine serve a Hugging Face checkpoint, near the roofline?",
+            ("model/ragged.py", "model/hf.py", "real_model.py")),
+)
+
+
+class Component(NamedTuple):
+    name: str  # box label
+    module: str  # file or package under minisrv/ that implements it
+    chapter: str | None  # chapter file that builds it; None while no chapter does yet
+
+
+COMPONENTS: dict[str, Component] = {
+    "api": Component("HTTP server\n(OpenAI API, SSE)", "server/", "08_server"),
+    "router": Component("Router\n(cache-aware, load balance)", "router/", "06_routing"),
+    "tokenizer": Component("Tokenizer", "tokenizer.py", "00_overview"),
+    "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler/", "02_scheduler"),
+    "policy": Component("Scheduling policy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
+                        "05_cache_aware"),
+    "overlap": Component("Overlap loop\n(future tokens)", "overlap/", "07_overlap"),
+    "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
+    "kvpool": Component("KV pool\n(token slots)", "kvpool.py", "03_selective_batching"),
+    "radix": Component("Radix cache\n(RadixAttention)", "radix.py", "04_radix_attention"),
+    "attention": Component("Attention backend", "model/flat.py", "03_selective_batching"),
+    "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),
+}
+
+
+def _chapter_number(file: str) -> str:
+    return file.split("_", 1)[0]
+
+
+def _component_label(comp: Component) -> str:
+    where = (f"ch. {_chapter_number(comp.chapter)} · minisrv/{comp.module}"
+             if comp.chapter else f"minisrv/{comp.module} · not built yet")
+    return f"{comp.name}\n{where}"
+
+
+def architecture_diagram() -> graphviz.Digraph:
+    """The serving stack of the lecture's architecture slide, as minisrv builds it.
+
+    Requests flow down from the client to the model worker and answers flow back up.
+    Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
+    """
+    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.3",
+                                                       ranksep="0.45"))
+    g.attr("node", shape="box", style="rounded,filled")
+    g.attr("edge", color="#374151")
+    for key, comp in COMPONENTS.items():
+        built = comp.chapter is not None
+        g.node(key, _component_label(comp),
+               fillcolor="#dbeafe" if built else "#f3f4f6",
+               color="#1d4ed8" if built else "#9ca3af",
+               fontcolor="black" if built else "#6b7280",
+               style="rounded,filled" if built else "rounded,filled,dashed")
+    with g.subgraph() as row:
+        row.attr(rank="same")
+        row.node("tokenizer")
+        row.node("detokenizer")
+    with g.subgraph(name="cluster_worker") as w:
+        w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
+        w.node("worker")
+        with w.subgraph() as row:
+            row.attr(rank="same")
+            for key in ("kvpool", "radix", "attention"):
+                row.node(key)
+    g.edge("api", "router", label=" request")
+    g.edge("router", "tokenizer", label=" one replica")
+    g.edge("tokenizer", "scheduler", label=" token ids")
+    g.edge("scheduler", "policy", arrowhead="none", style="dotted")
+    g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
+    g.edge("scheduler", "worker", label=" next batch")
+    g.edge("worker", "scheduler", label=" new tokens", constraint="false")
+    for key in ("kvpool", "radix", "attention"):
+        g.edge("worker", key, arrowhead="none", style="dotted")
+    g.edge("scheduler", "detokenizer", label=" streamed tokens")
+    g.edge("detokenizer", "api", label=" text", constraint="false")
+    return g
+
+
+def chapter_map() -> graphviz.Digraph:
+    """The chapters in reading order, each with the question it answers and its modules."""
+    g = graphviz.Digraph("chapters", **graph_attrs(rankdir="TB", ranksep="0.25"))
+    g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef2ff")
+    for ch in CHAPTERS:
+        modules = ", ".join(ch.modules)
+        g.node(ch.file, f"{_chapter_number(ch.file)} · {ch.title}\n{ch.question}\n{modules}")
+    for before, after in zip(CHAPTERS, CHAPTERS[1:]):
+        g.edge(before.file, after.file)
+    return g
+
+
+def training_record() -> dict:
+    """The record ``python -m minisrv.train`` saved beside the shipped weights."""
+    import json
+    from importlib import resources
+
+    from minisrv.model import META_FILE
+
+    text = (resources.files("minisrv") / "weights" / META_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@styled
+def plot_training(record: dict) -> BookFigure:
+    """Training and validation loss of the shipped CityLM against the optimisation step."""
+    import math
+
+    history = record["history"]
+    fig, ax = page_figure(height_in=4.2)
+    ax.plot(history["step"], history["train_loss"], label="training countries")
+    ax.plot(history["step"], history["val_loss"], label="held-out countries")
+    vocab = record["tokenizer"]["vocab_size"]
+    ax.axhline(math.log(vocab), color="grey", linestyle="--", label=f"uniform guess (ln {vocab})")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3, which="both")
+    label_axes(ax, "CityLM training", "optimisation step", "cross-entropy (nats per character)")
+    legend_below(fig, ncol=3)
+    return fig
+
+
+def generation_table(model, tok, codes, max_new_tokens: int = 160):
+    """What CityLM writes after ``"XX:"`` for each country, next to the true list.
+
+    ``correct`` counts how many cities, from the first, the model names in the right order:
+    for a training country it measures memorisation, which is all a lookup model can do.
+    """
+    import pandas as pd
+
+    from minisrv.data import load_cities
+
+    cities = load_cities()
+    rows = []
+    for code in codes:
+        out = model.reference_generate(tok.encode(f"{code}:"), max_new_tokens)
+        text = tok.decode(out).split("\n")[0].strip()
+        generated = [c.strip() for c in text.split(",") if c.strip()]
+        truth = cities[code]
+        correct = 0
+        for got, want in zip(generated, truth):
+            if got != want:
+                break
+            correct += 1
+        rows.append({"country": code, "CityLM continues": text,
+                     "correct in order": f"{correct} of {len(truth)}"})
+    return pd.DataFrame(rows).set_index("country")
+
+
+def write_readme_picture(path: str = "images/chapters.svg") -> None:
+    """Regenerate the README's chapter map (``python -m minisrv.viz.overview``)."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(chapter_map().pipe(format="svg"))
+
+
+if __name__ == "__main__":
+    write_readme_picture()

@@ -1,0 +1,154 @@
+"""Figures and widgets of the cache-aware scheduling chapter.
+
+The numbers come from ``minisrv.cache_aware`` (DataFrames); these functions only draw them.
+Figures follow the house style of ``minisrv.viz.style``: page width, legends below the axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+from matplotlib.patches import Patch
+
+from minisrv.cache_aware import few_shot_experiment
+from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
+
+__all__ = [
+    "plot_forest_sweep",
+    "plot_capacity_table",
+    "plot_scheduling_cost",
+    "plot_policy_comparison",
+    "policy_widget",
+]
+
+COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
+          "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
+NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight",
+         "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
+
+
+@styled
+def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> BookFigure:
+    """Hit rate against cache capacity per policy (``forest_sweep``), the optimum as a
+    horizontal line and the longest request as a vertical one; log capacity axis."""
+    fig, ax = page_figure(height_in=4.4)
+    markers = {"fcfs": "s", "random": "^", "lpm": "o", "dfs-weight": "x"}
+    for policy in table.columns:
+        if policy == "optimal":
+            ax.axhline(100 * table[policy].iloc[0], color="black", ls="--", lw=1.2,
+                       label=NAMES[policy])
+            continue
+        ax.plot(table.index, 100 * table[policy], marker=markers.get(policy, "."),
+                ms=8 if policy == "dfs-weight" else 6, color=COLORS.get(policy),
+                label=NAMES.get(policy, policy), lw=1.5)
+    ax.axvline(longest, color="tab:red", ls=":", lw=1.5,
+               label=f"longest request ({longest} tokens)")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 100)
+    label_axes(ax, title or "Serving order and cache size: hit rate of a prefix forest",
+           "cache capacity (tokens, log scale)", "hit rate (% of prompt tokens)")
+    legend_below(fig, ncol=3)
+    return fig
+
+
+@styled
+def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """Hit rate and prefill tokens against pool size per policy (``capacity_table``)."""
+    fig, (left, right) = page_figure(height_in=4.0, cols=2)
+    policies = table["hit rate"].columns
+    for policy in policies:
+        kw = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy)}
+        left.plot(table.index, 100 * table["hit rate"][policy], **kw)
+        right.plot(table.index, table["prefill tokens"][policy], **kw)
+    label_axes(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
+    left.set_ylim(0, 100)
+    label_axes(right, "Tokens prefilled", "KV pool capacity (tokens)",
+               "prefill tokens (recomputed included)")
+    right.set_ylim(0, None)
+    legend_below(fig, ncol=len(policies))
+    fig.suptitle(title or "Interleaved few-shot groups: FCFS against LPM", x=0.02, ha="left")
+    return fig
+
+
+@styled
+def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """CPU time of one scheduling round against the number of waiting requests
+    (``scheduling_cost``), log-log, with SGLang's matching limit marked."""
+    fig, ax = page_figure(height_in=4.0)
+    for policy in table.columns:
+        ax.plot(table.index, table[policy], marker="o", color=COLORS.get(policy),
+                label=NAMES.get(policy, policy))
+    ax.axvline(WAITING_QUEUE_PREFIX_MATCH_MAX, color="tab:red", ls=":",
+               label=f"{WAITING_QUEUE_PREFIX_MATCH_MAX} waiting: LPM stops matching")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    label_axes(ax, title or "What a scheduling round costs", "waiting requests (log scale)",
+           "CPU time per round (ms, log scale)")
+    legend_below(fig, ncol=3)
+    return fig
+
+
+@styled
+def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """Hit rate, prefill tokens and waits (mean and max, in steps) per policy: one bar per
+    row of a ``policy_table``/``few_shot_experiment`` table."""
+    fig, axes = page_figure(height_in=3.8, cols=3)
+    labels = list(table.index)
+    colors = [COLORS.get(label, "tab:blue") for label in labels]
+    names = [NAMES.get(label, label) for label in labels]
+    x = range(len(labels))
+    axes[0].bar(x, 100 * table["hit rate"], color=colors)
+    label_axes(axes[0], "Hit rate", "policy", "hit rate (% of prompt tokens)")
+    axes[0].set_ylim(0, 100)
+    axes[1].bar(x, table["prefill tokens"], color=colors)
+    label_axes(axes[1], "Tokens prefilled", "policy", "prefill tokens")
+    width = 0.4
+    axes[2].bar([i - width / 2 for i in x], table["mean wait"], width, color=colors,
+                alpha=0.55, label="mean")
+    axes[2].bar([i + width / 2 for i in x], table["max wait"], width, color=colors,
+                hatch="//", edgecolor="white", label="max")
+    label_axes(axes[2], "Queueing delay", "policy", "wait (steps)")
+    for ax in axes:
+        ax.set_xticks(list(x), names, rotation=40, ha="right", rotation_mode="anchor")
+    legend_below(fig, [Patch(facecolor="#999999", alpha=0.55, label="mean wait"),
+                       Patch(facecolor="#999999", hatch="//", edgecolor="white",
+                             label="max wait")])
+    fig.suptitle(title or "Policies compared", x=0.02, ha="left")
+    return fig
+
+
+def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-weight",
+                  "random", "lof"), kv_capacity: int = 180, arrival_every: float = 1.0,
+                  n_groups: int = 4):
+    """A policy to compare with FCFS, the pool size, the arrival gap and the number of
+    few-shot groups; each change serves the interleaved groups again (tokens checked against
+    the reference) and redraws ``plot_policy_comparison``. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {
+        "policy": widgets.Dropdown(options=list(policies), value=policies[0],
+                                   description="policy vs FCFS",
+                                   style={"description_width": "initial"}),
+        "capacity": slider(kv_capacity, 100, 1000, "KV capacity (tokens)", step=20),
+        "gap": slider(arrival_every, 0.0, 8.0, "steps between waves", step=0.5),
+        "groups": slider(n_groups, 2, 5, "groups"),
+    }
+
+    def redraw(policy: str, capacity: int, gap: float, groups: int) -> None:
+        try:
+            table = few_shot_experiment(model, tok, ("fcfs", policy), kv_capacity=capacity,
+                                        arrival_every=gap, n_groups=groups)
+        except ValueError as err:  # e.g. a pool smaller than one request
+            print(err)
+            return
+        display(plot_policy_comparison(
+            table, f"{groups} few-shot groups, pool {capacity} tokens, a wave every {gap:g} "
+                   f"steps"))
+        display(table.round(3))
+
+    return panel(redraw, controls)

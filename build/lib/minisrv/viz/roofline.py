@@ -1,0 +1,311 @@
+"""Tables, plots and widgets for the KV-cache and roofline chapter.
+
+Everything here is drawn from ``minisrv.kvsize`` and ``minisrv.roofline``; no number is
+computed twice. Figures are ``BookFigure`` objects built without pyplot's global state, so
+a cell that returns one shows it exactly once, and a widget can redraw it freely. Sizes,
+fonts and legends follow the house style of ``minisrv.viz.style``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+
+from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
+from minisrv.kvsize import (
+    kv_bytes_per_request,
+    kv_bytes_per_token,
+    kv_numbers_per_token_per_layer,
+    max_concurrent_requests,
+    weight_bytes,
+)
+from minisrv.roofline import decode_step_cost
+
+# BookFigure lives in style.py; it is imported here too because the other viz modules
+# (timeline, batching, radix) import it from this module.
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+DTYPES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8": 1, "int4": 0.5}
+"""Bytes per stored number for the dtypes a reader can pick (weights and KV alike)."""
+
+CONTEXT_CHOICES: tuple[int, ...] = tuple(2**k for k in range(7, 18))  # 128 ... 131072 tokens
+BATCH_CHOICES: tuple[int, ...] = tuple(2**k for k in range(0, 13))  # 1 ... 4096 requests
+
+
+def format_bytes(n_bytes: float) -> str:
+    """Binary units (KiB, MiB, GiB) with up to three significant digits: 131072 -> '128 KiB'."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.3g} {unit}"
+    return f"{n_bytes:.3g} B"
+
+
+def _heads(cfg: ModelConfig) -> str:
+    """Query heads / heads that store K and V ("latent" for MLA), for the comparison table."""
+    return f"{cfg.n_heads} / {'latent' if cfg.attention == 'mla' else cfg.n_kv_heads}"
+
+
+def _tokens(n: int) -> str:
+    """Token counts as the text names them: 32768 -> '32K', 1000 -> '1,000'."""
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def kv_table(
+    models: Sequence[ModelConfig] | None = None, context_len: int = 32768, dtype_bytes: float = 2
+) -> pd.DataFrame:
+    """One row per model: attention kind, heads, KV numbers per layer, per token, per request.
+
+    Few, short columns so that the table fits the book's column. The last one compares with
+    the classic formula 2 x layers x d_model, i.e. with every query head keeping its own K and
+    V: the saving GQA/MQA/MLA buy.
+    """
+    rows = []
+    for cfg in models or list(MODELS.values()):
+        per_token = kv_bytes_per_token(cfg, dtype_bytes)
+        classic = 2 * cfg.n_layers * cfg.d_model * dtype_bytes
+        rows.append(
+            {
+                "model": cfg.name,
+                "attention": cfg.attention.upper(),
+                "layers": cfg.n_layers,
+                "heads: query / KV": _heads(cfg),
+                "numbers / layer": kv_numbers_per_token_per_layer(cfg),
+                "KV / token": format_bytes(per_token),
+                f"KV / {_tokens(context_len)} tokens": format_bytes(
+                    kv_bytes_per_request(cfg, context_len, dtype_bytes)
+                ),
+                "MHA formula / true": f"{classic / per_token:.3g}x",
+            }
+        )
+    return pd.DataFrame(rows).set_index("model")
+
+
+def _batch_grid(limit: int) -> np.ndarray:
+    """Batch sizes from 1 to ``limit``, spaced evenly on a log axis."""
+    return np.unique(np.geomspace(1, max(limit, 2), 160).round().astype(int))
+
+
+def _wall(cfg: ModelConfig, gpu: GPUSpec, context_len: int, dtype_bytes: float) -> int:
+    """Requests that fit, or 0 when not even one does (the plots show that, not raise)."""
+    try:
+        return max_concurrent_requests(cfg, gpu, context_len, dtype_bytes)
+    except ValueError:
+        return 0
+
+
+def _weights_fit(cfg: ModelConfig, gpu: GPUSpec, dtype_bytes: float) -> bool:
+    return weight_bytes(cfg, dtype_bytes) < gpu.memory_bytes
+
+
+def _decode_curves(
+    cfg: ModelConfig, gpu: GPUSpec, context_len: int, batches: np.ndarray, dtype_bytes: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step time (ms), throughput (tokens/s) and a compute-bound flag for each batch size."""
+    costs = [decode_step_cost(cfg, gpu, int(b), context_len, dtype_bytes) for b in batches]
+    time_ms = np.array([c.time_s for c in costs]) * 1e3
+    compute_bound = np.array([c.bound == "compute" for c in costs])
+    return time_ms, batches / (time_ms / 1e3), compute_bound
+
+
+def _draw_context(
+    axes: Sequence, batches: np.ndarray, series: Sequence[np.ndarray], compute_bound: np.ndarray,
+    wall: int, color: str, label: str,
+) -> None:
+    """One context length on both panels: solid while it fits, dotted past the memory wall,
+    highlighted where compute sets the step time, and the wall itself as a dashed line."""
+    fits = batches <= wall
+    for ax, y in zip(axes, series, strict=True):
+        ax.plot(batches[fits], y[fits], color=color, lw=2.2, label=label)
+        beyond = batches >= (batches[fits][-1] if fits.any() else 0)
+        ax.plot(batches[beyond], y[beyond], color=color, lw=1.6, ls=":", alpha=0.7)
+        hot = compute_bound
+        if hot.any():
+            ax.plot(batches[hot], y[hot], color=color, lw=7, alpha=0.25, solid_capstyle="butt")
+        if wall:
+            ax.axvline(wall, color=color, ls="--", lw=1.2)
+
+
+@styled
+def plot_roofline(
+    cfg: ModelConfig,
+    gpu: GPUSpec,
+    contexts: Sequence[int] = (128, 1024, 8192),
+    dtype_bytes: float = 2,
+    batch: int | None = None,
+    max_batch: int | None = None,
+) -> BookFigure:
+    """Decode step time (top) and throughput (bottom) against batch size, one curve per
+    context length; the panels are stacked so that each keeps the column's full width.
+
+    Solid: batches that fit in memory; dotted: batches that would not (past the memory wall,
+    drawn dashed at ``max_concurrent_requests``). A pale band marks compute-bound batches;
+    everything else is memory-bound. The grey lines are the two roofs: reading the weights
+    alone (the floor of every step) and the arithmetic alone. ``batch`` marks one batch size.
+    """
+    fig, (ax_time, ax_tput) = page_figure(height_in=7.6, rows=2, sharex=True)
+    title = f"{cfg.name} decoding on {gpu.name}, {dtype_bytes:g} bytes per number"
+    if not _weights_fit(cfg, gpu, dtype_bytes):
+        title += f"\nweights ({weight_bytes(cfg, dtype_bytes) / 1e9:.3g} GB) do not fit"
+    walls = {c: _wall(cfg, gpu, c, dtype_bytes) for c in contexts}
+    limit = max_batch or max(256, 2 * max(walls.values(), default=0), batch or 1)
+    batches = _batch_grid(limit)
+    colors = [f"C{i}" for i in range(len(contexts))]
+    for context, color in zip(contexts, colors, strict=True):
+        time_ms, tput, hot = _decode_curves(cfg, gpu, context, batches, dtype_bytes)
+        fit_text = f"{walls[context]:,} fit" if walls[context] else "none fits"
+        label = f"context {context:,} ({fit_text})"
+        _draw_context((ax_time, ax_tput), batches, (time_ms, tput), hot, walls[context], color,
+                      label)
+        if batch:
+            point = decode_step_cost(cfg, gpu, batch, context, dtype_bytes)
+            face = color if batch <= walls[context] else "white"  # hollow: does not fit
+            ax_time.plot(batch, point.time_s * 1e3, "o", color=color, mfc=face, ms=8)
+            ax_tput.plot(batch, batch / point.time_s, "o", color=color, mfc=face, ms=8)
+    weights_ms = weight_bytes(cfg, dtype_bytes) / gpu.bandwidth * 1e3
+    compute_ms = 2 * cfg.active_param_count * batches / gpu.flops * 1e3
+    ax_time.axhline(weights_ms, color="grey", lw=1.5, label="read weights once")
+    ax_time.plot(batches, compute_ms, color="black", lw=1.5, ls="-.",
+                 label="arithmetic only, 2·params·batch")
+    for ax in (ax_time, ax_tput):
+        ax.set(xscale="log", yscale="log", xlim=(1, batches[-1]))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.grid(False, which="minor")
+    label_axes(ax_time, f"Step time: {title}", ylabel="decode step time (ms)")
+    label_axes(ax_tput, "Throughput", "batch size (requests decoding together)",
+               "throughput (tokens/s)")
+    style = [
+        Line2D([], [], color="grey", ls="--", lw=1, label="memory wall (most requests that fit)"),
+        Line2D([], [], color="grey", ls=":", lw=1.5, label="would not fit in memory"),
+        Line2D([], [], color="grey", lw=7, alpha=0.25, label="compute-bound (else memory-bound)"),
+    ]
+    curves = list(dict(zip(*reversed(ax_time.get_legend_handles_labels()), strict=True)).values())
+    legend_below(fig, handles=curves + style, ncol=2)
+    return fig
+
+
+@styled
+def plot_memory_budget(
+    cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
+) -> BookFigure:
+    """Where the card's memory goes: weights, the KV cache of ``batch`` requests, and what is
+    left. A KV bar that runs past the card's capacity is a batch that cannot be served."""
+    weights = weight_bytes(cfg, dtype_bytes) / 1e9
+    kv = batch * kv_bytes_per_request(cfg, context_len, dtype_bytes) / 1e9
+    capacity = gpu.memory_bytes / 1e9
+    fig, ax = page_figure(height_in=2.2)
+    ax.barh(0, weights, color="0.55", label=f"weights {weights:.3g} GB")
+    overflow = weights + kv > capacity
+    kv_label = f"KV of {batch:,} x {context_len:,} tokens: {kv:.3g} GB"
+    ax.barh(0, kv, left=weights, color="C3" if overflow else "C0", label=kv_label)
+    free = capacity - weights - kv
+    if free > 0:
+        ax.barh(0, free, left=weights + kv, color="C2", alpha=0.25, label=f"free {free:.3g} GB")
+    ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {capacity:.3g} GB")
+    ax.set(yticks=[], xlim=(0, max(capacity, weights + kv) * 1.02))
+    ax.grid(False, axis="y")
+    verdict = "do not fit" if overflow else "fit"
+    label_axes(ax, f"{cfg.name} on {gpu.name}: {batch:,} requests of {context_len:,} tokens "
+               f"{verdict}", "memory (GB)")
+    legend_below(fig, ncol=2)
+    return fig
+
+
+@styled
+def plot_intensity_roofline(
+    cfg: ModelConfig,
+    gpu: GPUSpec,
+    context_len: int = 1024,
+    batches: Sequence[int] = (1, 16, 64, 256),
+    prefill_tokens: Sequence[int] = (512, 4096),
+    dtype_bytes: float = 2,
+) -> BookFigure:
+    """The classic roofline: attainable FLOP/s against FLOPs per byte moved.
+
+    Decode steps (one point per batch size) sit on the slanted memory roof; a long prefill
+    lands on the flat compute roof. The ridge is where the two roofs meet.
+    """
+    from minisrv.roofline import batch_step_cost
+
+    fig, ax = page_figure(height_in=5.0)
+    intensity = np.geomspace(0.1, 1e4, 200)
+    attainable = np.minimum(gpu.flops, intensity * gpu.bandwidth) / 1e12
+    ax.plot(intensity, attainable, color="black", lw=2.5, label=f"{gpu.name} roof")
+    ax.axvline(gpu.ridge_intensity, color="grey", ls="--", lw=1.5,
+               label=f"ridge: {gpu.ridge_intensity:.0f} FLOP/byte")
+    for b in batches:
+        cost = decode_step_cost(cfg, gpu, b, context_len, dtype_bytes)
+        ax.plot(cost.intensity, cost.flops / cost.time_s / 1e12, "o", color="C0")
+        ax.annotate(f"decode x{b}", (cost.intensity, cost.flops / cost.time_s / 1e12),
+                    textcoords="offset points", xytext=(6, -14))
+    for n in prefill_tokens:
+        cost = batch_step_cost(cfg, gpu, prefill=[(n, 0)], dtype_bytes=dtype_bytes)
+        ax.plot(cost.intensity, cost.flops / cost.time_s / 1e12, "s", color="C1")
+        ax.annotate(f"prefill {n:,}", (cost.intensity, cost.flops / cost.time_s / 1e12),
+                    textcoords="offset points", xytext=(-30, 8))
+    ax.plot([], [], "o", color="C0", label=f"decode steps, context {context_len:,}")
+    ax.plot([], [], "s", color="C1", label="one prefill")
+    ax.set(xscale="log", yscale="log")
+    ax.set_ylim(top=gpu.flops / 1e12 * 4)  # room for the labels above the flat roof
+    ax.grid(True, which="major", alpha=0.3)
+    ax.grid(False, which="minor")
+    label_axes(ax, f"Roofline of {cfg.name} on {gpu.name}",
+               "arithmetic intensity (FLOPs per byte moved)", "attainable throughput (TFLOP/s)")
+    legend_below(fig, ncol=2)
+    return fig
+
+
+def summary_line(
+    cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
+) -> str:
+    """Two short lines about the chosen point, printed above the widget's figures (short, so
+    they fit the book's column): the step and its bound, then throughput and capacity."""
+    cost = decode_step_cost(cfg, gpu, batch, context_len, dtype_bytes)
+    one = decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes)
+    wall = _wall(cfg, gpu, context_len, dtype_bytes)
+    fits = f"{wall:,} requests fit" if wall else "not one request fits"
+    gain = (batch / cost.time_s) / (1 / one.time_s)
+    return (
+        f"batch {batch:,} at context {context_len:,}: step {cost.time_s * 1e3:.3g} ms "
+        f"({cost.bound}-bound)\n"
+        f"{batch / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; {fits}"
+    )
+
+
+def roofline_widget(
+    model: str = "LLaMA-3-8B",
+    gpu: str = "H100 SXM",
+    context_len: int = 1024,
+    batch: int = 16,
+    dtype: str = "bf16 / fp16",
+):
+    """Drop-downs and sliders for model, GPU, context length, batch size and dtype; every
+    change redraws the roofline and the memory budget. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {
+        "model": widgets.Dropdown(options=list(MODELS), value=model, description="model"),
+        "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        "context_len": widgets.SelectionSlider(
+            options=CONTEXT_CHOICES, value=context_len, description="context"
+        ),
+        "batch": widgets.SelectionSlider(options=BATCH_CHOICES, value=batch, description="batch"),
+        "dtype": widgets.Dropdown(options=list(DTYPES), value=dtype, description="dtype"),
+    }
+
+    def redraw(model: str, gpu: str, context_len: int, batch: int, dtype: str) -> None:
+        cfg, card, width = MODELS[model], GPUS[gpu], DTYPES[dtype]
+        contexts = sorted({max(16, context_len // 8), context_len, context_len * 8})
+        print(summary_line(cfg, card, context_len, batch, width))
+        display(plot_roofline(cfg, card, contexts, width, batch=batch))
+        display(plot_memory_budget(cfg, card, context_len, batch, width))
+
+    output = widgets.interactive_output(redraw, controls)
+    rows = widgets.VBox([widgets.HBox(list(controls.values())[:3]),
+                         widgets.HBox(list(controls.values())[3:])])
+    return widgets.VBox([rows, output])

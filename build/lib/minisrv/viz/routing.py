@@ -1,0 +1,190 @@
+"""Plots, tables and a widget for the routing chapter (many workers behind one router).
+
+Everything here reads ``ClusterResult`` objects from ``minisrv.router``; nothing in the
+serving core imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.patches import Patch
+
+from minisrv.router import ClusterResult, simulate_cluster
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.workloads import prefix_groups_workload
+
+__all__ = [
+    "cluster_table",
+    "plot_policy_comparison",
+    "plot_loads_over_time",
+    "plot_threshold_sweep",
+    "threshold_sweep",
+    "routing_report",
+    "routing_widget",
+]
+
+
+def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
+    """One row per labelled run: hit rate, throughput, latency, load ratio, requests per
+    worker. Units are the cluster's clock unit (seconds for simulated GPUs, steps for
+    CityLM)."""
+    rows = []
+    for label, r in results.items():
+        rows.append({
+            "run": label,
+            "hit rate": round(r.hit_rate, 3),
+            f"throughput (tok/{r.time_unit})": round(r.throughput, 1),
+            f"mean latency ({r.time_unit})": round(r.mean_latency, 2),
+            "load ratio": round(r.load_ratio, 2),
+            "requests per worker": " / ".join(str(n) for n in r.worker_requests),
+        })
+    return pd.DataFrame(rows).set_index("run")
+
+
+@styled
+def plot_policy_comparison(results: Mapping[str, ClusterResult], title: str) -> BookFigure:
+    """Hit rate and throughput of each labelled run, side by side."""
+    fig, (ax_hit, ax_tput) = page_figure(height_in=3.6, cols=2)
+    labels = list(results)
+    colors = [f"C{i}" for i in range(len(labels))]
+    hits = [100 * results[k].hit_rate for k in labels]
+    tputs = [results[k].throughput for k in labels]
+    unit = next(iter(results.values())).time_unit if results else "s"
+    x = np.arange(len(labels))
+    for ax, values, name, ylabel, fmt in (
+            (ax_hit, hits, "Hit rate", "prefix-cache hit rate (%)", "{:.0f}%"),
+            (ax_tput, tputs, "Throughput", f"output tokens/{unit}", "{:,.0f}")):
+        bars = ax.bar(x, values, color=colors)
+        ax.bar_label(bars, [fmt.format(v) for v in values], padding=2)
+        ax.set_xticks([])
+        ax.margins(y=0.15)
+        label_axes(ax, name, None, ylabel)
+    handles = [Patch(color=c, label=k) for c, k in zip(colors, labels, strict=True)]
+    legend_below(fig, handles, ncol=min(len(labels), 3))
+    fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+@styled
+def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> BookFigure:
+    """Requests in flight on each worker over time, one panel per labelled run."""
+    n = len(results)
+    fig, axes = page_figure(height_in=1.4 + 2.2 * n, rows=n, sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, (label, r) in zip(axes, results.items(), strict=True):
+        for w in range(r.n_workers):
+            ax.step(r.load_times, r.load_trace[:, w], where="post", lw=1, color=f"C{w}",
+                    label=f"worker {w}")
+        counts = ", ".join(str(k) for k in r.worker_requests)
+        label_axes(ax, f"{label}: load ratio {r.load_ratio:.2f}; requests {counts}",
+                   None, "requests in flight")
+    axes[-1].set_xlabel(f"time ({next(iter(results.values())).time_unit})")
+    legend_below(fig, ncol=4)
+    fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def threshold_sweep(workload: Any, thresholds: Sequence[float], *, n_workers: int = 4,
+                    kv_capacity: int = 10_000, max_running: int = 16,
+                    balance_rel_threshold: float = 1.1) -> pd.DataFrame:
+    """Cache-aware routing at each ``balance_abs_threshold``, plus round robin; one row each.
+    ``inf`` switches balancing off."""
+    rows = []
+    runs = [("round robin", "round-robin", {})] + [
+        (f"cache-aware, abs {t:g}", "cache-aware",
+         {"balance_abs_threshold": t, "balance_rel_threshold": balance_rel_threshold})
+        for t in thresholds]
+    for label, policy, opts in runs:
+        r = simulate_cluster(workload, n_workers=n_workers, policy=policy,
+                             kv_capacity=kv_capacity, max_running=max_running, **opts)
+        rows.append({"run": label, "abs threshold": opts.get("balance_abs_threshold", np.nan),
+                     "hit rate": r.hit_rate, "throughput (tok/s)": r.throughput,
+                     "mean latency (s)": r.mean_latency, "load ratio": r.load_ratio})
+    return pd.DataFrame(rows).set_index("run")
+
+
+@styled
+def plot_threshold_sweep(table: pd.DataFrame, title: str) -> BookFigure:
+    """Throughput and hit rate of cache-aware routing against the absolute balance
+    threshold, with round robin as a horizontal line."""
+    fig, ax = page_figure(height_in=3.8)
+    aware = table[table["abs threshold"].notna()]
+    xs = np.arange(len(aware))
+    ax.plot(xs, aware["throughput (tok/s)"], "o-", color="C1", label="cache-aware throughput")
+    rr = table.loc["round robin", "throughput (tok/s)"]
+    ax.axhline(rr, color="C0", ls="--", label="round robin throughput")
+    ax.set_xticks(xs, [f"{t:g}" for t in aware["abs threshold"]])
+    label_axes(ax, title, "balance_abs_threshold (requests; inf = no balancing)",
+               "throughput (output tokens/s)")
+    ax.set_ylim(bottom=0)
+    twin = ax.twinx()
+    twin.plot(xs, 100 * aware["hit rate"], "s:", color="C2", label="cache-aware hit rate")
+    twin.set_ylabel("hit rate (%)")
+    twin.set_ylim(0, 100)
+    twin.grid(False)
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    legend_below(fig, handles, ncol=2)
+    return fig
+
+
+def routing_report(n: int = 1000, n_workers: int = 4, hot_share: float | None = None,
+                   kv_capacity: int = 10_000, rate: float = 300.0, cache_threshold: float = 0.5,
+                   balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
+                   seed: int = 0) -> tuple[pd.DataFrame, BookFigure]:
+    """Round robin and cache-aware routing on ``n`` requests of 16 groups of 2,000-token
+    prefixes (``hot_share``: group 0's share, ``None`` for uniform): their table and their
+    loads over time. What the widget draws for each setting."""
+    workload = prefix_groups_workload(n=n, rate=rate, mean_output=32, hot_share=hot_share,
+                                      seed=seed)
+    results = {
+        "round robin": simulate_cluster(workload, n_workers, "round-robin",
+                                        kv_capacity=kv_capacity, max_running=16),
+        "cache-aware": simulate_cluster(
+            workload, n_workers, "cache-aware", kv_capacity=kv_capacity, max_running=16,
+            cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold),
+    }
+    skew = "uniform groups" if hot_share is None else f"hot group {hot_share:.0%}"
+    title = f"{n} requests, {n_workers} workers, {skew}, {rate:g} req/s"
+    return cluster_table(results), plot_loads_over_time(results, title)
+
+
+def routing_widget(n: int = 1000, seed: int = 0):
+    """Sliders for workers, skew, cache capacity, arrival rate and the three thresholds;
+    each change re-simulates ``routing_report`` and redraws. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    style = {"description_width": "initial"}
+
+    def slider(kind, **kw):
+        return kind(style=style, continuous_update=False, **kw)
+
+    controls = {
+        "n_workers": slider(widgets.IntSlider, value=4, min=1, max=8, description="workers"),
+        "hot_share": slider(widgets.FloatSlider, value=0.0, min=0.0, max=0.95, step=0.05,
+                            description="hot group's share (0: uniform)"),
+        "kv_capacity": slider(widgets.IntSlider, value=10_000, min=4000, max=40_000, step=2000,
+                              description="KV cache per worker (tokens)"),
+        "rate": slider(widgets.FloatSlider, value=300, min=20, max=600, step=20,
+                       description="arrivals (req/s)"),
+        "cache_threshold": slider(widgets.FloatSlider, value=0.5, min=0.0, max=1.0, step=0.05,
+                                  description="cache_threshold"),
+        "balance_abs_threshold": slider(widgets.IntSlider, value=32, min=0, max=512, step=8,
+                                        description="balance_abs_threshold"),
+        "balance_rel_threshold": slider(widgets.FloatSlider, value=1.1, min=1.0, max=3.0,
+                                        step=0.1, description="balance_rel_threshold"),
+    }
+
+    def redraw(hot_share: float, **settings: Any) -> None:
+        table, fig = routing_report(n, hot_share=hot_share or None, seed=seed, **settings)
+        display(table)
+        display(fig)
+
+    output = widgets.interactive_output(redraw, controls)
+    boxes = list(controls.values())
+    return widgets.VBox([widgets.HBox(boxes[:4]), widgets.HBox(boxes[4:]), output])

@@ -1,0 +1,379 @@
+"""Pictures and tables for the scheduler chapter: the loop, traces, Gantt charts, sweeps.
+
+Everything is drawn from what the scheduler recorded (``StepRecord`` traces and the token
+times on each ``Req``), so a figure can never disagree with the run it shows. Figures are
+``BookFigure`` objects (no pyplot state): a cell that returns one shows it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import graphviz
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from minisrv.engine import RunResult, simulate
+from minisrv.metrics import RunMetrics
+from minisrv.request import Req
+from minisrv.scheduler import MODES, StepRecord
+from minisrv.viz.style import (
+    FONT_SIZES,
+    BookFigure,
+    graph_attrs,
+    label_axes,
+    legend_below,
+    page_figure,
+    styled,
+)
+from minisrv.viz.widgets import panel, slider
+from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
+
+STATE_COLORS: dict[str, str] = {
+    "queued": "#d9d9d9",
+    "prefill": "#d62728",
+    "decode": "#1f77b4",
+    "paused": "#ff9f1c",
+}
+"""Colour of each request state in the Gantt charts."""
+
+MODE_COLORS: dict[str, str] = {"static": "#7f7f7f", "prefill-first": "#1f77b4", "mixed": "#2ca02c"}
+MODE_LABELS: dict[str, str] = {
+    "static": "static (request-level)",
+    "prefill-first": "continuous, prefill-first",
+    "mixed": "continuous, mixed (ORCA)",
+}
+
+
+# --------------------------------------------------------------------------- the loop
+def loop_diagram() -> graphviz.Digraph:
+    """The scheduler's main loop as a cycle of its four calls, with the two queues.
+
+    Drawn as a square (two calls per row, the queues between the rows) rather than one long
+    row: a row of four boxes is wider than the page and the browser shrinks its text.
+    """
+    g = graphviz.Digraph("loop", **graph_attrs(rankdir="TB", nodesep="0.5", ranksep="0.35"))
+    g.attr("node", shape="box", style="rounded,filled", fillcolor="#eef3fb")
+    steps = [
+        ("recv", "receive_arrivals()\nnew requests join\nthe waiting queue"),
+        ("pick", "get_next_batch_to_run()\nadmit (FCFS, slots, KV)\nprefill and/or decode"),
+        ("run", "backend.run(batch)\nCityLM forward, or\nroofline time (sim)"),
+        ("post", "process_batch_result()\nappend + stream tokens,\nstop, free finished"),
+    ]
+    for name, label in steps:
+        g.node(name, label)
+    g.attr("node", shape="cylinder", fillcolor="#fff4e0")
+    g.node("waiting", "waiting queue")
+    g.node("running", "running batch")
+    for row in (("recv", "pick"), ("waiting", "running"), ("post", "run")):
+        with g.subgraph() as same:
+            same.attr(rank="same")
+            for name in row:
+                same.node(name)
+    g.edge("recv", "pick", constraint="false")
+    g.edge("pick", "run")
+    g.edge("run", "post", constraint="false")
+    g.edge("post", "recv", label=" next step")
+    g.edge("recv", "waiting", style="dashed", arrowhead="none")
+    g.edge("pick", "waiting", style="dashed", arrowhead="none")
+    g.edge("pick", "running", style="dashed", arrowhead="none")
+    g.edge("running", "post", style="dashed", arrowhead="none")
+    g.edge("waiting", "running", style="invis")
+    return g
+
+
+# --------------------------------------------------------------------------- traces
+def _names(rids: Sequence[int]) -> str:
+    return ", ".join(f"r{rid}" for rid in rids) if rids else "-"
+
+
+def _queued_ids(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> list[list[int]]:
+    """For every step, the requests that had arrived but were not yet admitted."""
+    admitted = {rid: i for i, step in enumerate(trace) for rid in step.prefill}
+    return [
+        [r.rid for r in reqs if r.arrival <= step.start and admitted.get(r.rid, len(trace)) > i]
+        for i, step in enumerate(trace)
+    ]
+
+
+def trace_table(
+    trace: Sequence[StepRecord], reqs: Sequence[Req] | None = None, cost_label: str = "cost"
+) -> pd.DataFrame:
+    """One row per step: who prefilled, decoded, sat paused, stayed queued, and finished.
+
+    With ``reqs`` the queued column names the requests; without, it counts them.
+    """
+    queued = _queued_ids(trace, reqs) if reqs is not None else None
+    rows = []
+    for i, step in enumerate(trace):
+        rows.append(
+            {
+                "step": i,
+                "prefill": _names(step.prefill),
+                "decode": _names(step.decode),
+                "paused": _names(step.paused),
+                "queued": _names(queued[i]) if queued is not None else step.queued,
+                "finished": _names(step.finished),
+                cost_label: step.cost,
+            }
+        )
+    return pd.DataFrame(rows).set_index("step")
+
+
+def request_states(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> dict[int, list[str]]:
+    """For each request, its state at every step of ``trace`` ("" when not present)."""
+    states = {r.rid: [""] * len(trace) for r in reqs}
+    for i, queued in enumerate(_queued_ids(trace, reqs)):
+        for rid in queued:
+            states[rid][i] = "queued"
+    for i, step in enumerate(trace):
+        for kind in ("prefill", "decode", "paused"):
+            for rid in getattr(step, kind):
+                if rid in states:
+                    states[rid][i] = kind
+    return states
+
+
+def _runs(row: list[str], state: str) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``state`` in ``row``, for ``broken_barh``."""
+    spans, start = [], None
+    for i, value in enumerate([*row, ""]):
+        if value == state and start is None:
+            start = i
+        elif value != state and start is not None:
+            spans.append((start, i - start))
+            start = None
+    return spans
+
+
+def _draw_gantt(ax, trace: Sequence[StepRecord], reqs: Sequence[Req]) -> None:
+    states = request_states(trace, reqs)
+    for row, req in enumerate(reqs):
+        for state, color in STATE_COLORS.items():
+            spans = _runs(states[req.rid], state)
+            if spans:
+                ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, edgecolor="white",
+                               linewidth=0.5)
+    ax.set_yticks(range(len(reqs)), [f"r{r.rid}" for r in reqs])
+    ax.set_ylim(len(reqs) - 0.5, -0.5)
+    ax.set_xlim(0, len(trace))
+    ax.grid(axis="x", alpha=0.3)
+
+
+@styled
+def gantt(
+    trace: Sequence[StepRecord], reqs: Sequence[Req], title: str = "Requests over steps"
+) -> BookFigure:
+    """One row per request, one column per step, coloured by what the request did."""
+    fig, ax = page_figure(height_in=1.6 + 0.3 * len(reqs))
+    _draw_gantt(ax, trace, reqs)
+    if len(trace) <= 30:
+        every = 1 if len(trace) <= 20 else 2
+        ticks = np.arange(0, len(trace), every)
+        ax.set_xticks(ticks + 0.5, [str(i) for i in ticks])
+    label_axes(ax, title, "step", "request")
+    _state_legend(fig)
+    return fig
+
+
+def _state_legend(fig) -> None:
+    handles = [Patch(facecolor=c, label=s) for s, c in STATE_COLORS.items()]
+    legend_below(fig, handles, ncol=len(handles))
+
+
+@styled
+def gantt_compare(runs: Mapping[str, RunResult], title: str = "") -> BookFigure:
+    """Gantt charts of several runs of the same requests, stacked on one step axis."""
+    n_reqs = max(len(run.requests) for run in runs.values())
+    fig, axes = page_figure(height_in=1.2 + len(runs) * (0.9 + 0.12 * n_reqs), rows=len(runs),
+                            sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, (label, run) in zip(axes, runs.items(), strict=True):
+        _draw_gantt(ax, run.trace, run.requests)
+        label_axes(ax, f"{label}: {len(run.trace)} steps, slot utilisation "
+                   f"{run.metrics.slot_utilisation:.0%}", ylabel="request")
+        if n_reqs > 8:  # every other request's name, at a legible size
+            ax.set_yticks(range(0, len(run.requests), 2),
+                          [f"r{r.rid}" for r in run.requests][::2])
+    axes[-1].set_xlim(0, max(len(run.trace) for run in runs.values()))
+    axes[-1].set_xlabel("step")
+    _state_legend(fig)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+@styled
+def latency_bars(runs: Mapping[str, RunResult], unit: str = "steps") -> BookFigure:
+    """Each request's latency (arrival to last token) under each run, side by side."""
+    fig, ax = page_figure(height_in=3.4)
+    width = 0.8 / len(runs)
+    for k, (label, run) in enumerate(runs.items()):
+        x = np.arange(len(run.requests)) + (k - (len(runs) - 1) / 2) * width
+        color = MODE_COLORS.get(run.mode, None)
+        ax.bar(x, [r.latency for r in run.requests], width, label=label, color=color)
+    first = next(iter(runs.values()))
+    every = 1 if len(first.requests) <= 16 else 2
+    ax.set_xticks(range(0, len(first.requests), every),
+                  [f"r{r.rid}" for r in first.requests][::every])
+    label_axes(ax, "Per-request latency: arrival to last token", "request", f"latency ({unit})")
+    legend_below(fig, ncol=len(runs))
+    return fig
+
+
+# --------------------------------------------------------------------------- GPU scale
+def metrics_table(runs: Mapping[str, RunMetrics], unit: str = "s") -> pd.DataFrame:
+    """The headline numbers of several runs, rounded for printing."""
+    rows = {}
+    for label, m in runs.items():
+        rows[label] = {
+            "steps": m.steps,
+            "throughput (tok/s)" if unit == "s" else "tokens per step": round(m.throughput, 2),
+            "mean batch": round(m.mean_batch, 1),
+            "slot util.": round(m.slot_utilisation, 3),
+            f"mean latency ({unit})": round(m.mean_latency, 2),
+            f"p99 latency ({unit})": round(m.p99_latency, 2),
+            f"mean TTFT ({unit})": round(m.mean_ttft, 3),
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+@styled
+def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
+    """Throughput, mean batch, latency (mean and p99) and TTFT against arrival rate."""
+    fig, axes = page_figure(height_in=6.6, rows=2, cols=2, sharex=True)
+    axes = axes.ravel()
+    panels = [
+        ("throughput", "throughput (output tokens/s)", False),
+        ("mean_batch", "mean decode batch (requests)", False),
+        ("mean_latency", "latency (s)", True),
+        ("mean_ttft", "mean time to first token (s)", True),
+    ]
+    for ax, (column, ylabel, log) in zip(axes, panels, strict=True):
+        for mode, group in sweep.groupby("mode", sort=False):
+            color = MODE_COLORS.get(mode)
+            ax.plot(group["rate"], group[column], "o-", color=color, label=MODE_LABELS.get(mode))
+            if column == "mean_latency":
+                ax.plot(group["rate"], group["p99_latency"], "o--", color=color, alpha=0.6)
+        label_axes(ax, None, "arrival rate (req/s)" if ax in axes[2:] else None, ylabel)
+        if log:
+            ax.set_yscale("log")
+    axes[2].set_title("solid: mean, dashed: p99", loc="left", fontsize=FONT_SIZES["ticks"])
+    legend_below(fig, ncol=3)
+    fig.suptitle("Static vs continuous batching, LLaMA-3-8B on a simulated H100", x=0.02,
+                 ha="left")
+    return fig
+
+
+def itl_points(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
+    """(time of token, gap since the request's previous token) for every decoded token."""
+    times, gaps = [], []
+    for req in run.requests:
+        t = np.asarray(req.token_times)
+        times.append(t[1:])
+        gaps.append(np.diff(t))
+    return np.concatenate(times), np.concatenate(gaps)
+
+
+@styled
+def plot_step_times(
+    runs: Mapping[str, RunResult], window: tuple[float, float] = (10.0, 12.0)
+) -> BookFigure:
+    """Step durations and the inter-token gaps users feel, over a window of simulated time.
+
+    Top: every step's duration (a step that prefills is marked). Bottom: for every token a
+    decoding request received in the window, the gap since its previous token.
+    """
+    fig, (top, bottom) = page_figure(height_in=6.4, rows=2, sharex=True)
+    lo, hi = window
+    counts: list[str] = []
+    for label, run in runs.items():
+        color = MODE_COLORS.get(run.mode)
+        steps = [s for s in run.trace if lo <= s.start < hi]
+        top.step([s.start for s in steps], [s.duration * 1e3 for s in steps], where="post",
+                 color=color, lw=1, label=label)
+        pre = [s for s in steps if s.prefill]
+        top.plot([s.start for s in pre], [s.duration * 1e3 for s in pre], "v", color=color,
+                 ms=4, alpha=0.7)
+        t, gap = itl_points(run)
+        keep = (t >= lo) & (t < hi)
+        p99 = np.percentile(gap[keep], 99) * 1e3
+        bottom.plot(t[keep], gap[keep] * 1e3, "o", color=color, ms=3, alpha=0.6)
+        counts.append(f"{label}: {len(steps)} steps, p99 gap {p99:.1f} ms")
+    label_axes(top, "Step durations (triangles: steps that prefill)", None, "step duration (ms)")
+    label_axes(bottom, "Gap before each decoded token", "simulated time (s)",
+               "inter-token gap (ms)")
+    for ax in (top, bottom):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in (5, 20, 50)
+                                                   else ""))
+    handles = [Line2D([], [], color=MODE_COLORS.get(run.mode), marker="o", label=text)
+               for run, text in zip(runs.values(), counts, strict=True)]
+    legend_below(fig, handles, ncol=1)
+    return fig
+
+
+# --------------------------------------------------------------------------- widget
+@styled
+def sim_dashboard(
+    rate: float = 64.0,
+    max_running: int = GPU_SCALE_BATCH_CAP,
+    output_cv: float = 1.0,
+    mode: str = "prefill-first",
+    n: int = 2000,
+    seed: int = 0,
+) -> BookFigure:
+    """Simulate one configuration and draw its batch size over time and its latencies."""
+    workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
+    run = simulate(workload, mode=mode, max_running=max_running, admission="reserve")
+    m = run.metrics
+    fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
+    times = [s.start for s in run.trace]
+    holding = [s.batch_size + len(s.paused) for s in run.trace]
+    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running")
+    left.axhline(max_running, color="black", ls="--", lw=1, label=f"batch cap {max_running}")
+    label_axes(left, f"{rate:g} req/s, output cv {output_cv:g}", "simulated time (s)",
+               "running requests")
+    queue = left.twinx()
+    queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
+    queue.set_ylabel("waiting requests", color="#d62728")
+    queue.grid(False)
+    latency = np.array([r.latency for r in run.requests])
+    right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
+    right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
+    right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
+    label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
+    handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
+               *right.get_legend_handles_labels()[0]]
+    legend_below(fig, handles, ncol=3)
+    fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
+                 f"mean time to first token {m.mean_ttft:.2f} s", x=0.02, ha="left")
+    return fig
+
+
+def sim_widget(
+    rate: float = 64.0,
+    max_running: int = GPU_SCALE_BATCH_CAP,
+    output_cv: float = 1.0,
+    mode: str = "prefill-first",
+):
+    """Sliders for arrival rate, batch cap, output-length spread and mode; each change
+    re-simulates the 2000 requests (about a second) and redraws. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {
+        "rate": slider(rate, 0.0, 2.5, "arrival rate (req/s)", log=True),
+        "max_running": slider(max_running, 4, 256, "batch cap", step=4),
+        "output_cv": slider(output_cv, 0.0, 2.0, "output spread (cv)", step=0.25),
+        "mode": widgets.Dropdown(options=list(MODES), value=mode, description="mode"),
+    }
+
+    def redraw(rate: float, max_running: int, output_cv: float, mode: str) -> None:
+        display(sim_dashboard(rate, max_running, output_cv, mode))
+
+    return panel(redraw, controls)

@@ -1,0 +1,97 @@
+"""Every chapter runs as on Colab: a bare Python with torch, then the chapter's own first cell.
+
+A Colab runtime has torch, a Jupyter kernel and nothing of ours. The chapter's first cell
+(``minisrv.book.setup_cell``) must install everything the chapter imports; a chapter that
+forgets an extra stops at its first import there, while the book build, which has every
+extra installed, never notices. So this test builds such a runtime: a fresh venv with only
+torch (the version of this environment, so nothing is downloaded twice) and ``ipykernel``,
+and executes each chapter outside the repository with its setup cell pointed at this
+checkout instead of the repository URL. Chapters that install the same extras share one
+venv, as one Colab runtime would serve them; a chapter with other extras gets a fresh one.
+
+It takes minutes (three venvs, every chapter executed), so ``make test`` skips it and
+``make colab-check`` (run by CI) runs it: ``MINISRV_COLAB_CHECK=1 pytest tests/test_colab.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minisrv import book
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
+KERNEL = "minisrv-colab"
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MINISRV_COLAB_CHECK") != "1",
+    reason="minutes long: `make colab-check` runs it (MINISRV_COLAB_CHECK=1)",
+)
+
+
+def bare_runtime(where: Path) -> Path:
+    """A venv with torch and a Jupyter kernel only, its kernelspec under ``where/share``."""
+    import torch
+
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    torch_version = torch.__version__.split("+")[0]
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"torch=={torch_version}", "ipykernel"], check=True)
+    subprocess.run([str(python), "-m", "ipykernel", "install", "--prefix", str(where),
+                    "--name", KERNEL], check=True, capture_output=True)
+    return where
+
+
+class Runtimes(dict):
+    """Bare runtimes by the extras their chapters install, each made when first asked for."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, extras: tuple[str, ...]) -> Path:
+        self[extras] = bare_runtime(self.factory.mktemp("colab-" + "-".join(extras)))
+        return self[extras]
+
+
+@pytest.fixture(scope="module")
+def runtimes(tmp_path_factory: pytest.TempPathFactory) -> Runtimes:
+    return Runtimes(tmp_path_factory)
+
+
+def pointed_at_checkout(cell: str) -> str:
+    """The setup cell with the repository URL replaced by this checkout (as a pip URL)."""
+    remote = f"git+{book.REPO_URL}"
+    assert remote in cell, "the setup cell must install from the repository"
+    return cell.replace(remote, ROOT.as_uri())
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_runs_in_a_bare_colab_like_runtime(
+    path: Path, runtimes: Runtimes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nbclient import NotebookClient
+
+    runtime = runtimes[book.chapter_extras(path.stem)]
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source = pointed_at_checkout(nb.cells[0].source)
+    for variable in ("PYTHONPATH", "MINISRV_DEVICE", "VIRTUAL_ENV"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("JUPYTER_PATH", str(runtime / "share" / "jupyter"))
+    monkeypatch.setenv("PATH", f"{runtime / 'venv' / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=600,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError naming the cell that failed
+    probe = subprocess.run(
+        [str(runtime / "venv" / "bin" / "python"), "-c", "import minisrv; print(minisrv.__file__)"],
+        cwd=tmp_path, check=True, capture_output=True, text=True,
+    )
+    assert str(ROOT) not in probe.stdout  # the chapter ran on the installed package
