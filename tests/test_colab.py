@@ -5,8 +5,8 @@ A Colab runtime has torch, a Jupyter kernel and nothing of ours. The chapter's f
 forgets an extra stops at its first import there, while the book build, which has every
 extra installed, never notices. So this test builds such a runtime: a fresh venv with only
 torch (the version of this environment, so nothing is downloaded twice) and ``ipykernel``,
-and executes each chapter outside the repository with its setup cell pointed at this
-checkout instead of the repository URL. Chapters that install the same extras share one
+and executes each chapter outside the repository with its setup cell pointed at a copy of
+this checkout instead of the repository URL. Chapters that install the same extras share one
 venv, as one Colab runtime would serve them; a chapter with other extras gets a fresh one.
 
 It takes minutes (three venvs, every chapter executed), so ``make test`` skips it and
@@ -16,6 +16,7 @@ It takes minutes (three venvs, every chapter executed), so ``make test`` skips i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,22 +68,40 @@ def runtimes(tmp_path_factory: pytest.TempPathFactory) -> Runtimes:
     return Runtimes(tmp_path_factory)
 
 
-def pointed_at_checkout(cell: str) -> str:
-    """The setup cell with the repository URL replaced by this checkout (as a pip URL)."""
+# What a clone of the repository would not hold: environments, builds, caches.
+NOT_IN_A_CLONE = (".git", ".venv", "_build", "build", "*.egg-info", "__pycache__",
+                  ".hypothesis", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of this checkout as a clone would hold it, for pip to build from.
+
+    pip builds a local directory in place, leaving ``build/`` behind, and setuptools packs
+    whatever ``build/lib`` still holds from an earlier build: a copy keeps both away.
+    """
+    copy = tmp_path_factory.mktemp("checkout") / "minisrv"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(*NOT_IN_A_CLONE))
+    return copy
+
+
+def pointed_at(cell: str, checkout: Path) -> str:
+    """The setup cell with the repository URL replaced by ``checkout`` (as a pip URL)."""
     remote = f"git+{book.REPO_URL}"
     assert remote in cell, "the setup cell must install from the repository"
-    return cell.replace(remote, ROOT.as_uri())
+    return cell.replace(remote, checkout.as_uri())
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_runs_in_a_bare_colab_like_runtime(
-    path: Path, runtimes: Runtimes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    path: Path, runtimes: Runtimes, checkout: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from nbclient import NotebookClient
 
     runtime = runtimes[book.chapter_extras(path.stem)]
     nb = nbformat.read(path, as_version=4)
-    nb.cells[0].source = pointed_at_checkout(nb.cells[0].source)
+    nb.cells[0].source = pointed_at(nb.cells[0].source, checkout)
     for variable in ("PYTHONPATH", "MINISRV_DEVICE", "VIRTUAL_ENV"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("JUPYTER_PATH", str(runtime / "share" / "jupyter"))
@@ -94,4 +113,4 @@ def test_chapter_runs_in_a_bare_colab_like_runtime(
         [str(runtime / "venv" / "bin" / "python"), "-c", "import minisrv; print(minisrv.__file__)"],
         cwd=tmp_path, check=True, capture_output=True, text=True,
     )
-    assert str(ROOT) not in probe.stdout  # the chapter ran on the installed package
+    assert str(ROOT) not in probe.stdout and str(checkout) not in probe.stdout  # installed
