@@ -52,34 +52,34 @@ def plot_decode_step_times(
 
 @styled
 def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
-    """Used slots and running requests per step (top), ``new_token_ratio`` (bottom).
+    """Used slots (top), running requests (middle) and ``new_token_ratio`` (bottom) per step.
 
-    Red lines mark the steps before which requests were retracted.
+    The running requests get their own panel: on the slot axis a count of requests would
+    read as a number of slots. Red lines mark the steps before which requests were retracted.
     """
     trace, sched = run.engine.trace, run.engine.scheduler
     steps = [s.index for s in trace]
-    fig, (top, bottom) = page_figure(height_in=5.2, rows=2, sharex=True, height_ratios=[2, 1])
+    fig, (top, middle, bottom) = page_figure(height_in=6.2, rows=3, sharex=True,
+                                             height_ratios=[2, 1, 1])
     top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
     top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
                 label=f"pool capacity {sched.kv_capacity}")
     top.set_ylabel("KV slots (tokens)")
     top.set_ylim(0, sched.kv_capacity * 1.15)
-    running = top.twinx()
-    running.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
-                 color="#2ca02c", label="running requests")
-    running.set_ylabel("running requests", color="#2ca02c")
-    running.grid(False)
+    middle.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
+                color="#2ca02c", label="running requests")
+    middle.set_ylabel("running\nrequests")
+    middle.set_ylim(0, None)
     bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
                 label="new_token_ratio")
     label_axes(bottom, None, "step", "new_token_ratio")
     bottom.set_ylim(0, 1.05)
     retract_steps = [s.index for s in trace if s.retracted]
     for i, x in enumerate(retract_steps):
-        for ax in (top, bottom):
+        for ax in (top, middle, bottom):
             ax.axvline(x, color="#d62728", lw=0.8, alpha=0.7,
                        label="retraction" if i == 0 and ax is bottom else None)
-    handles = [*top.get_legend_handles_labels()[0], *running.get_legend_handles_labels()[0],
-               *bottom.get_legend_handles_labels()[0]]
+    handles = [h for ax in (top, middle, bottom) for h in ax.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
     stats = run.engine.stats
     label_axes(top, title or (
