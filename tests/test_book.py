@@ -422,3 +422,19 @@ def _headings_without_prose(path: Path) -> list[str]:
 def test_every_heading_opens_with_prose(path: Path) -> None:
     _reader_checked(path)
     assert not _headings_without_prose(path), f"{path.name}: {_headings_without_prose(path)}"
+
+
+_FLOAT_ERROR = re.compile(r"(?<![<>] )\b\d(?:\.\d+)?e[-+]\d\d\b")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_checked_outputs_print_no_rounding_digits(path: Path) -> None:
+    """A float error in scientific notation ("8e-06") changes with the CPU's summation order;
+    a checked output prints the verdict against a bound instead ("< 1e-4: True")."""
+    for i, cell in enumerate(_cells(path)):
+        if cell.cell_type != "code" or "nbval-check-output" not in cell.metadata.get("tags", []):
+            continue
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
+            found = _FLOAT_ERROR.findall(text)
+            assert not found, f"{path.name}: cell {i} prints {found} into a checked output"

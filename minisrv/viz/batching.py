@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from minisrv.experiments import PoolRun, run_pool
 from minisrv.model import CityLM
@@ -70,6 +71,7 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
                 color="#2ca02c", label="running requests")
     middle.set_ylabel("running\nrequests")
     middle.set_ylim(0, None)
+    middle.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
                 label="new_token_ratio")
     label_axes(bottom, None, "step", "new_token_ratio")
@@ -91,20 +93,28 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
 
 @styled
 def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
-    """Concurrency (mean decode batch) and waste (recomputed tokens) per capacity and ratio."""
+    """Steps to finish and recomputed tokens per capacity and initial ratio.
+
+    With a ``seed`` column (one run per workload seed) each bar is the mean over the seeds and
+    a black line spans the lowest to the highest run, so a difference can be read against the
+    spread between workloads of the same mix.
+    """
     fig, (left, right) = page_figure(height_in=3.8, cols=2)
     labels = list(dict.fromkeys(sweep["initial ratio"]))
     width = 0.8 / len(labels)
     capacities = sorted(set(sweep["capacity"]))
     for i, label in enumerate(labels):
-        part = sweep[sweep["initial ratio"] == label].set_index("capacity").loc[capacities]
+        runs = sweep[sweep["initial ratio"] == label].groupby("capacity")
         xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(capacities))]
         name = "reserve (no estimate)" if label == "reserve" else f"ratio {label}"
-        left.bar(xs, part["mean decode batch"], width, label=name)
-        right.bar(xs, part["recomputed tokens"], width, label=name)
+        for ax, column in ((left, "steps"), (right, "recomputed tokens")):
+            stats = runs[column].agg(["mean", "min", "max"]).loc[capacities]
+            ax.bar(xs, stats["mean"], width, label=name if ax is left else None)
+            ax.errorbar(xs, stats["mean"], fmt="none", ecolor="black", elinewidth=1,
+                        yerr=[stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
     for ax in (left, right):
         ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
-    label_axes(left, "Concurrency", "KV pool capacity (tokens)", "mean decode batch (requests)")
+    label_axes(left, "Time to finish", "KV pool capacity (tokens)", "steps")
     label_axes(right, "Waste from retraction", "KV pool capacity (tokens)", "recomputed tokens")
     legend_below(fig, ncol=3)
     return fig
