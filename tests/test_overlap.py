@@ -211,7 +211,7 @@ def test_timed_backend_keeps_the_tokens(model, cache: str) -> None:
     out = engine.generate(prompts, lengths)
     assert out == [model.reference_generate(p, m) for p, m in zip(prompts, lengths)]
     assert timed.steps == engine.stats.steps
-    assert timed.busy >= 0.002 * timed.steps  # a step lasts at least its step time
+    assert timed.busy >= 0.002 * timed.steps - 1e-9  # a step lasts at least its step time
     assert timed.inner.pool is not None  # the scheduler's attach_kv reached the inner backend
     assert engine.backend is timed
 
