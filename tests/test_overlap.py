@@ -17,6 +17,7 @@ from minisrv.overlap import (
     CPU_PARTS,
     PARTS,
     TimedBackend,
+    late_stop_waste,
     throughput_ratio,
     time_steps,
     timeline,
@@ -162,6 +163,41 @@ def test_ratio_is_the_long_run_timeline_ratio() -> None:
 def test_ratio_rejects_bad_input(args: tuple) -> None:
     with pytest.raises(ValueError):
         throughput_ratio(*args)
+
+
+def test_wasted_rows_counted_in_time() -> None:
+    from minisrv.configs import H100, LLAMA3_8B
+    from minisrv.roofline import decode_step_time
+
+    step = decode_step_time(LLAMA3_8B, H100, 64, 1024)
+    row = decode_step_time(LLAMA3_8B, H100, 65, 1024) - step
+    # 8 of 64 requests finish per step at L = 8; each wasted row costs one marginal row
+    assert late_stop_waste(LLAMA3_8B, H100, 64, 1024, 8) == pytest.approx(8 * row)
+    # a memory-bound row costs less than an average row's share of the step
+    assert row < step / 64
+    waste = late_stop_waste(LLAMA3_8B, H100, 64, 1024, 8)
+    assert throughput_ratio(step, 0.5e-3, waste_step=waste) == pytest.approx(
+        (step + 0.5e-3) / (step + waste))
+    # counted in time, the waste costs less than counted as whole tokens
+    assert throughput_ratio(step, 0.5e-3, waste_step=waste) > throughput_ratio(step, 0.5e-3, 8)
+    # a CPU lane longer than the device with its waste still sets the overlapped step
+    assert throughput_ratio(1.0, 3.0, waste_step=0.5) == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("kwargs", [{"waste_step": -1.0}, {"waste_step": math.inf},
+                                    {"waste_step": True},
+                                    {"waste_step": 0.1, "mean_output_len": 8}])
+def test_waste_step_rejects_bad_input(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        throughput_ratio(5, 3, **kwargs)
+
+
+@pytest.mark.parametrize("args", [(0, 512, 8), (64, 512, 0), (64, 512, math.nan), (True, 512, 8)])
+def test_late_stop_waste_rejects_bad_input(args: tuple) -> None:
+    from minisrv.configs import H100, LLAMA3_8B
+
+    with pytest.raises(ValueError):
+        late_stop_waste(LLAMA3_8B, H100, *args)
 
 
 # ----------------------------------------------------------------------------- the device

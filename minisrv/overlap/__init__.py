@@ -20,7 +20,7 @@ the device computes step i.
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
 from minisrv.overlap.futures import FutureMap
-from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
+from minisrv.overlap.lanes import Interval, Timeline, late_stop_waste, throughput_ratio, timeline
 from minisrv.overlap.loop import FutureStep, OverlapScheduler
 from minisrv.overlap.timed import TimedBackend
 
@@ -35,6 +35,7 @@ __all__ = [
     "StepTimings",
     "TimedBackend",
     "Timeline",
+    "late_stop_waste",
     "throughput_ratio",
     "time_steps",
     "timeline",
