@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make book   build the HTML book into _build/html, executing every chapter fresh
 #   make test   ruff, unit and property tests, and nbval over every chapter
+#   make colab-check every chapter executed as on Colab: a fresh venv with only torch, each
+#                    chapter's own setup cell pointed at this checkout (minutes; CI runs it)
 #   make gpu-check   on a CUDA machine: the engine/model tests on cpu and cuda, and every
 #                    chapter executed under nbval with MINISRV_DEVICE=cuda, outputs not
 #                    compared (tests/nbval_execute_only.py; fails without a GPU)
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.minisrv-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: book test gpu-check setup dot clean
+.PHONY: book test colab-check gpu-check setup dot clean
 
 # The tests that run the model and the engine on every device of available_devices() (the
 # conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
@@ -28,6 +30,9 @@ book: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+colab-check: setup
+	MINISRV_COLAB_CHECK=1 $(BIN)/python -m pytest tests/test_colab.py
 
 # Refuses to run (exit 1) where torch sees no CUDA GPU: a CPU-only pass would prove nothing.
 gpu-check: setup

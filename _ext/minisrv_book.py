@@ -5,9 +5,10 @@ Loaded by ``_config.yml`` (``sphinx: local_extensions: {minisrv_book: _ext}``).
 1. Exercises (and any other numbered element: figures, tables, code blocks) are numbered
    per chapter: each document starts again at 1. Sphinx numbers them across the whole book
    when the table of contents is not numbered, so chapter 01 began at "Exercise 3".
-2. The bibliography labels its entries the way the text cites them (``bibtex_reference_style:
-   author_year``): "[Zheng et al., 2024]" in the text links to an entry labelled
-   "Zheng et al., 2024", sorted by author and year, instead of one labelled "[3]".
+2. The bibliography labels its entries by author and year, and the text cites by that label
+   (``bibtex_reference_style: label``): "[Zheng et al., 2024]" in the text links to the entry
+   labelled "Zheng et al., 2024", sorted by author and year, instead of one labelled "[3]";
+   two works of one first author and year read "2024a" and "2024b" in both places.
 """
 
 from __future__ import annotations

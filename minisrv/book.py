@@ -13,22 +13,60 @@ from typing import Any
 # The repository is named here and nowhere else in the package; `tests/test_book.py` checks
 # that `_config.yml` and every chapter's Colab setup cell agree with it.
 REPO_URL = "https://github.com/minisrv/minisrv"
-COLAB_PIP_SPEC = f"minisrv[viz] @ git+{REPO_URL}"
 
-SETUP_CELL = f'''\
-# Colab: install minisrv (weights included) from the repository; harmless elsewhere.
+# What a chapter needs beyond the package itself, as the extras of pyproject.toml: every
+# chapter draws (viz); the server chapter starts `minisrv serve` and talks HTTP to it; the GPU
+# appendix loads a Hugging Face Llama folder. A chapter not listed needs ("viz",).
+CHAPTER_EXTRAS: dict[str, tuple[str, ...]] = {
+    "08_server": ("viz", "serve"),
+    "09_gpu_appendix": ("viz", "hf"),
+}
+# One importable module per package of each extra: the setup cell installs when any is missing.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "viz": ("ipywidgets", "matplotlib", "graphviz", "pandas"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx", "aiohttp", "openai"),
+    "hf": ("transformers", "tokenizers", "huggingface_hub"),
+}
+
+
+def chapter_extras(chapter: str) -> tuple[str, ...]:
+    """The extras chapter ``chapter`` (a notebook's stem, e.g. ``"08_server"``) installs."""
+    return CHAPTER_EXTRAS.get(chapter, ("viz",))
+
+
+def setup_cell(chapter: str) -> str:
+    """The source of a chapter's first cell (tagged ``remove-cell``, so the HTML hides it).
+
+    On Colab it installs minisrv from the repository with the chapter's extras, keeping
+    Colab's own torch (the package never pins torch) and every package Colab already ships;
+    where the modules are already importable (a local checkout, the book build) it installs
+    nothing. Then it sets ``DEVICE`` (``cuda`` when a GPU is visible). The check looks for
+    each extra's modules, not only for minisrv, so a Colab runtime that ran an earlier chapter
+    still gets what this one needs.
+    """
+    extras = chapter_extras(chapter)
+    modules = ("minisrv",) + tuple(m for extra in extras for m in EXTRA_MODULES[extra])
+    spec = f"minisrv[{','.join(extras)}] @ git+{REPO_URL}"
+    names = textwrap.fill(", ".join(f'"{m}"' for m in modules), width=84,
+                          initial_indent="    ", subsequent_indent="    ")
+    return f'''\
+# Colab: install minisrv (weights included) and what this chapter needs; harmless elsewhere.
+import importlib
 import importlib.util
 import subprocess
 import sys
 
-if importlib.util.find_spec("minisrv") is None:
+NEEDED = (
+{names},
+)
+if any(importlib.util.find_spec(name) is None for name in NEEDED):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "{COLAB_PIP_SPEC}"], check=True)
+                    "{spec}"], check=True)
+    importlib.invalidate_caches()
 
 from minisrv.book import default_device  # noqa: E402  (importable only after the install)
 
 DEVICE = default_device()'''
-"""Source of the first cell of every chapter (tagged ``remove-cell`` so the HTML hides it)."""
 
 
 def default_device() -> str:

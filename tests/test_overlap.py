@@ -14,7 +14,7 @@ from minisrv import backends
 from minisrv.backends import ModelBackend, SimBackend
 from minisrv.engine import Engine
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
-from minisrv.experiments.lanes import throughput_ratio, timeline
+from minisrv.experiments.lanes import late_stop_waste, throughput_ratio, timeline
 from minisrv.overlap import TimedBackend
 from minisrv.tokenizer import Tokenizer
 
@@ -159,6 +159,41 @@ def test_ratio_rejects_bad_input(args: tuple) -> None:
         throughput_ratio(*args)
 
 
+def test_wasted_rows_counted_in_time() -> None:
+    from minisrv.configs import H100, LLAMA3_8B
+    from minisrv.roofline import decode_step_time
+
+    step = decode_step_time(LLAMA3_8B, H100, 64, 1024)
+    row = decode_step_time(LLAMA3_8B, H100, 65, 1024) - step
+    # 8 of 64 requests finish per step at L = 8; each wasted row costs one marginal row
+    assert late_stop_waste(LLAMA3_8B, H100, 64, 1024, 8) == pytest.approx(8 * row)
+    # a memory-bound row costs less than an average row's share of the step
+    assert row < step / 64
+    waste = late_stop_waste(LLAMA3_8B, H100, 64, 1024, 8)
+    assert throughput_ratio(step, 0.5e-3, waste_step=waste) == pytest.approx(
+        (step + 0.5e-3) / (step + waste))
+    # counted in time, the waste costs less than counted as whole tokens
+    assert throughput_ratio(step, 0.5e-3, waste_step=waste) > throughput_ratio(step, 0.5e-3, 8)
+    # a CPU lane longer than the device with its waste still sets the overlapped step
+    assert throughput_ratio(1.0, 3.0, waste_step=0.5) == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("kwargs", [{"waste_step": -1.0}, {"waste_step": math.inf},
+                                    {"waste_step": True},
+                                    {"waste_step": 0.1, "mean_output_len": 8}])
+def test_waste_step_rejects_bad_input(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        throughput_ratio(5, 3, **kwargs)
+
+
+@pytest.mark.parametrize("args", [(0, 512, 8), (64, 512, 0), (64, 512, math.nan), (True, 512, 8)])
+def test_late_stop_waste_rejects_bad_input(args: tuple) -> None:
+    from minisrv.configs import H100, LLAMA3_8B
+
+    with pytest.raises(ValueError):
+        late_stop_waste(LLAMA3_8B, H100, *args)
+
+
 # ----------------------------------------------------------------------------- the device
 @pytest.mark.parametrize("cache", ["none", "radix"])
 def test_timed_backend_keeps_the_tokens(model, cache: str) -> None:
@@ -170,8 +205,8 @@ def test_timed_backend_keeps_the_tokens(model, cache: str) -> None:
     out = engine.generate(prompts, lengths)
     assert out == [model.reference_generate(p, m) for p, m in zip(prompts, lengths)]
     assert timed.steps == engine.stats.steps
-    # a step lasts at least its step time; busy sums (start + step_time) - start, which
-    # rounds below step_time at perf_counter's magnitude when no step overruns
+    # A step lasts at least its step time; ``busy`` is a sum of float differences, so the
+    # comparison allows for rounding (0.019999999999527063 for ten steps of 2 ms).
     assert timed.busy >= 0.002 * timed.steps * (1 - 1e-9)
     assert timed.inner.pool is not None  # the scheduler's attach_kv reached the inner backend
     assert engine.backend is timed
@@ -200,7 +235,8 @@ def test_timed_backend_ends_steps_on_its_own_one_after_the_other() -> None:
     first = timed.compute(timed.prepare(batch))
     second = timed.compute(timed.prepare(batch))
     assert time.perf_counter() < first.done_at  # handed over, not done
-    assert second.done_at >= first.done_at + 0.2  # the device runs one step at a time
+    # the device runs one step at a time
+    assert second.done_at >= first.done_at + 0.2 - 1e-9
     assert first.next_tokens == SimBackend().run(batch).next_tokens  # the inner answer
     timed.wait(second)
     assert time.perf_counter() >= second.done_at

@@ -52,14 +52,13 @@ def test_future_trace_frame_shows_every_step(model) -> None:
     engine.generate(PROMPTS[:3], LENGTHS[:3], arrival_steps=ARRIVALS[:3])
     frame = future_trace_frame(engine, TOK)
     assert list(frame.index) == [r.index for r in engine.trace]
-    assert list(frame.columns) == ["prefill", "decode", "decode inputs (CPU)",
-                                   "resolved (device)", "placeholders", "sampled", "finished",
-                                   "discarded"]
+    assert list(frame.columns) == ["batch", "decode input → resolved", "placeholders",
+                                   "sampled", "finished", "discarded"]
     discarded = frame["discarded"].str.count(r"r\d+: ").sum()
     assert discarded == engine.stats.late_stop_tokens > 0
     first = engine.trace[0]
-    assert frame.loc[0, "prefill"] == ", ".join(f"r{rid}" for rid in first.prefill)
-    assert frame.loc[1, "decode inputs (CPU)"].count(": -") == len(engine.trace[1].decode)
+    assert frame.loc[0, "batch"] == "prefill " + " ".join(f"r{rid}" for rid in first.prefill)
+    assert frame.loc[1, "decode input → resolved"].count(": -") == len(engine.trace[1].decode)
     assert "'" in frame.loc[0, "sampled"]  # tokens as text with a tokenizer
     assert "'" not in future_trace_frame(engine).loc[0, "sampled"]  # ids without
 

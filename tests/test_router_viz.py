@@ -37,4 +37,6 @@ def test_threshold_sweep_rows() -> None:
     assert list(sweep.index) == ["round robin", "cache-aware, abs inf", "cache-aware, abs 1"]
     assert sweep["load ratio"].min() >= 1.0
     fig = rv.plot_threshold_sweep(sweep, "sweep")
-    assert fig.axes[0].get_xlabel().startswith("balance_abs_threshold")
+    assert len(fig.axes) == 2  # two panels, no twin axis
+    assert all(ax.get_xlabel().startswith("balance_abs_threshold") for ax in fig.axes)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["output tokens/s", "prefix-cache hit rate (%)"]

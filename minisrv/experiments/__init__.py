@@ -65,6 +65,7 @@ _PUBLIC = {
     "waste_by_length": "overlap",
     "Interval": "lanes",
     "Timeline": "lanes",
+    "late_stop_waste": "lanes",
     "throughput_ratio": "lanes",
     "timeline": "lanes",
     "CPU_PARTS": "breakdown",

@@ -124,7 +124,9 @@ def admission_rounds(prompts: Sequence[Sequence[int]], labels: Sequence[str], po
     Each round calls ``calc_priority`` on the waiting prompts and the tree, admits the first
     ``batch`` of its order (deferred requests too, if places remain, as SGLang does), counts
     their cached tokens and then inserts their prompts, as the engine does after a prefill.
-    ``labels`` name the requests (e.g. ``"g1.3"``: group 1, member 3).
+    ``labels`` name the requests (e.g. ``"g1.3"``: group 1, member 3). A deferred request that
+    a spare place admitted is starred in ``admitted``; ``deferred, left waiting`` counts only
+    the deferred requests the round did not admit.
     """
     tree = RadixCache()
     waiting = list(range(len(prompts)))
@@ -140,7 +142,7 @@ def admission_rounds(prompts: Sequence[Sequence[int]], labels: Sequence[str], po
             tree.insert(prompts[i])
         rows.append({
             "admitted": " ".join(labels[i] + ("*" if i in deferred else "") for i in picked),
-            "deferred (waiting)": len(deferred),
+            "deferred, left waiting": len(deferred - set(picked)),
             "cached tokens": sum(cached),
             "prompt tokens": sum(len(prompts[i]) for i in picked),
         })

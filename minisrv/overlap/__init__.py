@@ -36,6 +36,7 @@ _BOOK_SIDE = {
     "time_steps": "minisrv.experiments.breakdown",
     "Interval": "minisrv.experiments.lanes",
     "Timeline": "minisrv.experiments.lanes",
+    "late_stop_waste": "minisrv.experiments.lanes",
     "throughput_ratio": "minisrv.experiments.lanes",
     "timeline": "minisrv.experiments.lanes",
 }
@@ -51,6 +52,7 @@ __all__ = [
     "StepTimings",
     "TimedBackend",
     "Timeline",
+    "late_stop_waste",
     "throughput_ratio",
     "time_steps",
     "timeline",

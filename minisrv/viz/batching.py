@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from minisrv.experiments.batching import PoolRun, run_pool
 from minisrv.model import CityLM
@@ -52,34 +53,35 @@ def plot_decode_step_times(
 
 @styled
 def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
-    """Used slots and running requests per step (top), ``new_token_ratio`` (bottom).
+    """Used slots (top), running requests (middle) and ``new_token_ratio`` (bottom) per step.
 
-    Red lines mark the steps before which requests were retracted.
+    The running requests get their own panel: on the slot axis a count of requests would
+    read as a number of slots. Red lines mark the steps before which requests were retracted.
     """
     trace, sched = run.engine.trace, run.engine.scheduler
     steps = [s.index for s in trace]
-    fig, (top, bottom) = page_figure(height_in=5.2, rows=2, sharex=True, height_ratios=[2, 1])
+    fig, (top, middle, bottom) = page_figure(height_in=6.2, rows=3, sharex=True,
+                                             height_ratios=[2, 1, 1])
     top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
     top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
                 label=f"pool capacity {sched.kv_capacity}")
     top.set_ylabel("KV slots (tokens)")
     top.set_ylim(0, sched.kv_capacity * 1.15)
-    running = top.twinx()
-    running.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
-                 color="#2ca02c", label="running requests")
-    running.set_ylabel("running requests", color="#2ca02c")
-    running.grid(False)
+    middle.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
+                color="#2ca02c", label="running requests")
+    middle.set_ylabel("running\nrequests")
+    middle.set_ylim(0, None)
+    middle.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
                 label="new_token_ratio")
     label_axes(bottom, None, "step", "new_token_ratio")
     bottom.set_ylim(0, 1.05)
     retract_steps = [s.index for s in trace if s.retracted]
     for i, x in enumerate(retract_steps):
-        for ax in (top, bottom):
+        for ax in (top, middle, bottom):
             ax.axvline(x, color="#d62728", lw=0.8, alpha=0.7,
                        label="retraction" if i == 0 and ax is bottom else None)
-    handles = [*top.get_legend_handles_labels()[0], *running.get_legend_handles_labels()[0],
-               *bottom.get_legend_handles_labels()[0]]
+    handles = [h for ax in (top, middle, bottom) for h in ax.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
     stats = run.engine.stats
     label_axes(top, title or (
@@ -91,20 +93,28 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
 
 @styled
 def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
-    """Concurrency (mean decode batch) and waste (recomputed tokens) per capacity and ratio."""
+    """Steps to finish and recomputed tokens per capacity and initial ratio.
+
+    With a ``seed`` column (one run per workload seed) each bar is the mean over the seeds and
+    a black line spans the lowest to the highest run, so a difference can be read against the
+    spread between workloads of the same mix.
+    """
     fig, (left, right) = page_figure(height_in=3.8, cols=2)
     labels = list(dict.fromkeys(sweep["initial ratio"]))
     width = 0.8 / len(labels)
     capacities = sorted(set(sweep["capacity"]))
     for i, label in enumerate(labels):
-        part = sweep[sweep["initial ratio"] == label].set_index("capacity").loc[capacities]
+        runs = sweep[sweep["initial ratio"] == label].groupby("capacity")
         xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(capacities))]
         name = "reserve (no estimate)" if label == "reserve" else f"ratio {label}"
-        left.bar(xs, part["mean decode batch"], width, label=name)
-        right.bar(xs, part["recomputed tokens"], width, label=name)
+        for ax, column in ((left, "steps"), (right, "recomputed tokens")):
+            stats = runs[column].agg(["mean", "min", "max"]).loc[capacities]
+            ax.bar(xs, stats["mean"], width, label=name if ax is left else None)
+            ax.errorbar(xs, stats["mean"], fmt="none", ecolor="black", elinewidth=1,
+                        yerr=[stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
     for ax in (left, right):
         ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
-    label_axes(left, "Concurrency", "KV pool capacity (tokens)", "mean decode batch (requests)")
+    label_axes(left, "Time to finish", "KV pool capacity (tokens)", "steps")
     label_axes(right, "Waste from retraction", "KV pool capacity (tokens)", "recomputed tokens")
     legend_below(fig, ncol=3)
     return fig

@@ -201,12 +201,12 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
     """One row per step of an overlapped engine's run (``record_trace`` on): what the CPU
     wrote, what the device resolved and sampled, and what the late stop check threw away.
 
-    Columns: the requests prefilled and decoded; for each decoding request the input id
-    the CPU wrote when it formed the step (negative: a future id, since the previous step
-    had not sampled it yet) and the token the device resolved it to; the placeholder each
-    request's new token got; the token sampled; who was found finished after the step; the
-    tokens discarded (a request that had finished a step earlier). Tokens are shown as
-    text when ``tok`` is given.
+    Columns (few and narrow, so the table fits a page): the step's batch; for each decoding
+    request the input id the CPU wrote when it formed the step (negative: a future id, since
+    the previous step had not sampled it yet) and, after the arrow, the token the device
+    resolved it to; the placeholder each request's new token got; the token sampled; who was
+    found finished after the step; the tokens discarded (a request that had finished a step
+    earlier). Tokens are shown as text when ``tok`` is given.
     """
     steps = engine.scheduler.future_trace
     records = {record.index: record for record in engine.trace}
@@ -217,6 +217,12 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
     def cells(pairs: Any) -> str:
         return ", ".join(f"r{rid}: {value}" for rid, value in pairs) or "-"
 
+    def batch(record: Any) -> str:
+        parts = [f"{kind} " + " ".join(f"r{rid}" for rid in rids)
+                 for kind, rids in (("prefill", record.prefill), ("decode", record.decode))
+                 if rids]
+        return "; ".join(parts)
+
     rows, previous = [], {}
     for step in steps:
         record = records[step.index]
@@ -224,11 +230,9 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
         sampled = dict(zip(step.rids, step.tokens))
         rows.append({
             "step": step.index,
-            "prefill": ", ".join(f"r{rid}" for rid in record.prefill) or "-",
-            "decode": ", ".join(f"r{rid}" for rid in record.decode) or "-",
-            "decode inputs (CPU)": cells(decoding),
-            "resolved (device)": cells((rid, show(previous.get(fid, fid)))
-                                       for rid, fid in decoding),
+            "batch": batch(record),
+            "decode input → resolved": cells((rid, f"{fid} → {show(previous.get(fid, fid))}")
+                                             for rid, fid in decoding),
             "placeholders": cells(zip(step.rids, step.futures)),
             "sampled": cells((rid, show(sampled[rid])) for rid in step.rids),
             "finished": ", ".join(f"r{rid}" for rid in record.finished) or "-",

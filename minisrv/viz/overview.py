@@ -81,19 +81,29 @@ def _chapter_number(file: str) -> str:
 
 
 def _component_label(comp: Component) -> str:
-    where = (f"ch. {_chapter_number(comp.chapter)} · minisrv/{comp.module}"
-             if comp.chapter else f"minisrv/{comp.module} · not built yet")
+    """Name and chapter only: the modules go in ``component_table``, so the boxes stay small
+    enough for the diagram to fit the page column at a readable size."""
+    where = f"ch. {_chapter_number(comp.chapter)}" if comp.chapter else "not built yet"
     return f"{comp.name}\n{where}"
+
+
+def component_table() -> list[dict[str, str]]:
+    """One row per box of ``architecture_diagram``: what it is, its module, its chapter."""
+    return [{"component": comp.name.replace("\n", " "), "module": f"minisrv/{comp.module}",
+             "chapter": _chapter_number(comp.chapter) if comp.chapter else "not built yet"}
+            for comp in COMPONENTS.values()]
 
 
 def architecture_diagram() -> graphviz.Digraph:
     """The serving stack of the lecture's architecture slide, as minisrv builds it.
 
-    Requests flow down from the client to the model worker and answers flow back up.
-    Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
+    Requests flow down from the client to the model worker and answers flow back up. The
+    policy and the overlap loop sit beside the scheduler and the worker's three parts side by
+    side, so that the drawing is narrow (about 6 in) and its labels keep their size on the
+    page. Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
     """
-    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.3",
-                                                       ranksep="0.45"))
+    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.25",
+                                                       ranksep="0.4"))
     g.attr("node", shape="box", style="rounded,filled")
     g.attr("edge", color="#374151")
     for key, comp in COMPONENTS.items():
@@ -103,10 +113,11 @@ def architecture_diagram() -> graphviz.Digraph:
                color="#1d4ed8" if built else "#9ca3af",
                fontcolor="black" if built else "#6b7280",
                style="rounded,filled" if built else "rounded,filled,dashed")
-    with g.subgraph() as row:
-        row.attr(rank="same")
-        row.node("tokenizer")
-        row.node("detokenizer")
+    for same in (("tokenizer", "detokenizer"), ("policy", "scheduler", "overlap")):
+        with g.subgraph() as row:
+            row.attr(rank="same")
+            for key in same:
+                row.node(key)
     with g.subgraph(name="cluster_worker") as w:
         w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
         w.node("worker")
@@ -117,7 +128,7 @@ def architecture_diagram() -> graphviz.Digraph:
     g.edge("api", "router", label=" request")
     g.edge("router", "tokenizer", label=" one replica")
     g.edge("tokenizer", "scheduler", label=" token ids")
-    g.edge("scheduler", "policy", arrowhead="none", style="dotted")
+    g.edge("policy", "scheduler", arrowhead="none", style="dotted")
     g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")

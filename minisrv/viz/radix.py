@@ -99,10 +99,25 @@ def edge_text(key: Sequence[int], tokenizer: Any = None) -> str:
         text = " ".join(str(t) for t in key)
     else:
         text = "".join(tokenizer.id_to_str(t) for t in key).replace("\n", "⏎")
-    lines = [text[i:i + MAX_LINE] for i in range(0, len(text), MAX_LINE)] or [""]
+    lines = _wrap_words(text, MAX_LINE) or [""]
     if len(lines) > MAX_LINES:
         lines = lines[:MAX_LINES - 1] + ["…" + lines[-1][-(MAX_LINE - 1):]]
     return "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _wrap_words(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` characters, broken after a space where there is one, so that
+    a city's name is not cut in two ("R" / "ome"); only a word longer than a line is split.
+    Every character is kept, spaces included: the lines joined give back ``text``."""
+    lines: list[str] = []
+    while len(text) > width:
+        cut = text.rfind(" ", 0, width) + 1  # after the last space that fits, or 0
+        cut = cut if cut > 0 else width
+        lines.append(text[:cut])
+        text = text[cut:]
+    if text:
+        lines.append(text)
+    return lines
 
 
 def _label(view: NodeView, tokenizer: Any) -> str:

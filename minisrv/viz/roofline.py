@@ -200,7 +200,7 @@ def plot_memory_budget(
     fig, ax = page_figure(height_in=2.2)
     ax.barh(0, weights, color="0.55", label=f"weights {weights:.3g} GB")
     overflow = weights + kv > capacity
-    kv_label = f"KV of {batch:,} x {context_len:,} tokens: {kv:.3g} GB"
+    kv_label = f"KV cache, {batch:,} requests x {context_len:,} tokens each: {kv:.3g} GB"
     ax.barh(0, kv, left=weights, color="C3" if overflow else "C0", label=kv_label)
     free = capacity - weights - kv
     if free > 0:

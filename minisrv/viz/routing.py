@@ -110,24 +110,22 @@ def threshold_sweep(workload: Any, thresholds: Sequence[float], *, n_workers: in
 @styled
 def plot_threshold_sweep(table: pd.DataFrame, title: str) -> BookFigure:
     """Throughput and hit rate of cache-aware routing against the absolute balance
-    threshold, with round robin as a horizontal line."""
-    fig, ax = page_figure(height_in=3.8)
+    threshold, in two panels (not one with two y axes, whose scales would invite comparing
+    the heights of two different quantities), with round robin as a dashed line in each."""
+    fig, (ax_tput, ax_hit) = page_figure(height_in=3.6, cols=2, sharex=True)
     aware = table[table["abs threshold"].notna()]
     xs = np.arange(len(aware))
-    ax.plot(xs, aware["throughput (tok/s)"], "o-", color="C1", label="cache-aware throughput")
-    rr = table.loc["round robin", "throughput (tok/s)"]
-    ax.axhline(rr, color="C0", ls="--", label="round robin throughput")
-    ax.set_xticks(xs, [f"{t:g}" for t in aware["abs threshold"]])
-    label_axes(ax, title, "balance_abs_threshold (requests; inf = no balancing)",
-               "throughput (output tokens/s)")
-    ax.set_ylim(bottom=0)
-    twin = ax.twinx()
-    twin.plot(xs, 100 * aware["hit rate"], "s:", color="C2", label="cache-aware hit rate")
-    twin.set_ylabel("hit rate (%)")
-    twin.set_ylim(0, 100)
-    twin.grid(False)
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    legend_below(fig, handles, ncol=2)
+    for ax, column, scale, name, ylabel in (
+            (ax_tput, "throughput (tok/s)", 1.0, "Throughput", "output tokens/s"),
+            (ax_hit, "hit rate", 100.0, "Hit rate", "prefix-cache hit rate (%)")):
+        ax.plot(xs, scale * aware[column], "o-", color="C1", label="cache-aware")
+        ax.axhline(scale * table.loc["round robin", column], color="C0", ls="--",
+                   label="round robin")
+        ax.set_xticks(xs, [f"{t:g}" for t in aware["abs threshold"]])
+        ax.set_ylim(0, 100 if scale == 100.0 else None)
+        label_axes(ax, name, "balance_abs_threshold (inf: off)", ylabel)
+    legend_below(fig, ax_tput.get_legend_handles_labels()[0], ncol=2)
+    fig.suptitle(title, x=0.02, ha="left")
     return fig
 
 

@@ -302,7 +302,7 @@ def plot_step_times(
         keep = (t >= lo) & (t < hi)
         p99 = np.percentile(gap[keep], 99) * 1e3
         bottom.plot(t[keep], gap[keep] * 1e3, "o", color=color, ms=3, alpha=0.6)
-        counts.append(f"{label}: {len(steps)} steps, p99 gap {p99:.1f} ms")
+        counts.append(f"{label}: {len(steps)} steps, p99 gap in this window {p99:.1f} ms")
     label_axes(top, "Step durations (triangles: steps that prefill)", None, "step duration (ms)")
     label_axes(bottom, "Gap before each decoded token", "simulated time (s)",
                "inter-token gap (ms)")
@@ -342,6 +342,10 @@ def sim_dashboard(
     queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
     queue.set_ylabel("waiting requests", color="#d62728")
     queue.grid(False)
+    # Both counts start at zero with headroom above their peaks, so neither curve runs into
+    # the frame (a twin axis otherwise autoscales its peak onto the top edge).
+    left.set_ylim(0, max([max_running, *holding]) * 1.1)
+    queue.set_ylim(0, max(1, *(s.queued for s in run.trace)) * 1.1)
     latency = np.array([r.latency for r in run.requests])
     right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
     right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
