@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from minisrv.kv import RadixCache
 from minisrv.policy import WAITING_QUEUE_PREFIX_MATCH_MAX, calc_priority
 from minisrv.prefix_workloads import prefix_forest_workload
-from minisrv.radix import RadixCache
 
 QUEUE_LENGTHS = (10, 30, 100, 128, 129, 300, 1000, 2000)
 SHAPE = (8, 8, 48)  # 3,072 prompts

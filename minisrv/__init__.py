@@ -19,7 +19,7 @@ _PUBLIC = {
     "SamplingParams": "minisrv.sampling",
     "ModelConfig": "minisrv.configs",
     "Engine": "minisrv.engine",
-    "RadixCache": "minisrv.radix",
+    "RadixCache": "minisrv.kv",
 }
 
 __all__ = sorted(_PUBLIC)

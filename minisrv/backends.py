@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
-from minisrv.kvpool import KVPool, SlotAllocator
+from minisrv.kv import KVPool, SlotAllocator
 from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
 from minisrv.request import Req
 from minisrv.roofline import step_cost_from_totals

@@ -22,9 +22,8 @@ from typing import Any
 from minisrv.backends import ModelBackend, SimBackend
 from minisrv.checks import check_int, check_number, is_int
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
-from minisrv.prefix_cache import PrefixCache
-from minisrv.radix import CACHES
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
@@ -62,7 +61,7 @@ class Engine(ConfigView):
     or as one ``config``; an unknown option is an error that lists the valid ones.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
-    ``minisrv.radix``). To watch the tree change, attach the book's recorder to
+    ``minisrv.kv.radix``). To watch the tree change, attach the book's recorder to
     ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``).
     """
 

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minisrv.engine import Engine, RunResult, simulate
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.metrics import request_hit_rate
 from minisrv.model import CityLM, FlatBatch
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, Workload, gpu_scale_workload

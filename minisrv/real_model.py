@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from minisrv.backends import ModelBackend
 from minisrv.configs import GPUSpec, ModelConfig, gpu_by_name
 from minisrv.engine import Engine
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.roofline import decode_step_cost, decode_step_time
 from minisrv.sampling import SamplingParams

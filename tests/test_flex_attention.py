@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from minisrv.backends import ModelBackend
 from minisrv.configs import CITYLM
 from minisrv.engine import Engine
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import (
     FLEX_AVAILABLE,
     CityLM,

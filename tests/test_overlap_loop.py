@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from minisrv.backends import ModelBackend, PerRequestBackend, SimBackend
 from minisrv.engine import Engine
+from minisrv.kv import CACHES
 from minisrv.overlap import OverlapScheduler, TimedBackend
-from minisrv.radix import CACHES
 from minisrv.request import ReqState
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler, StepRecord

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minisrv.kv import NoCache, RadixCache, TreeNode
 from minisrv.policy import (
     CACHE_AWARE,
     IN_BATCH_CHECK_THRESHOLD,
@@ -27,7 +28,6 @@ from minisrv.policy import (
     optimal_hit_rate,
 )
 from minisrv.prefix_workloads import prefix_forest_workload
-from minisrv.radix import NoCache, RadixCache, TreeNode
 
 
 def tree_of(*sequences: list[int]) -> RadixCache:

@@ -29,7 +29,7 @@ from minisrv.model.ragged import (
 )
 
 if TYPE_CHECKING:
-    from minisrv.kvpool import KVPool
+    from minisrv.kv import KVPool
 
 ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
 """How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one

@@ -22,7 +22,7 @@ from minisrv.scheduler import Batch, BatchResult
 if TYPE_CHECKING:
     import torch
 
-    from minisrv.kvpool import SlotAllocator
+    from minisrv.kv import SlotAllocator
 
 __all__ = ["SPIN", "TimedBackend", "TimedResult"]
 

@@ -8,10 +8,10 @@
 * ``policy.py``: which waiting request goes first (FCFS, LPM, DFS-weight, LOF, random).
 """
 
+from minisrv.kv.manager import KVManager
 from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS
 from minisrv.scheduler.config import ADMISSIONS, MODES, ConfigView, EngineConfig
 from minisrv.scheduler.loop import Scheduler
-from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import POLICIES, PriorityResult, calc_priority, optimal_hit_rate
 from minisrv.scheduler.records import (
     Backend,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from minisrv.checks import check_choice, check_int, check_number
-from minisrv.radix import CACHES, Cache
+from minisrv.kv import CACHES, Cache
 from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
 
 __all__ = [

@@ -24,12 +24,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from minisrv.kvpool import SlotAllocator
-from minisrv.prefix_cache import PrefixCache
+from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.config import ConfigView, EngineConfig
-from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
 

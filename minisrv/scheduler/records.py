@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 from minisrv.request import Req
 
 if TYPE_CHECKING:
-    from minisrv.kvpool import SlotAllocator
+    from minisrv.kv import SlotAllocator
 
 __all__ = ["Backend", "Batch", "BatchResult", "SchedulerStats", "StepRecord", "hit_rate"]
 
