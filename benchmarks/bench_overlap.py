@@ -54,7 +54,6 @@ import pandas as pd
 import torch
 
 from minisrv import Engine, load_citylm
-from minisrv.backends import SimBackend
 from minisrv.configs import CITYLM
 from minisrv.model import CityLM
 from minisrv.overlap import (
@@ -67,6 +66,7 @@ from minisrv.overlap import (
 )
 from minisrv.overlap.measure import model_gain, timed_gain
 from minisrv.prefix_workloads import few_shot_workload
+from minisrv.sim import SimBackend
 
 SHARES = (0.10, 0.30, 0.60)
 STEP_MS = 10.0  # a blocking step (device + CPU) for the model's table

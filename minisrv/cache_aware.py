@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine, RunResult, simulate
 from minisrv.kv import RadixCache
 from minisrv.policy import calc_priority, optimal_hit_rate
 from minisrv.prefix_workloads import few_shot_groups_workload
 from minisrv.scheduler import SchedulerStats
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload, arrival_times, check_workload_args
 
 __all__ = [

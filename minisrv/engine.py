@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from minisrv.backends import ModelBackend, SimBackend
 from minisrv.checks import check_int, check_number, is_int
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.request import Req
+from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
     MODES,
@@ -36,6 +36,7 @@ from minisrv.scheduler import (
     SchedulerStats,
     StepRecord,
 )
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload
 
 __all__ = ["POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "RunResult", "simulate"]

@@ -22,14 +22,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from minisrv.backends import ModelBackend
 from minisrv.configs import GPUSpec, ModelConfig, gpu_by_name
 from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.roofline import decode_step_cost, decode_step_time
+from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
-from minisrv.steptime import decode_step_seconds
+from minisrv.sim.steptime import decode_step_seconds
 
 __all__ = [
     "DEMO_TEXT",

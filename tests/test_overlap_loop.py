@@ -9,13 +9,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import ModelBackend, PerRequestBackend, SimBackend
 from minisrv.engine import Engine
 from minisrv.kv import CACHES
 from minisrv.overlap import OverlapScheduler, TimedBackend
 from minisrv.request import ReqState
+from minisrv.runner import ModelBackend, PerRequestBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler, StepRecord
+from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 0  # the random CityLM of conftest's `model` fixture

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import SimBackend
 from minisrv.engine import Engine
 from minisrv.router import POLICIES, Router, run_cluster, serve_cluster, simulate_cluster
+from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
 from minisrv.workloads import Workload, prefix_groups_workload
 

@@ -97,7 +97,8 @@ class KVManager:
         self.tree.unlock(match.node, tag=_tag(req))
 
     def alloc_decode(self, reqs: Sequence[Req]) -> None:
-        """One slot each for the next token of ``reqs`` (the caller made room)."""
+        """A slot each for the newest token of ``reqs``, in one allocation (the caller made
+        room); ``alloc_tokens`` gives one request several (a speculative check)."""
         for req, slot in zip(reqs, self.kv.alloc(len(reqs)), strict=True):
             req.kv_slots.append(slot)
 

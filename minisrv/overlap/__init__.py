@@ -8,10 +8,10 @@ the device computes step i.
 
 * ``lanes``: ``timeline`` and ``throughput_ratio``, the two-lane model of both loops and
   the speed-up it predicts;
-* ``timed``: ``TimedBackend``, a device whose step takes a set wall-clock time while
-  computing the real tokens;
+* ``TimedBackend`` (``minisrv.sim.timed``), a device whose step takes a set wall-clock
+  time while computing the real tokens;
 * ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
-* ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
+* ``FutureMap`` (``minisrv.runner.futures``), the device-side placeholders through which step i+1's
   inputs name step i's not-yet-sampled tokens;
 * ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``, and
   ``FutureStep``, its record of what the future map did in each step;
@@ -19,10 +19,10 @@ the device computes step i.
 """
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
-from minisrv.overlap.futures import FutureMap
 from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
 from minisrv.overlap.loop import FutureStep, OverlapScheduler
-from minisrv.overlap.timed import TimedBackend
+from minisrv.runner.futures import FutureMap
+from minisrv.sim.timed import TimedBackend
 
 __all__ = [
     "CPU_PARTS",

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from minisrv.overlap.futures import FutureMap
 from minisrv.request import ABORTED, FINISHED, RUNNING, Req, ReqState
+from minisrv.runner.futures import FutureMap
 from minisrv.scheduler import Backend, Batch, BatchResult, EngineConfig, Scheduler, StepRecord
 
 __all__ = ["SWITCH_INTERVAL", "FutureStep", "OverlapScheduler"]
@@ -347,7 +347,7 @@ class OverlapScheduler(Scheduler):
             return
         if in_next_step:  # the step in flight computes one more token for it: drop it
             req.output.pop()
-            self.memory.kv.free([req.kv_slots.pop()])
+            self.memory.truncate(req, 1)
         self.memory.cache_finished(req)
         self.admission.released(req)
         req.state = ReqState.FINISHED

@@ -20,12 +20,12 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from minisrv.backends import SimBackend
 from minisrv.checks import check_int
 from minisrv.engine import Engine
 from minisrv.overlap.lanes import throughput_ratio
-from minisrv.overlap.timed import TimedBackend
 from minisrv.sampling import SamplingParams
+from minisrv.sim import SimBackend
+from minisrv.sim.timed import TimedBackend
 
 __all__ = ["LOOPS", "model_gain", "timed_gain", "waste_by_length"]
 

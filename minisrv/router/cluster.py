@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from minisrv.backends import SimBackend
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.engine import Engine
 from minisrv.request import Req
 from minisrv.router.policy import Router
 from minisrv.sampling import SamplingParams
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload
 
 __all__ = ["ClusterResult", "run_cluster", "simulate_cluster", "serve_cluster"]

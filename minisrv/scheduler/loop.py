@@ -202,14 +202,14 @@ class Scheduler(ConfigView):
         had to retract admits nobody: the memory it just freed is already spoken for.
         """
         if self.mode == "static" and self.running:
-            return Batch([], *self.prepare_decode())
+            return Batch.of([], *self.prepare_decode())
         if self.mode == "mixed":
             decoding, retracted = self.prepare_decode() if self.running else ([], ())
-            return Batch([] if retracted else self.admit(), decoding, retracted)
+            return Batch.of([] if retracted else self.admit(), decoding, retracted)
         new = self.admit()
         if new or not self.running:
-            return Batch(new, [])
-        return Batch([], *self.prepare_decode())
+            return Batch.of(new, [])
+        return Batch.of([], *self.prepare_decode())
 
     def admit(self) -> list[Req]:
         """Admit waiting requests in queue order while a batch place and KV memory are free.
@@ -263,7 +263,7 @@ class Scheduler(ConfigView):
         stopped. Returns the requests that decode this step and those retracted.
         """
         retracted: list[Req] = []
-        while (short := len(self.running) - self.memory.free_count) > 0:
+        while (short := self.decode_tokens(self.running) - self.memory.free_count) > 0:
             if self.memory.evict(short, "decode"):
                 continue
             victim = self.retraction_victim(self.running)
@@ -274,6 +274,11 @@ class Scheduler(ConfigView):
         self.admission.after_decode_prepared(self.running, retracted)
         self.memory.alloc_decode(self.running)
         return list(self.running), tuple(retracted)
+
+    @staticmethod
+    def decode_tokens(running: list[Req]) -> int:
+        """KV slots the running requests' decodes take this step: one token each."""
+        return len(running)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:
@@ -289,20 +294,28 @@ class Scheduler(ConfigView):
         req.state = ReqState.WAITING
 
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
-        """Append each request's new token, stream it, and stop and free finished requests.
+        """Append each entry's tokens, stream them, and stop and free finished requests.
 
         A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
         the model's end-of-sequence ids and does not ignore them. A prefilled request that
         goes on gives its KV to the prefix cache at once. Returns the requests that finished.
         """
-        reqs = batch.reqs
-        if len(result.next_tokens) != len(reqs):
+        if len(result.tokens) != len(batch):
             raise ValueError(
-                f"backend returned {len(result.next_tokens)} tokens for a batch of {len(reqs)}"
+                f"backend returned tokens for {len(result.tokens)} entries, the batch has "
+                f"{len(batch)}"
             )
+        finished = [entry.req for entry, tokens in zip(batch.entries, result.tokens, strict=True)
+                    if self.append_tokens(entry.req, tokens)]
+        self.finish(batch.prefill, finished)
+        return finished
+
+    def append_tokens(self, req: Req, tokens: list[int]) -> bool:
+        """Append ``tokens`` to ``req``'s output and stream them, up to the first that stops
+        it; True when it finished. Tokens computed past the end of the request (the rest of
+        a speculative check) are dropped and their KV freed (``KVManager.truncate``)."""
         now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
-        finished = []
-        for req, token in zip(reqs, result.next_tokens, strict=True):
+        for token in tokens:
             req.output.append(token)
             req.token_times.append(now)
             if on_token is not None:
@@ -313,19 +326,37 @@ class Scheduler(ConfigView):
                 req.finish_reason = "length"
             else:
                 continue
-            finished.append(req)
+            break
+        if (extra := len(req.kv_slots) - req.seq_len + 1) > 0:  # KV past the newest token
+            self.memory.truncate(req, extra)
+        return req.finish_reason is not None
+
+    def finish(self, prefilled: list[Req], finished: list[Req],
+               late: frozenset[int] = frozenset()) -> None:
+        """The one finish path: prefilled requests that go on give their KV to the cache;
+        finished ones give theirs, leave, and are counted.
+
+        ``late`` holds the ids of finished requests found so one step late (the overlapped
+        loop): the step in flight computed one more token for those, whose KV goes first.
+        """
         done = {id(req) for req in finished}
-        for req in batch.prefill:
-            if id(req) not in done:
+        for req in prefilled:
+            if id(req) not in done and req.state == ReqState.RUNNING:
                 self.memory.cache_unfinished(req)
         for req in finished:
-            self.memory.cache_finished(req)
-            self._leave(req, ReqState.FINISHED)
+            if req.state == ReqState.WAITING:  # retracted while its last token was computed
+                req.state = ReqState.FINISHED
+                self.backend.release(req)
+            else:
+                if id(req) in late:
+                    req.output.pop()
+                    self.memory.truncate(req, 1)
+                self.memory.cache_finished(req)
+                self._leave(req, ReqState.FINISHED, release=id(req) not in late)
             self.stats.finished += 1
         if finished:
             self.running = [req for req in self.running if req.state == ReqState.RUNNING]
         self.stats.evicted_tokens = self.memory.evicted_tokens
-        return finished
 
     # ----------------------------------------------------------------- cleanup
     def abort(self, reqs: Iterable[Req]) -> None:
@@ -378,11 +409,13 @@ class Scheduler(ConfigView):
         if req.admitted_at is None:  # the first admission: queueing delay ends here
             req.admitted_at = self.clock
 
-    def _leave(self, req: Req, state: ReqState) -> None:
-        """A running request ends (its KV already handed over or freed)."""
+    def _leave(self, req: Req, state: ReqState, release: bool = True) -> None:
+        """A running request ends (its KV already handed over or freed); ``release=False``
+        keeps the backend's state of it (a step in flight still samples with it)."""
         self.admission.released(req)
         req.state = state
-        self.backend.release(req)
+        if release:
+            self.backend.release(req)
 
     def _snapshot(self, batch: Batch) -> dict[str, Any]:
         """The trace fields known before the backend runs the step."""

@@ -110,7 +110,7 @@ class TimedBackend:
         self.steps += 1
         self.busy += done_at - start
         self._free_at = done_at
-        return TimedResult(result.next_tokens, result.cost, result.elapsed, done_at)
+        return TimedResult(result.tokens, result.cost, result.elapsed, done_at)
 
     def wait(self, result: BatchResult) -> None:
         """Return once the device has ended the step that gave ``result``.
