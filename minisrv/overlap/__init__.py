@@ -13,15 +13,15 @@ the device computes step i.
 * ``breakdown``: ``time_steps``, where the real engine's time goes in each step;
 * ``FutureMap`` (``minisrv.runner.futures``), the device-side placeholders through which step i+1's
   inputs name step i's not-yet-sampled tokens;
-* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``, and
-  ``FutureStep``, its record of what the future map did in each step;
+* ``OverlapLoop`` (``minisrv.scheduler.overlap``), the loop behind
+  ``Engine(..., overlap=True)``, and ``FutureStep``, its record of the future map's work;
 * ``measure`` (imported on its own): the chapter's measurements of waste and gain.
 """
 
 from minisrv.overlap.breakdown import CPU_PARTS, PARTS, StepTiming, StepTimings, time_steps
 from minisrv.overlap.lanes import Interval, Timeline, throughput_ratio, timeline
-from minisrv.overlap.loop import FutureStep, OverlapScheduler
 from minisrv.runner.futures import FutureMap
+from minisrv.scheduler.overlap import FutureStep, OverlapLoop
 from minisrv.sim.timed import TimedBackend
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "FutureMap",
     "FutureStep",
     "Interval",
-    "OverlapScheduler",
+    "OverlapLoop",
     "StepTiming",
     "StepTimings",
     "TimedBackend",

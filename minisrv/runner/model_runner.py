@@ -79,6 +79,11 @@ class ModelRunner:
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model, the pool and every step's tensors are."""
+        return self.model.device
+
     def attach_kv(self, capacity: int) -> SlotAllocator:
         """Allocate the KV pool (``capacity`` token slots) on the model's device."""
         self.pool = KVPool.for_model(self.model, capacity)

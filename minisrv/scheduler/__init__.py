@@ -1,10 +1,14 @@
-"""The scheduler package: the loop, its configuration, admission, memory and records.
+"""The scheduler package: the step path, both loops, configuration, admission and records
+(KV memory is ``minisrv.kv``'s).
 
-* ``loop.py``: ``Scheduler``, the four calls of every serving engine;
+* ``loop.py``: ``Scheduler``, the step path (form, launch, complete, one finish path) and
+  the blocking loop;
+* ``overlap.py``: ``OverlapLoop``, the overlapped loop over the same step path;
+* ``state.py``: ``SchedulerState``, the queues, submission, abort, integrity, records;
 * ``config.py``: ``EngineConfig``, the one frozen set of options;
 * ``admission.py``: how much memory a request must find (reserve, or SGLang's budget);
-* ``memory.py``: ``KVManager``, the one owner of KV slots and prefix-cache bookkeeping;
-* ``records.py``: ``Batch``, ``BatchResult``, ``StepRecord``, ``SchedulerStats``, ``Backend``;
+* ``records.py``: ``Batch`` (of ``Entry``), ``BatchResult``, ``StepRecord``,
+  ``SchedulerStats``, ``Backend``, ``StepOutput``, ``EngineSnapshot``;
 * ``policy.py``: which waiting request goes first (FCFS, LPM, DFS-weight, LOF, random).
 """
 
@@ -17,13 +21,17 @@ from minisrv.scheduler.records import (
     Backend,
     Batch,
     BatchResult,
+    EngineSnapshot,
+    Entry,
     SchedulerStats,
+    StepOutput,
     StepRecord,
     hit_rate,
 )
 
 __all__ = [
     "ADMISSIONS",
+    "ATTENTIONS",
     "CLIP_MAX_NEW_TOKENS",
     "MODES",
     "POLICIES",
@@ -32,10 +40,15 @@ __all__ = [
     "BatchResult",
     "ConfigView",
     "EngineConfig",
+    "EngineSnapshot",
+    "Entry",
     "KVManager",
+    "Launched",
     "PriorityResult",
     "Scheduler",
+    "SchedulerState",
     "SchedulerStats",
+    "StepOutput",
     "StepRecord",
     "calc_priority",
     "hit_rate",

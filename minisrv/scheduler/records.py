@@ -10,7 +10,7 @@ one list instead of the scheduler probing it for optional methods.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from minisrv.request import Req
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from minisrv.kv import SlotAllocator
 
 __all__ = [
-    "Backend", "Batch", "BatchResult", "Entry", "SchedulerStats", "StepRecord", "hit_rate",
+    "Backend", "Batch", "BatchResult", "EngineSnapshot", "Entry", "SchedulerStats", "StepOutput",
+    "StepRecord", "hit_rate",
 ]
 
 
@@ -222,3 +223,43 @@ class SchedulerStats:
         self.generated_tokens += len(result.next_tokens)
         self.busy_time += result.elapsed
         self.cost += result.cost
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step()`` did.
+
+    ``record`` is the step's trace line (``None``: nothing could run, the engine is idle or
+    waits for arrivals); ``tokens`` every token the step produced, ``(request, token)`` in the
+    order they were produced; ``finished`` the requests that ended with it (their
+    ``finish_reason`` set).
+    """
+
+    record: StepRecord | None
+    tokens: list[tuple[Req, int]] = field(default_factory=list)
+    finished: list[Req] = field(default_factory=list)
+
+    def tokens_of(self, req: Req) -> list[int]:
+        """The tokens ``req`` got in this step."""
+        return [token for r, token in self.tokens if r is req]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges at one moment (``Engine.snapshot()``), e.g. for ``/metrics``.
+
+    ``kv_used`` counts the KV slots held by requests: cached prefixes nobody uses do not
+    count, since they can be evicted at any time (SGLang's ``token_usage``).
+    """
+
+    running: int  # requests in the running batch
+    queued: int  # requests waiting, or submitted and not yet arrived
+    kv_used: int
+    token_usage: float  # kv_used / kv_capacity
+    hit_rate: float  # prefix-cache hit rate so far
+    prompt_tokens: int  # prompt tokens admitted so far
+    steps: int
+
+    def as_dict(self) -> dict[str, float]:
+        """Every gauge as a float, keyed by its name."""
+        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}

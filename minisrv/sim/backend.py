@@ -44,6 +44,7 @@ class SimBackend:
     time_unit = "s"
     cost_unit = "s"
     eos_ids: tuple[int, ...] = ()
+    device = None  # no GPU: the overlapped loop gives its steps no CUDA stream
 
     def __init__(
         self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2

@@ -76,6 +76,11 @@ class TimedBackend:
         self.waited = 0.0  # seconds the host spent in wait(), for the device to end a step
         self._free_at = 0.0  # time.perf_counter() at which the device ends its last step
 
+    @property
+    def device(self) -> Any:
+        """Where the inner backend computes (``None``: no device of its own)."""
+        return getattr(self.inner, "device", None)
+
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
         attach = getattr(self.inner, "attach_kv", None)
