@@ -107,7 +107,6 @@ class RadixCache(PrefixCache):
         Args:
             tokens: the token run to cache, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
-            tag: passed to the listener; nothing else.
 
         Returns:
             How many leading tokens were already cached. The tree keeps the values of the
@@ -122,16 +121,20 @@ class RadixCache(PrefixCache):
         inserted: tuple[int, ...] = ()
         if length < len(key):
             vals = [None] * (len(key) - length) if values is None else list(values[length:])
-            leaf = TreeNode(next(self._ids), key[length:], vals, node, self.clock)
-            node.children[key[length]] = leaf
-            self.n_nodes += 1
-            self._shape += 1
-            self._evictable += len(leaf.key)
-            self._push(leaf)
-            inserted = (leaf.id,)
+            inserted = (self._add_leaf(node, key[length:], vals).id,)
             path = path + inserted
         self._report("insert", tag, length, path, split, inserted=inserted)
         return length
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
+        """A new evictable leaf below ``parent`` for the edge ``key``."""
+        leaf = TreeNode(next(self._ids), key, values, parent, self.clock)
+        parent.children[key[0]] = leaf
+        self.n_nodes += 1
+        self._shape += 1
+        self._evictable += len(leaf.key)
+        self._push(leaf)
+        return leaf
 
     def _walk(self, key: tuple[int, ...], collect: bool
               ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
@@ -139,37 +142,23 @@ class RadixCache(PrefixCache):
 
         Returns (end node, matched length, matched values if ``collect``, path ids, split ids).
         """
-        node = self.root
+        node, pos = self.root, 0
         node.last_access = self.clock
-        pos = 0
         values: list[Any] = []
         path: list[int] = []
         split: list[int] = []
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            edge = child.key
-            n = len(edge)
-            if key[pos:pos + n] == edge:
-                matched = n
-            else:
-                matched = 1  # the first token matched (it is the child's dict key)
-                limit = min(n, len(key) - pos)
-                while matched < limit and edge[matched] == key[pos + matched]:
-                    matched += 1
-            if matched < n:
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            matched = _matched(child.key, key, pos)
+            cut = matched < len(child.key)  # the match ends inside this edge
+            if cut:
                 child = self._split(child, matched)
                 split.append(child.id)
-            child.last_access = self.clock
-            if not child.children:
-                self._push(child)
+            self._touch(child)
             if collect:
                 values.extend(child.value)
             path.append(child.id)
-            pos += matched
-            node = child
-            if matched < n:
+            pos, node = pos + matched, child
+            if cut:
                 break
         return node, pos, values, tuple(path), tuple(split)
 
@@ -192,9 +181,7 @@ class RadixCache(PrefixCache):
         nodes: list[TreeNode] = []
         walker = node
         while walker is not self.root:
-            walker.last_access = self.clock
-            if not walker.children:
-                self._push(walker)
+            self._touch(walker)
             nodes.append(walker)
             walker = walker.parent
         self.root.last_access = self.clock
@@ -202,6 +189,12 @@ class RadixCache(PrefixCache):
         for walker in reversed(nodes):
             values.extend(walker.value)
         return node, length, values, path, ()
+
+    def _touch(self, node: TreeNode) -> None:
+        """``node`` was just used: renew its LRU stamp; a leaf goes back on the heap."""
+        node.last_access = self.clock
+        if not node.children:
+            self._push(node)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
@@ -384,3 +377,14 @@ class RadixCache(PrefixCache):
         return (f"RadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
                 f"protected={info.protected})")
 
+
+def _matched(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+    """How many leading tokens of ``edge`` equal ``key[pos:]`` (at least one: the child was
+    found by its first token). A whole-edge match is one tuple comparison."""
+    n = len(edge)
+    if key[pos:pos + n] == edge:
+        return n
+    matched, limit = 1, min(n, len(key) - pos)
+    while matched < limit and edge[matched] == key[pos + matched]:
+        matched += 1
+    return matched

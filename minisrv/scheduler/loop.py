@@ -130,9 +130,9 @@ class Scheduler(SchedulerState):
 
         Each request first looks up its longest cached prefix (``KVManager.match``, which
         locks it); only the rest is allocated and prefilled. The admission rule decides
-        whether its memory need fits what is left this step; when the pool itself is short,
-        unlocked cached prefixes are evicted (LRU) before giving up. Admission stops at the
-        first request that does not fit (no overtaking), which keeps the queue order fair.
+        whether its memory need fits what is left this step; a short pool evicts unlocked
+        cached prefixes (LRU) first. Admission stops at the first request that does not fit
+        (no overtaking), which keeps the queue order fair.
         """
         adder = self.admission.adder(self.running, self.memory, self.max_running)
         if self.waiting and adder.has_place:
@@ -267,28 +267,33 @@ class Scheduler(SchedulerState):
         loop): the step in flight computed one more token for those, whose KV goes first.
         """
         done = {id(req) for req in finished}
-        requeued = False
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING:
                 self.memory.cache_unfinished(req)
+        requeued = False  # a request retracted while its last token was computed
         for req in finished:
-            if req.state == ReqState.WAITING:  # retracted while its last token was computed
-                requeued = True
-                req.state = ReqState.FINISHED
-                self.backend.release(req)
-            else:
-                if id(req) in late:
-                    req.output.pop()
-                    self.memory.truncate(req, 1)
-                self.memory.cache_finished(req)
-                self._leave(req, ReqState.FINISHED, release=id(req) not in late)
-            self.stats.finished += 1
+            requeued |= req.state == ReqState.WAITING
+            self._finish_one(req, late=id(req) in late)
         if finished:
             self.running = [req for req in self.running if req.state == ReqState.RUNNING]
             self.finishing = [req for req in self.finishing if req.state == ReqState.RUNNING]
-        if requeued:  # a finished request retracted meanwhile sat in the waiting queue
+        if requeued:
             self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
         self.stats.evicted_tokens = self.memory.evicted_tokens
+
+    def _finish_one(self, req: Req, late: bool) -> None:
+        """``req`` ends: its KV to the cache (after dropping the token computed past its end,
+        if ``late``), its seat freed; a request retracted meanwhile holds no KV any more."""
+        if req.state == ReqState.WAITING:
+            req.state = ReqState.FINISHED
+            self.backend.release(req)
+        else:
+            if late:
+                req.output.pop()
+                self.memory.truncate(req, 1)
+            self.memory.cache_finished(req)
+            self._leave(req, ReqState.FINISHED, release=not late)  # the step in flight samples
+        self.stats.finished += 1
 
     def _start(self, req: Req, cached: int) -> None:
         """Bookkeeping of an admitted request (its slots are already allocated)."""

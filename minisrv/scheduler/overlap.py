@@ -129,15 +129,7 @@ class OverlapLoop:
     def complete(self, step: InFlight, stream: bool) -> StepRecord:
         """Wait for ``step``; put its tokens in place, finish, record, then stream."""
         sched, batch = self.scheduler, step.batch
-        try:
-            result = self.worker.result(step.result)
-        except BaseException:
-            self._drop_placeholders(step)
-            self._abandon_later_step(step)
-            raise
-        if len(result.tokens) != len(batch):
-            raise ValueError(f"backend returned tokens for {len(result.tokens)} entries, the "
-                             f"batch has {len(batch)}")
+        result = self._wait(step)
         step.before["start"] = sched.clock  # the device's steps follow each other
         sched.clock += result.elapsed
         for req in self._release_later:  # the step that still read them is done
@@ -169,6 +161,19 @@ class OverlapLoop:
             self.scheduler.abort(reqs)
 
     # ----------------------------------------------------------------- helpers
+    def _wait(self, step: InFlight) -> BatchResult:
+        """``step``'s answer; after a device error no request keeps a placeholder."""
+        try:
+            result = self.worker.result(step.result)
+        except BaseException:
+            self._drop_placeholders(step)
+            self._abandon_later_step(step)
+            raise
+        if len(result.tokens) != len(step.batch):
+            raise ValueError(f"backend returned tokens for {len(result.tokens)} entries, the "
+                             f"batch has {len(step.batch)}")
+        return result
+
     def _apply(self, step: InFlight, result: BatchResult
                ) -> tuple[list[Req], frozenset[int], list[tuple[Req, int]], int]:
         """The late stop check: (finished, ids of those the step in flight computes once
