@@ -232,13 +232,12 @@ def _decode_steps(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     Each step returns sampled ids on the host, so its device work is done when it returns.
     """
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    sched = engine.scheduler
     for req in engine.make_requests(prompts, None, params):
-        sched.submit(req)
+        engine.add_request(req)
     tokens, seconds = 0, 0.0
     while True:
         start = time.perf_counter()
-        record = sched.step()
+        record = engine.step().record
         elapsed = time.perf_counter() - start
         if record is None:
             return tokens, seconds
