@@ -35,7 +35,6 @@ from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.request import Req
-from minisrv.runner import ModelRunner
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
     MODES,
@@ -85,8 +84,12 @@ class Engine(ConfigView):
 
     def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config = EngineConfig.from_options(config, **options)
-        backend = model if isinstance(model, Backend) else ModelRunner(
-            model, config.attention, device=config.device)
+        if isinstance(model, Backend):
+            backend = model
+        else:  # the model's modules load only for a model, not for a simulated GPU
+            from minisrv.runner.model_runner import ModelRunner
+
+            backend = ModelRunner(model, config.attention, device=config.device)
         self.scheduler = Scheduler(backend, config)
         self.loop: Scheduler | OverlapLoop = (
             OverlapLoop(self.scheduler) if config.overlap else self.scheduler)

@@ -9,29 +9,33 @@
 * ``per_request.py``: ``PerRequestBackend``, one forward per request (the plain baseline).
 """
 
-from minisrv.runner.attention import (
-    AttentionBackend,
-    FlexAttention,
-    LoopAttention,
-    PaddedAttention,
-    make_attention,
-)
-from minisrv.runner.futures import FutureMap
-from minisrv.runner.model_runner import ModelBackend, ModelRunner, StepInputs
-from minisrv.runner.per_request import PerRequestBackend
-from minisrv.runner.sampler import LogitsProcessor, Sampler
+from __future__ import annotations
 
-__all__ = [
-    "AttentionBackend",
-    "FlexAttention",
-    "FutureMap",
-    "LogitsProcessor",
-    "LoopAttention",
-    "ModelBackend",
-    "ModelRunner",
-    "PaddedAttention",
-    "PerRequestBackend",
-    "Sampler",
-    "StepInputs",
-    "make_attention",
-]
+import importlib
+from typing import Any
+
+# Imported on first use, so that the overlapped loop (``device``, ``futures``) and an engine
+# over the simulated GPU never load the model's modules (flex_attention pulls in dynamo).
+_HOMES = {
+    "AttentionBackend": "attention",
+    "FlexAttention": "attention",
+    "LoopAttention": "attention",
+    "PaddedAttention": "attention",
+    "make_attention": "attention",
+    "DeviceWorker": "device",
+    "FutureMap": "futures",
+    "ModelBackend": "model_runner",
+    "ModelRunner": "model_runner",
+    "StepInputs": "model_runner",
+    "PerRequestBackend": "per_request",
+    "LogitsProcessor": "sampler",
+    "Sampler": "sampler",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"minisrv.runner.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'minisrv.runner' has no attribute {name!r}")
