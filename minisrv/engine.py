@@ -151,9 +151,15 @@ class Engine(ConfigView):
 
     def step(self) -> StepOutput:
         """Run one step of the loop (blocking or overlapped) and say what it produced."""
+        return self._step(collect=True)
+
+    def _step(self, collect: bool) -> StepOutput:
+        """``step``; without ``collect`` the tokens are not gathered (a simulation of
+        thousands of requests that nobody streams need not pay for it)."""
         tokens: list[tuple[Req, int]] = []
         sched = self.scheduler
-        sched.on_token = lambda req, token: tokens.append((req, token))
+        if collect:
+            sched.on_token = lambda req, token: tokens.append((req, token))
         try:
             record = self.loop.step()
         finally:
@@ -269,7 +275,7 @@ class Engine(ConfigView):
             bar = tqdm(total=total, unit="req", desc=f"serving ({self.mode})")
         try:
             with self._short_switch_interval():
-                while (out := self.step()).record is not None:
+                while (out := self._step(collect=on_token is not None)).record is not None:
                     if on_token is not None:
                         for req, token in out.tokens:
                             on_token(req, token)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
-from minisrv.scheduler.records import Batch, BatchResult, StepRecord
+from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
 from minisrv.scheduler.state import SchedulerState
 
 __all__ = ["Launched", "Scheduler"]
@@ -232,31 +232,34 @@ class Scheduler(SchedulerState):
                 f"backend returned tokens for {len(result.tokens)} entries, the batch has "
                 f"{len(batch)}"
             )
-        finished = [entry.req for entry, tokens in zip(batch.entries, result.tokens, strict=True)
-                    if self.append_tokens(entry.req, tokens)]
+        finished = self.append_tokens(batch.entries, result.tokens)
         self.finish(batch.prefill, finished)
         return finished
 
-    def append_tokens(self, req: Req, tokens: list[int]) -> bool:
-        """Append ``tokens`` to ``req``'s output and stream them, up to the first that stops
-        it; True when it finished. Tokens computed past the end of the request (the rest of
-        a speculative check) are dropped and their KV freed (``KVManager.truncate``)."""
+    def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
+        """Append each entry's tokens to its request and stream them, up to the first that
+        stops it; return the requests that finished. Tokens computed past the end of a
+        request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
         now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
-        for token in tokens:
-            req.output.append(token)
-            req.token_times.append(now)
-            if on_token is not None:
-                on_token(req, token)
-            if token in stops and not req.params.ignore_eos:
-                req.finish_reason = "eos"
-            elif len(req.output) >= req.params.max_new_tokens:
-                req.finish_reason = "length"
-            else:
-                continue
-            break
-        if (extra := len(req.kv_slots) - req.seq_len + 1) > 0:  # KV past the newest token
-            self.memory.truncate(req, extra)
-        return req.finish_reason is not None
+        finished = []
+        for (req, _, n_new, _), tokens in zip(entries, results, strict=True):
+            output, params = req.output, req.params
+            for token in tokens:
+                output.append(token)
+                req.token_times.append(now)
+                if on_token is not None:
+                    on_token(req, token)
+                if token in stops and not params.ignore_eos:
+                    req.finish_reason = "eos"
+                elif len(output) >= params.max_new_tokens:
+                    req.finish_reason = "length"
+                else:
+                    continue
+                finished.append(req)
+                break
+            if n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
+                self.memory.truncate(req, extra)  # KV past the newest token
+        return finished
 
     def finish(self, prefilled: list[Req], finished: list[Req],
                late: frozenset[int] = frozenset()) -> None:
