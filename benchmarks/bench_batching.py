@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minisrv import Engine, load_citylm
-from minisrv.steptime import decode_step_seconds
+from minisrv.sim.steptime import decode_step_seconds
 from minisrv.workloads import citylm_workload
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

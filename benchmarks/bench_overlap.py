@@ -54,12 +54,12 @@ import pandas as pd
 import torch
 
 from minisrv import Engine, load_citylm
-from minisrv.backends import SimBackend
 from minisrv.configs import CITYLM
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, StepTimings, time_steps
 from minisrv.experiments.lanes import throughput_ratio, timeline
 from minisrv.experiments.overlap import model_gain, timed_gain
 from minisrv.model import CityLM
+from minisrv.sim import SimBackend
 from minisrv.workloads import few_shot_workload
 
 SHARES = (0.10, 0.30, 0.60)

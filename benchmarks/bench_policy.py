@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from minisrv.radix import RadixCache
+from minisrv.kv import RadixCache
 from minisrv.scheduler.policy import WAITING_QUEUE_PREFIX_MATCH_MAX, calc_priority
 from minisrv.workloads import prefix_forest_workload
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from minisrv.radix import RadixCache
+from minisrv.kv import RadixCache
 
 VOCAB = 128
 

@@ -19,7 +19,7 @@ _PUBLIC = {
     "SamplingParams": "minisrv.sampling",
     "ModelConfig": "minisrv.configs",
     "Engine": "minisrv.engine",
-    "RadixCache": "minisrv.radix",
+    "RadixCache": "minisrv.kv",
     "calc_priority": "minisrv.scheduler",
     "optimal_hit_rate": "minisrv.scheduler",
     "simulate": "minisrv.engine",

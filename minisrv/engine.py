@@ -6,25 +6,34 @@ the request alone). ``Engine.run_workload`` and ``simulate`` replay a ``Workload
 return the metrics of the run; with a ``SimBackend`` that is a GPU-scale experiment that
 runs in about a second.
 
+The engine is the only driver of the scheduler. Its four calls are what every caller (the
+server's engine loop, the cluster simulation, ``generate``) uses::
+
+    req = engine.add_request(prompt, params)   validated and queued; returns the Req
+    out = engine.step()                        one step: StepOutput(record, tokens, finished)
+    engine.abort([req])                        withdrawn wherever it is, its memory freed
+    engine.snapshot()                          gauges: running, queued, KV use, hit rate
+
 The options (``EngineConfig``) grow with the book: continuous batching modes, admission,
-the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` selects
-``minisrv.overlap.OverlapScheduler``). Every argument is validated before anything is
-queued, so a bad call raises ValueError and leaves the engine exactly as it was.
+the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` drives the
+scheduler with ``minisrv.scheduler.overlap.OverlapLoop``), the attention kind and the
+device. Every argument is validated before anything is queued, so a bad call raises
+ValueError and leaves the engine exactly as it was.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from minisrv.backends import ModelBackend, SimBackend
 from minisrv.checks import check_int, check_number, is_int
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
-from minisrv.prefix_cache import PrefixCache
-from minisrv.radix import CACHES
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
@@ -33,13 +42,19 @@ from minisrv.scheduler import (
     Backend,
     ConfigView,
     EngineConfig,
+    EngineSnapshot,
     Scheduler,
     SchedulerStats,
+    StepOutput,
     StepRecord,
 )
+from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
 from minisrv.workloads import Workload
 
-__all__ = ["POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "RunResult", "simulate"]
+__all__ = [
+    "POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "EngineSnapshot", "RunResult",
+    "StepOutput", "simulate",
+]
 
 
 @dataclass(frozen=True)
@@ -54,28 +69,32 @@ class RunResult:
 
 
 class Engine(ConfigView):
-    """A model and a scheduler behind one ``generate`` call.
+    """A model and a scheduler behind ``add_request`` / ``step`` / ``abort`` / ``snapshot``.
 
-    ``model`` is a CityLM (wrapped in a ``ModelBackend``) or any ``Backend``, e.g. a
-    ``SimBackend``. The options are those of ``EngineConfig`` (``kv_capacity``,
-    ``max_running``, ``policy``, ``cache``, ``mode``, ``admission``, ...), given as keywords
-    or as one ``config``; an unknown option is an error that lists the valid ones.
+    ``model`` is a CityLM (run by a ``ModelRunner`` with the ``attention`` and ``device``
+    options) or any ``Backend``, e.g. a ``SimBackend``. The options are those of
+    ``EngineConfig`` (``kv_capacity``, ``max_running``, ``policy``, ``cache``, ``mode``,
+    ``admission``, ...), given as keywords or as one ``config``; an unknown option is an
+    error that lists the valid ones.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
-    ``minisrv.radix``). To watch the tree change, attach the book's recorder to
+    ``minisrv.kv.radix``). To watch the tree change, attach the book's recorder to
     ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``).
     """
 
     def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
-        self.config = EngineConfig.from_options(config, **options)
-        backend = model if isinstance(model, Backend) else ModelBackend(model)
-        if self.config.overlap:
-            from minisrv.overlap.loop import OverlapScheduler
+        self.config = config = EngineConfig.from_options(config, **options)
+        if isinstance(model, Backend):
+            backend = model
+        else:  # the model's modules load only for a model, not for a simulated GPU
+            from minisrv.runner.model_runner import ModelRunner
 
-            self.scheduler: Scheduler = OverlapScheduler(backend, self.config)
-        else:
-            self.scheduler = Scheduler(backend, self.config)
+            backend = ModelRunner(model, config.attention, device=config.device)
+        self.scheduler = Scheduler(backend, config)
+        self.loop: Scheduler | OverlapLoop = (
+            OverlapLoop(self.scheduler) if config.overlap else self.scheduler)
         self._next_rid = 0
+        self._live: dict[int, Req] = {}  # rid -> request added and not yet done
 
     # ----------------------------------------------------------------- views
     @property
@@ -98,6 +117,77 @@ class Engine(ConfigView):
         """One record per step this engine has run, oldest first."""
         return self.scheduler.trace
 
+    @property
+    def clock(self) -> float:
+        """The scheduler's clock (steps, or seconds on a simulated GPU)."""
+        return self.scheduler.clock
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is pending, waiting, running or in flight."""
+        return self.loop.idle
+
+    @property
+    def has_work_now(self) -> bool:
+        """True when a request waits or runs (not only ones that arrive later)."""
+        sched = self.scheduler
+        return bool(sched.waiting or sched.running or sched.finishing)
+
+    # ----------------------------------------------------------------- the driver
+    def add_request(self, request: Req | Sequence[int], params: SamplingParams | None = None,
+                    *, checked: bool = False) -> Req:
+        """Queue a request: a ``Req`` (from ``make_requests``), or a prompt and its
+        ``params`` (greedy, 16 tokens by default). Checked first (ValueError, nothing
+        queued) unless the caller already did (``checked=True``)."""
+        req = request if isinstance(request, Req) else self.make_requests([request], None,
+                                                                          params)[0]
+        if req.rid in self._live:
+            raise ValueError(f"request {req.rid} was added already")
+        if not checked:
+            self.scheduler.check(req)
+        self.scheduler.enqueue(req)
+        self._live[req.rid] = req
+        return req
+
+    def step(self) -> StepOutput:
+        """Run one step of the loop (blocking or overlapped) and say what it produced."""
+        return self._step(collect=True)
+
+    def _step(self, collect: bool) -> StepOutput:
+        """``step``; without ``collect`` the tokens are not gathered (a simulation of
+        thousands of requests that nobody streams need not pay for it)."""
+        tokens: list[tuple[Req, int]] = []
+        sched = self.scheduler
+        if collect:
+            sched.on_token = lambda req, token: tokens.append((req, token))
+        try:
+            record = self.loop.step()
+        finally:
+            sched.on_token = None
+        if record is None:
+            return StepOutput(None)
+        live = self._live
+        finished = [req for rid in record.finished if (req := live.pop(rid, None)) is not None]
+        return StepOutput(record, tokens, finished)
+
+    def abort(self, reqs: Iterable[Req]) -> None:
+        """Withdraw ``reqs`` wherever they are (pending, waiting, running, in flight) and free
+        their memory; finished ones are ignored."""
+        reqs = list(reqs)
+        for req in reqs:
+            self._live.pop(req.rid, None)
+        self.loop.abort(reqs)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges of this moment: requests running and queued, KV held, hit rate."""
+        sched, stats = self.scheduler, self.scheduler.stats
+        used = sched.kv.used_count - sched.tree.evictable_size()
+        return EngineSnapshot(
+            running=len(sched.running) + len(sched.finishing),
+            queued=len(sched.waiting) + sched.pending, kv_used=used,
+            token_usage=used / self.kv_capacity, hit_rate=stats.hit_rate,
+            prompt_tokens=stats.prompt_tokens, steps=stats.steps)
+
     # ----------------------------------------------------------------- serving
     def generate(
         self,
@@ -114,8 +204,9 @@ class Engine(ConfigView):
         ``sampling`` (16 without). ``sampling``: one ``SamplingParams`` for all or one per
         prompt (greedy by default); an explicit ``max_new_tokens`` overrides its length.
         ``arrival_steps``: when each request arrives, in steps from now (default: all now).
-        ``on_token(i, token)`` is called for every token as soon as it exists (streaming).
-        A generated ``<eos>`` ends a request and is included, unless ``ignore_eos``.
+        ``on_token(i, token)`` is called for every token as soon as its step is done
+        (streaming). A generated ``<eos>`` ends a request and is included, unless
+        ``ignore_eos``.
         """
         reqs = self.make_requests(prompts, max_new_tokens, sampling, arrival_steps)
         index = {id(req): i for i, req in enumerate(reqs)}
@@ -155,26 +246,59 @@ class Engine(ConfigView):
         on_token: Callable[[Req, int], None] | None = None,
         progress: bool = False,
     ) -> list[Req]:
-        """Submit ``reqs`` and run the loop until all have finished.
+        """Add ``reqs`` and step until the engine is idle (``run``).
 
         Every request is checked before any is queued. If anything fails mid-run (a
         streaming callback raising, an interrupt) the call's requests are withdrawn and
         their memory freed before the error propagates, so the engine stays usable.
+        ``progress`` shows a tqdm bar counting finished requests.
         """
         for req in reqs:
             self.scheduler.check(req)
-        scheduler = self.scheduler
-        scheduler.on_token = on_token
         try:
             for req in reqs:
-                scheduler.submit(req)
-            scheduler.run(progress=progress)
+                self.add_request(req, checked=True)
+            self.run(on_token, total=len(reqs) if progress else None)
         except BaseException:
-            scheduler.abort(reqs)
+            self.abort(reqs)
             raise
-        finally:
-            scheduler.on_token = None
         return list(reqs)
+
+    def run(self, on_token: Callable[[Req, int], None] | None = None,
+            total: int | None = None) -> None:
+        """Step until the engine is idle, handing each token to ``on_token`` once its step
+        is done; ``total`` (requests) shows a tqdm bar counting the finished ones."""
+        bar = None
+        if total is not None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="req", desc=f"serving ({self.mode})")
+        try:
+            with self._short_switch_interval():
+                while (out := self._step(collect=on_token is not None)).record is not None:
+                    if on_token is not None:
+                        for req, token in out.tokens:
+                            on_token(req, token)
+                    if bar is not None:
+                        bar.update(len(out.record.finished))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    @contextmanager
+    def _short_switch_interval(self) -> Iterator[None]:
+        """While the overlapped loop runs, hand the GIL over every ``SWITCH_INTERVAL``: the
+        device thread needs it for a moment to start each step, and Python's default (5 ms)
+        is longer than a whole step."""
+        if not isinstance(self.loop, OverlapLoop):
+            yield
+            return
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(old)
 
     def run_workload(self, workload: Workload, progress: bool = False) -> RunResult:
         """Replay ``workload`` (arrivals relative to now); return requests, steps, metrics.
@@ -207,6 +331,8 @@ def simulate(
     left out, it is all the memory the GPU has after the weights (LLaMA-3-8B on an H100:
     about 488k tokens), which is what a real server would give its pool.
     """
+    from minisrv.sim import SimBackend  # the book's simulated GPU, loaded only when asked
+
     backend = SimBackend(cfg, gpu, dtype_bytes)
     if "kv_capacity" not in options and config is None:
         options["kv_capacity"] = backend.kv_capacity()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from minisrv.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from minisrv.radix import TreeNode
+    from minisrv.kv import TreeNode
 
 __all__ = [
     "ReqState", "PENDING", "WAITING", "RUNNING", "FINISHED", "ABORTED", "Req", "SamplingParams",

@@ -11,12 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import ModelBackend, SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
 from minisrv.request import FINISHED, Req
+from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
+from minisrv.sim import SimBackend
 
 VOCAB = 61
 

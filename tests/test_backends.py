@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from minisrv.backends import ModelBackend, PerRequestBackend
 from minisrv.engine import Engine
+from minisrv.runner import ModelBackend, PerRequestBackend
 from minisrv.sampling import SamplingParams
 
 MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture

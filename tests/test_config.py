@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from minisrv.backends import SimBackend
 from minisrv.engine import Engine, EngineConfig, simulate
 from minisrv.scheduler import Scheduler
+from minisrv.sim import SimBackend
 from minisrv.workloads import gpu_scale_workload
 
 

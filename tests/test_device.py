@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minisrv.book import default_device
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import ATTENTION_KINDS, CityLM, FlatBatch
 
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import ModelBackend
 from minisrv.engine import Engine
 from minisrv.model import CityLM
+from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES
 

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import prefix_sharing, prompts_of
 
-from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES
 from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.sim import SimBackend
 
 MODEL_SEED = 3  # the random CityLM of conftest's `model` fixture
 

@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import prefix_sharing, prompts_of
 
-from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
-from minisrv.radix import RadixCache
+from minisrv.kv import RadixCache
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
+from minisrv.sim import SimBackend
 
 MODEL_SEED = 2  # the random CityLM of conftest's `model` fixture
 

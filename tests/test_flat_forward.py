@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisrv.configs import CITYLM
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 
 SMALL = CITYLM.with_(name="small", n_layers=2, d_model=32, head_dim=8, d_ff=64, max_seq_len=64)

@@ -13,10 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import ModelBackend
 from minisrv.configs import CITYLM
 from minisrv.engine import Engine
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import (
     FLEX_AVAILABLE,
     CityLM,
@@ -32,6 +31,7 @@ from minisrv.model.ragged import (
     ragged_mask_mod,
     ragged_tiles,
 )
+from minisrv.runner import ModelBackend
 from minisrv.tokenizer import Tokenizer
 
 DEVICES = available_devices()  # cpu always, cuda when a GPU is visible

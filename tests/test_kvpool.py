@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisrv.configs import CITYLM
-from minisrv.kvpool import KVPool, SlotAllocator
+from minisrv.kv import KVPool, SlotAllocator
 
 
 def test_fresh_pool_hands_out_distinct_slots_in_order() -> None:

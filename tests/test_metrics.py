@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
 from minisrv.metrics import RunMetrics, summarize, wait_values
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload
 
 

@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv import backends
-from minisrv.backends import ModelBackend, SimBackend
+from minisrv import sampling
 from minisrv.engine import Engine
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
 from minisrv.experiments.lanes import late_stop_waste, throughput_ratio, timeline
 from minisrv.overlap import TimedBackend
+from minisrv.runner import ModelBackend
+from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 3
@@ -291,13 +292,13 @@ def test_time_steps_times_every_step_and_keeps_the_tokens(model) -> None:
 def test_time_steps_leaves_the_engine_as_it_was(model) -> None:
     prompts, lengths = _prompts()
     engine = Engine(model, kv_capacity=200, cache="radix")
-    sample_batch = backends.sample_batch
+    sample_batch = sampling.sample_batch
     before = [dict(vars(obj)) for obj in (engine.scheduler, engine.backend, engine.tree)]
     time_steps(engine, prompts, lengths)
     with pytest.raises(ValueError, match="max_new_tokens"):  # an error mid-call restores too
         time_steps(engine, prompts, 0)
     assert "forward_flat" not in vars(model)
-    assert backends.sample_batch is sample_batch
+    assert sampling.sample_batch is sample_batch
     for obj, saved in zip((engine.scheduler, engine.backend, engine.tree), before):
         assert {"step", "receive_arrivals", "get_next_batch_to_run", "process_batch_result",
                 "run", "match_prefix", "insert"}.isdisjoint(set(vars(obj)) - set(saved))

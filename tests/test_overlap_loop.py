@@ -9,13 +9,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import ModelBackend, PerRequestBackend, SimBackend
 from minisrv.engine import Engine
-from minisrv.overlap import OverlapScheduler, TimedBackend
-from minisrv.radix import CACHES
+from minisrv.kv import CACHES
 from minisrv.request import ReqState
+from minisrv.runner import ModelBackend, PerRequestBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler, StepRecord
+from minisrv.scheduler.overlap import OverlapLoop
+from minisrv.sim import SimBackend, TimedBackend
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 0  # the random CityLM of conftest's `model` fixture
@@ -37,7 +38,7 @@ def assert_drained(engine: Engine) -> None:
     """Nothing left running or in flight, every slot free or cached, no generator kept."""
     scheduler = engine.scheduler
     scheduler.check_integrity()
-    assert scheduler.idle and scheduler.kv_reserved == 0
+    assert engine.idle and scheduler.kv_reserved == 0
     assert scheduler.kv.used_count == scheduler.tree.size_info().total  # no slot leaked
     if isinstance(engine.backend, ModelBackend):
         assert engine.backend.live_requests == 0
@@ -144,7 +145,7 @@ def test_failing_stream_callback_drains_and_leaves_the_engine_usable(model) -> N
 
     with pytest.raises(RuntimeError, match="client went away"):
         engine.generate([[0, 5], [0, 6], [0, 7]], 6, on_token=explode)
-    assert engine.scheduler._inflight is None
+    assert engine.loop.inflight is None
     assert all(t >= 0 for _, t in seen)  # streamed tokens are real, never future ids
     assert_drained(engine)
     assert engine.generate([[0, 8], [0, 5]], 4) == [
@@ -159,17 +160,18 @@ def test_abort_mid_run_drains_the_step_in_flight(model) -> None:
     prompts = [[0, 3 + i, 11] for i in range(6)]
     reqs = engine.make_requests(prompts, 10)
     for req in reqs:
-        scheduler.submit(req)
+        engine.add_request(req)
     for _ in range(3):
-        scheduler.step()
-    assert scheduler._inflight is not None
+        engine.step()
+    assert engine.loop.inflight is not None
     doomed, kept = reqs[::2], reqs[1::2]
-    scheduler.abort(doomed)
-    assert scheduler._inflight is None
+    engine.abort(doomed)
+    assert engine.loop.inflight is None
     scheduler.check_integrity()
     assert all(req.state == ReqState.ABORTED for req in doomed if req.finish_reason is None)
     assert all(t >= 0 for req in reqs for t in req.output)  # no placeholder left behind
-    scheduler.run()
+    while engine.step().record is not None:
+        pass
     assert [req.output for req in kept] == [
         model.reference_generate(req.prompt, 10) for req in kept
     ]
@@ -220,8 +222,8 @@ def test_a_failing_step_is_raised_and_the_engine_stays_usable(model, timed) -> N
 def test_a_backend_without_prepare_and_compute_is_refused(model) -> None:
     with pytest.raises(ValueError, match="prepare\\(\\) and compute\\(\\)"):
         Engine(PerRequestBackend(model), overlap=True)
-    assert type(Engine(model, overlap=True).scheduler) is OverlapScheduler
-    assert type(Engine(model).scheduler) is Scheduler
+    assert type(Engine(model, overlap=True).loop) is OverlapLoop
+    assert type(Engine(model).loop) is Scheduler
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -252,10 +254,10 @@ def test_retraction_while_a_step_is_in_flight(model, mode, cache) -> None:
 def test_steps_run_on_their_own_cuda_stream_only_on_a_gpu(model) -> None:
     """On a GPU the device thread issues every step on a stream of its own (one per
     scheduler, waiting for the default stream's work first); the CPU needs none."""
-    sched = OverlapScheduler(TimedBackend(ModelBackend(model), 0.0), kv_capacity=200)
-    stream = sched._stream
+    loop = OverlapLoop(Scheduler(TimedBackend(ModelBackend(model), 0.0), kv_capacity=200))
+    stream = loop.worker.stream
     if model.device.type == "cuda":
         assert stream is not None and stream != torch.cuda.current_stream(model.device)
     else:
         assert stream is None
-    assert OverlapScheduler(SimBackend())._stream is None
+    assert OverlapLoop(Scheduler(SimBackend())).worker.stream is None

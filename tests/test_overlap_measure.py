@@ -24,7 +24,7 @@ def test_future_trace_links_each_placeholder_to_the_token_it_became(model, mode,
     engine = Engine(model, max_running=2, mode=mode, overlap=True, skip_finishing_decode=skip)
     outputs = engine.generate(PROMPTS, LENGTHS, arrival_steps=ARRIVALS)
     assert outputs == [model.reference_generate(p, m) for p, m in zip(PROMPTS, LENGTHS)]
-    steps, records = engine.scheduler.future_trace, engine.trace
+    steps, records = engine.loop.future_trace, engine.trace
     assert [s.index for s in steps] == [r.index for r in records]
     kept: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     previous: dict[int, tuple[int, int]] = {}  # rid -> (placeholder, token) of the last step
@@ -66,7 +66,7 @@ def test_future_trace_frame_shows_every_step(model) -> None:
 def test_future_trace_is_kept_only_with_the_trace(model) -> None:
     engine = Engine(model, overlap=True, record_trace=False)
     engine.generate(PROMPTS[:2], 3)
-    assert engine.scheduler.future_trace == []
+    assert engine.loop.future_trace == []
 
 
 def test_waste_is_one_token_per_finished_request(model) -> None:

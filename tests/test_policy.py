@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv.radix import NoCache, RadixCache, TreeNode
+from minisrv.kv import NoCache, RadixCache, TreeNode
 from minisrv.scheduler.policy import (
     CACHE_AWARE,
     IN_BATCH_CHECK_THRESHOLD,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minisrv.radix import MatchResult, NoCache, RadixCache, make_cache
+from minisrv.kv import MatchResult, NoCache, RadixCache, make_cache
 
 
 def chars(text: str) -> list[int]:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisrv.backends import SimBackend
 from minisrv.engine import Engine
 from minisrv.experiments.routing import run_cluster, serve_cluster, simulate_cluster
 from minisrv.router import POLICIES, Router
+from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
 from minisrv.workloads import Workload, prefix_groups_workload
 

@@ -42,7 +42,7 @@ class ScriptedBackend:
             assert sched.kv_reserved <= sched.kv_capacity
         self.batches.append(batch)
         tokens = [EOS if self.eos_at.get(r.rid) == len(r.output) else 7 for r in batch.reqs]
-        return BatchResult(tokens, cost=float(len(batch)), elapsed=1.0)
+        return BatchResult([[t] for t in tokens], cost=float(len(batch)), elapsed=1.0)
 
     def attach_kv(self, capacity: int) -> None:
         return None

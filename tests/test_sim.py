@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from minisrv.backends import SimBackend
 from minisrv.configs import H100, LLAMA3_8B
 from minisrv.engine import Engine, simulate
 from minisrv.request import Req
 from minisrv.roofline import batch_step_time
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Batch
+from minisrv.sim import SimBackend
 from minisrv.workloads import gpu_scale_workload
 
 GPU = {"max_running": 64, "admission": "reserve"}  # the scheduler-loop chapter's setting
@@ -41,7 +41,7 @@ def test_step_time_is_the_roofline_time_of_the_batch() -> None:
     fresh = Req(0, list(range(2, 502)), SamplingParams(max_new_tokens=4))
     old = Req(1, list(range(2, 102)), SamplingParams(max_new_tokens=9))
     old.output.extend([5, 6, 7])  # 103 tokens: 102 cached, the last one is this step's input
-    result = backend.run(Batch([fresh], [old]))
+    result = backend.run(Batch.of([fresh], [old]))
     expected = batch_step_time(LLAMA3_8B, H100, prefill=[(500, 0)], decode_contexts=[102])
     assert result.elapsed == result.cost == expected
     assert len(result.next_tokens) == 2

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from minisrv.backends import SimBackend
 from minisrv.engine import Engine
+from minisrv.sim import SimBackend
 from minisrv.viz import timeline as tl
 from minisrv.workloads import Workload
 

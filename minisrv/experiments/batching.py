@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minisrv.engine import Engine
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.workloads import Workload
 

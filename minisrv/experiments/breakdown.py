@@ -36,7 +36,7 @@ PARTS: tuple[str, ...] = (
 * prefix match / cache insert: every ``tree.match_prefix`` / ``tree.insert`` call;
 * prepare inputs: ``backend.run`` without the forward and the sampling (building the flat
   batch of ids and KV slots);
-* forward: ``model.forward_flat``, the device's work (any other backend: all of its ``run``);
+* forward: ``ModelRunner.forward``, the device's work (any other backend: all of its ``run``);
 * sample: ``sample_batch`` over the step's logits (greedy: one argmax, read back to the CPU);
 * process results: ``process_batch_result`` (append, stream, stop checks, free) without the
   cache inserts;
@@ -135,9 +135,10 @@ def _patched(obj: Any, name: str, replacement: Callable[..., Any]) -> Iterator[N
 
 
 def _flat_model(backend: Any) -> Any:
-    """The CityLM whose ``forward_flat`` a ``ModelBackend`` calls; None for other backends."""
+    """The CityLM a ``ModelRunner`` runs (its ``forward`` and sampler are timed apart);
+    None for other backends."""
     model = getattr(backend, "model", None)
-    if model is not None and callable(getattr(model, "forward_flat", None)):
+    if model is not None and callable(getattr(backend, "forward", None)):
         return model
     return None
 
@@ -149,8 +150,8 @@ def time_steps(
 
     Timed from outside the scheduler: its public calls (``step``, ``receive_arrivals``,
     ``get_next_batch_to_run``, ``process_batch_result``), the prefix cache's
-    ``match_prefix`` and ``insert``, ``backend.run``, the model's ``forward_flat`` and
-    ``minisrv.backends.sample_batch`` are shadowed by timing wrappers for the run and
+    ``match_prefix`` and ``insert``, ``backend.run``, the runner's ``forward`` and
+    ``minisrv.sampling.sample_batch`` are shadowed by timing wrappers for the run and
     restored afterwards, so the engine is left as it was. A backend that is not a
     ``ModelBackend`` (a ``SimBackend``, a ``TimedBackend``) is the device as a whole: all
     of ``backend.run`` counts as its forward. On CUDA the forward is
@@ -158,7 +159,7 @@ def time_steps(
     ``.item()``'s. The wrappers cost about a microsecond per call, which lands in the parts
     that make the calls.
     """
-    from minisrv import backends
+    from minisrv import sampling
 
     scheduler, backend = engine.scheduler, engine.backend
     model = _flat_model(backend)
@@ -192,8 +193,8 @@ def time_steps(
     else:
         patches += [
             (backend, "run", watch.wrap("prepare inputs", backend.run)),
-            (model, "forward_flat", watch.wrap("forward", model.forward_flat, device=True)),
-            (backends, "sample_batch", watch.wrap("sample", backends.sample_batch)),
+            (backend, "forward", watch.wrap("forward", backend.forward, device=True)),
+            (sampling, "sample_batch", watch.wrap("sample", sampling.sample_batch)),
         ]
     with ExitStack() as stack:
         for obj, name, fn in patches:

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from minisrv.backends import SimBackend
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine, RunResult, simulate
-from minisrv.radix import RadixCache
+from minisrv.kv import RadixCache
 from minisrv.scheduler import SchedulerStats, calc_priority, optimal_hit_rate
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload, arrival_times, check_workload_args, few_shot_groups_workload
 
 __all__ = [

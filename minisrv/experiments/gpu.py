@@ -22,14 +22,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from minisrv.backends import ModelBackend
 from minisrv.configs import GPUSpec, ModelConfig, gpu_by_name
 from minisrv.engine import Engine
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.roofline import decode_step_cost, decode_step_time
+from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
-from minisrv.steptime import decode_step_seconds
+from minisrv.sim.steptime import decode_step_seconds
 
 __all__ = [
     "DEMO_TEXT",
@@ -232,13 +232,12 @@ def _decode_steps(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     Each step returns sampled ids on the host, so its device work is done when it returns.
     """
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    sched = engine.scheduler
     for req in engine.make_requests(prompts, None, params):
-        sched.submit(req)
+        engine.add_request(req)
     tokens, seconds = 0, 0.0
     while True:
         start = time.perf_counter()
-        record = sched.step()
+        record = engine.step().record
         elapsed = time.perf_counter() - start
         if record is None:
             return tokens, seconds

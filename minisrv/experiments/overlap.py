@@ -20,12 +20,12 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from minisrv.backends import SimBackend
 from minisrv.checks import check_int
 from minisrv.engine import Engine
 from minisrv.experiments.lanes import throughput_ratio
-from minisrv.overlap.timed import TimedBackend
 from minisrv.sampling import SamplingParams
+from minisrv.sim import SimBackend
+from minisrv.sim.timed import TimedBackend
 
 __all__ = ["LOOPS", "model_gain", "timed_gain", "waste_by_length"]
 
@@ -96,19 +96,17 @@ def _serve_timed(step_time: float, overlap: bool, prompts: list[list[int]],
                  output_len: list[int], max_running: int) -> _TimedRun:
     """One run on ``TimedBackend(SimBackend(), step_time)``.
 
-    The wall time is the loop's alone (``Scheduler.run``): building and queueing the
+    The wall time is the loop's alone (``Engine.run``): building and queueing the
     requests happens once per run, before any step, and is no step's CPU work.
     """
     backend = TimedBackend(SimBackend(), step_time)
     engine = Engine(backend, mode="mixed", overlap=overlap, skip_finishing_decode=True,
                     max_running=max_running, kv_capacity=100_000, record_trace=False)
     reqs = engine.make_requests(prompts, output_len)
-    scheduler = engine.scheduler
     for req in reqs:
-        scheduler.check(req)
-        scheduler.submit(req)
+        engine.add_request(req)
     start = time.perf_counter()
-    scheduler.run()
+    engine.run()
     wall = time.perf_counter() - start
     return _TimedRun(wall, backend.busy, backend.waited, engine.stats.steps,
                      [req.output for req in reqs])

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from minisrv.backends import SimBackend
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.engine import Engine
 from minisrv.request import Req
 from minisrv.router.policy import Router
 from minisrv.sampling import SamplingParams
+from minisrv.sim import SimBackend
 from minisrv.workloads import Workload
 
 __all__ = ["ClusterResult", "run_cluster", "simulate_cluster", "serve_cluster"]
@@ -80,11 +80,11 @@ def run_cluster(engines: Sequence[Engine], router: Router, workload: Workload) -
     """
     if len(engines) != router.n_workers:
         raise ValueError(f"{len(engines)} engines for a router of {router.n_workers} workers")
-    if any(not e.scheduler.idle or e.scheduler.clock != 0 for e in engines) or any(router.loads):
+    if any(not e.idle or e.clock != 0 for e in engines) or any(router.loads):
         raise ValueError("run_cluster needs fresh engines (clock 0, nothing queued) and router")
     loop = _ClusterLoop(engines, router, workload)
     for req in loop.pending:  # a request no worker could serve fails here, before any runs;
-        engines[0].scheduler.check(req)  # so routing later enqueues it without a second check
+        engines[0].scheduler.check(req)  # so routing later adds it without a second check
     loop.run()
     return loop.result()
 
@@ -175,11 +175,10 @@ class _ClusterLoop:
         """The worker whose next step starts first, and when (-1, inf if all are idle)."""
         best, best_t = -1, math.inf
         for w, engine in enumerate(self.engines):
-            sched = engine.scheduler
-            if sched.waiting or sched.running:
-                t = sched.clock
-            elif not sched.idle:  # only requests that arrive later
-                t = max(sched.clock, self.wake[w])
+            if engine.has_work_now:
+                t = engine.clock
+            elif not engine.idle:  # only requests that arrive later
+                t = max(engine.clock, self.wake[w])
             else:
                 continue
             if t < best_t:
@@ -191,13 +190,13 @@ class _ClusterLoop:
         w = self.router.route(req.prompt)
         # The engine's clock may be past ``t`` (it is mid-step): the request then joins at its
         # next step, and its latency still counts from ``t``.
-        self.engines[w].scheduler.enqueue(req)  # checked in run_cluster
+        self.engines[w].add_request(req, checked=True)  # checked in run_cluster
         self.requests[i], self.workers[i] = req, w
         self.wake[w] = min(self.wake[w], t)
         self._record(t)
 
     def _step(self, w: int) -> None:
-        record = self.engines[w].scheduler.step()
+        record = self.engines[w].step().record
         self.wake[w] = math.inf
         if record is None:
             raise RuntimeError(f"worker {w} has requests but could not step")

@@ -23,6 +23,7 @@ from minisrv.model.flat import (
     ATTENTION_KINDS,
     FlatBatch,
     PaddedGroup,
+    flat_attention_flex,
     flat_attention_loop,
     flat_attention_padded,
     padded_attention,
@@ -60,12 +61,7 @@ from minisrv.model.loading import (
     load_model,
     resolve_device,
 )
-from minisrv.model.ragged import (
-    FLEX_AVAILABLE,
-    flat_attention_flex,
-    ragged_block_mask,
-    ragged_tiles,
-)
+from minisrv.model.ragged import FLEX_AVAILABLE, ragged_block_mask, ragged_tiles
 
 __all__ = [
     "ATTENTION_KINDS",

@@ -32,7 +32,7 @@ from minisrv.sampling import SamplingParams, make_generator, sample_next
 from minisrv.tokenizer import EOS_ID
 
 if TYPE_CHECKING:
-    from minisrv.kvpool import KVPool
+    from minisrv.kv import KVPool
 
 
 def merge_eos_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:

@@ -3,8 +3,8 @@ the attention that runs over it, with every request's K/V in a shared ``KVPool``
 
 ``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
 tokens' K/V into their slots, then attends with one of the strategies of ``ATTENTION_KINDS``
-(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex`` from
-``ragged``);
+(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex``, whose
+block mask and kernel come from ``ragged``);
 ``resolve_attention`` turns ``"auto"`` into the right one for a device.
 """
 
@@ -19,17 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minisrv.model import ragged
 from minisrv.model.layers import causal_mask, grouped_attention
-from minisrv.model.ragged import (
-    FLEX_AVAILABLE,
-    BlockMask,
-    flat_attention_flex,
-    flex_compiles,
-    ragged_block_mask,
-)
+from minisrv.model.ragged import FLEX_AVAILABLE, BlockMask, flex_compiles, ragged_block_mask
 
 if TYPE_CHECKING:
-    from minisrv.kvpool import KVPool
+    from minisrv.kv import KVPool
 
 ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
 """How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
@@ -281,6 +276,33 @@ def padded_attention(
     out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=bias, enable_gqa=n_heads > n_kv)
     out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
     return out if group.rows is None else out.index_select(0, group.rows)
+
+
+def flat_attention_flex(
+    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
+) -> torch.Tensor:
+    """The same attention as ``flat_attention_padded`` in one ragged call, without padding.
+
+    Queries stay the flat [T] rows and keys are every request's slots laid end to end
+    [S_total]; the block mask (``FlatBatch.flex_index``) keeps each query to its own request,
+    its prefix and its new tokens causally. Work scales with the tiles requests really
+    occupy, not with (requests x longest context), which is what a long prefill beside many
+    short decodes wastes in the padded call. Grouped-query heads are shared by the kernel
+    (``enable_gqa``), not copied.
+    """
+    key_slots, block_mask = batch.flex_index()
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
+    v = v_layer[key_slots].transpose(0, 1)[None]
+    attend = ragged.flex_kernel(q.device, q.dtype, head_dim)
+    if attend is not ragged.flex_attention and ragged.compile_failure is not None:
+        return flat_attention_padded(q, batch, k_layer, v_layer)
+    try:
+        out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
+    except ragged.COMPILE_ERRORS as err:  # only the compiled kernel raises these
+        ragged.compile_failed(err)
+        return flat_attention_padded(q, batch, k_layer, v_layer)
+    return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)
 
 
 ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {

@@ -12,7 +12,9 @@ from the pool, and its new tokens causally). flex_attention takes that rule twic
   the T x S_total pairs (gigabytes for a step that prefills many long prompts).
 
 On a GPU the call is compiled to one fused Triton kernel; elsewhere it runs eagerly (the
-unfused reference implementation), which is how the CPU tests check its numbers.
+unfused reference implementation), which is how the CPU tests check its numbers. The call
+itself, ``flat_attention_flex``, sits in ``flat`` beside the padded call it falls back to;
+this module knows nothing of flat batches.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,9 +37,6 @@ try:  # what a failed torch.compile raises (private modules: guarded)
     COMPILE_ERRORS: tuple[type[BaseException], ...] = (BackendCompilerFailed, InductorError)
 except ImportError:  # pragma: no cover - depends on the installed torch
     COMPILE_ERRORS = ()
-
-if TYPE_CHECKING:
-    from minisrv.model.flat import FlatBatch
 
 FLEX_AVAILABLE: bool = flex_attention is not None
 """Whether this torch has ``torch.nn.attention.flex_attention`` (2.5 and later)."""
@@ -192,34 +190,7 @@ def flex_kernel(
     return _COMPILED_FLEX["cuda"]
 
 
-def flat_attention_flex(
-    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
-) -> torch.Tensor:
-    """The same attention as ``flat_attention_padded`` in one ragged call, without padding.
-
-    Queries stay the flat [T] rows and keys are every request's slots laid end to end
-    [S_total]; the block mask (``FlatBatch.flex_index``) keeps each query to its own request,
-    its prefix and its new tokens causally. Work scales with the tiles requests really
-    occupy, not with (requests x longest context), which is what a long prefill beside many
-    short decodes wastes in the padded call. Grouped-query heads are shared by the kernel
-    (``enable_gqa``), not copied.
-    """
-    key_slots, block_mask = batch.flex_index()
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
-    v = v_layer[key_slots].transpose(0, 1)[None]
-    attend = flex_kernel(q.device, q.dtype, head_dim)
-    if attend is not flex_attention and compile_failure is not None:
-        return _padded(q, batch, k_layer, v_layer)
-    try:
-        out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
-    except COMPILE_ERRORS as err:  # only the compiled kernel raises these
-        _compile_failed(err)
-        return _padded(q, batch, k_layer, v_layer)
-    return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)
-
-
-def _compile_failed(err: BaseException) -> None:
+def compile_failed(err: BaseException) -> None:
     """Remember (and say once) that the compiled kernel failed: the padded call takes over."""
     global compile_failure
     compile_failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
@@ -227,10 +198,3 @@ def _compile_failed(err: BaseException) -> None:
                   "the padded attention for the rest of this process", RuntimeWarning,
                   stacklevel=3)
 
-
-def _padded(
-    q: torch.Tensor, batch: FlatBatch, k_layer: torch.Tensor, v_layer: torch.Tensor
-) -> torch.Tensor:
-    from minisrv.model.flat import flat_attention_padded  # flat imports this module
-
-    return flat_attention_padded(q, batch, k_layer, v_layer)

@@ -1,4 +1,4 @@
-"""Zero-overhead scheduling: the overlapped loop and the device it is measured on.
+"""Zero-overhead scheduling: how much of a step is CPU work, and how much overlap can hide.
 
 A serving loop alternates two kinds of work. The *CPU* receives requests, admits them,
 matches prefixes, prepares the inputs and, once the step is done, appends tokens, checks
@@ -6,17 +6,20 @@ stops and streams. The *device* runs the forward. Run one after the other (the b
 loop) the device waits for the CPU on every step; overlapped, the CPU forms step i+1 while
 the device computes step i.
 
-* ``futures``: ``FutureMap``, the device-side placeholders through which step i+1's
-  inputs name step i's not-yet-sampled tokens;
-* ``loop``: ``OverlapScheduler``, the loop behind ``Engine(..., overlap=True)``, and
-  ``FutureStep``, its record of what the future map did in each step;
-* ``timed``: ``TimedBackend``, a device whose step takes a set wall-clock time while
-  computing the real tokens.
+This package gathers the names the overlap chapter uses, wherever they live:
 
-The chapter's model and measurements live on the book side, in ``minisrv.experiments``
-(``lanes``: ``timeline``, ``throughput_ratio``; ``breakdown``: ``time_steps``;
-``overlap``: waste and gain). Their names are still importable from here, lazily, so that
-loading the loop never loads them.
+* ``OverlapLoop`` (``minisrv.scheduler.overlap``), the loop behind
+  ``Engine(..., overlap=True)``, and ``FutureStep``, its record of the future map's work;
+* ``FutureMap`` (``minisrv.runner.futures``), the device-side placeholders through which
+  step i+1's inputs name step i's not-yet-sampled tokens;
+* ``TimedBackend`` (``minisrv.sim.timed``), a device whose step takes a set wall-clock
+  time while computing the real tokens;
+* the chapter's model and measurements, on the book side in ``minisrv.experiments``
+  (``lanes``: ``timeline``, ``throughput_ratio``, ``late_stop_waste``; ``breakdown``:
+  ``time_steps``).
+
+Every name is imported on first use, so importing this package loads neither the loop nor
+the book side.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from minisrv.overlap.futures import FutureMap
-from minisrv.overlap.loop import FutureStep, OverlapScheduler
-from minisrv.overlap.timed import TimedBackend
-
-_BOOK_SIDE = {
+_WHERE = {
+    "FutureMap": "minisrv.runner.futures",
+    "FutureStep": "minisrv.scheduler.overlap",
+    "OverlapLoop": "minisrv.scheduler.overlap",
+    "TimedBackend": "minisrv.sim.timed",
     "CPU_PARTS": "minisrv.experiments.breakdown",
     "PARTS": "minisrv.experiments.breakdown",
     "StepTiming": "minisrv.experiments.breakdown",
@@ -41,25 +44,10 @@ _BOOK_SIDE = {
     "timeline": "minisrv.experiments.lanes",
 }
 
-__all__ = [
-    "CPU_PARTS",
-    "PARTS",
-    "FutureMap",
-    "FutureStep",
-    "Interval",
-    "OverlapScheduler",
-    "StepTiming",
-    "StepTimings",
-    "TimedBackend",
-    "Timeline",
-    "late_stop_waste",
-    "throughput_ratio",
-    "time_steps",
-    "timeline",
-]
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _BOOK_SIDE:
-        return getattr(importlib.import_module(_BOOK_SIDE[name]), name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'minisrv.overlap' has no attribute {name!r}")

@@ -1,29 +1,37 @@
-"""The scheduler package: the loop, its configuration, admission, memory and records.
+"""The scheduler package: the step path, both loops, configuration, admission and records
+(KV memory is ``minisrv.kv``'s).
 
-* ``loop.py``: ``Scheduler``, the four calls of every serving engine;
+* ``loop.py``: ``Scheduler``, the step path (form, launch, complete, one finish path) and
+  the blocking loop;
+* ``overlap.py``: ``OverlapLoop``, the overlapped loop over the same step path;
+* ``state.py``: ``SchedulerState``, the queues, submission, abort, integrity, records;
 * ``config.py``: ``EngineConfig``, the one frozen set of options;
 * ``admission.py``: how much memory a request must find (reserve, or SGLang's budget);
-* ``memory.py``: ``KVManager``, the one owner of KV slots and prefix-cache bookkeeping;
-* ``records.py``: ``Batch``, ``BatchResult``, ``StepRecord``, ``SchedulerStats``, ``Backend``;
+* ``records.py``: ``Batch`` (of ``Entry``), ``BatchResult``, ``StepRecord``,
+  ``SchedulerStats``, ``Backend``, ``StepOutput``, ``EngineSnapshot``;
 * ``policy.py``: which waiting request goes first (FCFS, LPM, DFS-weight, LOF, random).
 """
 
+from minisrv.kv.manager import KVManager
 from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS
 from minisrv.scheduler.config import ADMISSIONS, MODES, ConfigView, EngineConfig
 from minisrv.scheduler.loop import Scheduler
-from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import POLICIES, PriorityResult, calc_priority, optimal_hit_rate
 from minisrv.scheduler.records import (
     Backend,
     Batch,
     BatchResult,
+    EngineSnapshot,
+    Entry,
     SchedulerStats,
+    StepOutput,
     StepRecord,
     hit_rate,
 )
 
 __all__ = [
     "ADMISSIONS",
+    "ATTENTIONS",
     "CLIP_MAX_NEW_TOKENS",
     "MODES",
     "POLICIES",
@@ -32,10 +40,15 @@ __all__ = [
     "BatchResult",
     "ConfigView",
     "EngineConfig",
+    "EngineSnapshot",
+    "Entry",
     "KVManager",
+    "Launched",
     "PriorityResult",
     "Scheduler",
+    "SchedulerState",
     "SchedulerStats",
+    "StepOutput",
     "StepRecord",
     "calc_priority",
     "hit_rate",

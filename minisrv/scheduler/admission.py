@@ -16,9 +16,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from minisrv.kv.manager import KVManager
 from minisrv.request import Req
 from minisrv.scheduler.config import EngineConfig
-from minisrv.scheduler.memory import KVManager
 
 __all__ = [
     "CLIP_MAX_NEW_TOKENS",

@@ -13,11 +13,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from minisrv.checks import check_choice, check_int, check_number
-from minisrv.radix import CACHES, Cache
+from minisrv.kv import CACHES, Cache
 from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
 
 __all__ = [
     "ADMISSIONS",
+    "ATTENTIONS",
     "MODES",
     "POLICIES",
     "Admission",
@@ -34,6 +35,11 @@ MODES: tuple[Mode, ...] = ("static", "prefill-first", "mixed")
 Admission = Literal["reserve", "budget"]
 ADMISSIONS: tuple[Admission, ...] = ("reserve", "budget")
 """How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
+
+
+ATTENTIONS: tuple[str, ...] = ("auto", "loop", "padded", "flex")
+"""``Engine(model, attention=...)``: the runner's attention backend; auto: flex where it
+compiles (a GPU), padded elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class EngineConfig:
     min_ratio: float = 0.1  # budget: the ratio's floor
     record_trace: bool = True  # keep one StepRecord per step
     debug: bool = False  # check the memory invariants after every step (slow)
+    attention: str = "auto"  # a model's attention backend: loop, padded, flex, auto
+    device: str | None = None  # where a model runs ("cpu", "cuda", ...); None: where it is
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
@@ -77,6 +85,10 @@ class EngineConfig:
                              f"{', '.join(sorted(IN_BATCH_POLICIES))}, not {self.policy!r}")
         if self.seed is not None:
             check_int("seed", self.seed)
+        check_choice("attention", self.attention, ATTENTIONS)
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', or None, "
+                             f"got {self.device!r}")
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:

@@ -1,166 +1,60 @@
-"""The scheduler: one loop that decides, step by step, which requests the model computes.
+"""The scheduler: one step path that decides, step by step, which requests the model computes.
 
-Every serving engine in the book is this loop::
+Every serving engine in the book runs these three calls::
 
-    receive_arrivals()                   new requests join the waiting queue
-    batch = get_next_batch_to_run()      admit from the queue, pick who computes this step
-    result = backend.run(batch)          one forward pass (real model) or its roofline time
-    process_batch_result(batch, result)  append tokens, stream them, stop, free the finished
+    batch = form()           new arrivals join the queue; admit from it, pick who computes
+    step = launch(batch)     the backend computes the batch: one forward pass (real model)
+                             or its roofline time (simulated GPU)
+    complete(step)           append each entry's tokens, stream them, stop and free the
+                             finished (``finish``), record the step
 
-The scheduler never looks at logits or tensors: a *backend* computes the tokens and says
-how long the step took. The same code therefore drives CityLM on a laptop and a simulated
-H100 serving LLaMA-3-8B. The loop delegates: memory and the prefix cache to ``KVManager``
-(``memory.py``), how much may be admitted to an ``AdmissionRule`` (``admission.py``), and
-the records it keeps to ``records.py``. Bookkeeping per step touches only the requests in
-the batch (plus the ones admitted or arriving), so simulating thousands stays fast.
+The blocking loop (``step``) runs them one after the other; the overlapped loop
+(``minisrv.scheduler.overlap``) forms and launches step i+1 before completing step i. The
+scheduler never looks at logits or tensors: a *backend* computes the tokens and says how
+long the step took, so the same code drives CityLM on a laptop and a simulated H100 serving
+LLaMA-3-8B. It delegates memory and the prefix cache to ``KVManager`` (``minisrv.kv``),
+how much may be admitted to an ``AdmissionRule`` (``admission.py``), and its queues and
+records to ``SchedulerState`` (``state.py``). Bookkeeping per step touches only the
+requests in the batch (plus the ones admitted or arriving), so simulating thousands stays
+fast.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import random
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
-from minisrv.kvpool import SlotAllocator
-from minisrv.prefix_cache import PrefixCache
 from minisrv.request import Req, ReqState
-from minisrv.scheduler.admission import make_admission
-from minisrv.scheduler.config import ConfigView, EngineConfig
-from minisrv.scheduler.memory import KVManager
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
-from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
+from minisrv.scheduler.state import SchedulerState
 
-__all__ = ["Scheduler"]
+__all__ = ["Launched", "Scheduler"]
 
 
-class Scheduler(ConfigView):
+class Launched(NamedTuple):
+    """A step handed to the backend: its batch, the trace fields known before, its answer."""
+
+    batch: Batch
+    before: dict[str, Any]
+    result: BatchResult
+
+
+class Scheduler(SchedulerState):
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
-    ...). Every running request holds real slots of a ``SlotAllocator`` (the backend's KV
-    pool when it has one), one per token whose K/V exist; with ``cache="radix"`` its first
-    ``cached_len`` slots are shared prefix slots owned by the tree.
+    ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
     """
-
-    def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
-        self.config = config = EngineConfig.from_options(config, **options)
-        self.backend = backend
-        allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
-        self.memory = KVManager(allocator, config.cache)
-        self.admission = make_admission(config)
-        self.clock = 0.0
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.trace: list[StepRecord] = []
-        self.stats = SchedulerStats()
-        self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
-        self._pending: list[tuple[float, int, Req]] = []  # heap of future arrivals
-        self._order = itertools.count()  # FCFS tie-break for equal arrival times
-        self._rng = random.Random(config.seed)  # the random policy's draws, round after round
-
-    # ----------------------------------------------------------------- views
-    @property
-    def kv(self) -> SlotAllocator:
-        """The slot allocator (the backend's KV pool when it has one)."""
-        return self.memory.kv
-
-    @property
-    def tree(self) -> PrefixCache:
-        """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
-        return self.memory.tree
-
-    @property
-    def kv_reserved(self) -> int:
-        """KV tokens promised to the running requests (prompt + ``max_new_tokens`` each)."""
-        return self.admission.reserved
-
-    @property
-    def new_token_ratio(self) -> float:
-        """The admission estimate in force (1.0 under ``admission="reserve"``)."""
-        return self.admission.ratio
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing is pending, waiting or running."""
-        return not (self._pending or self.waiting or self.running)
-
-    @property
-    def pending(self) -> int:
-        """Requests submitted whose arrival time has not come yet."""
-        return len(self._pending)
-
-    # ----------------------------------------------------------------- submission
-    def check(self, req: Req) -> None:
-        """Raise ValueError if ``req`` could never be served; change nothing.
-
-        Checked at submission rather than at admission: a request that can never fit would
-        otherwise sit at the head of the FCFS queue forever and block everyone behind it.
-        """
-        if not req.prompt:
-            raise ValueError(f"request {req.rid}: the prompt is empty (it needs at least <bos>)")
-        if not req.arrival >= 0:  # also rejects NaN
-            raise ValueError(f"request {req.rid}: arrival must be >= 0, got {req.arrival}")
-        limit = self.backend.max_context
-        if limit is not None and req.kv_reservation > limit:
-            raise ValueError(
-                f"request {req.rid}: prompt of {req.prompt_len} tokens + max_new_tokens "
-                f"{req.max_new_tokens} exceeds the model context of {limit} tokens"
-            )
-        vocab = self.backend.vocab_size
-        if vocab is not None and not 0 <= min(req.prompt) <= max(req.prompt) < vocab:
-            raise ValueError(
-                f"request {req.rid}: prompt holds token ids outside the vocabulary (0..{vocab - 1})"
-            )
-        if req.kv_reservation > self.kv_capacity:
-            raise ValueError(
-                f"request {req.rid} needs {req.prompt_len} prompt + {req.max_new_tokens} new "
-                f"= {req.kv_reservation} KV tokens but kv_capacity is {self.kv_capacity}: "
-                "it could never be admitted"
-            )
-
-    def submit(self, req: Req) -> None:
-        """Queue ``req`` to arrive at ``req.arrival`` on the scheduler's clock."""
-        self.check(req)
-        self.enqueue(req)
-
-    def enqueue(self, req: Req) -> None:
-        """``submit`` without ``check``, for a caller that already checked ``req`` (a cluster
-        checks each request once, up front; a second scan of every prompt costs real time)."""
-        req.state = ReqState.PENDING
-        heapq.heappush(self._pending, (req.arrival, next(self._order), req))
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> StepRecord | None:
-        """Run one iteration of the loop; ``None`` once there is nothing left to do.
-
-        When nothing can run but requests are still to arrive, the clock jumps to the next
-        arrival instead of spinning through empty steps.
-        """
-        self.receive_arrivals()
-        batch = self.get_next_batch_to_run()
-        if not batch and self._pending:
-            self.clock = max(self.clock, self._pending[0][0])
-            self.receive_arrivals()
-            batch = self.get_next_batch_to_run()
-        if not batch:
+        """Run one iteration of the blocking loop; ``None`` once there is nothing left to do."""
+        batch = self.form()
+        if batch is None:
             return None
-        before = self._snapshot(batch)
-        result = self.backend.run(batch)
-        self.clock += result.elapsed
-        finished = self.process_batch_result(batch, result)
-        self.stats.count_step(batch, result, before["prefill_tokens"])
-        record = StepRecord(index=self.stats.steps - 1, end=self.clock,
-                            finished=tuple(req.rid for req in finished),
-                            queued=len(self.waiting), cost=result.cost, **before)
-        if self.config.record_trace:
-            self.trace.append(record)
-        if self.config.debug:
-            self.check_integrity()
-        return record
+        return self.complete(self.launch(batch))
 
     def run(self, progress: bool = False) -> None:
         """Step until every submitted request has finished.
@@ -178,16 +72,35 @@ class Scheduler(ConfigView):
             while (record := self.step()) is not None:
                 bar.update(len(record.finished))
 
-    def receive_arrivals(self) -> list[Req]:
-        """Move every request whose arrival time has come into the waiting queue (FCFS)."""
-        arrived = []
-        while self._pending and self._pending[0][0] <= self.clock:
-            req = heapq.heappop(self._pending)[2]
-            req.state = ReqState.WAITING
-            self.waiting.append(req)
-            arrived.append(req)
-        return arrived
+    def form(self, device_busy: bool = False) -> Batch | None:
+        """The next batch, or ``None`` when nothing can run now.
 
+        When nothing can run but requests are still to arrive, the clock jumps to the next
+        arrival instead of spinning through empty steps (unless the device is still busy
+        with a step: its end moves the clock).
+        """
+        self.receive_arrivals()
+        batch = self.get_next_batch_to_run()
+        if not batch and self._pending and not device_busy:
+            self.clock = max(self.clock, self._pending[0][0])
+            self.receive_arrivals()
+            batch = self.get_next_batch_to_run()
+        return batch if batch else None
+
+    def launch(self, batch: Batch) -> Launched:
+        """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
+        before = self._snapshot(batch)
+        return Launched(batch, before, self.backend.run(batch))
+
+    def complete(self, step: Launched) -> StepRecord:
+        """The step's tokens into the requests (``process_batch_result``), then its record."""
+        batch, before, result = step
+        before["start"] = self.clock  # a device's steps follow each other
+        self.clock += result.elapsed
+        finished = self.process_batch_result(batch, result)
+        return self.record(batch, before, result, finished)
+
+    # ----------------------------------------------------------------- forming a batch
     def get_next_batch_to_run(self) -> Batch:
         """Choose this step's work according to ``mode``.
 
@@ -203,23 +116,23 @@ class Scheduler(ConfigView):
         had to retract admits nobody: the memory it just freed is already spoken for.
         """
         if self.mode == "static" and self.running:
-            return Batch([], *self.prepare_decode())
+            return Batch.of([], *self.prepare_decode())
         if self.mode == "mixed":
             decoding, retracted = self.prepare_decode() if self.running else ([], ())
-            return Batch([] if retracted else self.admit(), decoding, retracted)
+            return Batch.of([] if retracted else self.admit(), decoding, retracted)
         new = self.admit()
         if new or not self.running:
-            return Batch(new, [])
-        return Batch([], *self.prepare_decode())
+            return Batch.of(new, [])
+        return Batch.of([], *self.prepare_decode())
 
     def admit(self) -> list[Req]:
         """Admit waiting requests in queue order while a batch place and KV memory are free.
 
         Each request first looks up its longest cached prefix (``KVManager.match``, which
         locks it); only the rest is allocated and prefilled. The admission rule decides
-        whether its memory need fits what is left this step; when the pool itself is short,
-        unlocked cached prefixes are evicted (LRU) before giving up. Admission stops at the
-        first request that does not fit (no overtaking), which keeps the queue order fair.
+        whether its memory need fits what is left this step; a short pool evicts unlocked
+        cached prefixes (LRU) first. Admission stops at the first request that does not fit
+        (no overtaking), which keeps the queue order fair.
         """
         adder = self.admission.adder(self.running, self.memory, self.max_running)
         if self.waiting and adder.has_place:
@@ -264,7 +177,7 @@ class Scheduler(ConfigView):
         stopped. Returns the requests that decode this step and those retracted.
         """
         retracted: list[Req] = []
-        while (short := len(self.running) - self.memory.free_count) > 0:
+        while (short := self.decode_tokens(self.running) - self.memory.free_count) > 0:
             if self.memory.evict(short, "decode"):
                 continue
             victim = self.retraction_victim(self.running)
@@ -275,6 +188,11 @@ class Scheduler(ConfigView):
         self.admission.after_decode_prepared(self.running, retracted)
         self.memory.alloc_decode(self.running)
         return list(self.running), tuple(retracted)
+
+    @staticmethod
+    def decode_tokens(running: list[Req]) -> int:
+        """KV slots the running requests' decodes take this step: one token each."""
+        return len(running)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:
@@ -289,85 +207,97 @@ class Scheduler(ConfigView):
         req.retractions += 1
         req.state = ReqState.WAITING
 
+    def set_aside_finishing(self) -> None:
+        """Move the running requests whose pending token is their last to ``finishing``: they
+        decode no more and their seats are free for admission, while their KV stays counted
+        until that token arrives (the overlapped loop's ``skip_finishing_decode``)."""
+        finishing: list[Req] = []
+        staying: list[Req] = []
+        for req in (*self.finishing, *self.running):
+            if req.state is ReqState.RUNNING:
+                last = len(req.output) >= req.params.max_new_tokens
+                (finishing if last else staying).append(req)
+        self.finishing, self.running = finishing, staying
+
+    # ----------------------------------------------------------------- completing a step
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
-        """Append each request's new token, stream it, and stop and free finished requests.
+        """Append each entry's tokens, stream them, and stop and free finished requests.
 
         A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
         the model's end-of-sequence ids and does not ignore them. A prefilled request that
         goes on gives its KV to the prefix cache at once. Returns the requests that finished.
         """
-        reqs = batch.reqs
-        if len(result.next_tokens) != len(reqs):
+        if len(result.tokens) != len(batch):
             raise ValueError(
-                f"backend returned {len(result.next_tokens)} tokens for a batch of {len(reqs)}"
+                f"backend returned tokens for {len(result.tokens)} entries, the batch has "
+                f"{len(batch)}"
             )
-        now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
-        finished = []
-        for req, token in zip(reqs, result.next_tokens, strict=True):
-            req.output.append(token)
-            req.token_times.append(now)
-            if on_token is not None:
-                on_token(req, token)
-            if token in stops and not req.params.ignore_eos:
-                req.finish_reason = "eos"
-            elif len(req.output) >= req.params.max_new_tokens:
-                req.finish_reason = "length"
-            else:
-                continue
-            finished.append(req)
-        done = {id(req) for req in finished}
-        for req in batch.prefill:
-            if id(req) not in done:
-                self.memory.cache_unfinished(req)
-        for req in finished:
-            self.memory.cache_finished(req)
-            self._leave(req, ReqState.FINISHED)
-            self.stats.finished += 1
-        if finished:
-            self.running = [req for req in self.running if req.state == ReqState.RUNNING]
-        self.stats.evicted_tokens = self.memory.evicted_tokens
+        finished = self.append_tokens(batch.entries, result.tokens)
+        self.finish(batch.prefill, finished)
         return finished
 
-    # ----------------------------------------------------------------- cleanup
-    def abort(self, reqs: Iterable[Req]) -> None:
-        """Withdraw ``reqs`` wherever they are (pending, waiting or running) and free them.
+    def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
+        """Append each entry's tokens to its request and stream them, up to the first that
+        stops it; return the requests that finished. Tokens computed past the end of a
+        request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
+        now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
+        finished = []
+        for (req, _, n_new, _), tokens in zip(entries, results, strict=True):
+            output, params = req.output, req.params
+            for token in tokens:
+                output.append(token)
+                req.token_times.append(now)
+                if on_token is not None:
+                    on_token(req, token)
+                if token in stops and not params.ignore_eos:
+                    req.finish_reason = "eos"
+                elif len(output) >= params.max_new_tokens:
+                    req.finish_reason = "length"
+                else:
+                    continue
+                finished.append(req)
+                break
+            if n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
+                self.memory.truncate(req, extra)  # KV past the newest token
+        return finished
 
-        Used when a caller gives up (for example its streaming callback raised), so the
-        scheduler is left consistent and serves the next call normally.
+    def finish(self, prefilled: list[Req], finished: list[Req],
+               late: frozenset[int] = frozenset()) -> None:
+        """The one finish path: prefilled requests that go on give their KV to the cache;
+        finished ones give theirs, leave, and are counted.
+
+        ``late`` holds the ids of finished requests found so one step late (the overlapped
+        loop): the step in flight computed one more token for those, whose KV goes first.
         """
-        done = (ReqState.FINISHED, ReqState.ABORTED)
-        doomed = [req for req in reqs if req.state not in done]
-        if not doomed:
-            return
-        ids = {id(req) for req in doomed}
-        self._pending = [item for item in self._pending if id(item[2]) not in ids]
-        heapq.heapify(self._pending)
-        self.waiting = deque(req for req in self.waiting if id(req) not in ids)
-        for req in doomed:
-            if req.state == ReqState.RUNNING:
-                self.memory.release(req)
-                self._leave(req, ReqState.ABORTED)
-            else:
-                req.state = ReqState.ABORTED
-                if req.retractions:  # retracted while running: may still hold a generator
-                    self.backend.release(req)
-        self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+        done = {id(req) for req in finished}
+        for req in prefilled:
+            if id(req) not in done and req.state == ReqState.RUNNING:
+                self.memory.cache_unfinished(req)
+        requeued = False  # a request retracted while its last token was computed
+        for req in finished:
+            requeued |= req.state == ReqState.WAITING
+            self._finish_one(req, late=id(req) in late)
+        if finished:
+            self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+            self.finishing = [req for req in self.finishing if req.state == ReqState.RUNNING]
+        if requeued:
+            self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
+        self.stats.evicted_tokens = self.memory.evicted_tokens
 
-    def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if KV memory or the request queues are inconsistent.
+    def _finish_one(self, req: Req, late: bool) -> None:
+        """``req`` ends: its KV to the cache (after dropping the token computed past its end,
+        if ``late``), its seat freed; a request retracted meanwhile holds no KV any more."""
+        if req.state == ReqState.WAITING:
+            req.state = ReqState.FINISHED
+            self.backend.release(req)
+        else:
+            if late:
+                req.output.pop()
+                self.memory.truncate(req, 1)
+            self.memory.cache_finished(req)
+            self._leave(req, ReqState.FINISHED, release=not late)  # the step in flight samples
+        self.stats.finished += 1
 
-        Slots held by requests + slots owned by the tree + free slots == capacity; the
-        tree's sizes add up; every lock belongs to a running request (``KVManager``); and
-        no request is in two places or lost between the queues.
-        """
-        self.memory.check_integrity(self.running)
-        places = [*(item[2] for item in self._pending), *self.waiting, *self.running]
-        assert len({id(r) for r in places}) == len(places), "a request is queued twice"
-        assert all(r.state == ReqState.RUNNING for r in self.running), "non-running in batch"
-        assert all(not r.kv_slots for r in self.waiting), "a waiting request holds KV slots"
-        assert len(self.running) <= self.max_running, "running batch over max_running"
-
-    # ----------------------------------------------------------------- helpers
     def _start(self, req: Req, cached: int) -> None:
         """Bookkeeping of an admitted request (its slots are already allocated)."""
         if not req.output:  # a first admission (a retracted request has output)
@@ -378,24 +308,3 @@ class Scheduler(ConfigView):
         req.state = ReqState.RUNNING
         if req.admitted_at is None:  # the first admission: queueing delay ends here
             req.admitted_at = self.clock
-
-    def _leave(self, req: Req, state: ReqState) -> None:
-        """A running request ends (its KV already handed over or freed)."""
-        self.admission.released(req)
-        req.state = state
-        self.backend.release(req)
-
-    def _snapshot(self, batch: Batch) -> dict[str, Any]:
-        """The trace fields known before the backend runs the step."""
-        computing = {id(req) for req in batch.reqs}
-        return {
-            "start": self.clock,
-            "prefill": tuple(req.rid for req in batch.prefill),
-            "decode": tuple(req.rid for req in batch.decode),
-            "paused": tuple(r.rid for r in self.running if id(r) not in computing),
-            "kv_reserved": self.kv_reserved,
-            "kv_used": self.kv.used_count,
-            "new_token_ratio": self.new_token_ratio,
-            "retracted": tuple(req.rid for req in batch.retracted),
-            "prefill_tokens": sum(req.seq_len - req.cached_len for req in batch.prefill),
-        }

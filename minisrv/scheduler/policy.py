@@ -47,7 +47,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, get_args
 
-from minisrv.radix import NoCache, PrefixCache, RadixCache, TreeNode
+from minisrv.kv import NoCache, PrefixCache, RadixCache, TreeNode
 
 __all__ = [
     "Policy",

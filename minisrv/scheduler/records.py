@@ -1,58 +1,122 @@
 """What the scheduler exchanges with a backend, and what it keeps about each step.
 
-``Batch`` goes to the backend, ``BatchResult`` comes back; ``StepRecord`` is one line of the
-trace and ``SchedulerStats`` the running totals. ``Backend`` declares everything the
+``Batch`` (a list of ``Entry``: request, first position, tokens, whether to sample) goes to
+the backend, ``BatchResult`` (the tokens of each entry) comes back; ``StepRecord`` is one
+line of the trace and ``SchedulerStats`` the running totals. ``Backend`` declares everything the
 scheduler needs from whatever computes the tokens, so a new backend is checked against
 one list instead of the scheduler probing it for optional methods.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from minisrv.request import Req
 
 if TYPE_CHECKING:
-    from minisrv.kvpool import SlotAllocator
+    from minisrv.kv import SlotAllocator
 
-__all__ = ["Backend", "Batch", "BatchResult", "SchedulerStats", "StepRecord", "hit_rate"]
+__all__ = [
+    "Backend", "Batch", "BatchResult", "EngineSnapshot", "Entry", "SchedulerStats", "StepOutput",
+    "StepRecord", "hit_rate",
+]
+
+
+class Entry(NamedTuple):
+    """One request's work in a step: compute ``n_tokens`` tokens from position ``start``.
+
+    A prefill is an entry from the first uncached position to the end of the request; a
+    decode computes its one newest token; a prefill chunk is an entry that does not
+    ``sample`` (its result holds no token); a speculative check is an entry of k+1 tokens
+    whose result holds 1..k+1 of them. The request's KV slots ``start .. start + n_tokens
+    - 1`` are allocated when the entry is formed. (A named tuple: a GPU-scale simulation
+    forms hundreds of thousands of them.)
+    """
+
+    req: Req
+    start: int  # position of the first token computed (its index in prompt + output)
+    n_tokens: int  # tokens computed: their K/V are written, the last one's logits sampled
+    sample: bool = True  # False: the entry only fills KV (a chunk of a longer prefill)
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed."""
+        return self.start + self.n_tokens
+
+
+_new_entry = partial(tuple.__new__, Entry)  # Entry(*fields) without a Python-level call
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """The requests one step computes: new ones to prefill, running ones to decode.
+    """The entries one step computes: admitted requests' prefills first, then decodes.
 
-    The backend returns one next token per request, prefills first, then decodes.
+    The backend answers each entry with a list of tokens (``BatchResult.tokens``).
     ``retracted`` lists the requests pushed back to the queue while the step was formed;
     they compute nothing in it and are there for the trace.
     """
 
-    prefill: list[Req]
-    decode: list[Req]
+    entries: tuple[Entry, ...]
+    n_prefill: int = 0  # the first ``n_prefill`` entries are this step's admissions
     retracted: tuple[Req, ...] = ()
+
+    @classmethod
+    def of(cls, prefill: Sequence[Req], decode: Sequence[Req],
+           retracted: tuple[Req, ...] = ()) -> Batch:
+        """Each of ``prefill`` computes everything past its cached prefix, each of ``decode``
+        its newest token; every one samples its next token."""
+        entries = [Entry(req, req.cached_len, req.seq_len - req.cached_len) for req in prefill]
+        starts = [len(req.prompt) + len(req.output) - 1 for req in decode]
+        entries += map(_new_entry, zip(decode, starts, repeat(1), repeat(True)))
+        return cls(tuple(entries), len(prefill), retracted)
+
+    @property
+    def prefill(self) -> list[Req]:
+        """Requests admitted this step (their prefill computes in it)."""
+        return [e.req for e in self.entries[: self.n_prefill]]
+
+    @property
+    def decode(self) -> list[Req]:
+        """Running requests that compute in this step."""
+        return [e.req for e in self.entries[self.n_prefill:]]
 
     @property
     def reqs(self) -> list[Req]:
-        """All requests of the step in the order the backend answers them."""
-        return [*self.prefill, *self.decode]
+        """All requests of the step in the order of their entries."""
+        return [e.req for e in self.entries]
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens the step computes, all entries together."""
+        return sum(e.n_tokens for e in self.entries)
 
     def __len__(self) -> int:
-        return len(self.prefill) + len(self.decode)
+        return len(self.entries)
 
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
     """What a backend reports for one step.
 
+    ``tokens[i]`` are the tokens entry ``i`` produced, in order (one for a decode or a
+    prefill, none for a chunk that does not sample, 1..k+1 for a speculative check).
     ``cost`` is what the step computed in the backend's own unit (tokens for the real model,
     seconds for the simulator); ``elapsed`` is how far the clock advances: one step for the
     real model, the roofline time for the simulator.
     """
 
-    next_tokens: list[int]
+    tokens: list[list[int]]
     cost: float
     elapsed: float
+
+    @property
+    def next_tokens(self) -> list[int]:
+        """Every entry's tokens, end to end."""
+        return [t for tokens in self.tokens for t in tokens]
 
 
 @runtime_checkable
@@ -72,7 +136,7 @@ class Backend(Protocol):
         ...
 
     def run(self, batch: Batch) -> BatchResult:
-        """Compute one step: one next token for every request of ``batch``."""
+        """Compute one step: the tokens of every entry of ``batch``."""
         ...
 
     def release(self, req: Req) -> None:
@@ -162,6 +226,46 @@ class SchedulerStats:
         self.prefill_steps += bool(batch.prefill)
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += len(batch.decode)
-        self.generated_tokens += len(batch)
+        self.generated_tokens += len(result.next_tokens)
         self.busy_time += result.elapsed
         self.cost += result.cost
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step()`` did.
+
+    ``record`` is the step's trace line (``None``: nothing could run, the engine is idle or
+    waits for arrivals); ``tokens`` every token the step produced, ``(request, token)`` in the
+    order they were produced; ``finished`` the requests that ended with it (their
+    ``finish_reason`` set).
+    """
+
+    record: StepRecord | None
+    tokens: list[tuple[Req, int]] = field(default_factory=list)
+    finished: list[Req] = field(default_factory=list)
+
+    def tokens_of(self, req: Req) -> list[int]:
+        """The tokens ``req`` got in this step."""
+        return [token for r, token in self.tokens if r is req]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges at one moment (``Engine.snapshot()``), e.g. for ``/metrics``.
+
+    ``kv_used`` counts the KV slots held by requests: cached prefixes nobody uses do not
+    count, since they can be evicted at any time (SGLang's ``token_usage``).
+    """
+
+    running: int  # requests in the running batch
+    queued: int  # requests waiting, or submitted and not yet arrived
+    kv_used: int
+    token_usage: float  # kv_used / kv_capacity
+    hit_rate: float  # prefix-cache hit rate so far
+    prompt_tokens: int  # prompt tokens admitted so far
+    steps: int
+
+    def as_dict(self) -> dict[str, float]:
+        """Every gauge as a float, keyed by its name."""
+        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}

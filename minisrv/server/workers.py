@@ -56,8 +56,8 @@ def check_engine_options(options: EngineOptions) -> None:
     """Raise the ValueError ``Engine`` would raise for these options, without a model: an
     engine over the simulated GPU takes the same arguments and validates them the same way,
     so ``minisrv serve --policy nope`` fails at once instead of after loading."""
-    from minisrv.backends import SimBackend
     from minisrv.engine import Engine
+    from minisrv.sim import SimBackend
 
     Engine(SimBackend(), **options.engine_args())
 

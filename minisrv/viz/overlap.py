@@ -208,7 +208,7 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
     found finished after the step; the tokens discarded (a request that had finished a step
     earlier). Tokens are shown as text when ``tok`` is given.
     """
-    steps = engine.scheduler.future_trace
+    steps = engine.loop.future_trace
     records = {record.index: record for record in engine.trace}
 
     def show(token: int) -> str:

@@ -18,8 +18,7 @@ import graphviz
 import pandas as pd
 
 from minisrv.experiments.radix import chat_capacity_report
-from minisrv.prefix_cache import NodeView, TreeEvent
-from minisrv.radix import RadixCache
+from minisrv.kv import NodeView, RadixCache, TreeEvent
 from minisrv.viz.style import (
     PAGE_WIDTH_IN,
     BookFigure,

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 
 __all__ = ["decode_step_seconds"]

@@ -22,7 +22,7 @@ from minisrv.scheduler import Batch, BatchResult
 if TYPE_CHECKING:
     import torch
 
-    from minisrv.kvpool import SlotAllocator
+    from minisrv.kv import SlotAllocator
 
 __all__ = ["SPIN", "TimedBackend", "TimedResult"]
 
@@ -76,6 +76,11 @@ class TimedBackend:
         self.waited = 0.0  # seconds the host spent in wait(), for the device to end a step
         self._free_at = 0.0  # time.perf_counter() at which the device ends its last step
 
+    @property
+    def device(self) -> Any:
+        """Where the inner backend computes (``None``: no device of its own)."""
+        return getattr(self.inner, "device", None)
+
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
         attach = getattr(self.inner, "attach_kv", None)
@@ -110,7 +115,7 @@ class TimedBackend:
         self.steps += 1
         self.busy += done_at - start
         self._free_at = done_at
-        return TimedResult(result.next_tokens, result.cost, result.elapsed, done_at)
+        return TimedResult(result.tokens, result.cost, result.elapsed, done_at)
 
     def wait(self, result: BatchResult) -> None:
         """Return once the device has ended the step that gave ``result``.

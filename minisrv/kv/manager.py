@@ -10,7 +10,11 @@ SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
 * **after its prefill**: insert what it computed into the tree, so requests arriving from
   the next step on can share it, and lock the longer prefix;
 * **at finish**: insert prompt + output, unlock; the KV stays cached (evictable);
-* **on retraction or abort**: free the request's own slots and unlock.
+* **on retraction or abort**: free the request's own slots and unlock;
+* **rejected tokens** (a speculative check, a late stop): ``truncate`` frees the KV of a
+  request's last tokens.
+
+No other code writes a request's ``kv_slots``.
 
 ``check_integrity`` verifies the bookkeeping; the tests call it after every run, and
 ``EngineConfig(debug=True)`` after every step.
@@ -20,9 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from minisrv.kvpool import SlotAllocator
-from minisrv.prefix_cache import MatchResult, PrefixCache, TreeNode
-from minisrv.radix import Cache, RadixCache, make_cache
+from minisrv.kv.allocator import SlotAllocator
+from minisrv.kv.cache import MatchResult, PrefixCache, TreeNode
+from minisrv.kv.kinds import Cache, make_cache
+from minisrv.kv.radix import RadixCache
 from minisrv.request import Req
 
 __all__ = ["KVManager"]
@@ -92,9 +97,15 @@ class KVManager:
         self.tree.unlock(match.node, tag=_tag(req))
 
     def alloc_decode(self, reqs: Sequence[Req]) -> None:
-        """One slot each for the next token of ``reqs`` (the caller made room)."""
+        """A slot each for the newest token of ``reqs``, in one allocation (the caller made
+        room); ``alloc_tokens`` gives one request several (a speculative check)."""
         for req, slot in zip(reqs, self.kv.alloc(len(reqs)), strict=True):
             req.kv_slots.append(slot)
+
+    def alloc_tokens(self, req: Req, n: int) -> None:
+        """``n`` slots for ``req``'s next ``n`` tokens (a speculative check's k+1, a chunk);
+        the caller made room."""
+        req.kv_slots.extend(self.kv.alloc(n))
 
     # ------------------------------------------------------------------ handing KV over
     def cache_unfinished(self, req: Req) -> None:
@@ -136,6 +147,20 @@ class KVManager:
         self.kv.free(owned)
         self._unlock(req)
         return len(owned)
+
+    def truncate(self, req: Req, n: int) -> None:
+        """Free the KV of ``req``'s last ``n`` tokens (tokens computed and then rejected).
+
+        Only slots ``req`` owns can go: ValueError, changing nothing, if ``n`` reaches into
+        the cached prefix it shares with the tree.
+        """
+        owned = len(req.kv_slots) - req.cached_len
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= owned:
+            raise ValueError(f"truncate of request {req.rid}: n must be an int in 0..{owned} "
+                             f"(the slots it owns), got {n!r}")
+        if n:
+            self.kv.free(req.kv_slots[-n:])
+            del req.kv_slots[-n:]
 
     def _unlock(self, req: Req) -> None:
         if req.cache_node is not None:

@@ -1,34 +1,26 @@
 """The interface every prefix cache implements, and the cache that keeps nothing.
 
 A prefix cache maps token sequences to the KV slots already computed for them. The scheduler
-talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.radix``)
+talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.kv.radix``)
 and ``NoCache`` (no reuse at all: ``Engine(cache="none")``) are interchangeable, as in
 mini-sglang's ``kvcache/base.py``. The small result types name each field, so a reader of
-the scheduler sees what a match returns without opening the tree.
-
-The tree reports every operation to an optional listener as a ``TreeEvent``; the book's
-recorder (``minisrv.viz.radix.TreeRecorder``) is such a listener. Nothing here draws.
+the scheduler sees what a match returns without opening the tree. ``kinds.py`` builds the
+cache ``Engine(cache=...)`` names; ``events.py`` holds what the tree reports to a listener.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from minisrv.checks import check_int
-
-if TYPE_CHECKING:
-    from minisrv.radix import RadixCache
 
 __all__ = [
     "EvictCallback",
     "TreeNode",
     "MatchResult",
     "SizeInfo",
-    "NodeView",
-    "TreeEvent",
-    "TreeListener",
     "PrefixCache",
     "NoCache",
 ]
@@ -86,34 +78,6 @@ class SizeInfo(NamedTuple):
     def total(self) -> int:
         """All cached tokens."""
         return self.evictable + self.protected
-
-
-class NodeView(NamedTuple):
-    """A frozen copy of one node, for drawings of past states of the tree."""
-
-    id: int  # node id (the root is 0)
-    parent: int | None  # parent's id; None for the root
-    key: tuple[int, ...]  # the edge's tokens
-    lock_ref: int  # running requests using this node
-    last_access: int  # logical clock of the last match or insert that walked here
-
-
-class TreeEvent(NamedTuple):
-    """What one operation did, as reported to the tree's ``listener``."""
-
-    op: str  # "match", "insert", "lock", "unlock" or "evict"
-    tag: str  # the caller's ``tag`` argument (e.g. the request served), else ""
-    length: int  # tokens matched, already cached, locked/unlocked, or freed
-    path: tuple[int, ...]  # ids of the nodes walked, root excluded, in order
-    split: tuple[int, ...]  # ids of nodes created by splitting an edge
-    inserted: tuple[int, ...]  # ids of new leaves
-    evicted: tuple[NodeView, ...]  # nodes removed, as they were just before
-
-
-class TreeListener(Protocol):
-    """Anything told about each operation right after it ran (the tree is already updated)."""
-
-    def __call__(self, tree: RadixCache, event: TreeEvent) -> None: ...
 
 
 class PrefixCache(ABC):

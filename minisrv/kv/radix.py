@@ -20,13 +20,14 @@ Three rules keep the tree safe to share:
 The tree runs standalone (values may be ``None`` or any ints; nothing is allocated), which
 is how the book draws it and the tests drive it; the engine passes real KV slot ids and an
 ``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
-same interface that caches nothing (``Engine(cache="none")``).
+same interface that caches nothing (``Engine(cache="none")``, ``minisrv.kv.cache``).
 
 The tree draws nothing and records nothing itself. Like SGLang publishing KV-cache events,
 it reports each operation (what it matched, split, inserted, locked or evicted) to an
-optional ``listener``; ``minisrv.viz.radix.TreeRecorder`` is the listener that keeps the log
-and the snapshots the book draws. Every operation takes an optional ``tag`` (e.g. the
-request it serves) that is passed through to the listener and used for nothing else.
+optional ``listener`` (``minisrv.kv.events``); ``minisrv.viz.radix.TreeRecorder`` is the
+listener that keeps the log and the snapshots the book draws. Every operation takes an
+optional ``tag`` (e.g. the request it serves) that is passed through to the listener and
+used for nothing else.
 """
 
 
@@ -35,23 +36,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-from minisrv import prefix_cache
-from minisrv.checks import check_choice, check_int
-from minisrv.prefix_cache import (
-    EvictCallback,
-    MatchResult,
-    NoCache,
-    NodeView,
-    PrefixCache,
-    SizeInfo,
-    TreeEvent,
-    TreeListener,
-    TreeNode,
-)
+from minisrv.checks import check_int
+from minisrv.kv.cache import EvictCallback, MatchResult, PrefixCache, SizeInfo, TreeNode
+from minisrv.kv.events import NodeView, TreeEvent, TreeListener, reports_evicted, reports_path
 
-__all__ = [*prefix_cache.__all__, "RadixCache", "Cache", "CACHES", "make_cache"]
+__all__ = ["RadixCache"]
 
 
 class RadixCache(PrefixCache):
@@ -105,11 +96,7 @@ class RadixCache(PrefixCache):
         """
         key = tuple(tokens)
         self.clock += 1
-        if key is self._last[0] and self._shape == self._last[1]:  # asked again, tree unchanged
-            node, length, values, path, split = self._rewalk(*self._last[2:])
-        else:
-            node, length, values, path, split = self._walk(key, collect=True)
-            self._last = (key, self._shape, node, length, path)
+        node, length, values, path, split = self._walk_again_or_anew(key)
         self._report("match", tag, length, path, split)
         return MatchResult(length, node, values)
 
@@ -120,7 +107,6 @@ class RadixCache(PrefixCache):
         Args:
             tokens: the token run to cache, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
-            tag: passed to the listener; nothing else.
 
         Returns:
             How many leading tokens were already cached. The tree keeps the values of the
@@ -135,16 +121,20 @@ class RadixCache(PrefixCache):
         inserted: tuple[int, ...] = ()
         if length < len(key):
             vals = [None] * (len(key) - length) if values is None else list(values[length:])
-            leaf = TreeNode(next(self._ids), key[length:], vals, node, self.clock)
-            node.children[key[length]] = leaf
-            self.n_nodes += 1
-            self._shape += 1
-            self._evictable += len(leaf.key)
-            self._push(leaf)
-            inserted = (leaf.id,)
+            inserted = (self._add_leaf(node, key[length:], vals).id,)
             path = path + inserted
         self._report("insert", tag, length, path, split, inserted=inserted)
         return length
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
+        """A new evictable leaf below ``parent`` for the edge ``key``."""
+        leaf = TreeNode(next(self._ids), key, values, parent, self.clock)
+        parent.children[key[0]] = leaf
+        self.n_nodes += 1
+        self._shape += 1
+        self._evictable += len(leaf.key)
+        self._push(leaf)
+        return leaf
 
     def _walk(self, key: tuple[int, ...], collect: bool
               ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
@@ -152,39 +142,35 @@ class RadixCache(PrefixCache):
 
         Returns (end node, matched length, matched values if ``collect``, path ids, split ids).
         """
-        node = self.root
+        node, pos = self.root, 0
         node.last_access = self.clock
-        pos = 0
         values: list[Any] = []
         path: list[int] = []
         split: list[int] = []
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            edge = child.key
-            n = len(edge)
-            if key[pos:pos + n] == edge:
-                matched = n
-            else:
-                matched = 1  # the first token matched (it is the child's dict key)
-                limit = min(n, len(key) - pos)
-                while matched < limit and edge[matched] == key[pos + matched]:
-                    matched += 1
-            if matched < n:
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            matched = _matched(child.key, key, pos)
+            cut = matched < len(child.key)  # the match ends inside this edge
+            if cut:
                 child = self._split(child, matched)
                 split.append(child.id)
-            child.last_access = self.clock
-            if not child.children:
-                self._push(child)
+            self._touch(child)
             if collect:
                 values.extend(child.value)
             path.append(child.id)
-            pos += matched
-            node = child
-            if matched < n:
+            pos, node = pos + matched, child
+            if cut:
                 break
         return node, pos, values, tuple(path), tuple(split)
+
+    def _walk_again_or_anew(self, key: tuple[int, ...]
+                            ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+        """``_walk(key)``, with a shortcut: asked the very tuple of the previous match, with
+        no node added, split or removed since, only ``_rewalk`` the path found then."""
+        if key is self._last[0] and self._shape == self._last[1]:
+            return self._rewalk(*self._last[2:])
+        node, length, values, path, split = self._walk(key, collect=True)
+        self._last = (key, self._shape, node, length, path)
+        return node, length, values, path, split
 
     def _rewalk(self, node: TreeNode, length: int, path: tuple[int, ...]
                 ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
@@ -195,9 +181,7 @@ class RadixCache(PrefixCache):
         nodes: list[TreeNode] = []
         walker = node
         while walker is not self.root:
-            walker.last_access = self.clock
-            if not walker.children:
-                self._push(walker)
+            self._touch(walker)
             nodes.append(walker)
             walker = walker.parent
         self.root.last_access = self.clock
@@ -205,6 +189,12 @@ class RadixCache(PrefixCache):
         for walker in reversed(nodes):
             values.extend(walker.value)
         return node, length, values, path, ()
+
+    def _touch(self, node: TreeNode) -> None:
+        """``node`` was just used: renew its LRU stamp; a leaf goes back on the heap."""
+        node.last_access = self.clock
+        if not node.children:
+            self._push(node)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
@@ -229,30 +219,27 @@ class RadixCache(PrefixCache):
         return upper
 
     # ------------------------------------------------------------ reference counts
+    @reports_path("lock")
     def lock(self, node: TreeNode, *, tag: str = "") -> None:
         """One more running request uses the prefix ending at ``node``: protect the path.
 
         A node whose count goes from 0 to 1 moves its tokens from evictable to protected.
         """
         self._check_live(node)
-        length = 0
         walker: TreeNode | None = node
         while walker is not None and walker is not self.root:
             if walker.lock_ref == 0:
                 self._evictable -= len(walker.key)
                 self._protected += len(walker.key)
             walker.lock_ref += 1
-            length += len(walker.key)
             walker = walker.parent
-        if self.listener is not None:  # the path is worked out only for someone to read
-            self._report("lock", tag, length, self._path_to(node), ())
 
+    @reports_path("unlock")
     def unlock(self, node: TreeNode, *, tag: str = "") -> None:
         """Undo one ``lock(node)``; nodes whose count drops to 0 become evictable again."""
         self._check_live(node)
         if node is not self.root and node.lock_ref == 0:
             raise ValueError(f"unlock of node {node.id}, which is not locked")
-        length = 0
         walker: TreeNode | None = node
         while walker is not None and walker is not self.root:
             walker.lock_ref -= 1
@@ -261,10 +248,7 @@ class RadixCache(PrefixCache):
                 self._evictable += len(walker.key)
                 if not walker.children:
                     self._push(walker)
-            length += len(walker.key)
             walker = walker.parent
-        if self.listener is not None:  # the path is worked out only for someone to read
-            self._report("unlock", tag, length, self._path_to(node), ())
 
     def _check_live(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):
@@ -278,6 +262,7 @@ class RadixCache(PrefixCache):
             raise ValueError(f"node {node.id} belongs to another cache")
 
     # ------------------------------------------------------------------ eviction
+    @reports_evicted
     def evict(self, n_tokens: int, *, tag: str = "") -> int:
         """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed.
 
@@ -290,29 +275,29 @@ class RadixCache(PrefixCache):
         """
         n_tokens = check_int("evict's token count", n_tokens, minimum=0)
         freed = 0
-        evicted: list[NodeView] = []
         while freed < n_tokens and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not self._evictable_leaf(node) or stamp != node.last_access:
                 continue  # stale entry
-            if self.listener is not None:
-                evicted.append(self._view(node))
             parent = node.parent
-            assert parent is not None
-            del parent.children[node.key[0]]
-            node.removed = True
-            node.parent = None
-            self.n_nodes -= 1
-            self._shape += 1
-            self._evictable -= len(node.key)
+            self._remove_leaf(node)
             freed += len(node.key)
             if self.on_evict is not None:
                 self.on_evict(node.value)
             if not parent.children:
                 self._push(parent)
-        if freed or n_tokens:
-            self._report("evict", tag, freed, (), (), evicted=tuple(evicted))
         return freed
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        """Take the unlocked leaf ``node`` out of the tree (its values are not freed here)."""
+        parent = node.parent
+        assert parent is not None  # the root is never evicted
+        del parent.children[node.key[0]]
+        node.removed = True
+        node.parent = None
+        self.n_nodes -= 1
+        self._shape += 1
+        self._evictable -= len(node.key)
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
         return (not node.removed and node is not self.root and not node.children
@@ -393,12 +378,13 @@ class RadixCache(PrefixCache):
                 f"protected={info.protected})")
 
 
-Cache = Literal["none", "radix"]
-CACHES: tuple[Cache, ...] = ("none", "radix")
-"""``Engine(cache=...)``: RadixAttention's tree, or no prefix cache at all."""
-
-
-def make_cache(kind: Cache, on_evict: EvictCallback | None = None) -> PrefixCache:
-    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the radix tree's slots."""
-    check_choice("cache", kind, CACHES)
-    return RadixCache(on_evict=on_evict) if kind == "radix" else NoCache()
+def _matched(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+    """How many leading tokens of ``edge`` equal ``key[pos:]`` (at least one: the child was
+    found by its first token). A whole-edge match is one tuple comparison."""
+    n = len(edge)
+    if key[pos:pos + n] == edge:
+        return n
+    matched, limit = 1, min(n, len(key) - pos)
+    while matched < limit and edge[matched] == key[pos + matched]:
+        matched += 1
+    return matched

@@ -1,0 +1,37 @@
+"""KV memory, one owner: the pool, its slot allocator, the prefix caches and ``KVManager``.
+
+* ``allocator.py``: ``SlotAllocator``, which token slots are free;
+* ``pool.py``: ``KVPool``, the K and V tensors those slots index;
+* ``cache.py``: ``PrefixCache``, the interface, its result types and ``NoCache``;
+* ``radix.py``: ``RadixCache``, RadixAttention's tree; ``events.py``: what it reports;
+* ``kinds.py``: ``CACHES`` and ``make_cache`` for ``Engine(cache=...)``;
+* ``manager.py``: ``KVManager``, the only code that moves a request's slots.
+"""
+
+from minisrv.kv.allocator import SlotAllocator, check_free
+from minisrv.kv.cache import EvictCallback, MatchResult, NoCache, PrefixCache, SizeInfo, TreeNode
+from minisrv.kv.events import NodeView, TreeEvent, TreeListener
+from minisrv.kv.kinds import CACHES, Cache, make_cache
+from minisrv.kv.manager import KVManager
+from minisrv.kv.pool import KVPool
+from minisrv.kv.radix import RadixCache
+
+__all__ = [
+    "CACHES",
+    "Cache",
+    "EvictCallback",
+    "KVManager",
+    "KVPool",
+    "MatchResult",
+    "NoCache",
+    "NodeView",
+    "PrefixCache",
+    "RadixCache",
+    "SizeInfo",
+    "SlotAllocator",
+    "TreeEvent",
+    "TreeListener",
+    "TreeNode",
+    "check_free",
+    "make_cache",
+]

@@ -1,0 +1,41 @@
+"""The model runner: what turns a scheduled batch into tokens on the device.
+
+* ``model_runner.py``: ``ModelRunner`` (alias ``ModelBackend``): the KV pool on the device,
+  a batch's entries as device tensors once per step, one flat forward, sampling;
+* ``attention.py``: the attention backends (loop, padded, flex) behind one interface;
+* ``sampler.py``: ``Sampler``: per-request generators and the logits-processor hook;
+* ``futures.py``: ``FutureMap``, the overlapped loop's device-side placeholders;
+* ``device.py``: ``DeviceWorker``, the overlapped loop's device thread and CUDA stream;
+* ``per_request.py``: ``PerRequestBackend``, one forward per request (the plain baseline).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use, so that the overlapped loop (``device``, ``futures``) and an engine
+# over the simulated GPU never load the model's modules (flex_attention pulls in dynamo).
+_HOMES = {
+    "AttentionBackend": "attention",
+    "FlexAttention": "attention",
+    "LoopAttention": "attention",
+    "PaddedAttention": "attention",
+    "make_attention": "attention",
+    "DeviceWorker": "device",
+    "FutureMap": "futures",
+    "ModelBackend": "model_runner",
+    "ModelRunner": "model_runner",
+    "StepInputs": "model_runner",
+    "PerRequestBackend": "per_request",
+    "LogitsProcessor": "sampler",
+    "Sampler": "sampler",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"minisrv.runner.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'minisrv.runner' has no attribute {name!r}")

@@ -1,0 +1,182 @@
+"""The model runner: a batch in, its tokens out, on the device that holds the model.
+
+``ModelRunner`` (as nano-vllm's ``model_runner.py`` or mini-sglang's engine) owns
+everything device-side of a step: the KV pool, the step's input tensors, the attention
+backend and the sampler. A step is two halves, so the overlapped loop can run them on two
+threads:
+
+* ``prepare(batch)`` (the scheduler's thread): the batch's entries become device tensors
+  once (input ids, positions, the slots the new K/V go to, the attention's metadata), and
+  the requests' sampling parameters and generators are copied out, so the requests may
+  change while the step runs;
+* ``compute(inputs, resolve, store)`` (the device's thread): future ids resolved, one flat
+  forward over every new token (selective batching), logits processors, sampling.
+
+Outputs equal running each request alone (``model.reference_generate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from minisrv.kv import KVPool, SlotAllocator
+from minisrv.model.flat import FlatBatch
+from minisrv.request import Req
+from minisrv.runner.attention import AttentionBackend, make_attention
+from minisrv.runner.sampler import LogitsProcessor, Sampler
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler.records import Batch, BatchResult
+
+if TYPE_CHECKING:
+    from minisrv.model import CityLM
+
+__all__ = ["ModelBackend", "ModelRunner", "StepInputs"]
+
+
+class StepInputs(NamedTuple):
+    """One step as the device reads it (``ModelRunner.prepare``)."""
+
+    flat: FlatBatch  # ids (a future id is < 0), positions, write slots, on the device
+    metadata: Any  # the attention backend's, built before layer 0
+    has_futures: bool  # some input id is a future id, to resolve on the device
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
+    samples: tuple[bool, ...]  # per entry: whether it samples a token
+    reqs: list[Req]  # the sampling entries' requests (for the logits processors)
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+class ModelRunner:
+    """Runs each step on a real CityLM: one flat forward over every entry of the batch.
+
+    The KV of all requests lives in one ``KVPool`` built by ``attach_kv`` (the scheduler
+    calls it with its ``kv_capacity``) and indexed by each request's ``kv_slots``.
+    ``attention`` is ``"padded"`` (one masked attention call per layer), ``"flex"`` (one
+    ragged flex_attention call per layer, no padding), ``"loop"`` (one call per request) or
+    ``"auto"``, resolved once here to flex on a GPU and padded on the CPU. ``device`` moves
+    the model there first (``None``: where it is). ``logits_processors`` are applied to
+    every step's logits before sampling (``Sampler``).
+    """
+
+    time_unit = "step"
+    cost_unit = "tokens"
+
+    def __init__(self, model: CityLM, attention: str = "auto", *,
+                 device: str | torch.device | None = None,
+                 logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+        if device is not None and torch.device(device) != model.device:
+            model = model.to(device)
+        self.model = model
+        self.attn: AttentionBackend = make_attention(attention, model.device, model.dtype,
+                                                     model.config.head_dim)
+        self.attention: str = self.attn.kind
+        self.sampler = Sampler(logits_processors)
+        self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
+        self.max_context: int | None = model.config.max_seq_len
+        self.vocab_size: int | None = model.config.vocab_size
+        self.pool: KVPool | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, the pool and every step's tensors are."""
+        return self.model.device
+
+    def attach_kv(self, capacity: int) -> SlotAllocator:
+        """Allocate the KV pool (``capacity`` token slots) on the model's device."""
+        self.pool = KVPool.for_model(self.model, capacity)
+        return self.pool.allocator
+
+    def run(self, batch: Batch) -> BatchResult:
+        """Compute every entry of ``batch`` in ONE forward pass; cost = tokens computed."""
+        return self.compute(self.prepare(batch))
+
+    def prepare(self, batch: Batch) -> StepInputs:
+        """The host half of a step: the batch's entries as device tensors, built once.
+
+        An entry computes the request's tokens ``start .. end - 1`` (a prefill its uncached
+        prompt, plus output kept from before a retraction; a decode its newest token, which
+        in the overlapped loop may be a future id, < 0) into its KV slots up to ``end``.
+        """
+        if self.pool is None:
+            raise ValueError("ModelRunner has no KV pool: the scheduler calls attach_kv first")
+        new_ids, slots, rows = [], [], []
+        row = -1
+        for entry in batch.entries:
+            req = entry.req
+            new_ids.append(_tokens(req, entry.start, entry.end))
+            slots.append(req.kv_slots[:entry.end])
+            row += entry.n_tokens
+            if entry.sample:
+                rows.append(row)
+        flat = FlatBatch(new_ids, slots, self.model.device)
+        sampling = [e.req for e in batch.entries if e.sample]
+        return StepInputs(
+            flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
+            torch.tensor(rows, dtype=torch.long, device=self.model.device),
+            tuple(e.sample for e in batch.entries), sampling,
+            [req.params for req in sampling], self.sampler.generators(sampling))
+
+    def compute(
+        self,
+        step: StepInputs,
+        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: Callable[[list[int]], None] | None = None,
+    ) -> BatchResult:
+        """The device half of a step: one flat forward, then sampling.
+
+        ``resolve`` replaces future ids (< 0) by their tokens (``FutureMap.resolve``): one
+        ``torch.where`` over the step's input ids. ``store`` receives the sampled tokens
+        before this returns (``FutureMap.store``): on a GPU part of the same step's work.
+        """
+        ids = step.flat.ids
+        if resolve is not None and step.has_futures:
+            ids = resolve(ids)
+        logits = self.forward(step, ids)
+        tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators)
+        if store is not None:
+            store(tokens)
+        it = iter(tokens)
+        per_entry = [[next(it)] if sample else [] for sample in step.samples]
+        return BatchResult(per_entry, cost=float(step.flat.num_tokens), elapsed=1.0)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [sampling entries, vocab]: every layer writes the new K/V into their slots
+        of the pool, then attends through the attention backend."""
+        pool, attn, metadata, write = self.pool, self.attn, step.metadata, step.flat.write_slots
+        assert pool is not None  # prepare checked
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool.k[layer, write] = k
+            pool.v[layer, write] = v
+            return attn.forward(q, pool.k[layer], pool.v[layer], metadata)
+
+        x = self.model.run_layers(ids, step.flat.positions, attend)
+        return self.model.lm_head(self.model.norm(x[step.sample_rows]))
+
+    def release(self, req: Req) -> None:
+        """Forget the request's generator (its KV slots are the scheduler's to free)."""
+        self.sampler.release(req)
+
+    @property
+    def live_requests(self) -> int:
+        """Requests admitted and not yet finished (running or retracted)."""
+        return self.sampler.live_requests
+
+
+def _tokens(req: Req, start: int, end: int) -> list[int]:
+    """``req``'s tokens ``start .. end - 1`` of prompt + output, without joining the two."""
+    n = req.prompt_len
+    if start >= n:
+        return req.output[start - n:end - n]
+    if end <= n:
+        return req.prompt[start:end]
+    return [*req.prompt[start:], *req.output[:end - n]]
+
+
+ModelBackend = ModelRunner
+"""The name the chapters and tests have used for the runner since the selective-batching
+chapter."""

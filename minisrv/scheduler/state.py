@@ -1,0 +1,222 @@
+"""The scheduler's state: its queues, KV memory, admission rule and clock, and the calls
+that change them outside the step (submission, abort) or check them (integrity).
+
+``SchedulerState`` is the half of ``Scheduler`` that is not the step path (``loop.py``):
+requests enter through ``check``/``submit``, leave through ``abort`` or the step's finish
+path, and every step ends in ``record``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv.manager import KVManager
+from minisrv.request import Req, ReqState
+from minisrv.scheduler.admission import make_admission
+from minisrv.scheduler.config import ConfigView, EngineConfig
+from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+
+__all__ = ["SchedulerState"]
+
+
+class SchedulerState(ConfigView):
+    """Queues (pending, waiting, running), KV memory, admission, clock, trace and totals.
+
+    ``SchedulerState(backend, config)`` or ``(backend, **options)`` with the options of
+    ``EngineConfig``. Every running request holds real slots of a ``SlotAllocator`` (the
+    backend's KV pool when it has one), one per token whose K/V exist; with
+    ``cache="radix"`` its first ``cached_len`` slots are shared prefix slots owned by the tree.
+    """
+
+    def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
+        self.config = config = EngineConfig.from_options(config, **options)
+        self.backend = backend
+        allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
+        self.memory = KVManager(allocator, config.cache)
+        self.admission = make_admission(config)
+        self.clock = 0.0
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        # Running requests whose last token is being computed (the overlapped loop with
+        # skip_finishing_decode): they keep their KV until it arrives, but no seat.
+        self.finishing: list[Req] = []
+        self.trace: list[StepRecord] = []
+        self.stats = SchedulerStats()
+        self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
+        self._pending: list[tuple[float, int, Req]] = []  # heap of future arrivals
+        self._order = itertools.count()  # FCFS tie-break for equal arrival times
+        self._rng = random.Random(config.seed)  # the random policy's draws, round after round
+
+    # ----------------------------------------------------------------- views
+    @property
+    def kv(self) -> SlotAllocator:
+        """The slot allocator (the backend's KV pool when it has one)."""
+        return self.memory.kv
+
+    @property
+    def tree(self) -> PrefixCache:
+        """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
+        return self.memory.tree
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV tokens promised to the running requests (prompt + ``max_new_tokens`` each)."""
+        return self.admission.reserved
+
+    @property
+    def new_token_ratio(self) -> float:
+        """The admission estimate in force (1.0 under ``admission="reserve"``)."""
+        return self.admission.ratio
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is pending, waiting or running."""
+        return not (self._pending or self.waiting or self.running or self.finishing)
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted whose arrival time has not come yet."""
+        return len(self._pending)
+
+    # ----------------------------------------------------------------- submission
+    def check(self, req: Req) -> None:
+        """Raise ValueError if ``req`` could never be served; change nothing.
+
+        Checked at submission rather than at admission: a request that can never fit would
+        otherwise sit at the head of the FCFS queue forever and block everyone behind it.
+        """
+        if not req.prompt:
+            raise ValueError(f"request {req.rid}: the prompt is empty (it needs at least <bos>)")
+        if not req.arrival >= 0:  # also rejects NaN
+            raise ValueError(f"request {req.rid}: arrival must be >= 0, got {req.arrival}")
+        limit = self.backend.max_context
+        if limit is not None and req.kv_reservation > limit:
+            raise ValueError(
+                f"request {req.rid}: prompt of {req.prompt_len} tokens + max_new_tokens "
+                f"{req.max_new_tokens} exceeds the model context of {limit} tokens"
+            )
+        vocab = self.backend.vocab_size
+        if vocab is not None and not 0 <= min(req.prompt) <= max(req.prompt) < vocab:
+            raise ValueError(
+                f"request {req.rid}: prompt holds token ids outside the vocabulary (0..{vocab - 1})"
+            )
+        if req.kv_reservation > self.kv_capacity:
+            raise ValueError(
+                f"request {req.rid} needs {req.prompt_len} prompt + {req.max_new_tokens} new "
+                f"= {req.kv_reservation} KV tokens but kv_capacity is {self.kv_capacity}: "
+                "it could never be admitted"
+            )
+
+    def submit(self, req: Req) -> None:
+        """Queue ``req`` to arrive at ``req.arrival`` on the scheduler's clock."""
+        self.check(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """``submit`` without ``check``, for a caller that already checked ``req`` (a cluster
+        checks each request once, up front; a second scan of every prompt costs real time)."""
+        req.state = ReqState.PENDING
+        heapq.heappush(self._pending, (req.arrival, next(self._order), req))
+
+    def receive_arrivals(self) -> list[Req]:
+        """Move every request whose arrival time has come into the waiting queue (FCFS)."""
+        arrived = []
+        while self._pending and self._pending[0][0] <= self.clock:
+            req = heapq.heappop(self._pending)[2]
+            req.state = ReqState.WAITING
+            self.waiting.append(req)
+            arrived.append(req)
+        return arrived
+
+    # ----------------------------------------------------------------- records
+    def record(self, batch: Batch, before: dict[str, Any], result: BatchResult,
+               finished: list[Req], extra: int = 0) -> StepRecord:
+        """Count a completed step, keep its trace line, check the books (``debug``).
+
+        ``extra``: tokens computed for requests that had finished in the step before (the
+        overlapped loop's late stop check), wasted.
+        """
+        stats = self.stats
+        stats.count_step(batch, result, before["prefill_tokens"])
+        stats.generated_tokens -= extra
+        stats.wasted_tokens += extra
+        stats.late_stop_tokens += extra
+        record = StepRecord(index=stats.steps - 1, end=self.clock,
+                            finished=tuple(req.rid for req in finished),
+                            queued=len(self.waiting), cost=result.cost, **before)
+        if self.config.record_trace:
+            self.trace.append(record)
+        if self.config.debug:
+            self.check_integrity()
+        return record
+
+    def _snapshot(self, batch: Batch) -> dict[str, Any]:
+        """The trace fields known before the backend runs the step."""
+        computing = {id(req) for req in batch.reqs}
+        return {
+            "start": self.clock,
+            "prefill": tuple(req.rid for req in batch.prefill),
+            "decode": tuple(req.rid for req in batch.decode),
+            "paused": tuple(r.rid for r in (*self.finishing, *self.running)
+                            if id(r) not in computing),
+            "kv_reserved": self.kv_reserved,
+            "kv_used": self.kv.used_count,
+            "new_token_ratio": self.new_token_ratio,
+            "retracted": tuple(req.rid for req in batch.retracted),
+            "prefill_tokens": sum(req.seq_len - req.cached_len for req in batch.prefill),
+        }
+
+    # ----------------------------------------------------------------- cleanup
+    def abort(self, reqs: Iterable[Req]) -> None:
+        """Withdraw ``reqs`` wherever they are (pending, waiting or running) and free them.
+
+        Used when a caller gives up (for example its streaming callback raised), so the
+        scheduler is left consistent and serves the next call normally.
+        """
+        self.running, self.finishing = [*self.finishing, *self.running], []
+        done = (ReqState.FINISHED, ReqState.ABORTED)
+        doomed = [req for req in reqs if req.state not in done]
+        if not doomed:
+            return
+        ids = {id(req) for req in doomed}
+        self._pending = [item for item in self._pending if id(item[2]) not in ids]
+        heapq.heapify(self._pending)
+        self.waiting = deque(req for req in self.waiting if id(req) not in ids)
+        for req in doomed:
+            if req.state == ReqState.RUNNING:
+                self.memory.release(req)
+                self._leave(req, ReqState.ABORTED)
+            else:
+                req.state = ReqState.ABORTED
+                if req.retractions:  # retracted while running: may still hold a generator
+                    self.backend.release(req)
+        self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if KV memory or the request queues are inconsistent.
+
+        Slots held by requests + slots owned by the tree + free slots == capacity; the
+        tree's sizes add up; every lock belongs to a running request (``KVManager``); and
+        no request is in two places or lost between the queues.
+        """
+        running = [*self.finishing, *self.running]
+        self.memory.check_integrity(running)
+        places = [*(item[2] for item in self._pending), *self.waiting, *running]
+        assert len({id(r) for r in places}) == len(places), "a request is queued twice"
+        assert all(r.state == ReqState.RUNNING for r in running), "non-running in batch"
+        assert all(not r.kv_slots for r in self.waiting), "a waiting request holds KV slots"
+        assert len(running) <= self.max_running, "running batch over max_running"
+
+    def _leave(self, req: Req, state: ReqState, release: bool = True) -> None:
+        """A running request ends (its KV already handed over or freed); ``release=False``
+        keeps the backend's state of it (a step in flight still samples with it)."""
+        self.admission.released(req)
+        req.state = state
+        if release:
+            self.backend.release(req)

@@ -1,0 +1,12 @@
+"""The simulated GPU (book side): step times without a model, or a model at a set pace.
+
+* ``backend.py``: ``SimBackend``, each step the roofline time of its batch, dummy tokens;
+* ``timed.py``: ``TimedBackend``, real tokens from any backend, each step a set wall-clock
+  time that passes without the host (as a GPU's kernels do);
+* ``steptime.py``: ``decode_step_seconds``, one real decode step timed.
+"""
+
+from minisrv.sim.backend import SimBackend, SimStep
+from minisrv.sim.timed import SPIN, TimedBackend, TimedResult
+
+__all__ = ["SPIN", "SimBackend", "SimStep", "TimedBackend", "TimedResult"]
