@@ -22,6 +22,7 @@ from minisrv.model import (
     RMSNorm,
     apply_rope,
     joint_kv,
+    layers,
     load_citylm,
     rope_inv_freq,
     rope_table,
@@ -36,6 +37,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """HF Llama's rotation helper, as the layers computed it before the table."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with the primitive the model's ``Linear`` uses, so that fusing is
+    the only difference between the model and ``unfused_logits``."""
+    if layers.ONEDNN_LINEAR is not None and x.dtype == torch.float32:
+        return layers.ONEDNN_LINEAR(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 def unfused_logits(model: CityLM, ids: torch.Tensor) -> torch.Tensor:
@@ -55,19 +64,19 @@ def unfused_logits(model: CityLM, ids: torch.Tensor) -> torch.Tensor:
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         h = norm(x, w[p + "attn_norm.weight"])
-        q = (h @ w[p + "attn.wq.weight"].T).view(n, heads, hd)
-        k = (h @ w[p + "attn.wk.weight"].T).view(n, kv_heads, hd)
-        v = (h @ w[p + "attn.wv.weight"].T).view(n, kv_heads, hd)
+        q = product(h, w[p + "attn.wq.weight"]).view(n, heads, hd)
+        k = product(h, w[p + "attn.wk.weight"]).view(n, kv_heads, hd)
+        v = product(h, w[p + "attn.wv.weight"]).view(n, kv_heads, hd)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
         weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         out = torch.einsum("hts,shd->thd", weights, v).reshape(n, heads * hd)
-        x = x + out @ w[p + "attn.wo.weight"].T
+        x = x + product(out, w[p + "attn.wo.weight"])
         h = norm(x, w[p + "mlp_norm.weight"])
-        gate, up = h @ w[p + "mlp.w_gate.weight"].T, h @ w[p + "mlp.w_up.weight"].T
-        x = x + (F.silu(gate) * up) @ w[p + "mlp.w_down.weight"].T
-    return norm(x, w["norm.weight"]) @ w["lm_head.weight"].T
+        gate, up = product(h, w[p + "mlp.w_gate.weight"]), product(h, w[p + "mlp.w_up.weight"])
+        x = x + product(F.silu(gate) * up, w[p + "mlp.w_down.weight"])
+    return product(norm(x, w["norm.weight"]), w["lm_head.weight"])
 
 
 def random_model(config=GQA, std: float = 0.2) -> CityLM:
@@ -82,7 +91,12 @@ def shipped() -> CityLM:
     return load_citylm("cpu")[0]
 
 
-def test_shipped_fused_model_gives_the_unfused_logits(shipped: CityLM) -> None:
+@pytest.mark.parametrize("onednn", [True, False])
+def test_shipped_fused_model_gives_the_unfused_logits(
+    shipped: CityLM, onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not onednn:  # F.linear (MKL) for the model and the reference
+        monkeypatch.setattr(layers, "ONEDNN_LINEAR", None)
     ids = torch.randint(0, shipped.config.vocab_size, (40,),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

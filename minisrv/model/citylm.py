@@ -30,6 +30,7 @@ from minisrv.model.kvcache import DenseKVCache, cache_attention
 from minisrv.model.layers import (
     Block,
     LayerAttend,
+    Linear,
     RMSNorm,
     causal_mask,
     rope_inv_freq,
@@ -84,7 +85,7 @@ class CityLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # Not a buffer: module.to(dtype) would round it to the weights' dtype, and RoPE

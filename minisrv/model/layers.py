@@ -47,6 +47,50 @@ UNFUSED_PARTS: dict[str, tuple[str, ...]] = {
 under the names the shipped CityLM file keeps (``split_fused_weights`` writes them)."""
 
 
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """oneDNN's matrix product (``torch.ops.mkldnn._linear_pointwise``) if this torch has it
+    and it computes ``F.linear`` here (checked once on a small product), else ``None``."""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    cpu = torch.device("cpu")  # explicit: a default device set by the caller must not apply
+    x = torch.linspace(-1, 1, 24, device=cpu).reshape(2, 3, 4)
+    w = torch.linspace(-2, 2, 20, device=cpu).reshape(5, 4)
+    try:
+        with torch.inference_mode():
+            works = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5)
+    except (RuntimeError, TypeError):  # pragma: no cover - depends on the torch build
+        return None
+    return op if works else None
+
+
+ONEDNN_LINEAR = _onednn_linear()
+"""oneDNN's matrix product, or ``None`` where this torch lacks it. On the CPU in float32 it
+runs the serving shapes (64 rows of width 512) two to three times faster than ``F.linear``
+(MKL) on one thread; vLLM's CPU build uses it for the same reason."""
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose inference product on the CPU in float32 is oneDNN's.
+
+    The same product up to rounding (another summation order: a few 1e-6 relative);
+    training (gradients on), other devices and dtypes use ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_fits(x):
+            return ONEDNN_LINEAR(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def onednn_fits(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN takes this product: CPU, float32, no gradient to record."""
+        return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
+                and x.dtype == torch.float32 and not torch.is_grad_enabled())
+
+
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned per-channel gain.
 
@@ -108,7 +152,8 @@ def rope_table(
     HF Llama) and computed on ``device``, exactly as a per-step computation would. The sin
     row has its first half negated: HF's ``rotate_half(x) * sin`` is then
     ``x.roll(head_dim // 2) * signed_sin``, one operator fewer (``apply_rope``). The 1 is
-    the heads' axis, so rows broadcast over heads as they are.
+    the heads' axis, so rows broadcast over heads as they are. The size is 2 x positions x
+    head_dim values: 64 MiB in bf16 for a 131,072-position Llama 3.1 with heads of 128.
     """
     positions = torch.arange(n_positions, device=device).to(torch.float32)
     angles = positions[:, None] * inv_freq.to(device)[None, :]
@@ -236,8 +281,8 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = config.d_model, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.qkv_proj = nn.Linear(d, (config.n_heads + 2 * config.n_kv_heads) * hd, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * hd, d, bias=False)
+        self.qkv_proj = Linear(d, (config.n_heads + 2 * config.n_kv_heads) * hd)
+        self.o_proj = Linear(config.n_heads * hd, d)
         self.register_load_state_dict_pre_hook(
             lambda module, state, prefix, *_: fuse_weights(state, prefix, "attn"))
 
@@ -265,8 +310,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_up_proj = Linear(d_model, 2 * d_ff)
+        self.down_proj = Linear(d_ff, d_model)
         self.register_load_state_dict_pre_hook(
             lambda module, state, prefix, *_: fuse_weights(state, prefix, "mlp"))
 
