@@ -9,7 +9,8 @@ Each layer runs as few operators as it can, because on a GPU every operator is a
 launch the host pays for: q, k and v come out of one matrix product (``qkv_proj``), gate
 and up out of another (``gate_up_proj``), and the rotary embedding reads a table built once
 per device (``rope_table``). Checkpoints that keep the projections apart (Hugging Face
-folders, the shipped CityLM file) are fused when loaded (``UNFUSED_PARTS``).
+folders, the shipped CityLM file) are fused when loaded (``UNFUSED_PARTS``). On the CPU
+the products themselves go through oneDNN (``Linear``), as vLLM's CPU build does.
 
 ``Block.forward`` does not know where keys and values are kept: it hands the new tokens'
 q, k, v to an ``attend`` function chosen by the caller. One request's dense cache
