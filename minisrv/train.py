@@ -38,7 +38,7 @@ from minisrv.data import (
     sample_document,
     split_countries,
 )
-from minisrv.model import META_FILE, WEIGHTS_FILE, CityLM
+from minisrv.model import META_FILE, WEIGHTS_FILE, CityLM, split_fused_weights
 from minisrv.tokenizer import Tokenizer
 
 IGNORE = -100  # target id that cross_entropy skips (padding)
@@ -83,7 +83,7 @@ def batch_logits(model: CityLM, ids: torch.Tensor) -> torch.Tensor:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + layer.attn.wo(out.transpose(1, 2).reshape(batch, length, -1))
+        x = x + layer.attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
         x = x + layer.mlp(layer.mlp_norm(x))
     return model.lm_head(model.norm(x))
 
@@ -197,14 +197,18 @@ def train(cfg: TrainConfig, progress: bool = True) -> tuple[CityLM, dict]:
 
 
 def save(model: CityLM, record: dict, out_dir: str | Path) -> None:
-    """Write ``citylm.safetensors`` (float32) and ``citylm.json`` (config + run record)."""
+    """Write ``citylm.safetensors`` (float32) and ``citylm.json`` (config + run record).
+
+    The file keeps q, k, v and gate, up as separate tensors (``split_fused_weights``), the
+    layout it has always had; loading fuses them again.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {
         name: t.detach().to("cpu", torch.float32).contiguous()
-        for name, t in model.state_dict().items()
+        for name, t in split_fused_weights(model.state_dict(), model.config).items()
     }
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config = dataclasses.asdict(model.config)

@@ -1,7 +1,8 @@
 """CityLM, the model minisrv serves, and the pieces it is made of.
 
-- ``layers``: RMSNorm, rotary positions, grouped-query attention, SwiGLU, ``Block`` (one
-  layer's step, with the attention function passed in);
+- ``layers``: RMSNorm, rotary positions (``rope_table``), grouped-query attention with
+  fused q/k/v, SwiGLU with fused gate/up, ``Block`` (one layer's step, with the attention
+  function passed in), and the fusing of unfused checkpoints (``fuse_weights``);
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
 - ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
   (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);
@@ -35,21 +36,28 @@ from minisrv.model.hf import (
     config_from_hf,
     folder_eos_ids,
     from_hf_llama,
-    hf_name,
+    hf_names,
 )
 from minisrv.model.kvcache import DenseKVCache, cache_attention
 from minisrv.model.layers import (
+    UNFUSED_PARTS,
     Attend,
     Attention,
     Block,
     LayerAttend,
+    Linear,
     RMSNorm,
     SwiGLU,
     apply_rope,
+    apply_rope_,
     causal_mask,
+    fuse_weights,
+    fused_row_split,
     grouped_attention,
+    joint_kv,
     rope_inv_freq,
-    rotate_half,
+    rope_table,
+    split_fused_weights,
 )
 from minisrv.model.loading import (
     CITYLM_NAME,
@@ -77,10 +85,13 @@ __all__ = [
     "FlatBatch",
     "HFTokenizer",
     "LayerAttend",
+    "Linear",
     "PaddedGroup",
     "RMSNorm",
     "SwiGLU",
+    "UNFUSED_PARTS",
     "apply_rope",
+    "apply_rope_",
     "available_devices",
     "cache_attention",
     "causal_mask",
@@ -91,8 +102,11 @@ __all__ = [
     "flat_attention_loop",
     "flat_attention_padded",
     "from_hf_llama",
+    "fuse_weights",
+    "fused_row_split",
     "grouped_attention",
-    "hf_name",
+    "joint_kv",
+    "hf_names",
     "load_citylm",
     "load_model",
     "merge_eos_ids",
@@ -103,5 +117,6 @@ __all__ = [
     "resolve_attention",
     "resolve_device",
     "rope_inv_freq",
-    "rotate_half",
+    "rope_table",
+    "split_fused_weights",
 ]

@@ -27,7 +27,15 @@ from torch import nn
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.flat import ATTENTION_KINDS, FlatBatch, pool_attention, resolve_attention
 from minisrv.model.kvcache import DenseKVCache, cache_attention
-from minisrv.model.layers import Block, LayerAttend, RMSNorm, causal_mask, rope_inv_freq
+from minisrv.model.layers import (
+    Block,
+    LayerAttend,
+    Linear,
+    RMSNorm,
+    causal_mask,
+    rope_inv_freq,
+    rope_table,
+)
 from minisrv.sampling import SamplingParams, make_generator, sample_next
 from minisrv.tokenizer import EOS_ID
 
@@ -77,26 +85,26 @@ class CityLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # Not a buffer: module.to(dtype) would round it to the weights' dtype, and RoPE
         # angles must stay float32 (as in HF Llama) even for a bf16 model.
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, self.rope_scaling)
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self._rope_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init: normal(0, std) for matrices, ones for norm gains.
 
-        Output projections (``wo``, ``w_down``) are scaled by 1/sqrt(2 * n_layers) so the
+        Output projections (``o_proj``, ``down_proj``) are scaled by 1/sqrt(2 * n_layers) so the
         residual stream does not grow with depth (GPT-2's recipe).
         """
         out_std = std / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w_down.weight")):
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(param, 0.0, out_std)
             else:
                 nn.init.normal_(param, 0.0, std)
@@ -125,16 +133,22 @@ class CityLM(nn.Module):
         return DenseKVCache(self.config.n_layers)
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every rotation angle for ``positions`` [T]: two [T, head_dim] tensors."""
-        inv_freq = self._inv_freq_on.get(positions.device)
-        if inv_freq is None:  # first use on this device: copy the float32 table there once
-            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        """cos and signed sin of the angles of ``positions`` [T]: two [T, 1, head_dim] views
+        of one indexing of ``rope_table`` (see ``layers.rope_table``)."""
+        key = (positions.device, self.dtype)
+        table = self._rope_on.get(key)
+        if table is None:  # first use on this device and dtype: every position's row, once
+            table = self._rope_on[key] = rope_table(
+                self.inv_freq, self.config.max_seq_len, self.dtype, positions.device)
+        rows = table[positions]
+        return rows[:, 0], rows[:, 1]
 
     def check_ids(self, ids: torch.Tensor) -> None:
-        """Raise ValueError unless ``ids`` is a non-empty 1-D tensor of in-vocabulary ids."""
+        """Raise ValueError unless ``ids`` is a non-empty 1-D tensor of in-vocabulary ids.
+
+        Reads the ids' range back from the device: for one request's ``forward`` (the oracle),
+        not for a serving step, whose ids are checked on the host (``check_id_range``).
+        """
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"ids must be a 1-D tensor of token ids, got {shape}")
@@ -142,7 +156,10 @@ class CityLM(nn.Module):
             raise ValueError("ids is empty: forward needs at least one new token")
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        low, high = int(ids.min()), int(ids.max())
+        self.check_id_range(int(ids.min()), int(ids.max()))
+
+    def check_id_range(self, low: int, high: int) -> None:
+        """Raise ValueError unless ids from ``low`` to ``high`` are all in the vocabulary."""
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(
@@ -182,8 +199,7 @@ class CityLM(nn.Module):
         positions = torch.arange(n_cached, n_cached + n_new, device=self.device)
         mask = causal_mask(n_cached, n_new, self.device)
         attend = partial(cache_attention, cache=cache, mask=mask)
-        x = self.run_layers(ids.to(self.device), positions, attend)
-        return self.lm_head(self.norm(x))
+        return self.forward_tokens(ids.to(self.device), positions, attend)
 
     @torch.inference_mode()
     def forward_flat(
@@ -208,23 +224,39 @@ class CityLM(nn.Module):
         kind = resolve_attention(attention, self.device, self.dtype, self.config.head_dim)
         batch = batch.to(self.device)
         self.check_flat(batch, pool, kind)
-        ids = batch.ids
-        self.check_ids(ids)
-        write = batch.write_slots
-        attend = partial(pool_attention, batch=batch, pool=pool, write=write, kind=kind)
-        x = self.run_layers(ids, batch.positions, attend)
-        if last_only:
-            x = x[batch.last_rows]
+        attend = partial(pool_attention, batch=batch, pool=pool, write=batch.write_slots, kind=kind)
+        rows = batch.last_rows if last_only else None
+        return self.forward_tokens(batch.ids, batch.positions, attend, rows)
+
+    def forward_tokens(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: LayerAttend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The device's whole work for a step: logits of tokens ``ids`` at ``positions`` (or
+        of their ``rows`` only), each layer attending with ``attend``.
+
+        Checks nothing and reads nothing back from the device (the callers check on the
+        host first), so a GPU runs it without waiting for the host: a test runs it on the
+        ``meta`` device, where any read-back raises.
+        """
+        x = self.run_layers(ids, positions, attend)
+        if rows is not None:
+            x = x[rows]
         return self.lm_head(self.norm(x))
 
     def check_flat(self, batch: FlatBatch, pool: KVPool, attention: str) -> None:
         """Raise ValueError unless ``forward_flat`` can run ``batch`` over ``pool``.
 
-        The pool must be shaped, typed and placed for this model, hold every slot of the
-        batch, and no request may outgrow ``max_seq_len``.
+        The ids must be in the vocabulary, the pool shaped, typed and placed for this model
+        and hold every slot of the batch, and no request may outgrow ``max_seq_len``. All
+        from host values: nothing is read back from the device.
         """
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
+        self.check_id_range(*batch.id_range)
         cfg = self.config
         want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
         have = (pool.k.shape[0], pool.k.shape[2], pool.k.shape[3])

@@ -107,6 +107,7 @@ class FlatBatch:
         if min(min(s) for s in slots) < 0:
             raise ValueError("KV slot indices must be >= 0")
         flat_ids = [int(t) for ids in new_ids for t in ids]
+        self.id_range = (min(flat_ids), max(flat_ids))  # checked on the host by the forward
         self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)

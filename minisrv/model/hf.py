@@ -19,23 +19,30 @@ from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.layers import rope_inv_freq
 from minisrv.model.loading import resolve_device
 
-# Our parameter names and the Hugging Face Llama names they come from.
-_HF_NAME_PATTERNS: list[tuple[str, str]] = [
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.attn\.w([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
-    (r"layers\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.mlp\.w_(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
+# Our parameter names and the Hugging Face Llama names they come from; a fused weight of
+# ours stacks several of theirs (output rows, in this order).
+_HF_NAME_PATTERNS: list[tuple[str, tuple[str, ...]]] = [
+    (r"embed\.weight", ("model.embed_tokens.weight",)),
+    (r"layers\.(\d+)\.attn_norm\.weight", (r"model.layers.\1.input_layernorm.weight",)),
+    (r"layers\.(\d+)\.attn\.qkv_proj\.weight",
+     tuple(rf"model.layers.\1.self_attn.{p}_proj.weight" for p in "qkv")),
+    (r"layers\.(\d+)\.attn\.o_proj\.weight", (r"model.layers.\1.self_attn.o_proj.weight",)),
+    (r"layers\.(\d+)\.mlp_norm\.weight",
+     (r"model.layers.\1.post_attention_layernorm.weight",)),
+    (r"layers\.(\d+)\.mlp\.gate_up_proj\.weight",
+     tuple(rf"model.layers.\1.mlp.{p}_proj.weight" for p in ("gate", "up"))),
+    (r"layers\.(\d+)\.mlp\.down_proj\.weight", (r"model.layers.\1.mlp.down_proj.weight",)),
+    (r"norm\.weight", ("model.norm.weight",)),
+    (r"lm_head\.weight", ("lm_head.weight",)),
 ]
 
 
-def hf_name(name: str) -> str:
-    """The HF Llama state-dict name of our parameter ``name`` (e.g. ``layers.0.attn.wq.weight``)."""
+def hf_names(name: str) -> tuple[str, ...]:
+    """The HF Llama state-dict names our parameter ``name`` is made of: one name, or the
+    parts a fused weight stacks (``layers.0.attn.qkv_proj.weight``: q, k and v)."""
     for ours, theirs in _HF_NAME_PATTERNS:
         if re.fullmatch(ours, name):
-            return re.sub(ours, theirs, name)
+            return tuple(re.sub(ours, part, name) for part in theirs)
     raise ValueError(f"no Hugging Face Llama name for parameter {name!r}")
 
 
@@ -133,7 +140,8 @@ def from_hf_llama(
     ``src`` is a ``transformers`` ``LlamaForCausalLM`` (or any model with a Llama config and
     state dict) or the path of a local checkpoint folder (``config.json`` plus
     ``*.safetensors``, possibly sharded with ``model.safetensors.index.json``); nothing is
-    downloaded. ``dtype=None`` keeps the checkpoint's dtype. ``device=None`` keeps a model's
+    downloaded. q/k/v and gate/up are fused into one weight each (``hf_names``).
+    ``dtype=None`` keeps the checkpoint's dtype. ``device=None`` keeps a model's
     device, and for a folder picks CUDA when available. Every eos id of the config and of
     the generation config ends a generation. Returns the model in eval mode.
     """
@@ -153,14 +161,17 @@ def from_hf_llama(
     with torch.device("meta"):  # no memory or random init for weights about to be replaced
         model = CityLM(config, rope_scaling=scaling, eos_id=stop)
     ours: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
     for name in model.state_dict():
-        theirs = hf_name(name)
-        if name == "lm_head.weight" and config.tie_embeddings:
-            theirs = hf_name("embed.weight")
-        if theirs not in state:
-            raise ValueError(f"checkpoint has no tensor {theirs!r} (needed for {name!r})")
-        ours[name] = state[theirs]
-    used = {hf_name(name) for name in ours}
+        theirs = hf_names("embed.weight" if name == "lm_head.weight" and config.tie_embeddings
+                          else name)
+        missing = [part for part in theirs if part not in state]
+        if missing:
+            raise ValueError(f"checkpoint has no tensor {missing[0]!r} (needed for {name!r})")
+        # Fused here, once: q/k/v and gate/up become one matrix product each per layer.
+        ours[name] = state[theirs[0]] if len(theirs) == 1 else torch.cat(
+            [state[part] for part in theirs])
+        used.update(theirs, hf_names(name))  # a tied lm_head's own copy counts as used
     unused = sorted(k for k in state if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(f"checkpoint tensors CityLM cannot map: {', '.join(unused[:5])}")

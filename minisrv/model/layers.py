@@ -1,9 +1,16 @@
 """The layers of a LLaMA-style decoder: RMSNorm, rotary positions, grouped-query attention,
 the SwiGLU MLP, and ``Block``, one layer's step.
 
-RoPE follows the Hugging Face Llama convention (``rotate_half`` on the two halves of each
-head, not interleaved pairs), so a ``LlamaForCausalLM`` checkpoint maps onto these layers
-weight for weight (``minisrv.model.hf``).
+RoPE follows the Hugging Face Llama convention (the two halves of each head rotate
+together, not interleaved pairs), so a ``LlamaForCausalLM`` checkpoint maps onto these
+layers weight for weight (``minisrv.model.hf``).
+
+Each layer runs as few operators as it can, because on a GPU every operator is a kernel
+launch the host pays for: q, k and v come out of one matrix product (``qkv_proj``), gate
+and up out of another (``gate_up_proj``), and the rotary embedding reads a table built once
+per device (``rope_table``). Checkpoints that keep the projections apart (Hugging Face
+folders, the shipped CityLM file) are fused when loaded (``UNFUSED_PARTS``). On the CPU
+the products themselves go through oneDNN (``Linear``), as vLLM's CPU build does.
 
 ``Block.forward`` does not know where keys and values are kept: it hands the new tokens'
 q, k, v to an ``attend`` function chosen by the caller. One request's dense cache
@@ -31,6 +38,59 @@ see, as [T, n_heads * head_dim]."""
 LayerAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer, q, k, v)``: an ``Attend`` for every layer, told which one it serves."""
 
+UNFUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "attn.qkv_proj": ("attn.wq", "attn.wk", "attn.wv"),
+    "attn.o_proj": ("attn.wo",),
+    "mlp.gate_up_proj": ("mlp.w_gate", "mlp.w_up"),
+    "mlp.down_proj": ("mlp.w_down",),
+}
+"""Each weight of a block and the unfused weights it stacks (output rows, in this order),
+under the names the shipped CityLM file keeps (``split_fused_weights`` writes them)."""
+
+
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """oneDNN's matrix product (``torch.ops.mkldnn._linear_pointwise``) if this torch has it
+    and it computes ``F.linear`` here (checked once on a small product), else ``None``."""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    cpu = torch.device("cpu")  # explicit: a default device set by the caller must not apply
+    x = torch.linspace(-1, 1, 24, device=cpu).reshape(2, 3, 4)
+    w = torch.linspace(-2, 2, 20, device=cpu).reshape(5, 4)
+    try:
+        with torch.inference_mode():
+            works = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5)
+    except (RuntimeError, TypeError):  # pragma: no cover - depends on the torch build
+        return None
+    return op if works else None
+
+
+ONEDNN_LINEAR = _onednn_linear()
+"""oneDNN's matrix product, or ``None`` where this torch lacks it. On the CPU in float32 it
+runs the serving shapes (64 rows of width 512) two to three times faster than ``F.linear``
+(MKL) on one thread; vLLM's CPU build uses it for the same reason."""
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose inference product on the CPU in float32 is oneDNN's.
+
+    The same product up to rounding (another summation order: a few 1e-6 relative);
+    training (gradients on), other devices and dtypes use ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_fits(x):
+            return ONEDNN_LINEAR(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+    def onednn_fits(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN takes this product: CPU, float32, no gradient to record."""
+        return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
+                and x.dtype == torch.float32 and not torch.is_grad_enabled())
+
 
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned per-channel gain.
@@ -44,11 +104,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Low-precision inputs (bf16/fp16) are normalised in float32, as HF Llama does.
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps): the same ATen ops, so the same numbers, as
-        # x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), in one call from Python.
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * F.rms_norm(xf, xf.shape[-1:], eps=self.eps).to(x.dtype)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) times the gain: the same ATen ops, so the
+        # same numbers, as writing them out, in one operator.
+        if x.dtype.itemsize < 4:
+            return self.low_precision(x)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def low_precision(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16/fp16 as HF Llama rounds them: normalised in float32, rounded back to x's
+        dtype, then scaled (the gain inside ``F.rms_norm`` would scale before rounding)."""
+        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(
@@ -60,7 +126,7 @@ def rope_inv_freq(
     long-wavelength channels are slowed down by ``factor``, the fast ones are left alone,
     and the ones in between are blended, so short-range behaviour is kept while positions
     far past the original training length stay distinguishable. The table is float32 on
-    the CPU; ``CityLM.rope_cos_sin`` copies it once to each device it runs on.
+    the CPU; ``rope_table`` turns it into every position's cos and sin on a device.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / theta**exponents
@@ -76,18 +142,43 @@ def rope_inv_freq(
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension (HF Llama's convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def rope_table(
+    inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """cos and signed sin of every angle of positions ``0 .. n_positions - 1``:
+    [n_positions, 2, 1, head_dim] in ``dtype`` on ``device``.
+
+    Built once per device, so a step selects its tokens' rows with one indexing operator
+    instead of computing angles, cos and sin for every step. The angles are float32 (as in
+    HF Llama) and computed on ``device``, exactly as a per-step computation would. The sin
+    row has its first half negated: HF's ``rotate_half(x) * sin`` is then
+    ``x.roll(head_dim // 2) * signed_sin``, one operator fewer (``apply_rope``). The 1 is
+    the heads' axis, so rows broadcast over heads as they are. The size is 2 x positions x
+    head_dim values: 64 MiB in bf16 for a 131,072-position Llama 3.1 with heads of 128.
+    """
+    positions = torch.arange(n_positions, device=device).to(torch.float32)
+    angles = positions[:, None] * inv_freq.to(device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    half = sin.shape[-1] // 2
+    sin[:, :half] = -sin[:, :half]
+    return torch.stack([cos, sin], dim=1)[:, :, None, :].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each head of ``x`` [..., T, heads, head_dim] by its token's angles.
 
-    ``cos`` and ``sin`` are [T, head_dim], one row per position (see ``CityLM.rope_cos_sin``).
+    ``cos`` and ``sin`` are [T, 1, head_dim] rows of ``rope_table`` (``sin`` signed). This is
+    HF Llama's ``x * cos + rotate_half(x) * sin``, the same numbers in four operators.
     """
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` written into ``x`` itself (a view into a projection's output), so the
+    rotated keys stay next to their values in that output; returns ``x``."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin)
+    return x.mul_(cos).add_(rotated)
 
 
 def grouped_attention(
@@ -118,44 +209,116 @@ def causal_mask(n_cached: int, n_new: int, device: torch.device) -> torch.Tensor
     return key_pos <= query_pos
 
 
+def joint_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``k`` and ``v`` [T, n_kv_heads, head_dim] side by side: [T, 2, n_kv_heads, head_dim].
+
+    For the views ``Attention.project_qkv`` returns this is a view of its output (no copy),
+    so a KV pool laid out [capacity, 2, n_kv_heads, head_dim] per layer takes a step's new
+    keys and values in one write. Other tensors are stacked (a copy). Only shapes, strides
+    and addresses are compared: nothing is read from the device.
+    """
+    row = k.shape[-2] * k.shape[-1]
+    adjacent = (
+        k.dim() == 3 and k.shape == v.shape and k.stride() == v.stride()
+        and k.stride()[1:] == (k.shape[-1], 1) and k.dtype == v.dtype
+        and v.storage_offset() == k.storage_offset() + row
+        and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    )
+    if not adjacent:
+        return torch.stack((k, v), dim=1)
+    return k.as_strided((k.shape[0], 2, *k.shape[1:]), (k.stride(0), row, k.shape[-1], 1))
+
+
+def fused_row_split(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """How many output rows each part of a fused weight of ``config`` has (``UNFUSED_PARTS``
+    order): q, k, v for ``attn.qkv_proj``, gate and up for ``mlp.gate_up_proj``."""
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return {"attn.qkv_proj": (q, kv, kv), "attn.o_proj": (config.d_model,),
+            "mlp.gate_up_proj": (config.d_ff, config.d_ff), "mlp.down_proj": (config.d_model,)}
+
+
+def fuse_weights(state: dict[str, torch.Tensor], prefix: str, scope: str) -> None:
+    """Stack, in ``state``, the unfused weights of the module at ``prefix`` (``scope`` its
+    name inside a block, ``"attn"`` or ``"mlp"``) into its fused ones, where they are there.
+
+    The load hook of ``Attention`` and ``SwiGLU``: the shipped CityLM file keeps q, k, v
+    and gate, up apart, and loads into the fused layers unchanged.
+    """
+    for fused, parts in UNFUSED_PARTS.items():
+        if not fused.startswith(f"{scope}."):
+            continue
+        names = [prefix + part.removeprefix(f"{scope}.") + ".weight" for part in parts]
+        target = prefix + fused.removeprefix(f"{scope}.") + ".weight"
+        if target not in state and all(name in state for name in names):
+            state[target] = torch.cat([state.pop(name) for name in names])
+
+
+def split_fused_weights(
+    state: Mapping[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """``state`` with every fused weight split back into its ``UNFUSED_PARTS`` (views): the
+    layout the shipped CityLM file keeps. Other entries are kept as they are."""
+    rows = fused_row_split(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        fused = next((f for f in UNFUSED_PARTS if name.endswith(f".{f}.weight")), None)
+        if fused is None:
+            out[name] = tensor
+            continue
+        base = name.removesuffix(f"{fused}.weight")
+        for part, piece in zip(UNFUSED_PARTS[fused], tensor.split(rows[fused])):
+            out[f"{base}{part}.weight"] = piece
+    return out
+
+
 class Attention(nn.Module):
-    """Grouped-query attention projections: query heads share ``n_kv_heads`` K/V heads."""
+    """Grouped-query attention projections: query heads share ``n_kv_heads`` K/V heads.
+
+    ``qkv_proj`` holds the query, key and value projections stacked (in that order), so
+    one matrix product makes all three.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, hd = config.d_model, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.wq = nn.Linear(d, config.n_heads * hd, bias=False)
-        self.wk = nn.Linear(d, config.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(d, config.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(config.n_heads * hd, d, bias=False)
+        self.qkv_proj = Linear(d, (config.n_heads + 2 * config.n_kv_heads) * hd)
+        self.o_proj = Linear(config.n_heads * hd, d)
+        self.register_load_state_dict_pre_hook(
+            lambda module, state, prefix, *_: fuse_weights(state, prefix, "attn"))
 
     def project_qkv(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys (both rotated to their positions) and values for tokens ``h`` [..., T, d].
 
-        Results are [..., T, heads, head_dim]; leading batch dimensions (used in training)
-        share the same positions.
+        Results are [..., T, heads, head_dim] views of one projection: q and k are rotated
+        in place there, together, and k, v stay adjacent (``joint_kv``). Leading batch
+        dimensions (used in training) share the same positions.
         """
-        lead = h.shape[:-1]
-        q = self.wq(h).view(*lead, self.n_heads, self.head_dim)
-        k = self.wk(h).view(*lead, self.n_kv_heads, self.head_dim)
-        v = self.wv(h).view(*lead, self.n_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        qkv = self.qkv_proj(h).unflatten(-1, (sum(heads), self.head_dim))
+        apply_rope_(qkv[..., : self.n_heads + self.n_kv_heads, :], cos, sin)
+        q, k, v = qkv.split(heads, dim=-2)
+        return q, k, v
 
 
 class SwiGLU(nn.Module):
-    """The MLP: ``down(silu(gate(x)) * up(x))``, a gated variant of the classic two-layer MLP."""
+    """The MLP: ``down(silu(gate(x)) * up(x))``, a gated variant of the classic two-layer MLP.
+
+    ``gate_up_proj`` holds gate and up stacked, so one matrix product makes both.
+    """
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
-        self.w_up = nn.Linear(d_model, d_ff, bias=False)
-        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_up_proj = Linear(d_model, 2 * d_ff)
+        self.down_proj = Linear(d_ff, d_model)
+        self.register_load_state_dict_pre_hook(
+            lambda module, state, prefix, *_: fuse_weights(state, prefix, "mlp"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -176,7 +339,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """The residual stream ``x`` [T, d] after this layer; ``cos``, ``sin``: tokens' angles."""
+        """The residual stream ``x`` [T, d] after this layer; ``cos``, ``sin``: tokens' rows
+        of ``rope_table``."""
         q, k, v = self.attn.project_qkv(self.attn_norm(x), cos, sin)
-        x = x + self.attn.wo(attend(q, k, v))
+        x = x + self.attn.o_proj(attend(q, k, v))
         return x + self.mlp(self.mlp_norm(x))

@@ -108,12 +108,14 @@ class TimedBackend:
         result = self.inner.compute(step, resolve, store)
         computed = time.perf_counter()
         start = max(handed, self._free_at)
-        done_at = start + self.step_time
-        if computed > done_at:
-            done_at = computed
+        # Summed as durations, not as differences of clock readings (``start + t - start``
+        # loses the low bits of t), so busy is never below steps x step_time.
+        took = max(self.step_time, computed - start)
+        if took > self.step_time:
             self.overruns += 1
+        done_at = start + took
         self.steps += 1
-        self.busy += done_at - start
+        self.busy += took
         self._free_at = done_at
         return TimedResult(result.tokens, result.cost, result.elapsed, done_at)
 

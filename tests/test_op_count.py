@@ -1,0 +1,175 @@
+"""What one decode step costs the host: the operators it dispatches, and zero read-backs.
+
+On a GPU every operator is a kernel launch the host pays for, and every read-back makes the
+host wait for the device; on the CPU both are countable. ``count_ops`` counts the ATen
+operators a call dispatches (views, which launch nothing, are left out) with a
+``TorchDispatchMode``; the bounds below are what the model reaches today, so the count
+cannot creep back. Run ``python tests/test_op_count.py`` for the breakdown per operator.
+
+Issue 23's goal is 16 operators per layer and 12 per step (76 for CityLM's 4 layers).
+Before the fused layers a step took 135 by this count (30 per layer, 15 per step). The
+model's own part (norms, fused projections, rotary table, MLP, LM head, sampling's argmax)
+is 14 per layer and 6 per step; the attention over the pool adds 5 per layer today (two K/V
+writes, two gathers, one attention call), which a runner that writes K and V in one
+operator and gathers them in one brings to 3.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minisrv.configs import CITYLM
+from minisrv.kvpool import KVPool
+from minisrv.model import CityLM, FlatBatch, load_citylm
+from minisrv.sampling import SamplingParams, sample_batch
+
+BATCH, CONTEXT = 64, 20
+
+# Upper bounds reached with today's flat attention (minisrv.model.flat); tighten them when
+# the runner's attention lands (goal: 16 per layer, 12 per step).
+MAX_PER_LAYER = 19
+MAX_PER_STEP = 6
+MAX_TOTAL = 4 * MAX_PER_LAYER + MAX_PER_STEP
+
+
+def _storages(values: Any) -> list[int]:
+    leaves = values if isinstance(values, (list, tuple)) else [values]
+    found = []
+    for leaf in leaves:
+        if isinstance(leaf, (list, tuple)):
+            found.extend(_storages(leaf))
+        elif isinstance(leaf, torch.Tensor):
+            found.append(leaf.untyped_storage().data_ptr())
+    return found
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched inside it, by name, views left out.
+
+    A view is an operator that writes nothing and whose every output tensor lives in an
+    input's memory (``view``, ``transpose``, a ``to`` that changes nothing): it launches no
+    kernel. Decided on what happened, not on schemas, so a dtype cast (``to`` that copies)
+    or a ``reshape`` that must copy is counted. Operators that return no tensor are counted
+    when they read one (``item``: a read-back). CPU tensors only (the meta device has no
+    addresses to compare).
+
+    Under ``torch.inference_mode`` (where ``forward_flat`` runs) the mode sees composite
+    operators whole: ``linear``, ``rms_norm`` or ``scaled_dot_product_attention`` count
+    once, as the one call the host makes for each.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs, outputs = _storages(list(args) + list((kwargs or {}).values())), _storages(out)
+        if func._schema.is_mutable or (not outputs and inputs) or not set(outputs) <= set(inputs):
+            self.ops[func.overloadpacket.__name__] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def count_ops(call: Callable[[], Any]) -> OpCounter:
+    """The operators ``call()`` dispatches."""
+    with OpCounter() as counter:
+        call()
+    return counter
+
+
+def decode_step(model: CityLM) -> Callable[[], list[int]]:
+    """One decode step of ``BATCH`` requests at context ``CONTEXT`` as the engine runs it:
+    the flat batch from host lists, the flat forward (last rows only), greedy sampling."""
+    pool = KVPool.for_model(model, BATCH * (CONTEXT + 1))
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT), generator=gen).tolist()
+    slots = [pool.alloc(CONTEXT) for _ in range(BATCH)]
+    model.forward_flat(FlatBatch([s[:-1] for s in seqs], [s[:-1] for s in slots]), pool)
+    params = [SamplingParams(max_new_tokens=1)] * BATCH
+
+    def step() -> list[int]:
+        flat = FlatBatch([s[-1:] for s in seqs], slots, model.device)
+        logits = model.forward_flat(flat, pool, attention="padded", last_only=True)
+        return sample_batch(logits, params, [None] * BATCH)
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def citylm() -> CityLM:
+    return load_citylm("cpu")[0]
+
+
+def per_layer_and_step(model: CityLM) -> tuple[int, int, OpCounter]:
+    """(operators per layer, per step outside the layers, the full model's count), from
+    the model and a copy of it with one layer less."""
+    full = count_ops(decode_step(model))
+    fewer = CityLM(model.config.with_(n_layers=model.config.n_layers - 1)).eval()
+    per_layer = full.total - count_ops(decode_step(fewer)).total
+    return per_layer, full.total - model.config.n_layers * per_layer, full
+
+
+def test_a_citylm_decode_step_stays_within_its_operator_budget(citylm: CityLM) -> None:
+    per_layer, per_step, full = per_layer_and_step(citylm)
+    assert per_layer <= MAX_PER_LAYER, dict(full.ops)
+    assert per_step <= MAX_PER_STEP, dict(full.ops)
+    assert full.total <= MAX_TOTAL, dict(full.ops)
+    # the fused layers: one matrix product each for qkv, o, gate_up, down; one for the head
+    products = full.ops["linear"] + full.ops["_linear_pointwise"]  # F.linear or oneDNN's
+    assert products == 4 * CITYLM.n_layers + 1
+    assert "item" not in full.ops  # no read-back
+
+
+def test_the_counter_counts_copies_and_skips_views() -> None:
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        counted = count_ops(lambda: (x.view(6, 4), x.t(), x.to(torch.float32), x[1:], x + 1,
+                                     x.to(torch.float64), x.t().reshape(24), x.sum().item()))
+    assert dict(counted.ops) == {"add": 1, "to": 1, "reshape": 1, "sum": 1, "item": 1}
+
+
+def meta_model() -> CityLM:
+    with torch.device("meta"):
+        return CityLM(CITYLM).eval()
+
+
+@pytest.mark.parametrize("attention", ["padded", "loop"])
+def test_the_flat_forward_reads_nothing_back(attention: str) -> None:
+    """On the meta device any read-back (``.item()``, ``.tolist()``, ``int(t)``) raises: the
+    step's forward, given its inputs, runs there whole."""
+    model = meta_model()
+    pool = KVPool.for_model(model, 64)
+    slots = [list(range(0, 9)), list(range(9, 10)), list(range(20, 26))]
+    batch = FlatBatch([[3, 4, 5], [7], [1, 2, 3, 4, 5, 6]], slots, "meta")
+    logits = model.forward_flat(batch, pool, attention=attention, last_only=True)
+    assert logits.device.type == "meta" and logits.shape == (3, CITYLM.vocab_size)
+    with torch.inference_mode():
+        rows = model.forward_tokens(batch.ids, batch.positions,
+                                    lambda layer, q, k, v: q.flatten(1))
+    assert rows.shape == (10, CITYLM.vocab_size)
+
+
+def test_meta_catches_a_read_back() -> None:
+    """The oracle's forward checks its ids on the device; on meta that read-back raises, so
+    the test above would notice one in the flat forward."""
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        meta_model()(torch.tensor([1, 2, 3], device="meta"))
+
+
+if __name__ == "__main__":
+    layer_ops, step_ops, counted = per_layer_and_step(load_citylm("cpu")[0])
+    print(f"{counted.total} operators: {layer_ops} per layer, {step_ops} per step")
+    for name, n in counted.ops.most_common():
+        print(f"  {name:32s} {n}")
