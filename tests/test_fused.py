@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from minisrv.configs import CITYLM
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import (
     UNFUSED_PARTS,
     CityLM,

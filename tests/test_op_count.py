@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minisrv.configs import CITYLM
-from minisrv.kvpool import KVPool
+from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch, load_citylm
 from minisrv.sampling import SamplingParams, sample_batch
 
