@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from minisrv.engine import simulate
 from minisrv.scheduler import MODES
+from minisrv.sim import simulate
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, Workload, gpu_scale_workload
 
 BUDGET_S = 2.0

@@ -22,7 +22,7 @@ _PUBLIC = {
     "RadixCache": "minisrv.kv",
     "calc_priority": "minisrv.scheduler",
     "optimal_hit_rate": "minisrv.scheduler",
-    "simulate": "minisrv.engine",
+    "simulate": "minisrv.sim",
     "simulate_cluster": "minisrv.experiments.routing",
     "timeline": "minisrv.experiments.lanes",
     "throughput_ratio": "minisrv.experiments.lanes",

@@ -28,10 +28,9 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisrv.checks import check_int, check_number, is_int
-from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.request import Req
@@ -49,11 +48,13 @@ from minisrv.scheduler import (
     StepRecord,
 )
 from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
-from minisrv.workloads import Workload
+
+if TYPE_CHECKING:  # a workload is the book's data; the engine only reads its fields
+    from minisrv.workloads import Workload
 
 __all__ = [
     "POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "EngineSnapshot", "RunResult",
-    "StepOutput", "simulate",
+    "StepOutput",
 ]
 
 
@@ -313,31 +314,6 @@ class Engine(ConfigView):
         trace = self.trace[first_step:]
         metrics = summarize(reqs, trace, self.max_running)
         return RunResult(self.mode, self.max_running, reqs, trace, metrics)
-
-
-def simulate(
-    workload: Workload,
-    config: EngineConfig | None = None,
-    *,
-    cfg: ModelConfig = LLAMA3_8B,
-    gpu: GPUSpec = H100,
-    dtype_bytes: float = 2,
-    progress: bool = False,
-    **options: Any,
-) -> RunResult:
-    """Serve ``workload`` on a simulated GPU (roofline step times); arrivals in seconds.
-
-    ``options`` are those of ``EngineConfig``, with its defaults, except ``kv_capacity``:
-    left out, it is all the memory the GPU has after the weights (LLaMA-3-8B on an H100:
-    about 488k tokens), which is what a real server would give its pool.
-    """
-    from minisrv.sim import SimBackend  # the book's simulated GPU, loaded only when asked
-
-    backend = SimBackend(cfg, gpu, dtype_bytes)
-    if "kv_capacity" not in options and config is None:
-        options["kv_capacity"] = backend.kv_capacity()
-    engine = Engine(backend, config, **options)
-    return engine.run_workload(workload, progress=progress)
 
 
 # --------------------------------------------------------------------- argument checks

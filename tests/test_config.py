@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from minisrv.engine import Engine, EngineConfig, simulate
+from minisrv.engine import Engine, EngineConfig
 from minisrv.scheduler import Scheduler
-from minisrv.sim import SimBackend
+from minisrv.sim import SimBackend, simulate
 from minisrv.workloads import gpu_scale_workload
 
 

@@ -27,7 +27,7 @@ def _figures():
 
 def _scheduler_figures():
     """The scheduler chapters' figures, drawn from small simulated runs."""
-    from minisrv.engine import simulate
+    from minisrv.sim import simulate
     from minisrv.viz import timeline
     from minisrv.workloads import gpu_scale_workload
 

@@ -19,10 +19,10 @@ import numpy as np
 import pandas as pd
 
 from minisrv.configs import LLAMA3_8B
-from minisrv.engine import Engine, RunResult, simulate
+from minisrv.engine import Engine, RunResult
 from minisrv.kv import RadixCache
 from minisrv.scheduler import SchedulerStats, calc_priority, optimal_hit_rate
-from minisrv.sim import SimBackend
+from minisrv.sim import SimBackend, simulate
 from minisrv.workloads import Workload, arrival_times, check_workload_args, few_shot_groups_workload
 
 __all__ = [

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pandas as pd
 from tqdm.auto import tqdm
 
-from minisrv.engine import simulate
+from minisrv.sim import simulate
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
 
 __all__ = ["rate_sweep"]

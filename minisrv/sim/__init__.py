@@ -3,10 +3,21 @@
 * ``backend.py``: ``SimBackend``, each step the roofline time of its batch, dummy tokens;
 * ``timed.py``: ``TimedBackend``, real tokens from any backend, each step a set wall-clock
   time that passes without the host (as a GPU's kernels do);
-* ``steptime.py``: ``decode_step_seconds``, one real decode step timed.
+* ``steptime.py``: ``decode_step_seconds``, one real decode step timed;
+* ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``.
+
+``simulate`` is imported on first use, so the backends load without the engine.
 """
 
 from minisrv.sim.backend import SimBackend, SimStep
 from minisrv.sim.timed import SPIN, TimedBackend, TimedResult
 
-__all__ = ["SPIN", "SimBackend", "SimStep", "TimedBackend", "TimedResult"]
+__all__ = ["SPIN", "SimBackend", "SimStep", "TimedBackend", "TimedResult", "simulate"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "simulate":
+        from minisrv.sim.run import simulate
+
+        return simulate
+    raise AttributeError(f"module 'minisrv.sim' has no attribute {name!r}")

@@ -16,10 +16,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from minisrv.engine import RunResult, simulate
+from minisrv.engine import RunResult
 from minisrv.metrics import RunMetrics
 from minisrv.request import Req
 from minisrv.scheduler import MODES, StepRecord
+from minisrv.sim import simulate
 from minisrv.viz.style import (
     FONT_SIZES,
     BookFigure,
