@@ -5,8 +5,9 @@ against them would leave every request with an empty mask at its first token. Th
 searches, depth first, for one complete text of the grammar made of the vocabulary's tokens
 (a *witness*), trying the stop token first at every node and the other allowed tokens in id
 order, for at most ``budget`` masks. Without a witness the grammar is refused, naming the
-characters the grammar asked for at the dead ends that the vocabulary lacks (found by
-replaying each dead end's text on a probe vocabulary of every printable ASCII character).
+characters the grammar asked for, at the dead ends and the texts leading to them, that the
+vocabulary lacks (found by replaying those texts on a probe vocabulary of every printable
+ASCII character).
 
 What it guarantees, exactly: a grammar that passes has at least one complete spelling in the
 vocabulary (the witness, kept on the compiled grammar), so the first mask is never empty. It
@@ -32,6 +33,9 @@ SPELL_BUDGET = 4000
 
 DEPTH_CAP = 64
 """Tokens after which the first search pass backtracks."""
+
+MAX_PROBES = 64
+"""Texts replayed on the probe vocabulary to name what is missing."""
 
 PROBE_CHARS = string.printable  # letters, digits, punctuation, space, \t \n \r \x0b \x0c
 
@@ -127,7 +131,7 @@ def missing_chars(compile_probe: xgr.CompiledGrammar, vocab: Vocabulary,
     probe = probe_vocabulary()
     bitmask = xgr.allocate_token_bitmask(1, probe.size)
     wanted: set[str] = set()
-    for prefix in dead_ends[:64]:
+    for prefix in _with_ancestors(dead_ends, MAX_PROBES):
         matcher = xgr.GrammarMatcher(compile_probe)
         text = b"".join(vocab.token_bytes[i] for i in prefix)
         if not matcher.accept_string(text):
@@ -137,4 +141,18 @@ def missing_chars(compile_probe: xgr.CompiledGrammar, vocab: Vocabulary,
             if i not in probe.stop_ids:
                 wanted.add(PROBE_CHARS[i - 1])
     return sorted(wanted - vocab.single_chars)
+
+
+def _with_ancestors(dead_ends: list[list[int]], limit: int) -> list[list[int]]:
+    """The dead ends, then their prefixes nearest first (where the grammar may have asked
+    for a missing character beside ones the vocabulary has), ``limit`` distinct at most."""
+    seen: dict[tuple[int, ...], None] = {}
+    longest = max((len(d) for d in dead_ends), default=0)
+    for back in range(longest + 1):
+        for d in dead_ends:
+            if back <= len(d):
+                seen.setdefault(tuple(d[: len(d) - back]))
+                if len(seen) >= limit:
+                    return [list(p) for p in seen]
+    return [list(p) for p in seen]
 
