@@ -106,3 +106,18 @@ def test_masked_logits_of_a_batch_row_match_the_state(checkpoint) -> None:
 
     GrammarLogitsProcessor(vocab.size)(logits, [state])
     assert torch.equal(torch.isfinite(logits[0]), state.allowed_mask())
+
+
+def test_the_word_level_appendix_checkpoint_cannot_spell_json(tmp_path) -> None:
+    from minisrv.real_model import write_tiny_llama
+
+    model, tokenizer = load_model(write_tiny_llama(tmp_path), "cpu")
+    vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
+    assert not vocab.byte_complete
+    with pytest.raises(ValueError, match="cannot spell this json_schema: it needs '{'"):
+        compile_grammar(vocab, json_schema=RECORD)
+    # Its words decode without the spaces between them: a space is what it lacks, not 'w'.
+    with pytest.raises(ValueError, match="cannot spell") as err:
+        compile_grammar(vocab, regex=r"(what|why) is")
+    assert "' '" in str(err.value) and "'w'" not in str(err.value)
+    assert compile_grammar(vocab, regex=r"(what|why)is").witness in ("whatis", "whyis")

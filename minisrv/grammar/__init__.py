@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from minisrv.grammar.compile import CompiledGrammar, compile_grammar
 from minisrv.grammar.processor import GrammarLogitsProcessor
-from minisrv.grammar.state import GrammarDeadEnd, GrammarState
+from minisrv.grammar.state import GrammarState
 from minisrv.grammar.vocab import Vocabulary, citylm_vocabulary, hf_vocabulary
 
 __all__ = [
     "CompiledGrammar",
-    "GrammarDeadEnd",
     "GrammarLogitsProcessor",
     "GrammarState",
     "Vocabulary",

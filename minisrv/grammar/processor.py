@@ -28,7 +28,11 @@ class GrammarLogitsProcessor:
         self.dead_ends = 0  # rows that met an empty mask (see GrammarState.mark_dead_end)
 
     def fill(self, states: Sequence[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:
-        """The CPU bitmask [rows, words] for ``states`` and the constrained rows' indices."""
+        """The CPU bitmask [rows, words] for ``states`` and the constrained rows' indices.
+
+        Only the listed rows are filled; the others hold whatever an earlier step left (the
+        buffer is reused), which is why the apply passes ``indices``.
+        """
         rows = [i for i, s in enumerate(states) if s is not None]
         if self._bitmask.shape[0] < len(states):
             self._bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)

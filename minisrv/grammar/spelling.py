@@ -12,9 +12,9 @@ ASCII character).
 What it guarantees, exactly: a grammar that passes has at least one complete spelling in the
 vocabulary (the witness, kept on the compiled grammar), so the first mask is never empty. It
 does not prove that every prefix a model may choose can be completed (``Paris1|London``
-passes through ``London``, yet a model that writes ``Paris`` is stuck); that rarer dead end is
-caught at run time (``GrammarState`` raises ``GrammarDeadEnd``). A grammar whose shortest
-depth-first spelling needs more than ``budget`` masks is refused too, with the same message.
+passes through ``London``, yet a model that writes ``Paris`` is stuck); that rarer dead end
+is caught at run time (the state then allows only the stop token and sets ``dead_end``). A
+grammar whose depth-first spelling needs more than ``budget`` masks is refused too.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def missing_chars(compile_probe: xgr.CompiledGrammar, vocab: Vocabulary,
         for i in allowed_ids(bitmask[0], probe.size):
             if i not in probe.stop_ids:
                 wanted.add(PROBE_CHARS[i - 1])
-    return sorted(wanted - vocab.single_chars)
+    return sorted(wanted - vocab.start_chars)
 
 
 def _with_ancestors(dead_ends: list[list[int]], limit: int) -> list[list[int]]:

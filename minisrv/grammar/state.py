@@ -9,10 +9,6 @@ from minisrv.grammar.bits import unpack_mask
 from minisrv.grammar.compile import CompiledGrammar
 
 
-class GrammarDeadEnd(ValueError):
-    """A request reached a state where its grammar allows no token of the vocabulary."""
-
-
 class GrammarState:
     """A request's matcher: create it when the request is admitted, ``fill`` its mask row
     before each step samples it, ``accept`` the token sampled, stop when ``is_terminated``.

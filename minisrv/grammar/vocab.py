@@ -3,6 +3,7 @@ grammar cache that belongs to it (a compiled grammar is only valid for one vocab
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
@@ -14,10 +15,11 @@ class Vocabulary:
     """A tokenizer's tokens as xgrammar sees them, the compiler bound to them, and its cache.
 
     ``size`` is the width of the model's logits (it may exceed the tokenizer's own count:
-    padding ids are then special tokens, never allowed by a mask). ``single_chars`` holds the
-    characters that are a token on their own: what the spelling check of ``compile_grammar``
-    builds text from. ``byte_complete`` is true when every one of the 256 bytes is a token,
-    so any byte string can be spelled one byte at a time and no spelling check is needed.
+    padding ids are then special tokens, never allowed by a mask). ``start_chars`` holds the
+    ASCII characters some ordinary token begins with: a character outside it can never be
+    written next, which is how ``compile_grammar`` names what is missing. ``byte_complete``
+    is true when every one of the 256 bytes is a token, so any byte string can be spelled
+    one byte at a time and no spelling check is needed.
     """
 
     def __init__(self, info: xgr.TokenizerInfo, name: str) -> None:
@@ -27,11 +29,9 @@ class Vocabulary:
         self.stop_ids: tuple[int, ...] = tuple(info.stop_token_ids)
         special = set(info.special_token_ids) | set(self.stop_ids)
         self.token_bytes: list[bytes] = list(info.decoded_vocab)
-        singles = {b for i, b in enumerate(self.token_bytes) if len(b) == 1 and i not in special}
-        self.byte_complete: bool = len(singles) == 256
-        self.single_chars: frozenset[str] = frozenset(
-            b.decode("latin-1") for b in singles if b[0] < 128
-        )
+        ordinary = [b for i, b in enumerate(self.token_bytes) if b and i not in special]
+        self.byte_complete: bool = len({b for b in ordinary if len(b) == 1}) == 256
+        self.start_chars: frozenset[str] = frozenset(chr(b[0]) for b in ordinary if b[0] < 128)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.cache: dict[tuple[str, str], Any] = {}  # (kind, text) -> CompiledGrammar
         self.compiles = 0  # how many grammars were compiled (the cache test counts them)
@@ -62,4 +62,5 @@ def hf_vocabulary(hf_tokenizer: Any, size: int | None = None,
     if stop_ids:
         kwargs["stop_token_ids"] = list(stop_ids)
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, **kwargs)
-    return Vocabulary(info, type(hf_tokenizer).__name__)
+    name = Path(getattr(hf_tokenizer, "name_or_path", "") or "").name
+    return Vocabulary(info, name or type(hf_tokenizer).__name__)
