@@ -164,6 +164,18 @@ def test_batched_processor_equals_per_row_masks(vocab, dtype, rows) -> None:
             assert torch.equal(as_bits(logits[i]), as_bits(before[i]))
 
 
+def test_one_processor_across_steps_of_changing_batches(vocab) -> None:
+    processor = GrammarLogitsProcessor(vocab.size)  # its bitmask buffer is reused
+    for step, rows in enumerate([24, 1, 7, 30]):
+        states = states_at_random_points(vocab, rows, seed=100 + step)
+        logits = torch.randn(rows, vocab.size, generator=torch.Generator().manual_seed(step))
+        expected = logits.clone()
+        for i, state in enumerate(states):
+            if state is not None:
+                expected[i] = expected[i].masked_fill(~state.allowed_mask(), float("-inf"))
+        assert torch.equal(processor(logits, states), expected)
+
+
 def as_bits(x: torch.Tensor) -> torch.Tensor:
     """The raw bits of a float tensor, so equality means bit-for-bit (NaN and -0.0 too)."""
     return x.view({torch.bfloat16: torch.int16, torch.float32: torch.int32,
