@@ -205,6 +205,14 @@ def test_processor_checks_its_input(vocab) -> None:
     untouched = torch.zeros(2, vocab.size)
     processor(untouched, [None, None])
     assert torch.equal(untouched, torch.zeros(2, vocab.size))
+    done = GrammarState(grammar(vocab, "regex", "Rome"))
+    done.accept_all([*TOK.encode("Rome", bos=False), TOK.eos_id])
+    assert done.is_terminated
+    with pytest.raises(ValueError, match="terminated"):
+        processor(torch.zeros(2, vocab.size), [state, done])
+    late = torch.zeros(2, vocab.size)  # the overlapped loop's one-step-late finished row
+    GrammarLogitsProcessor(vocab.size, skip_terminated=True)(late, [state, done])
+    assert torch.equal(late[1], torch.zeros(vocab.size)) and torch.isinf(late[0]).any()
 
 
 @pytest.mark.parametrize(

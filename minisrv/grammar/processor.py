@@ -19,10 +19,16 @@ class GrammarLogitsProcessor:
     and sets every forbidden logit of the constrained rows to -inf in one
     ``apply_token_bitmask_inplace``; free rows are not touched at all. The bitmask buffer is
     kept between steps and grown when a batch is larger.
+
+    A terminated state (its request already ended) is a ``ValueError``, unless
+    ``skip_terminated``: then its row is left free. The overlapped loop needs that, since its
+    stop check is one step late and a finished request may sit in the next step, whose token
+    is discarded anyway.
     """
 
-    def __init__(self, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, vocab_size: int, threads: int = 1, skip_terminated: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.skip_terminated = skip_terminated
         self.batch = xgr.BatchGrammarMatcher(threads)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.dead_ends = 0  # rows that met an empty mask (see GrammarState.mark_dead_end)
@@ -33,7 +39,8 @@ class GrammarLogitsProcessor:
         Only the listed rows are filled; the others hold whatever an earlier step left (the
         buffer is reused), which is why the apply passes ``indices``.
         """
-        rows = [i for i, s in enumerate(states) if s is not None]
+        rows = [i for i, s in enumerate(states)
+                if s is not None and not (self.skip_terminated and s.is_terminated)]
         if self._bitmask.shape[0] < len(states):
             self._bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
         bitmask = self._bitmask[: len(states)]
