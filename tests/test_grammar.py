@@ -308,3 +308,13 @@ def test_rollback_restores_every_earlier_mask(choices: list[int], back: int) -> 
     state.rollback(n)
     assert not state.is_terminated
     assert torch.equal(state.allowed_mask(), masks[len(state.accepted)])
+
+
+def test_padded_logits_never_allow_the_padding_ids() -> None:
+    vocab = citylm_vocabulary(size=64)  # a model whose logits are padded past 61 ids
+    state = GrammarState(compile_grammar(vocab, regex=r"[a-z:]+"))
+    logits = torch.zeros(1, 64)
+    GrammarLogitsProcessor(64)(logits, [state])
+    assert torch.isinf(logits[0, TOK.vocab_size:]).all()
+    assert torch.isinf(logits[0, TOK.bos_id]) and torch.isinf(logits[0, TOK.eos_id])
+    assert int(torch.isfinite(logits).sum()) == 27  # the 26 lowercase letters and ':'
