@@ -1,0 +1,111 @@
+"""Compiling a grammar once per (kind, text) for a vocabulary, refusing what it cannot spell.
+
+Compilation builds xgrammar's per-state token-mask cache over the whole vocabulary: tens of
+milliseconds for a JSON schema, far longer than a decode step, so the engine must do it once
+per grammar text (the cache here) and off its step loop. Bad input is a ``ValueError``
+naming the problem: an invalid regex, schema or EBNF, or characters the vocabulary lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+from minisrv.grammar.spelling import find_spelling, missing_chars, probe_vocabulary
+from minisrv.grammar.vocab import Vocabulary
+
+KINDS = ("regex", "json_schema", "ebnf")
+_LOCK = threading.Lock()  # the engine compiles from a worker thread; one compile at a time
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s]+:\d+: (Check failed: .*? is false: )?")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """One compiled grammar: what it was (``kind``, ``text``), xgrammar's compiled form, and
+    the vocabulary it belongs to. ``witness`` is one complete text the vocabulary can spell
+    (``None`` when the vocabulary is byte-complete and no search was needed)."""
+
+    kind: str
+    text: str
+    compiled: xgr.CompiledGrammar
+    vocab: Vocabulary
+    witness: str | None
+
+    def __repr__(self) -> str:
+        return f"CompiledGrammar({self.kind}={self.text[:40]!r}, vocab={self.vocab.name})"
+
+
+def compile_grammar(vocab: Vocabulary, *, regex: str | None = None,
+                    json_schema: str | dict[str, Any] | None = None,
+                    ebnf: str | None = None) -> CompiledGrammar:
+    """The compiled grammar for exactly one of ``regex``, ``json_schema`` (text or dict) or
+    ``ebnf`` (xgrammar's GBNF, rule ``root``), from ``vocab``'s cache when compiled before.
+
+    JSON schemas compile strictly (no properties beyond the schema's) with compact
+    separators and no free whitespace, so a model cannot pad its answer with spaces forever.
+    Raises ``ValueError`` for an invalid grammar and for one the vocabulary cannot spell.
+    """
+    given = {k: v for k, v in zip(KINDS, (regex, json_schema, ebnf)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of regex, json_schema, ebnf; got {sorted(given)}")
+    kind, value = next(iter(given.items()))
+    text = _grammar_text(kind, value)
+    key = (kind, text)
+    with _LOCK:
+        if key not in vocab.cache:
+            vocab.cache[key] = _compile_checked(vocab, kind, text)
+            vocab.compiles += 1
+        return vocab.cache[key]
+
+
+def _grammar_text(kind: str, value: Any) -> str:
+    """The cache key's text: a JSON schema normalised (sorted keys), so equal schemas share."""
+    if kind != "json_schema":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"json_schema is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
+    return json.dumps(value, sort_keys=True)
+
+
+def _xgr_compile(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
+    """xgrammar's compile of one grammar, its errors turned into ``ValueError``s."""
+    try:
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "ebnf":
+            return compiler.compile_grammar(text)
+        return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+    except (RuntimeError, xgr.InvalidJSONError) as err:
+        message = _XGR_PREFIX.sub("", str(err).strip().splitlines()[0])
+        raise ValueError(f"invalid {kind}: {message}") from None
+
+
+def _compile_checked(vocab: Vocabulary, kind: str, text: str) -> CompiledGrammar:
+    """Compile, then search for a spelling in the vocabulary (see ``spelling``)."""
+    compiled = _xgr_compile(vocab.compiler, kind, text)
+    if vocab.byte_complete:
+        return CompiledGrammar(kind, text, compiled, vocab, None)
+    spelling = find_spelling(compiled, vocab)
+    if spelling.witness is not None:
+        witness = b"".join(vocab.token_bytes[i] for i in spelling.witness)
+        return CompiledGrammar(kind, text, compiled, vocab, witness.decode("utf-8", "replace"))
+    probe = _xgr_compile(probe_vocabulary().compiler, kind, text)
+    missing = missing_chars(probe, vocab, spelling.dead_ends)
+    named = ", ".join(repr(c) for c in missing) if missing else "characters outside ASCII"
+    raise ValueError(
+        f"the {vocab.name} vocabulary cannot spell this {kind}: it needs {named}, which no "
+        f"token of the vocabulary provides"
+        + (" (no spelling found within the search budget)" if spelling.out_of_budget else "")
+    )

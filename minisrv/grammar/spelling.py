@@ -1,0 +1,158 @@
+"""Can a vocabulary spell a grammar? The check ``compile_grammar`` runs before accepting one.
+
+CityLM's 61 characters have no digits, braces or double quotes, so a JSON schema compiled
+against them would leave every request with an empty mask at its first token. The check
+searches, depth first, for one complete text of the grammar made of the vocabulary's tokens
+(a *witness*), trying the stop token first at every node and the other allowed tokens in id
+order, for at most ``budget`` masks. Without a witness the grammar is refused, naming the
+characters the grammar asked for, at the dead ends and the texts leading to them, that the
+vocabulary lacks (found by replaying those texts on a probe vocabulary of every printable
+ASCII character).
+
+What it guarantees, exactly: a grammar that passes has at least one complete spelling in the
+vocabulary (the witness, kept on the compiled grammar), so the first mask is never empty. It
+does not prove that every prefix a model may choose can be completed (``Paris1|London``
+passes through ``London``, yet a model that writes ``Paris`` is stuck); that rarer dead end
+is caught at run time (the state then allows only the stop token and sets ``dead_end``). A
+grammar whose depth-first spelling needs more than ``budget`` masks is refused too.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import xgrammar as xgr
+
+from minisrv.grammar.bits import allowed_ids
+from minisrv.grammar.vocab import Vocabulary
+
+SPELL_BUDGET = 4000
+"""Masks the witness search may compute before it gives up (a few ms each at most)."""
+
+DEPTH_CAP = 64
+"""Tokens after which the first search pass backtracks."""
+
+MAX_PROBES = 64
+"""Texts replayed on the probe vocabulary to name what is missing."""
+
+PROBE_CHARS = string.printable  # letters, digits, punctuation, space, \t \n \r \x0b \x0c
+
+
+@dataclass
+class Spelling:
+    """The result of the search: a witness (token ids, stop token excluded) or the dead ends."""
+
+    witness: list[int] | None
+    dead_ends: list[list[int]] = field(default_factory=list)
+    masks: int = 0
+    out_of_budget: bool = False  # the search stopped at ``budget`` masks, not exhausted
+
+
+def find_spelling(compiled: xgr.CompiledGrammar, vocab: Vocabulary,
+                  budget: int = SPELL_BUDGET) -> Spelling:
+    """Search for a complete text of ``compiled`` in ``vocab``'s tokens: first depth-first
+    with paths cut at ``DEPTH_CAP`` tokens (so a repetition tried first, like ``(ab)*`` in
+    ``(ab)*c``, cannot swallow the search), then without the cut (for long fixed texts),
+    each with half the budget."""
+    first = _search(compiled, vocab, budget // 2, DEPTH_CAP)
+    if first.witness is not None:
+        return first
+    second = _search(compiled, vocab, budget - budget // 2, None)
+    second.dead_ends = first.dead_ends + second.dead_ends
+    second.masks += first.masks
+    second.out_of_budget = second.out_of_budget and first.out_of_budget
+    return second
+
+
+def _search(compiled: xgr.CompiledGrammar, vocab: Vocabulary, budget: int,
+            depth_cap: int | None) -> Spelling:
+    """One depth-first search, stop token first, children in id order."""
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab.size)
+    stops = set(vocab.stop_ids)
+    result = Spelling(None)
+    path: list[int] = []
+    stack: list[list[int]] = []  # per depth: the children still to try, reversed
+    cut = False
+
+    def expand() -> bool:
+        """Push the children of the current node; True when it completes the grammar."""
+        nonlocal cut
+        matcher.fill_next_token_bitmask(bitmask)
+        result.masks += 1
+        ids = allowed_ids(bitmask[0], vocab.size)
+        if any(i in stops for i in ids) or matcher.is_completed():
+            return True
+        children = [i for i in ids if i not in stops]
+        if not children:
+            result.dead_ends.append(list(path))
+        if depth_cap is not None and len(path) >= depth_cap:
+            cut, children = cut or bool(children), []
+        stack.append(children[::-1])
+        return False
+
+    if expand():
+        result.witness = []
+        return result
+    while stack and result.masks < budget:
+        if not stack[-1]:
+            stack.pop()
+            if path:
+                path.pop()
+                matcher.rollback(1)
+            continue
+        token = stack[-1].pop()
+        if not matcher.accept_token(token):  # the mask allowed it: cannot happen
+            raise RuntimeError(f"xgrammar refused token {token} its own mask allowed")
+        path.append(token)
+        if expand():
+            result.witness = list(path)
+            return result
+    result.out_of_budget = bool(stack) or cut
+    if stack:  # out of budget: the path it was on tells what the grammar kept asking for
+        result.dead_ends.extend(path[: len(path) - k] for k in range(min(8, len(path) + 1)))
+    return result
+
+
+@lru_cache(maxsize=1)
+def probe_vocabulary() -> Vocabulary:
+    """A vocabulary of every printable ASCII character, one token each, plus a stop token:
+    what the grammar would have accepted where the real vocabulary had nothing."""
+    info = xgr.TokenizerInfo(["</s>", *PROBE_CHARS], xgr.VocabType.RAW, stop_token_ids=[0])
+    return Vocabulary(info, "probe")
+
+
+def missing_chars(compile_probe: xgr.CompiledGrammar, vocab: Vocabulary,
+                  dead_ends: list[list[int]]) -> list[str]:
+    """Characters the grammar accepts after some dead end's text that ``vocab`` cannot spell
+    (sorted); ``compile_probe`` is the same grammar compiled for ``probe_vocabulary()``."""
+    probe = probe_vocabulary()
+    bitmask = xgr.allocate_token_bitmask(1, probe.size)
+    wanted: set[str] = set()
+    for prefix in _with_ancestors(dead_ends, MAX_PROBES):
+        matcher = xgr.GrammarMatcher(compile_probe)
+        text = b"".join(vocab.token_bytes[i] for i in prefix)
+        if not matcher.accept_string(text):
+            continue
+        matcher.fill_next_token_bitmask(bitmask)
+        for i in allowed_ids(bitmask[0], probe.size):
+            if i not in probe.stop_ids:
+                wanted.add(PROBE_CHARS[i - 1])
+    return sorted(wanted - vocab.start_chars)
+
+
+def _with_ancestors(dead_ends: list[list[int]], limit: int) -> list[list[int]]:
+    """The dead ends, then their prefixes nearest first (where the grammar may have asked
+    for a missing character beside ones the vocabulary has), ``limit`` distinct at most."""
+    seen: dict[tuple[int, ...], None] = {}
+    longest = max((len(d) for d in dead_ends), default=0)
+    for back in range(longest + 1):
+        for d in dead_ends:
+            if back <= len(d):
+                seen.setdefault(tuple(d[: len(d) - back]))
+                if len(seen) >= limit:
+                    return [list(p) for p in seen]
+    return [list(p) for p in seen]
+

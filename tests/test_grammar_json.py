@@ -1,0 +1,123 @@
+"""Structured output on a vocabulary that can spell JSON: a tiny offline Llama folder with a
+byte-level BPE (``minisrv.grammar.tiny_json``). Every output parses and validates against its
+schema, sampled at many seeds and temperatures, with and without jump-forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("transformers")
+jsonschema = pytest.importorskip("jsonschema")
+
+from minisrv.grammar import GrammarState, compile_grammar, hf_vocabulary  # noqa: E402
+from minisrv.grammar.reference import constrained_generate  # noqa: E402
+from minisrv.grammar.tiny_json import CITIES, write_json_llama  # noqa: E402
+from minisrv.model import load_model  # noqa: E402
+from minisrv.sampling import SamplingParams  # noqa: E402
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": list(CITIES[:4])},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+        "tag": {"type": "string", "maxLength": 6},
+    },
+    "required": ["city", "rank", "tag"],
+    "additionalProperties": False,
+}
+LIST = {
+    "type": "object",
+    "properties": {
+        "cities": {"type": "array", "items": {"enum": list(CITIES)}, "minItems": 1,
+                   "maxItems": 3},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["cities", "capital"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """The loaded tiny model, its tokenizer and their grammar vocabulary."""
+    folder = write_json_llama(tmp_path_factory.mktemp("json_llama"))
+    model, tokenizer = load_model(folder, "cpu")
+    vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
+    return model, tokenizer, vocab
+
+
+def test_the_byte_level_vocabulary_spells_everything(checkpoint) -> None:
+    model, tokenizer, vocab = checkpoint
+    assert vocab.byte_complete and vocab.size == model.config.vocab_size
+    assert vocab.stop_ids == model.eos_ids
+    assert any(len(b) > 3 for b in vocab.token_bytes)  # merged tokens such as "city"
+
+
+@pytest.mark.parametrize("schema", [RECORD, LIST], ids=["record", "list"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 1.6])
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_outputs_parse_and_validate(checkpoint, schema, temperature, jump_forward) -> None:
+    model, tokenizer, vocab = checkpoint
+    grammar = compile_grammar(vocab, json_schema=schema)
+    for seed in range(6 if temperature else 2):
+        prompt = tokenizer.encode(["", '{"city": ', "rank"][seed % 3])
+        params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=seed)
+        run = constrained_generate(model, prompt, grammar, params, jump_forward=jump_forward)
+        assert run.tokens[-1] in model.eos_ids, "a bounded schema always finishes"
+        # strict=False: xgrammar's schema strings admit raw control characters (U+0000-U+001F
+        # but \r \n), which RFC 8259 forbids unescaped (mlc-ai/xgrammar issue 286).
+        value = json.loads(tokenizer.decode(run.tokens), strict=False)
+        jsonschema.validate(value, schema)
+        if jump_forward:
+            assert run.jumped > 0  # the keys and punctuation are fixed
+            assert run.forwards == len(run.tokens) - run.jumped
+
+
+def test_jump_forward_fixes_the_keys(checkpoint) -> None:
+    _, tokenizer, vocab = checkpoint
+    state = GrammarState(compile_grammar(vocab, json_schema=RECORD))
+    assert state.jump_forward_text() == '{"city": "'
+    assert tokenizer.decode(state.jump_forward()) == '{"city": "'
+
+
+def test_schema_key_order_does_not_matter_to_the_cache(checkpoint) -> None:
+    _, _, vocab = checkpoint
+    first = compile_grammar(vocab, json_schema=RECORD)
+    reordered = json.dumps(dict(reversed(list(RECORD.items()))))
+    assert compile_grammar(vocab, json_schema=reordered) is first
+
+
+def test_an_unconstrained_random_model_writes_no_json(checkpoint) -> None:
+    model, tokenizer, _ = checkpoint
+    text = tokenizer.decode(model.reference_generate(tokenizer.encode(""), 40))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_masked_logits_of_a_batch_row_match_the_state(checkpoint) -> None:
+    model, tokenizer, vocab = checkpoint
+    state = GrammarState(compile_grammar(vocab, json_schema=LIST))
+    logits = model(torch.tensor(tokenizer.encode('{"cities": [')))[-1:].clone()
+    from minisrv.grammar import GrammarLogitsProcessor
+
+    GrammarLogitsProcessor(vocab.size)(logits, [state])
+    assert torch.equal(torch.isfinite(logits[0]), state.allowed_mask())
+
+
+def test_the_word_level_appendix_checkpoint_cannot_spell_json(tmp_path) -> None:
+    from minisrv.real_model import write_tiny_llama
+
+    model, tokenizer = load_model(write_tiny_llama(tmp_path), "cpu")
+    vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
+    assert not vocab.byte_complete
+    with pytest.raises(ValueError, match="cannot spell this json_schema: it needs '{'"):
+        compile_grammar(vocab, json_schema=RECORD)
+    # Its words decode without the spaces between them: a space is what it lacks, not 'w'.
+    with pytest.raises(ValueError, match="cannot spell") as err:
+        compile_grammar(vocab, regex=r"(what|why) is")
+    assert "' '" in str(err.value) and "'w'" not in str(err.value)
+    assert compile_grammar(vocab, regex=r"(what|why)is").witness in ("whatis", "whyis")
