@@ -109,7 +109,7 @@ def test_masked_logits_of_a_batch_row_match_the_state(checkpoint) -> None:
 
 
 def test_the_word_level_appendix_checkpoint_cannot_spell_json(tmp_path) -> None:
-    from minisrv.real_model import write_tiny_llama
+    from minisrv.experiments.gpu import write_tiny_llama
 
     model, tokenizer = load_model(write_tiny_llama(tmp_path), "cpu")
     vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
