@@ -118,3 +118,17 @@ def test_truncate_and_bad_arguments(random_target) -> None:
         speculative_generate(random_target, NgramDrafter(), [0, 4], 5, 0)
     with pytest.raises(ValueError, match="max_seq_len"):
         speculative_generate(random_target, NgramDrafter(), [0, 4], 600, 2)
+
+
+def test_the_shipped_draft_loads_and_guesses_citylm_well(citylm) -> None:
+    """The shipped draft: CityDraft's shape, CityLM's tokenizer; it guesses most of CityLM's
+    greedy city lists right (the measured rate is in the record, well above this floor)."""
+    from minisrv.spec import load_draft
+
+    model, tok = citylm
+    draft, draft_tok = load_draft("cpu")
+    assert draft.config == CITYDRAFT and draft_tok.alphabet == tok.alphabet
+    assert not draft.training
+    result = speculative_generate(model, DraftModelDrafter(draft), tok.encode("FR:"), 60, 4)
+    assert result.tokens == model.reference_generate(tok.encode("FR:"), 60)
+    assert result.acceptance_rate > 0.5
