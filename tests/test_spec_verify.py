@@ -144,3 +144,16 @@ def test_bad_shapes_raise() -> None:
         verify_batch(torch.zeros(1, 4), [Draft([])], [SamplingParams(temperature=1.0)], [None])
     with pytest.raises(ValueError, match="probs"):
         Draft([1, 2], torch.zeros(3, 4))
+
+
+def test_an_empty_draft_is_a_plain_decode_step() -> None:
+    """A request without guesses gets exactly ``sample_batch``'s token, with the same draw."""
+    from minisrv.sampling import sample_batch
+
+    torch.manual_seed(7)
+    logits = torch.randn(3, 10, dtype=torch.float64)
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.7, seed=3),
+              SamplingParams(temperature=1.3, seed=4)]
+    plain = sample_batch(logits, params, [make_generator(p) for p in params])
+    checked = verify_batch(logits, [Draft([])] * 3, params, [make_generator(p) for p in params])
+    assert checked == [[t] for t in plain]
