@@ -144,6 +144,8 @@ def test_bad_shapes_raise() -> None:
         verify_batch(torch.zeros(1, 4), [Draft([])], [SamplingParams(temperature=1.0)], [None])
     with pytest.raises(ValueError, match="probs"):
         Draft([1, 2], torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        verify_batch(torch.zeros(2, 4), [Draft([4])], [SamplingParams()], [None])
 
 
 def test_an_empty_draft_is_a_plain_decode_step() -> None:

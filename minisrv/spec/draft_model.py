@@ -77,6 +77,7 @@ class DraftModelDrafter(Drafter):
         return logits[-1]
 
     def _feed(self, token: int, key: Hashable) -> torch.Tensor:
+        """Logits after one more guessed token, whose K/V joins the request's draft cache."""
         state = self._states[key]
         logits = self.model(torch.tensor([token], dtype=torch.long, device=self.model.device),
                             state.cache)

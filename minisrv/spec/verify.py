@@ -17,6 +17,7 @@ request's tokens depend only on its seed, never on its batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -116,9 +117,13 @@ def verify_batch(
             f"logits must be [sum(len(draft) + 1) = {sum(sizes)}, vocab], "
             f"got {tuple(logits.shape)}"
         )
+    vocab = logits.shape[1]
+    for i, draft in enumerate(drafts):
+        if any(not 0 <= t < vocab for t in draft.tokens):
+            raise ValueError(f"draft {i} has a token outside the vocabulary (0..{vocab - 1})")
     argmax: list[int] = logits.argmax(dim=-1).tolist()
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes)]
     cpu_rows = logits.to("cpu") if sampled else None
     kept: list[list[int]] = []
     for i, draft in enumerate(drafts):
