@@ -132,3 +132,29 @@ def test_the_shipped_draft_loads_and_guesses_citylm_well(citylm) -> None:
     result = speculative_generate(model, DraftModelDrafter(draft), tok.encode("FR:"), 60, 4)
     assert result.tokens == model.reference_generate(tok.encode("FR:"), 60)
     assert result.acceptance_rate > 0.5
+
+
+def test_sampled_speculation_gives_the_targets_distribution_end_to_end() -> None:
+    """Token 2 (the first one a check decides) over many seeds, chi-square against the
+    target's exact marginal sum_t1 p(t1) p(t2 | t1); the draft's q comes from a real model."""
+    from minisrv.sampling import nucleus_probs
+
+    small = CITYLM.with_(n_layers=1, vocab_size=8)
+    target = random_model(small, seed=2, std=0.1)
+    drafter = DraftModelDrafter(random_model(CITYDRAFT.with_(vocab_size=8), seed=3, std=0.1))
+    prompt, temperature, top_p = [0, 3, 5], 1.0, 0.95
+    with torch.no_grad():
+        p1 = nucleus_probs(target(torch.tensor(prompt))[-1], temperature, top_p)
+        rows = [nucleus_probs(target(torch.tensor([*prompt, t]))[-1], temperature, top_p)
+                for t in range(8)]
+    p2 = sum(p1[t] * rows[t] for t in range(8))
+    counts = torch.zeros(8, dtype=torch.float64)
+    for seed in range(3000):
+        out = speculative_generate(target, drafter, prompt, 3, 2, temperature=temperature,
+                                   top_p=top_p, seed=seed, ignore_eos=True)
+        counts[out.tokens[1]] += 1
+    live = p2 > 0
+    expected = p2[live] * counts.sum()
+    stat = float((((counts[live] - expected) ** 2) / expected).sum())
+    critical_001 = {5: 20.515, 6: 22.458, 7: 24.322}[int(live.sum()) - 1]
+    assert counts[~live].sum() == 0 and stat < critical_001
