@@ -18,6 +18,7 @@ never seen, so their loss rises as memorisation sharpens (it is recorded to show
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 import math
@@ -222,7 +223,17 @@ def save(model: CityLM, record: dict, out_dir: str | Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: train with the shipped settings and write the weights."""
+    """Command line: train with the shipped settings and write the weights.
+
+    ``--draft`` trains the speculative-decoding draft instead (``minisrv.spec.train_draft``,
+    which takes the rest of the arguments).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--draft" in argv:
+        from minisrv.spec.train_draft import main as train_draft_main
+
+        argv.remove("--draft")
+        return train_draft_main(argv)
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description="Train CityLM on the city language.")
     parser.add_argument("--steps", type=int, default=defaults.steps)

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from minisrv.configs import CITYLM
 from minisrv.model import CityLM
-from minisrv.patterns import shared_system_prompt
 from minisrv.spec import (
     CITYDRAFT,
     DraftModelDrafter,
@@ -19,7 +18,7 @@ from minisrv.spec import (
     speculative_generate,
     truncate_dense,
 )
-from minisrv.workloads import city_prompts
+from minisrv.workloads import city_prompts, shared_system_prompt
 
 
 def random_model(config, seed: int, std: float) -> CityLM:
