@@ -18,11 +18,11 @@ never seen, so their loss rises as memorisation sharpens (it is recorded to show
 from __future__ import annotations
 
 import argparse
-import sys
 import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
