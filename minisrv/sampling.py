@@ -11,12 +11,16 @@ produce the same samples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minisrv.checks import check_int
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds ``torch.Generator.manual_seed`` accepts."""
 
 
 @dataclass(frozen=True)
@@ -37,12 +41,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN, inf
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:  # what torch.Generator.manual_seed takes
+                raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -190,7 +190,7 @@ def test_token_id_prompts_and_models(client, citylm, server):
     out = client.completions.create(model="citylm", prompt=ids, max_tokens=10, temperature=0)
     assert out.choices[0].text == expected(citylm, "JP:", 10)[0]
     assert [m.id for m in client.models.list().data] == ["citylm"]
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
 
 
 # ------------------------------------------------------------------------------ errors
@@ -205,7 +205,16 @@ BAD_BODIES = {
     "longer than the KV pool": {"prompt": "A" * 470, "max_tokens": 16},
     "unknown model": {"model": "gpt-4o", "prompt": "FR:"},
     "unsupported top_k": {"prompt": "FR:", "top_k": 5},
-    "unsupported logprobs": {"prompt": "FR:", "logprobs": 2},
+    "logprobs over 20": {"prompt": "FR:", "logprobs": 21},
+    "seed of 2**64": {"prompt": "FR:", "seed": 2**64, "temperature": 1.0},
+    "seed of -2**63 - 1": {"prompt": "FR:", "seed": -(2**63) - 1, "temperature": 1.0},
+    "id outside the vocabulary": {"prompt": [0, 999]},
+    "negative id": {"prompt": [0, -1]},
+    "infinite temperature": b'{"prompt": "FR:", "temperature": 1e999}',
+    "best_of": {"prompt": "FR:", "best_of": 3},
+    "suffix": {"prompt": "FR:", "suffix": " end"},
+    "response_format": {"prompt": "FR:", "response_format": {"type": "json_object"}},
+    "presence_penalty out of range": {"prompt": "FR:", "presence_penalty": 3},
 }
 
 

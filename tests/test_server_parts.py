@@ -20,19 +20,19 @@ from minisrv import Engine  # noqa: E402
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.app import BadRequest, completion_prompts, sampling_params  # noqa: E402
 from minisrv.server.engine_loop import EngineLoop  # noqa: E402
-from minisrv.server.loading import TextCodec  # noqa: E402
+from minisrv.server.messages import TokenEvent  # noqa: E402
 from minisrv.server.textstream import TextStream  # noqa: E402
 from minisrv.tokenizer import ALPHABET, Tokenizer  # noqa: E402
 
 TOK = Tokenizer()
 
 
-class WholeDecodeCodec(TextCodec):
+class WholeDecodeCodec(Tokenizer):
     """CityLM's tokenizer, but decoded the general way (whole output each time)."""
 
-    @property
-    def prefix_stable(self) -> bool:
-        return False
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_stable = False
 
 
 def first_stop_cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -55,7 +55,7 @@ def first_stop_cut(text: str, stops: list[str]) -> tuple[str, bool]:
 )
 def test_text_stream_releases_exactly_the_text_before_the_first_stop(chars, stops, cuts, whole):
     ids = TOK.encode("".join(chars), bos=False)
-    codec = (WholeDecodeCodec if whole else TextCodec)(TOK, "citylm")
+    codec = (WholeDecodeCodec if whole else Tokenizer)()
     stream = TextStream(codec, stops, frozenset())
     pieces, pos, step = [], 0, 0
     while pos < len(ids) and stream.finish is None:
@@ -70,17 +70,17 @@ def test_text_stream_releases_exactly_the_text_before_the_first_stop(chars, stop
 
 
 def test_text_stream_stop_ids_and_eos():
-    stream = TextStream(TextCodec(TOK, "citylm"), [], frozenset({TOK.encode(",", bos=False)[0]}))
+    stream = TextStream(TOK, [], frozenset({TOK.encode(",", bos=False)[0]}))
     assert stream.add(TOK.encode(" Paris, Lyon", bos=False)) == " Paris"
     assert stream.finish == "stop" and stream.n_tokens == 7
-    eos = TextStream(TextCodec(TOK, "citylm"), [], frozenset())
+    eos = TextStream(TOK, [], frozenset())
     assert eos.add([*TOK.encode(" Lyon", bos=False), TOK.eos_id]) == " Lyon"
     assert eos.close("eos") == "" and eos.finish == "stop"
 
 
 # ------------------------------------------------------------------------------ parsing
 def test_completion_prompts_take_every_openai_form():
-    codec = TextCodec(TOK, "citylm")
+    codec = TOK
     assert completion_prompts(codec, "FR:") == ([TOK.encode("FR:")], ["FR:"])
     assert completion_prompts(codec, ["FR:", "JP:"])[0] == [TOK.encode("FR:"), TOK.encode("JP:")]
     assert completion_prompts(codec, [0, 5, 6])[0] == [[0, 5, 6]]
@@ -112,12 +112,12 @@ class Collector:
 
     def __call__(self, events, snapshot) -> None:
         with self.lock:
-            for key, tokens, finish, error in events:
-                self.tokens.setdefault(key, []).extend(tokens)
-                if finish:
-                    self.finish[key] = finish
-                if error:
-                    self.errors[key] = error
+            for e in events:
+                self.tokens.setdefault(e.key, []).extend(e.tokens)
+                if e.finish:
+                    self.finish[e.key] = e.finish
+                if e.error:
+                    self.errors[e.key] = e.error
             self.snapshots.append(snapshot)
 
     def wait(self, condition, timeout: float = 30.0) -> None:
@@ -221,18 +221,20 @@ def hf_folder(tmp_path, extra_stop: int | None = None):
 
 
 def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
+    import torch
     from starlette.testclient import TestClient
 
+    from minisrv.model import load_model, load_tokenizer
     from minisrv.server.app import create_app
-    from minisrv.server.loading import load_codec, load_served_model, model_name
+    from minisrv.server.config import model_name
     from minisrv.server.workers import EngineOptions, LocalEngine
 
-    plain, _ = load_served_model(str(hf_folder(tmp_path / "plain")), "cpu")
+    plain, _ = load_model(str(hf_folder(tmp_path / "plain")), "cpu", torch.float32)
     prompt_ids = [5, 9, 13]
     alone = plain.reference_generate(prompt_ids, 12)
     extra = next(t for t in alone[2:] if t != 1)  # a token greedy decoding will produce
     folder = hf_folder(tmp_path / "two-eos", extra)
-    model, codec = load_served_model(str(folder), "cpu")
+    model, codec = load_model(str(folder), "cpu", torch.float32)
     assert model.eos_id == 1 and codec.stop_ids == {1, extra}
     # same weights (same seed); the model itself now stops on every eos id of the folder
     assert model.reference_generate(prompt_ids, 12) == alone[: alone.index(extra) + 1]
@@ -240,7 +242,8 @@ def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
     want = codec.decode(kept)
 
     options = EngineOptions(model=str(folder), device="cpu", kv_capacity=200, max_running=4)
-    app = create_app(LocalEngine(options), load_codec(str(folder)), model_name(str(folder)))
+    assert load_tokenizer(str(folder)).stop_ids == codec.stop_ids
+    app = create_app(LocalEngine(options), load_tokenizer(str(folder)), model_name(str(folder)))
     with TestClient(app) as client:
         for _ in range(400):
             if client.get("/health").status_code == 200:
@@ -303,12 +306,13 @@ def test_events_that_arrive_together_go_out_in_one_write(chat):
             pass
 
     def call() -> Call:
-        streams = {0: TextStream(TextCodec(TOK, "citylm"), [], frozenset())}
+        streams = {0: TextStream(TOK, [], frozenset())}
         body = SimpleNamespace(include_usage=True, n=1)
         return Call(NoFrontend(), streams, {0: None}, chat, "citylm", body, 3, None)
 
     ids = TOK.encode("Paris", bos=False)
-    items = [(0, ids[:1], None, None), (0, ids[1:3], None, None), (0, ids[3:], "length", None)]
+    items = [(0, TokenEvent(0, ids[:1])), (0, TokenEvent(0, ids[1:3])),
+             (0, TokenEvent(0, ids[3:], "length"))]
 
     async def all_queued(c: Call) -> list[str]:
         queue: asyncio.Queue = asyncio.Queue()

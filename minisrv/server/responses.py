@@ -19,16 +19,32 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from minisrv.server.frontend import Frontend, Reply
+from minisrv.server.messages import TokenEvent
 from minisrv.server.protocol import error_body, new_id, now, usage
 from minisrv.server.textstream import TextStream
 
-__all__ = ["Call", "error_response"]
+__all__ = ["ERROR_KINDS", "Call", "error_of", "error_response"]
+
+
+ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+               500: "internal_error", 503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
-    """An HTTP error with OpenAI's JSON error object."""
-    return JSONResponse(error_body(message, param, status, kind), status_code=status)
+                   kind: str | None = None, retry_after: float | None = None) -> JSONResponse:
+    """An HTTP error with OpenAI's JSON error object (``Retry-After`` when given)."""
+    kind = kind or ERROR_KINDS.get(status, "invalid_request_error")
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(error_body(message, param, status, kind), status_code=status,
+                        headers=headers)
+
+
+def error_of(event: TokenEvent) -> JSONResponse:
+    """The answer to a request whose event failed before anything was sent."""
+    param = "prompt" if event.status == 400 else None
+    retry = 1.0 if event.status == 503 else None
+    return error_response(event.status, event.error or "", param, retry_after=retry)
 
 
 class Call:
@@ -48,20 +64,22 @@ class Call:
     def finished(self) -> bool:
         return all(s.finish is not None for s in self.streams.values())
 
-    def take(self, item: Any) -> tuple[int, str, str | None, str | None]:
-        """Apply one event: (index, new text, finish reason once it ends, error)."""
-        index, tokens, engine_finish, error = item
+    def take(self, item: tuple[int, TokenEvent]) -> tuple[int, str, str | None,
+                                                          TokenEvent | None]:
+        """Apply one event: (index, new text, finish reason once it ends, the event if it
+        is an error)."""
+        index, event = item
         stream = self.streams[index]
         if stream.finish is not None:  # already ended by a stop string
             return index, "", None, None
-        if error is not None:
+        if event.error is not None:
             stream.finish = "error"
-            return index, "", "error", error
-        text = stream.add(tokens)
+            return index, "", "error", event
+        text = stream.add(event.tokens)
         if stream.finish is not None:  # a stop string or stop id: the engine may go on
             self.frontend.abort(self.replies[index])
-        elif engine_finish is not None:
-            text += stream.close(engine_finish)
+        elif event.finish is not None:
+            text += stream.close(event.finish)
         return index, text, stream.finish, None
 
     def usage(self) -> dict[str, int]:
@@ -125,7 +143,8 @@ class Call:
         while pending and not self.finished:
             index, text, finish, error = self.take(pending.popleft())
             if error is not None:
-                yield self.event(error_body(error, None, 500, "internal_error"))
+                yield self.event(error_body(error.error or "", None, error.status,
+                                            ERROR_KINDS.get(error.status, "internal_error")))
             if text:
                 yield self.chunk(index, text, None)
             if finish is not None:
@@ -159,7 +178,7 @@ class Call:
             if error is not None:
                 errors.append(error)
         if errors:
-            return error_response(500, errors[0], None, "internal_error")
+            return error_of(errors[0])
         choices = []
         for index in sorted(self.streams):
             text = "".join(self.texts[index])
