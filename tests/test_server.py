@@ -8,16 +8,14 @@ the ``--dp`` server routes with the real cache-aware ``minisrv.router.Router``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,67 +23,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serving import KV_CAPACITY, ROOT, _free_port, expected, metrics, running_servers  # noqa: E402,F401
 
 from minisrv.server.launch import wait_healthy  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
-
-_LAUNCH = """
-import sys
-from minisrv.server.cli import main
-main(sys.argv[1:])
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
-                    ) -> Iterator[list[tuple[str, list[int]]]]:
-    """One server per layout (extra CLI arguments), each on a free local port, all started
-    at once; yields each one's base URL and the /health codes seen while it started
-    (refused connections not counted). Always stopped at the end."""
-    procs, urls = [], []
-    try:
-        for args in layouts:
-            port = _free_port()
-            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port",
-                   str(port), "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
-            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                          cwd=ROOT, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + startup_s
-        seen: list[list[int]] = [[] for _ in layouts]
-        while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in time")
-            for proc, url, codes in zip(procs, urls, seen):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-                if codes and codes[-1] == 200:
-                    continue
-                try:
-                    codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.05)
-        yield list(zip(urls, seen))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +39,6 @@ def server() -> Iterator[str]:
 def client(server: str):
     with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
         yield c
-
-
-def expected(citylm, text: str, max_tokens: int, **sampling) -> tuple[str, str]:
-    """The reply text and finish reason of the request generated alone, offline."""
-    model, tok = citylm
-    ids = model.reference_generate(tok.encode(text), max_tokens, **sampling)
-    finish = "stop" if ids[-1] == tok.eos_id else "length"
-    return tok.decode(ids), finish
-
-
-def metrics(url: str) -> dict[str, float]:
-    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-    return {s.name: s.value for family in families for s in family.samples}
 
 
 # ------------------------------------------------------------------------------ replies
@@ -232,6 +160,58 @@ def test_bad_request_is_a_json_400_and_the_server_keeps_serving(server, citylm, 
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     ok = httpx.post(url, json={"prompt": "FR:", "max_tokens": 8, "temperature": 0}).json()
     assert ok["choices"][0]["text"] == expected(citylm, "FR:", 8)[0]
+
+
+def test_requests_refused_at_the_door_leave_a_running_stream_intact(server, citylm):
+    """An out-of-range seed and out-of-vocabulary ids are 400s while a stream runs beside
+    them, and that stream ends with exactly its reference tokens."""
+    url = f"{server}/v1/completions"
+    body = {"prompt": "US:", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        pieces = []
+        for line in lines:
+            if line.startswith("data: "):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                break
+        for bad in ({"prompt": "FR:", "seed": 2**64, "temperature": 1.0},
+                    {"prompt": [0, 999, 5, -3]}, {"prompt": "FR:", "seed": 2**70, "n": 2}):
+            answer = httpx.post(url, json=bad)
+            assert answer.status_code == 400, answer.text
+            assert len(answer.json()["error"]["message"]) < 300
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    pieces += [json.loads(e)["choices"][0]["text"] for e in rest[:-1]]
+    assert "".join(pieces) == expected(citylm, "US:", 120, ignore_eos=True)[0]
+
+
+def test_a_huge_bad_prompt_is_answered_quickly_with_a_short_message(server):
+    """Text the tokenizer refuses gives a bounded message (the first positions and a count),
+    tokenized off the event loop: /health answers meanwhile."""
+    text = "é" * 200_000
+    answer = httpx.post(f"{server}/v1/completions", json={"prompt": text}, timeout=60)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and "199995 more" in message and len(message) < 400
+
+
+def test_chat_content_parts_and_unsupported_fields(server, citylm):
+    url = f"{server}/v1/chat/completions"
+    parts = [{"type": "text", "text": "JP:"}, {"type": "text", "text": " Tokyo,"}]
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": parts}],
+                              "max_tokens": 10, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == expected(citylm, "JP: Tokyo,",
+                                                                    10)[0]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    for body in ({"messages": [{"role": "user", "content": image}]},
+                 {"messages": [{"role": "user", "content": "FR:"}], "tools": [
+                     {"type": "function", "function": {"name": "f"}}]},
+                 {"messages": [{"role": "user", "content": "FR:"}],
+                  "response_format": {"type": "json_object"}},
+                 {"messages": [{"role": "user", "content": "FR:"}], "top_logprobs": 21,
+                  "logprobs": True}):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], body
 
 
 def test_bad_chat_requests(server):

@@ -16,6 +16,7 @@ goes away has its requests aborted, which frees their KV slots.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -104,7 +105,7 @@ def create_app(engines: Any, codec: Any, served_name: str,
         else:
             status = "restarting" if any(w["state"] == "restarting" for w in workers) \
                 else "starting"
-        body: dict[str, Any] = {"status": status, "workers": workers}
+        body: dict[str, Any] = {"status": status, "pid": os.getpid(), "workers": workers}
         if engines.failed:
             body["error"] = engines.failed
         return JSONResponse(body, status_code=200 if status == "ok" else 503)

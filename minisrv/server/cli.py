@@ -66,6 +66,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds a client may take to send its request body (then 408)")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--restart-backoff", type=float, default=d.restart_backoff,
+                   help="seconds before a dead worker is restarted (doubling to 10 s while "
+                   "it keeps dying)")
     p.add_argument("--api-key", default=d.api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/ (401 without)")
     p.add_argument("--log-level", default="warning")
@@ -111,7 +114,8 @@ def server_config(args: argparse.Namespace) -> Any:
                            **engine)
     return dataclasses.replace(config, max_request_bytes=args.max_request_bytes,
                                body_timeout=args.body_timeout,
-                               shutdown_timeout=args.shutdown_timeout, api_key=args.api_key)
+                               shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
+                               restart_backoff=args.restart_backoff)
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
