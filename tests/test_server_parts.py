@@ -196,6 +196,37 @@ def test_engine_loop_survives_a_failing_step(loop_and_events, model, monkeypatch
     assert events.tokens[2] == model.reference_generate([0, 5, 6], 4)
 
 
+@pytest.mark.parametrize("mode", ["prefill-first", "mixed"])
+def test_a_step_that_raises_for_one_request_ends_that_request_only(model, mode):
+    """The request admitted into the failing step fails; the one already running is
+    retracted, prefilled again and ends with exactly its reference tokens."""
+    events = Collector()
+    engine = Engine(model, kv_capacity=300, max_running=4, mode=mode, record_trace=False)
+    backend = engine.scheduler.backend
+    real_run = backend.run
+    poison = [0, 9, 9, 9]
+
+    def choking(batch):
+        if any(req.prompt == poison for req in batch.reqs):
+            raise RuntimeError("cannot serve this one")
+        return real_run(batch)
+
+    backend.run = choking
+    loop = EngineLoop(engine, events)
+    loop.start()
+    try:
+        loop.submit(1, loop.make_request([0, 5, 6], SamplingParams(40, ignore_eos=True)))
+        events.wait(lambda: len(events.tokens.get(1, [])) >= 3)
+        loop.submit(2, loop.make_request(poison, SamplingParams(4)))
+        events.wait(lambda: 1 in events.finish and 2 in events.errors)
+    finally:
+        loop.stop()
+    assert "cannot serve this one" in events.errors[2] and 2 not in events.finish
+    assert events.tokens[1] == model.reference_generate([0, 5, 6], 40, ignore_eos=True)
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.idle
+
+
 # ------------------------------------------------------------------------------ HF folder
 def hf_folder(tmp_path, extra_stop: int | None = None):
     """A random HF Llama saved with a word-level tokenizer (one word ``tN`` per id)."""
