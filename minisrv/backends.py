@@ -17,6 +17,7 @@ so every scheduling decision is made by the same ``Scheduler`` code at both scal
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,7 +28,13 @@ from minisrv.kvpool import KVPool, SlotAllocator
 from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
 from minisrv.request import Req
 from minisrv.roofline import step_cost_from_totals
-from minisrv.sampling import SamplingParams, make_generator, sample_batch, sample_next
+from minisrv.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    make_generator,
+    sample_next,
+    sample_processed,
+)
 from minisrv.scheduler import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -43,6 +50,8 @@ class ModelStep(NamedTuple):
     slots: list[list[int]]  # per request: its KV slots, the new tokens' last
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    reqs: list[Req] = []  # noqa: RUF012 (never mutated) the requests, for their logprobs
+    histories: list[tuple[list[int], list[int]]] | None = None  # (prompt, output) per request
 
 
 class SimStep(NamedTuple):
@@ -137,6 +146,7 @@ class ModelBackend:
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
         self._generators: dict[Req, torch.Generator | None] = {}
+        self.logprobs: dict[Req, deque[TokenLogprobs]] = {}  # per request, oldest first
 
     def attach_kv(self, capacity: int) -> SlotAllocator:
         """Allocate the KV pool (``capacity`` token slots) on the model's device."""
@@ -165,8 +175,11 @@ class ModelBackend:
             if req not in self._generators:  # a retracted request keeps its generator
                 self._generators[req] = make_generator(req.params)
         reqs = batch.reqs
-        return ModelStep(new_ids, [list(req.kv_slots) for req in reqs],
-                         [req.params for req in reqs], [self._generators[req] for req in reqs])
+        params = [req.params for req in reqs]
+        histories = ([(req.prompt, list(req.output)) for req in reqs]
+                     if any(p.processed for p in params) else None)
+        return ModelStep(new_ids, [list(req.kv_slots) for req in reqs], params,
+                         [self._generators[req] for req in reqs], reqs, histories)
 
     def compute(
         self,
@@ -189,7 +202,11 @@ class ModelBackend:
             new_ids = [[next(it) for _ in ids] for ids in new_ids]
         flat = FlatBatch(new_ids, step.slots, self.model.device)
         logits = self.model.forward_flat(flat, self.pool, attention=self.attention, last_only=True)
-        tokens = sample_batch(logits, step.params, step.generators)
+        tokens, logprobs = sample_processed(logits, step.params, step.generators, step.histories,
+                                            self.eos_ids)
+        for req, entry in zip(step.reqs, logprobs):
+            if entry is not None:
+                self.logprobs.setdefault(req, deque()).append(entry)
         if store is not None:
             store(tokens)
         return BatchResult(next_tokens=tokens, cost=float(flat.num_tokens), elapsed=1.0)
@@ -197,6 +214,7 @@ class ModelBackend:
     def release(self, req: Req) -> None:
         """Forget the request's generator (its KV slots are the scheduler's to free)."""
         self._generators.pop(req, None)
+        self.logprobs.pop(req, None)
 
     @property
     def live_requests(self) -> int:

@@ -219,7 +219,12 @@ async def generate(frontend: Frontend, codec: Any, served_name: str, request: Re
         for p, (prompt, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
                 index = p * body.n + j
-                params = sampling_params(body, limit, j)
+                params = sampling_params(body, limit, j, frontend.engines.limits.get(
+                    "vocab_size"))
+                if params.processed and frontend.engines.config.engine.overlap:
+                    raise BadRequest("penalties, logit_bias and min_tokens need a server "
+                                     "without --overlap (its next step is formed before "
+                                     "this one's token is known)", "presence_penalty")
                 replies.append(frontend.open(prompt, params, index, queue))
                 streams[index] = TextStream(codec, stops, stop_ids)
     except (BadRequest, Unavailable) as exc:

@@ -21,7 +21,7 @@ from minisrv.server.protocol import UNSUPPORTED, unsupported_field
 from minisrv.tokenizer import bounded_list
 
 __all__ = ["INLINE_CHARS", "BadRequest", "chat_messages", "check_fits", "check_supported",
-           "completion_prompts", "off_loop", "sampling_params"]
+           "completion_prompts", "logit_bias", "off_loop", "room", "sampling_params"]
 
 INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop (microseconds)
 
@@ -48,13 +48,21 @@ def check_supported(body: Any) -> None:
     name = unsupported_field(body)
     if name is not None:
         raise BadRequest(UNSUPPORTED[name], name)
-    if body.top_logprobs_wanted is not None:
-        raise BadRequest("logprobs are not supported by minisrv yet", "logprobs")
-    extras = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-              "logit_bias": None, "min_tokens": 0}
-    for field, off in extras.items():
-        if getattr(body, field) not in (off, {}):
-            raise BadRequest(f"{field} is not supported by minisrv yet", field)
+
+
+def logit_bias(body: Any, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(id, bias)`` pairs; BadRequest for a key that is not a token id
+    of the vocabulary or a bias outside [-100, 100] (OpenAI's range)."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.strip().isdigit() or (vocab is not None and int(key) >= vocab):
+            raise BadRequest(f"logit_bias keys must be token ids in 0..{(vocab or 1) - 1}, "
+                             f"got {key[:20]!r}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise BadRequest(f"logit_bias values must be in [-100, 100], got {bias}",
+                             "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def completion_prompts(codec: Any, prompt: Any) -> tuple[list[list[int]], list[str]]:
@@ -123,7 +131,8 @@ def room(limits: dict[str, Any], prompt: list[int]) -> int:
     return max(1, bound - len(prompt))  # a prompt that fills it all fails ``check_fits``
 
 
-def sampling_params(body: Any, max_tokens: int, j: int) -> SamplingParams:
+def sampling_params(body: Any, max_tokens: int, j: int,
+                    vocab: int | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``j`` of a request (seed + j, so that the
     ``n`` samples of one seeded request differ from each other and still repeat)."""
     temperature = body.temperature
@@ -134,8 +143,19 @@ def sampling_params(body: Any, max_tokens: int, j: int) -> SamplingParams:
                              "top_k")
         temperature = 0.0  # the single most likely token: greedy
     seed = None if body.seed is None else body.seed + j
+    extras: dict[str, Any] = {}
+    if hasattr(body, "min_tokens"):  # the processors and logprobs (an OpenAI body)
+        if body.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens {body.min_tokens} is more than max_tokens "
+                             f"{max_tokens}", "min_tokens")
+        extras = dict(presence_penalty=body.presence_penalty,
+                      frequency_penalty=body.frequency_penalty,
+                      repetition_penalty=body.repetition_penalty,
+                      logit_bias=logit_bias(body, vocab), min_tokens=body.min_tokens,
+                      logprobs=body.top_logprobs_wanted)
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                              top_p=body.top_p, seed=seed, ignore_eos=body.ignore_eos)
+                              top_p=body.top_p, seed=seed, ignore_eos=body.ignore_eos,
+                              **extras)
     except ValueError as exc:
         raise BadRequest(str(exc), "seed" if "seed" in str(exc) else None) from exc

@@ -61,6 +61,8 @@ class EngineLoop:
         self._by_key: dict[int, Req] = {}
         self._key_of: dict[int, int] = {}  # rid -> key
         self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
+        self._new_logprobs: dict[int, list[Any]] = {}  # rid -> their logprobs, if asked
+        self._logprobs: dict[Any, Any] = getattr(engine.backend, "logprobs", {})
         self._make_lock = threading.Lock()
         # The last requests that finished, kept for inspection (the book reads the
         # scheduler's own record of one request); bounded, so a server never grows.
@@ -115,6 +117,10 @@ class EngineLoop:
 
     def _on_token(self, req: Req, token: int) -> None:
         self._new_tokens.setdefault(req.rid, []).append(token)
+        if req.params.logprobs is not None:  # the backend computed them in the step
+            pending = self._logprobs.get(req)
+            entry = pending.popleft() if pending else (float("nan"), [])
+            self._new_logprobs.setdefault(req.rid, []).append(entry)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first if ``block``. False once told to stop."""
@@ -147,6 +153,7 @@ class EngineLoop:
             return False
         self._key_of.pop(req.rid, None)
         self._new_tokens.pop(req.rid, None)
+        self._new_logprobs.pop(req.rid, None)
         self.engine.scheduler.abort([req])
         return True
 
@@ -158,11 +165,13 @@ class EngineLoop:
                 continue
             req = self._by_key[key]
             reason = req.finish_reason if rid in finished else None
-            events.append(TokenEvent(key, tokens, reason))
+            events.append(TokenEvent(key, tokens, reason,
+                                     logprobs=self._new_logprobs.pop(rid, None)))
             if reason is not None:
                 self.finished.append(req)
                 del self._by_key[key], self._key_of[rid]
         self._new_tokens = {}
+        self._new_logprobs = {}
         if events:
             self.emit(events, self.snapshot())
 
@@ -196,6 +205,7 @@ class EngineLoop:
         for req in reqs:
             key = self._key_of.pop(req.rid, None)
             self._new_tokens.pop(req.rid, None)
+            self._new_logprobs.pop(req.rid, None)
             if key is not None:
                 del self._by_key[key]
                 events.append(error_event(key, message, 500))

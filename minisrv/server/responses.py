@@ -19,6 +19,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from minisrv.server.frontend import Frontend, Reply
+from minisrv.server.logprobs import Entries, chat_logprobs, completion_logprobs
 from minisrv.server.messages import TokenEvent
 from minisrv.server.protocol import error_body, new_id, now, usage
 from minisrv.server.textstream import TextStream
@@ -59,6 +60,9 @@ class Call:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
         self.texts: dict[int, list[str]] = {i: [] for i in streams}
+        self.taken: Entries = []  # the logprobs of the tokens the last ``take`` consumed
+        self.kept: dict[int, Entries] = {i: [] for i in streams}  # every choice's, so far
+        self.offsets: dict[int, int] = dict.fromkeys(streams, 0)  # text_offset, streaming
 
     @property
     def finished(self) -> bool:
@@ -70,12 +74,18 @@ class Call:
         is an error)."""
         index, event = item
         stream = self.streams[index]
+        self.taken = []
         if stream.finish is not None:  # already ended by a stop string
             return index, "", None, None
         if event.error is not None:
             stream.finish = "error"
             return index, "", "error", event
+        before = stream.n_tokens
         text = stream.add(event.tokens)
+        if event.logprobs is not None:
+            consumed = stream.n_tokens - before
+            self.taken = list(zip(event.tokens[:consumed], event.logprobs[:consumed]))
+            self.kept[index].extend(self.taken)
         if stream.finish is not None:  # a stop string or stop id: the engine may go on
             self.frontend.abort(self.replies[index])
         elif event.finish is not None:
@@ -87,8 +97,17 @@ class Call:
         return usage(self.prompt_tokens, completion)
 
     # ------------------------------------------------------------------ streaming
+    def logprobs(self, index: int, entries: Entries, offset: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for ``entries`` (None when they were not asked)."""
+        if self.body.top_logprobs_wanted is None:
+            return None
+        codec = self.streams[index].codec
+        if self.chat:
+            return chat_logprobs(codec, entries)
+        return completion_logprobs(codec, entries, offset)
+
     def chunk(self, index: int, text: str | None, finish: str | None,
-              role: bool = False) -> str:
+              role: bool = False, logprobs: dict[str, Any] | None = None) -> str:
         """One ``data:`` event with one choice; the fields every chunk of this call shares
         are serialised once (``_head``), the choice each time."""
         if self.chat:
@@ -98,7 +117,7 @@ class Call:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         return f"{self._head}{json.dumps(choice, separators=(',', ':'))}]}}\n\n"
 
     @functools.cached_property
@@ -145,7 +164,13 @@ class Call:
             if error is not None:
                 yield self.event(error_body(error.error or "", None, error.status,
                                             ERROR_KINDS.get(error.status, "internal_error")))
-            if text:
+            if self.taken:
+                offset = self.offsets[index]
+                self.offsets[index] += sum(len(self.streams[index].codec.id_to_str(t))
+                                           for t, _ in self.taken)
+                yield self.chunk(index, text, None,
+                                 logprobs=self.logprobs(index, self.taken, offset))
+            elif text:
                 yield self.chunk(index, text, None)
             if finish is not None:
                 yield self.chunk(index, None if self.chat else "", finish)
@@ -184,12 +209,14 @@ class Call:
             text = "".join(self.texts[index])
             finish = self.streams[index].finish
             if self.chat:
-                choices.append({"index": index, "logprobs": None, "finish_reason": finish,
+                choices.append({"index": index, "logprobs": self.logprobs(index, self.kept[index]),
+                                "finish_reason": finish,
                                 "message": {"role": "assistant", "content": text}})
             else:
                 if self.echo:
                     text = self.echo[index // self.body.n] + text
-                choices.append({"index": index, "text": text, "logprobs": None,
+                choices.append({"index": index, "text": text,
+                                "logprobs": self.logprobs(index, self.kept[index]),
                                 "finish_reason": finish})
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
                              else "text_completion", "created": self.created,
