@@ -16,7 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+
+from minisrv.sampling import SamplingParams, make_generator, process_row, sample_next
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
@@ -90,3 +93,22 @@ def metrics(url: str) -> dict[str, float]:
     return {s.name: s.value for family in families for s in family.samples}
 
 
+
+
+def reference(model, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
+    """One request alone: a dense forward per token, ``process_row``, ``sample_next``; and
+    the log_softmax of each step's raw logits."""
+    generator = make_generator(params)
+    cache = model.new_cache()
+    with torch.inference_mode():
+        logits = model(torch.tensor(prompt, device=model.device), cache)
+        out, logps = [], []
+        while True:
+            row = process_row(logits[-1], params, prompt, out, model.eos_ids)
+            token = sample_next(row, params, generator)
+            logps.append(torch.log_softmax(logits[-1].float(), -1)[token].item())
+            out.append(token)
+            if (token in model.eos_ids and not params.ignore_eos) \
+                    or len(out) == params.max_new_tokens:
+                return out, logps
+            logits = model(torch.tensor([token], device=model.device), cache)

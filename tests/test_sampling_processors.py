@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serving import reference
 
 from minisrv import Engine
 from minisrv.sampling import (
@@ -22,7 +23,6 @@ from minisrv.sampling import (
     process_logits,
     process_row,
     sample_batch,
-    sample_next,
     sample_processed,
     token_logprobs,
 )
@@ -104,25 +104,6 @@ def test_bad_processor_values_are_refused():
                 dict(temperature=math.inf)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-
-
-def reference(model, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
-    """One request alone: a dense forward per token, ``process_row``, ``sample_next``; and
-    the log_softmax of each step's raw logits."""
-    generator = make_generator(params)
-    cache = model.new_cache()
-    with torch.inference_mode():
-        logits = model(torch.tensor(prompt, device=model.device), cache)
-        out, logps = [], []
-        while True:
-            row = process_row(logits[-1], params, prompt, out, model.eos_ids)
-            token = sample_next(row, params, generator)
-            logps.append(torch.log_softmax(logits[-1].float(), -1)[token].item())
-            out.append(token)
-            if (token in model.eos_ids and not params.ignore_eos) \
-                    or len(out) == params.max_new_tokens:
-                return out, logps
-            logits = model(torch.tensor([token], device=model.device), cache)
 
 
 @pytest.mark.parametrize("mode", ["prefill-first", "mixed"])

@@ -23,8 +23,17 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serving import KV_CAPACITY, ROOT, _free_port, expected, metrics, running_servers  # noqa: E402,F401
+from serving import (  # noqa: E402
+    KV_CAPACITY,  # noqa: F401
+    ROOT,
+    _free_port,
+    expected,
+    metrics,
+    reference,
+    running_servers,
+)
 
+from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.launch import wait_healthy  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
 
@@ -375,3 +384,72 @@ def test_cli_rejects_bad_engine_options_before_loading():
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "policy" in out.stderr and "fcfs" in out.stderr
+
+
+# ------------------------------------------------------------------------------ sampler
+def test_completion_logprobs_are_the_log_softmax_of_the_reference_forward(server, citylm):
+    model, tok = citylm
+    body = {"prompt": "FR:", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    choice = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+    tokens, logps = reference(model, tok.encode("FR:"), SamplingParams(12, logprobs=3))
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.id_to_str(t) for t in tokens]
+    assert lp["token_logprobs"] == pytest.approx(logps, abs=1e-4)
+    assert all(len(top) == 3 and max(top.values()) >= v - 1e-6
+               for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None  # computed only when asked
+
+
+def test_the_openai_client_streams_logprobs(client, citylm):
+    model, tok = citylm
+    tokens, logps = reference(model, tok.encode("JP:"), SamplingParams(10, logprobs=2))
+    stream = client.completions.create(model="citylm", prompt="JP:", max_tokens=10,
+                                       temperature=0, logprobs=2, stream=True)
+    got = [v for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+           for v in chunk.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(logps, abs=1e-4)
+    chat = client.chat.completions.create(
+        model="citylm", messages=[{"role": "user", "content": "JP:"}], max_tokens=10,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    records = [r for chunk in chat if chunk.choices and chunk.choices[0].logprobs
+               for r in chunk.choices[0].logprobs.content]
+    assert [r.logprob for r in records] == pytest.approx(logps, abs=1e-4)
+    assert [r.token for r in records] == [tok.id_to_str(t) for t in tokens]
+    assert all(len(r.top_logprobs) == 2 for r in records)
+
+
+def params_of(body: dict) -> SamplingParams:
+    """The ``SamplingParams`` an OpenAI body's processor fields mean."""
+    return SamplingParams(
+        body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"),
+        presence_penalty=body.get("presence_penalty", 0.0),
+        frequency_penalty=body.get("frequency_penalty", 0.0),
+        repetition_penalty=body.get("repetition_penalty", 1.0),
+        logit_bias=tuple(sorted((int(k), float(v))
+                                for k, v in body.get("logit_bias", {}).items())),
+        min_tokens=body.get("min_tokens", 0))
+
+
+EOS_FIRST = {"logit_bias": {"1": 100}}  # <eos> at once, unless min_tokens holds it back
+
+
+@pytest.mark.parametrize(("extra", "without"), [
+    ({"presence_penalty": 2.0, "temperature": 0.9, "seed": 3},
+     {"temperature": 0.9, "seed": 3}),
+    ({"frequency_penalty": 1.2}, {}), ({"repetition_penalty": 1.6}, {}),
+    ({"logit_bias": {"9": 30.0, "3": -100}}, {}),
+    ({**EOS_FIRST, "min_tokens": 6}, EOS_FIRST)])
+def test_each_penalty_equals_the_per_request_reference(server, citylm, extra, without):
+    """Each processor, through the server, gives the reply of the per-request reference,
+    and that reply differs from the one without it (so the test would see it ignored)."""
+    model, tok = citylm
+    prompt = tok.encode("FR:")
+    body = {"prompt": "FR:", "max_tokens": 40, "temperature": 0, **extra}
+    tokens, _ = reference(model, prompt, params_of(body))
+    got = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+    assert got["text"] == tok.decode(tokens)
+    plain, _ = reference(model, prompt, params_of({"max_tokens": 40, "temperature": 0,
+                                                   **without}))
+    assert tokens != plain
