@@ -377,3 +377,45 @@ def test_events_that_arrive_together_go_out_in_one_write(chat):
     assert text == "Paris"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+# ------------------------------------------------------------------------------ defaults
+def test_the_default_pool_runs_64_chats_without_max_tokens_together():
+    """``ServerConfig`` sizes the KV pool from the model: 64 requests that may each run to
+    the end of the context (a chat without ``max_tokens``) are admitted in one step."""
+    from minisrv.server.config import EngineOptions, ServerConfig
+    from minisrv.server.door import room
+    from minisrv.server.worker import build_engine
+
+    config = ServerConfig(threads=1, device="cpu")
+    assert config.auto_kv and config.engine.max_running == 64
+    assert not EngineOptions(kv_capacity=2000).auto_kv
+    engine, limits = build_engine(config)
+    assert limits["kv_capacity"] >= 64 * limits["max_context"]
+    prompts = [TOK.encode(f"{c}:") for c in ("FR", "JP", "US", "DE") * 16]
+    reqs = engine.make_requests(prompts, [room(limits, p) for p in prompts])
+    for req in reqs:
+        engine.scheduler.submit(req)
+    engine.scheduler.step()
+    assert len(engine.scheduler.running) == 64
+
+
+def test_router_takes_dead_workers_out_and_back():
+    from minisrv.router import Router
+
+    router = Router(3, "cache-aware")
+    prompt = [0, 5, 6, 7, 8]
+    home = router.route(prompt)
+    router.mark_down(home)
+    picks = {router.route(prompt) for _ in range(6)}
+    assert home not in picks
+    assert router.tree.sizes[home] == 0  # its cache died with it
+    for policy in ("round-robin", "random", "least-load"):
+        other = Router(3, policy)
+        other.mark_down(1)
+        assert 1 not in {other.route([0, i]) for i in range(9)}
+    router.mark_up(home)
+    for w in (0, 1, 2):
+        router.mark_down(w)
+    with pytest.raises(ValueError, match="no worker"):
+        router.route(prompt)
