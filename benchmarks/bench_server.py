@@ -12,6 +12,13 @@ the median ratio over ``--repeats`` is reported, with the CPU seconds per token 
 which move less than wall-clock time when other processes share the machine.
 
     python benchmarks/bench_server.py [--requests 256] [--concurrency 64] [--threads 1]
+    python benchmarks/bench_server.py --load 1000 [--goodput ttft:2000 tpot:200]
+
+``--load N`` is the load test instead: N streams at once against the default layout, 0
+errors and every greedy reply equal to the engine's reply to that request (``Engine.generate``,
+which the engine tests check against each request alone), with the TTFT / ITL / E2E
+percentiles and the goodput (requests meeting the TTFT and TPOT targets, as ``vllm bench
+serve --goodput`` counts them).
 
 Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores), two
 runs of ``--repeats 3``: engine in its own process (``minisrv serve``'s default now) 0.82x and
@@ -88,7 +95,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
                         help="engine in a thread of the HTTP process, or in its own process")
+    parser.add_argument("--load", type=int, default=None, metavar="N",
+                        help="the load test: N concurrent streams (see above)")
+    parser.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"],
+                        metavar="NAME:MS", help="the load test's targets")
     args = parser.parse_args()
+    if args.load:
+        load_test(args)
+        return
     torch.set_num_threads(args.threads)
     model, tok = load_citylm("cpu")
     work = citylm_workload(tok, n=args.requests, output_range=tuple(args.output_range), seed=0)
@@ -143,6 +157,36 @@ def main() -> None:
         if cpu_ratios[layout]:
             print(f"  per CPU second instead (engine CPU / server CPU, worker processes "
                   f"included, for the same tokens): {statistics.median(cpu_ratios[layout]):.2f}x")
+
+
+def load_test(args: argparse.Namespace) -> None:
+    """N streams at once (``--load``): errors, identical replies, latencies, goodput."""
+    from minisrv.server.bench import parse_goodput
+    from minisrv.server.cli import raise_open_files
+
+    raise_open_files()  # the client's thousand sockets
+    torch.set_num_threads(args.threads)
+    model, tok = load_citylm("cpu")
+    work = citylm_workload(tok, n=args.load, output_range=tuple(args.output_range), seed=0)
+    requests = [BenchRequest(tok.decode(p), m) for p, m in zip(work.prompts, work.output_lens)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_server(port, args, "process")
+    try:
+        result = asyncio.run(run_bench(f"http://127.0.0.1:{port}", requests,
+                                       ignore_eos=False, progress=False,
+                                       slo_ms=parse_goodput(args.goodput)))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    served, _, _ = in_process(model, work, args)
+    same = sum(tok.decode(ids) == text for ids, text in zip(served, result.texts))
+    print(result.table())
+    print(f"{args.load} streams at once: {result.failed} errors, identical replies "
+          f"{same}/{len(served)}")
+    for error in result.errors[:3]:
+        print(f"error: {error}")
 
 
 def in_process(model, work, args: argparse.Namespace) -> tuple[list[list[int]], float, float]:

@@ -309,7 +309,7 @@ def test_bench_requests_are_text_prompts_of_each_workload():
 
 
 def test_bench_summary_statistics_and_table():
-    from minisrv.server.bench import RequestResult, _summarize
+    from minisrv.server.bench import RequestResult, _summarize, parse_goodput
 
     results = [RequestResult(True, ttft=0.1 * i, itls=[0.01 * i], e2e=0.5 * i,
                              prompt_tokens=4, output_tokens=2) for i in range(1, 5)]
@@ -321,6 +321,13 @@ def test_bench_summary_statistics_and_table():
     assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
     assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
     assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
+    # goodput: ttft 100..400 ms, tpot = e2e - ttft (2 tokens) = 400i ms; e2e 500i ms
+    slo = _summarize(results, duration=2.0, slo_ms={"ttft": 250.0, "tpot": 900.0})
+    assert slo.goodput == 1.0 and "Request goodput" in slo.table()  # i = 1, 2 meet both
+    assert _summarize(results, 2.0, {"e2el": 1500.0}).goodput == 1.5
+    assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 200.0, "tpot": 50.0}
+    with pytest.raises(ValueError):
+        parse_goodput(["itl:5"])
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -92,6 +92,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--output-json", default=None, help="also write the results here")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="count requests meeting these targets, e.g. ttft:200 tpot:50")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +120,19 @@ def server_config(args: argparse.Namespace) -> Any:
                                restart_backoff=args.restart_backoff)
 
 
+def raise_open_files() -> None:
+    """Lift the soft limit on open files to the hard one: a thousand streams are a thousand
+    sockets, past the usual soft limit of 1024 (SGLang raises it the same way)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not on this platform, or not allowed
+        pass
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
@@ -140,6 +155,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             engines = DataParallelEngines(config, args.dp, router)
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
+    raise_open_files()
     app = create_app(engines, codec, model_name(args.model), config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
@@ -149,8 +165,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from minisrv.server.bench import bench_requests, run_bench
+    from minisrv.server.bench import bench_requests, parse_goodput, run_bench
 
+    raise_open_files()
     try:
         requests = bench_requests(args.workload, args.num_prompts, args.seed,
                                   tuple(args.output_len))
@@ -158,7 +175,8 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             args.base_url, requests, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, model=args.model,
             ignore_eos=not args.disable_ignore_eos, seed=args.seed,
-            progress=not args.no_progress))
+            progress=not args.no_progress,
+            slo_ms=parse_goodput(args.goodput) if args.goodput else None))
     except ValueError as exc:
         parser.error(str(exc))
     print(result.table())
