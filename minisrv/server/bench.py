@@ -80,7 +80,8 @@ class BenchResult:
         ]
         if self.goodput is not None:
             targets = ", ".join(f"{k} {v:g} ms" for k, v in self.slo_ms.items())
-            rows.append((f"Request goodput (req/s, {targets}):", f"{self.goodput:.2f}"))
+            rows += [("Goodput targets:", targets),
+                     ("Request goodput (req/s):", f"{self.goodput:.2f}")]
         lines = [f"{' Serving Benchmark Result ':=^50}"]
         lines += [f"{name:<40}{value:<10}" for name, value in rows]
         titles = {"ttft": ("Time to First Token", "TTFT"), "itl": ("Inter-token Latency", "ITL"),

@@ -48,6 +48,9 @@ def check_supported(body: Any) -> None:
     name = unsupported_field(body)
     if name is not None:
         raise BadRequest(UNSUPPORTED[name], name)
+    if getattr(body, "echo", False) and body.top_logprobs_wanted is not None:
+        raise BadRequest("echo with logprobs (the prompt's logprobs) is not supported; ask "
+                         "for one or the other", "echo")
 
 
 def logit_bias(body: Any, vocab: int | None) -> tuple[tuple[int, float], ...]:
