@@ -24,9 +24,9 @@ Numbers of ``--load 1000`` (2026-12-01, the 2-core build machine shared with oth
 average about 9, the client on the same cores; ``--max-running 64``, outputs of 16-64
 tokens): 1000/1000 requests, 0 errors, 1000/1000 replies identical; 2,330 output tok/s;
 TTFT median 9.6 s, P99 16.4 s (the requests arrive at once and wait for one of 64 places);
-ITL median 13 ms, P99 97 ms; goodput at TTFT 2 s and TPOT 200 ms: 0 req/s, since every
-request but the first 64 waits longer than 2 s for its place (a target that all-at-once
-arrivals on two cores cannot meet; with ``--request-rate`` arrivals it measures the server).
+ITL median 13 ms, P99 97 ms; goodput at TTFT 2 s and TPOT 200 ms: 0 req/s, since with
+1,000 arrivals at once on two cores no request gets its first token within 2 s (the targets
+are for spread arrivals, ``minisrv bench --request-rate``).
 
 Numbers (2026-11-30, the 2-core build machine, the load generator on the same 2 cores), two
 runs of ``--repeats 3``: engine in its own process (``minisrv serve``'s default now) 0.82x and
