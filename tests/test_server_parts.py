@@ -426,3 +426,37 @@ def test_router_takes_dead_workers_out_and_back():
         router.mark_down(w)
     with pytest.raises(ValueError, match="no worker"):
         router.route(prompt)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_loop_delivers_each_tokens_logprobs(citylm, overlap):
+    """Logprobs travel with their tokens in both loops (the overlapped one computes them on
+    its device thread, a step ahead of the tokens' delivery)."""
+    from serving import reference
+
+    model, tok = citylm
+    events = Collector()
+    logprobs: dict[int, list] = {}
+
+    def collect(batch, snapshot):
+        for e in batch:
+            if e.logprobs is not None:
+                logprobs.setdefault(e.key, []).extend(e.logprobs)
+        events(batch, snapshot)
+
+    loop = EngineLoop(Engine(model, kv_capacity=300, max_running=4, overlap=overlap), collect)
+    loop.start()
+    try:
+        prompts = [tok.encode(t) for t in ("FR:", "JP:", "US:")]
+        for key, prompt in enumerate(prompts):
+            loop.submit(key, loop.make_request(prompt, SamplingParams(
+                12, logprobs=2 if key != 1 else None)))
+        events.wait(lambda: len(events.finish) == 3)
+    finally:
+        loop.stop()
+    assert 1 not in logprobs
+    for key in (0, 2):
+        tokens, logps = reference(model, prompts[key], SamplingParams(12))
+        assert events.tokens[key] == tokens
+        assert [v for v, _ in logprobs[key]] == pytest.approx(logps, abs=1e-5)
+        assert all(len(top) == 2 and top[0][1] >= v - 1e-6 for v, top in logprobs[key])
