@@ -62,13 +62,13 @@ def text_of(events: list[Any]) -> str:
 
 
 def worker_pids(url: str) -> list[int]:
-    return [w["pid"] for w in httpx.get(f"{url}/health").json()["workers"]]
+    return [w["pid"] for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]]
 
 
 def wait_status(url: str, status: str, timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health").json()
+        health = httpx.get(f"{url}/workers").json()
         if health["status"] == status:
             return health
         time.sleep(0.05)
@@ -118,7 +118,7 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
     # no worker is up (it restarts after 2 s): 503 with Retry-After, never a hang
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "FR:"}, headers=AUTH, timeout=5)
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert httpx.get(f"{url}/health").status_code == 503
+    assert httpx.get(f"{url}/health").json() == {"status": "restarting"}
     health = wait_status(url, "ok")
     assert health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != got["pid"]
     r = httpx.post(f"{url}/v1/completions", headers=AUTH,
@@ -140,14 +140,15 @@ def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, 
     want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
     assert all(text_of(r["events"]) == want for r in done)
     # while worker 0 restarts, every new request goes to worker 1 and succeeds
-    health = httpx.get(f"{url}/health").json()
-    assert health["status"] == "ok" and health["workers"][0]["state"] == "restarting"
+    health = httpx.get(f"{url}/workers").json()
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert health["workers"][0]["state"] == "restarting"
     for text in ("JP:", "DE:", "IT:"):
         r = httpx.post(f"{url}/v1/completions", headers=AUTH,
                        json={"prompt": text, "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == expected(citylm, text, 8)[0]
     deadline = time.monotonic() + 120
-    while httpx.get(f"{url}/health").json()["workers"][0]["state"] != "up":
+    while httpx.get(f"{url}/workers").json()["workers"][0]["state"] != "up":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert metrics(url)["minisrv:num_workers_up"] == 2
@@ -218,7 +219,7 @@ def test_sigterm_under_200_streams_ends_every_one_and_answers_no_500(citylm):
                         late.append(0)
                 return await asyncio.gather(*streams), late
 
-        pid = httpx.get(f"{url}/health").json()["pid"]
+        pid = httpx.get(f"{url}/workers").json()["pid"]
         results, late = asyncio.run(run())
     want = expected(citylm, "FR:", 200, ignore_eos=True)[0]
     for r in results:

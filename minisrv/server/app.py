@@ -91,24 +91,30 @@ def create_app(engines: Any, codec: Any, served_name: str,
         return _error(exc.status_code, str(exc.detail), None,
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
+    def server_status() -> str:
+        if engines.failed:
+            return "failed"
+        if frontend.draining:
+            return "draining"
+        if frontend.ready:
+            return "ok"
+        restarting = any(w["state"] == "restarting" for w in engines.workers())
+        return "restarting" if restarting else "starting"
+
     @app.get("/health")
     async def health() -> Response:
-        """200 while a worker serves; 503 with the reason otherwise (the workers' states
-        in both cases)."""
-        workers = engines.workers()
-        if engines.failed:
-            status = "failed"
-        elif frontend.draining:
-            status = "draining"
-        elif frontend.ready:
-            status = "ok"
-        else:
-            status = "restarting" if any(w["state"] == "restarting" for w in workers) \
-                else "starting"
-        body: dict[str, Any] = {"status": status, "pid": os.getpid(), "workers": workers}
+        """200 while a worker serves; 503 with the reason otherwise (``starting``,
+        ``restarting``: no worker is up, ``draining``: shutting down, ``failed``)."""
+        status = server_status()
+        body: dict[str, Any] = {"status": status}
         if engines.failed:
             body["error"] = engines.failed
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        """The server's process id and each engine worker's state, pid and restarts."""
+        return {"status": server_status(), "pid": os.getpid(), "workers": engines.workers()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
