@@ -71,6 +71,10 @@ class SamplingParams:
             check_int("logit_bias token id", token, minimum=0)
             if not math.isfinite(bias):
                 raise ValueError(f"logit_bias of token {token} must be finite, got {bias}")
+        # Read every step for every request: worked out once (not a field: no effect on ==).
+        object.__setattr__(self, "_processed", bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias
+            or self.min_tokens or self.repetition_penalty != 1.0))
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN, inf
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -88,8 +92,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """True when a logits processor changes this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.min_tokens or self.repetition_penalty != 1.0)
+        return self._processed  # type: ignore[attr-defined, no-any-return]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
