@@ -56,7 +56,7 @@ def test_engine_loop_remembers_a_bounded_number_of_finished_requests(model):
     finished: set[int] = set()
 
     def emit(events, snapshot):
-        finished.update(key for key, _, reason, _ in events if reason)
+        finished.update(e.key for e in events if e.finish)
         if len(finished) == FINISHED_KEPT + 3:
             done.set()
 

@@ -17,6 +17,7 @@ Outputs equal running each request alone (``model.reference_generate``).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +28,7 @@ from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
 from minisrv.runner.attention import AttentionBackend, make_attention
 from minisrv.runner.sampler import LogitsProcessor, Sampler
-from minisrv.sampling import SamplingParams
+from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class StepInputs(NamedTuple):
     reqs: list[Req]  # the sampling entries' requests (for the logits processors)
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    histories: list[tuple[list[int], list[int]]] | None  # for penalties (Sampler.histories)
 
 
 class ModelRunner:
@@ -73,11 +75,16 @@ class ModelRunner:
         self.attn: AttentionBackend = make_attention(attention, model.device, model.dtype,
                                                      model.config.head_dim)
         self.attention: str = self.attn.kind
-        self.sampler = Sampler(logits_processors)
         self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
+        self.sampler = Sampler(logits_processors, self.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
+
+    @property
+    def logprobs(self) -> dict[Req, deque[TokenLogprobs]]:
+        """The logprobs of the tokens sampled for requests that asked, until read."""
+        return self.sampler.logprobs
 
     @property
     def device(self) -> torch.device:
@@ -117,7 +124,8 @@ class ModelRunner:
             flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
             tuple(e.sample for e in batch.entries), sampling,
-            [req.params for req in sampling], self.sampler.generators(sampling))
+            [req.params for req in sampling], self.sampler.generators(sampling),
+            self.sampler.histories(sampling))
 
     def compute(
         self,
@@ -135,7 +143,8 @@ class ModelRunner:
         if resolve is not None and step.has_futures:
             ids = resolve(ids)
         logits = self.forward(step, ids)
-        tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators)
+        tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators,
+                                     step.histories)
         if store is not None:
             store(tokens)
         it = iter(tokens)

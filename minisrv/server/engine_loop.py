@@ -19,17 +19,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from minisrv.request import Req
+from minisrv.request import Req, ReqState
 from minisrv.sampling import SamplingParams
+from minisrv.server.messages import TokenEvent, error_event
 
-__all__ = ["EngineLoop", "Event", "engine_snapshot"]
-
-Event = tuple[int, list[int], "str | None", "str | None"]
-"""``(key, new tokens, finish reason or None, error message or None)`` for one request."""
+__all__ = ["EngineLoop", "engine_snapshot"]
 
 FINISHED_KEPT = 64  # finished requests an ``EngineLoop`` remembers
 
-Emit = Callable[[list[Event], dict[str, float]], None]
+Emit = Callable[[list[TokenEvent], dict[str, float]], None]
 
 
 def engine_snapshot(engine: Any) -> dict[str, float]:
@@ -63,6 +61,8 @@ class EngineLoop:
         self._by_key: dict[int, Req] = {}
         self._key_of: dict[int, int] = {}  # rid -> key
         self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
+        self._new_logprobs: dict[int, list[Any]] = {}  # rid -> their logprobs, if asked
+        self._logprobs: dict[Any, Any] = getattr(engine.backend, "logprobs", {})
         self._make_lock = threading.Lock()
         # The last requests that finished, kept for inspection (the book reads the
         # scheduler's own record of one request); bounded, so a server never grows.
@@ -107,8 +107,8 @@ class EngineLoop:
                     continue
                 try:
                     record = sched.step()
-                except Exception as exc:  # a bug must not kill the server: fail these requests
-                    self._fail_all(f"engine error: {exc!r}")
+                except Exception as exc:  # one request's error must not end the others
+                    self._recover(f"engine error: {exc!r}")
                     continue
                 finished = set(record.finished) if record is not None else set()
                 self._flush(finished)
@@ -117,6 +117,10 @@ class EngineLoop:
 
     def _on_token(self, req: Req, token: int) -> None:
         self._new_tokens.setdefault(req.rid, []).append(token)
+        if req.params.logprobs is not None:  # the backend computed them in the step
+            pending = self._logprobs.get(req)
+            entry = pending.popleft() if pending else (float("nan"), [])
+            self._new_logprobs.setdefault(req.rid, []).append(entry)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first if ``block``. False once told to stop."""
@@ -149,29 +153,60 @@ class EngineLoop:
             return False
         self._key_of.pop(req.rid, None)
         self._new_tokens.pop(req.rid, None)
+        self._new_logprobs.pop(req.rid, None)
         self.engine.scheduler.abort([req])
         return True
 
     def _flush(self, finished: set[int]) -> None:
-        events: list[Event] = []
+        events: list[TokenEvent] = []
         for rid, tokens in self._new_tokens.items():
             key = self._key_of.get(rid)
             if key is None:
                 continue
             req = self._by_key[key]
             reason = req.finish_reason if rid in finished else None
-            events.append((key, tokens, reason, None))
+            events.append(TokenEvent(key, tokens, reason,
+                                     logprobs=self._new_logprobs.pop(rid, None)))
             if reason is not None:
                 self.finished.append(req)
                 del self._by_key[key], self._key_of[rid]
         self._new_tokens = {}
+        self._new_logprobs = {}
         if events:
             self.emit(events, self.snapshot())
 
-    def _fail_all(self, message: str) -> None:
-        keys = list(self._by_key)
-        self.engine.scheduler.abort(list(self._by_key.values()))
-        self._by_key.clear()
-        self._key_of.clear()
-        self._new_tokens = {}
-        self.emit([(key, [], None, message) for key in keys], self.snapshot())
+    def _recover(self, message: str) -> None:
+        """A step raised: fail the requests that likely caused it, keep serving the rest.
+
+        The requests that had produced no token yet are the suspects (a new prompt, a new
+        sampler): they fail with ``message``. The others already ran steps without error;
+        they are retracted (their KV freed, their output kept) and prefilled again at the
+        next step, so they go on with the same tokens. When no request was new, nothing
+        tells the cause apart and every running request fails. The overlapped loop has a
+        step in flight that cannot be taken back: there every request fails.
+        """
+        sched = self.engine.scheduler
+        running = [req for req in sched.running if req.state == ReqState.RUNNING]
+        fresh = [req for req in running if not req.output]
+        if self.engine.config.overlap or not fresh:
+            self._fail(list(self._by_key.values()), message)
+            return
+        self._fail(fresh, message)
+        survivors = [req for req in sched.running if req.state == ReqState.RUNNING]
+        for req in survivors:
+            sched.retract(req)
+        sched.running = []
+        sched.waiting.extendleft(reversed(survivors))
+
+    def _fail(self, reqs: list[Req], message: str) -> None:
+        """End ``reqs`` with an error event each (HTTP 500 if nothing was streamed yet)."""
+        self.engine.scheduler.abort(reqs)
+        events = []
+        for req in reqs:
+            key = self._key_of.pop(req.rid, None)
+            self._new_tokens.pop(req.rid, None)
+            self._new_logprobs.pop(req.rid, None)
+            if key is not None:
+                del self._by_key[key]
+                events.append(error_event(key, message, 500))
+        self.emit(events, self.snapshot())
