@@ -32,9 +32,11 @@ HEAVY = ("pandas", "matplotlib", "ipywidgets", "graphviz")
 RUNTIME = ("scheduler", "kv", "model", "runner", "grammar", "router", "server", "engine", "request",
            "sampling", "tokenizer", "checks", "configs")
 UNTIL_RUNTIME = "until the runtime branch lands"
-RUNTIME_NOT_YET = {
-    "server": "server/bench.py imports minisrv.workloads inside bench_requests",
-}
+RUNTIME_NOT_YET: dict[str, str] = {}
+# The load generator of ``minisrv bench`` is a client, not part of what serves: it draws its
+# requests from the book's workloads, inside the function that builds them. The server's
+# process never loads it (``test_the_runtime_loads_nothing_of_the_book``).
+CLIENTS = {"minisrv.server.bench"}
 
 
 class Import(NamedTuple):
@@ -263,7 +265,8 @@ def test_the_runtime_imports_nothing_of_the_book(part: str) -> None:
     name = f"minisrv.{part}"
     if name not in MODULES:
         pytest.fail(f"{name} does not exist")
-    inside = [i for i in IMPORTS if i.source == name or i.source.startswith(name + ".")]
+    inside = [i for i in IMPORTS if (i.source == name or i.source.startswith(name + "."))
+              and i.source not in CLIENTS]
     bad = [f"{i.source}:{i.line} -> {i.target} ({i.kind})" for i in inside
            if i.kind != "type-checking" and on_book_side(i.target)]
     assert bad == []

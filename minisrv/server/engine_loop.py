@@ -31,20 +31,11 @@ Emit = Callable[[list[TokenEvent], dict[str, float]], None]
 
 
 def engine_snapshot(engine: Any) -> dict[str, float]:
-    """The gauges of ``/metrics`` for one engine: requests running and queued, the share of
-    KV slots held by requests (cached prefixes nobody uses do not count: they can be
-    evicted at any time, as in SGLang's ``token_usage``), and the prefix-cache hit rate."""
-    sched = engine.scheduler
-    used = sched.kv.used_count - engine.tree.evictable_size()
-    stats = engine.stats
-    return {
-        "running": float(len(sched.running)),
-        "queued": float(len(sched.waiting) + getattr(sched, "pending", 0)),
-        "token_usage": used / engine.kv_capacity,
-        "kv_used": float(used),
-        "hit_rate": float(stats.hit_rate),
-        "prompt_tokens": float(getattr(stats, "prompt_tokens", 0)),
-    }
+    """The gauges of ``/metrics`` for one engine (``Engine.snapshot``): requests running and
+    queued, the share of KV slots held by requests (cached prefixes nobody uses do not count:
+    they can be evicted at any time, as in SGLang's ``token_usage``), the prefix-cache hit
+    rate."""
+    return engine.snapshot().as_dict()
 
 
 class EngineLoop:
@@ -62,7 +53,6 @@ class EngineLoop:
         self._key_of: dict[int, int] = {}  # rid -> key
         self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
         self._new_logprobs: dict[int, list[Any]] = {}  # rid -> their logprobs, if asked
-        self._logprobs: dict[Any, Any] = getattr(engine.backend, "logprobs", {})
         self._make_lock = threading.Lock()
         # The last requests that finished, kept for inspection (the book reads the
         # scheduler's own record of one request); bounded, so a server never grows.
@@ -99,28 +89,20 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
-        sched = self.engine.scheduler
-        sched.on_token = self._on_token
-        try:
-            while self._drain(block=sched.idle):
-                if sched.idle:
-                    continue
-                try:
-                    record = sched.step()
-                except Exception as exc:  # one request's error must not end the others
-                    self._recover(f"engine error: {exc!r}")
-                    continue
-                finished = set(record.finished) if record is not None else set()
-                self._flush(finished)
-        finally:
-            sched.on_token = None
-
-    def _on_token(self, req: Req, token: int) -> None:
-        self._new_tokens.setdefault(req.rid, []).append(token)
-        if req.params.logprobs is not None:  # the backend computed them in the step
-            pending = self._logprobs.get(req)
-            entry = pending.popleft() if pending else (float("nan"), [])
-            self._new_logprobs.setdefault(req.rid, []).append(entry)
+        engine = self.engine
+        while self._drain(block=engine.idle):
+            if engine.idle:
+                continue
+            try:
+                out = engine.step()  # the blocking or the overlapped loop, as configured
+            except Exception as exc:  # one request's error must not end the others
+                self._recover(f"engine error: {exc!r}")
+                continue
+            for req, token in out.tokens:
+                self._new_tokens.setdefault(req.rid, []).append(token)
+            for req, entries in out.logprobs.items():
+                self._new_logprobs.setdefault(req.rid, []).extend(entries)
+            self._flush({req.rid for req in out.finished})
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first if ``block``. False once told to stop."""
@@ -136,7 +118,7 @@ class EngineLoop:
             if kind == "submit" and req is not None:
                 self._by_key[key] = req
                 self._key_of[req.rid] = key
-                self.engine.scheduler.submit(req)
+                self.engine.add_request(req, checked=True)  # checked in make_request
             elif kind == "abort":
                 aborted |= self._abort(key)
             try:
@@ -154,7 +136,7 @@ class EngineLoop:
         self._key_of.pop(req.rid, None)
         self._new_tokens.pop(req.rid, None)
         self._new_logprobs.pop(req.rid, None)
-        self.engine.scheduler.abort([req])
+        self.engine.abort([req])
         return True
 
     def _flush(self, finished: set[int]) -> None:
@@ -200,7 +182,7 @@ class EngineLoop:
 
     def _fail(self, reqs: list[Req], message: str) -> None:
         """End ``reqs`` with an error event each (HTTP 500 if nothing was streamed yet)."""
-        self.engine.scheduler.abort(reqs)
+        self.engine.abort(reqs)
         events = []
         for req in reqs:
             key = self._key_of.pop(req.rid, None)
