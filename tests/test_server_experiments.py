@@ -23,9 +23,9 @@ from minisrv.experiments.server import (  # noqa: E402
 )
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
+from minisrv.server.config import EngineOptions  # noqa: E402
 from minisrv.server.engine_loop import FINISHED_KEPT, EngineLoop  # noqa: E402
 from minisrv.server.launch import running_server  # noqa: E402
-from minisrv.server.workers import EngineOptions  # noqa: E402
 
 OPTIONS = dict(device="cpu", threads=1, kv_capacity=600, max_running=8)
 

@@ -257,8 +257,8 @@ def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
 
     from minisrv.model import load_model, load_tokenizer
     from minisrv.server.app import create_app
-    from minisrv.server.config import model_name
-    from minisrv.server.workers import EngineOptions, LocalEngine
+    from minisrv.server.config import EngineOptions, model_name
+    from minisrv.server.worker import LocalEngine
 
     plain, _ = load_model(str(hf_folder(tmp_path / "plain")), "cpu", torch.float32)
     prompt_ids = [5, 9, 13]

@@ -5,7 +5,8 @@ key), ``protocol`` (request and response bodies, errors), ``app`` (FastAPI route
 streaming), ``door`` (the checks before an engine sees a request), ``frontend`` (replies in
 flight, latency metrics, draining), ``messages`` (the typed messages to and from engines),
 ``worker`` (one engine in a thread, or the body of a worker process), ``dataparallel``
-(supervised worker processes behind the cache-aware router), ``engine_loop`` (the
+(supervised worker processes behind the cache-aware router; both layouts answer the front
+end the same way), ``engine_loop`` (the
 scheduler's own thread, fed by a queue), ``textstream`` (detokenizing, stop strings),
 ``logprobs`` (OpenAI's two logprob shapes), ``responses`` (chunks and bodies), ``metrics``
 (Prometheus), ``config`` (``ServerConfig``: every default once), ``shutdown`` (drain on

@@ -138,8 +138,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     from minisrv.server.app import create_app
     from minisrv.server.config import model_name
+    from minisrv.server.dataparallel import DataParallelEngines
     from minisrv.server.shutdown import DrainingServer
-    from minisrv.server.workers import DataParallelEngines, LocalEngine
+    from minisrv.server.worker import LocalEngine
     from minisrv.tokenizer import load_tokenizer
 
     try:
