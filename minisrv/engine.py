@@ -162,8 +162,12 @@ class Engine(ConfigView):
         """
         if self._grammars is not None and vocab is None:
             return self._grammars
-        from minisrv.grammar.sampling import GrammarSampling
-        from minisrv.grammar.vocab import citylm_vocabulary
+        try:
+            from minisrv.grammar.sampling import GrammarSampling
+            from minisrv.grammar.vocab import citylm_vocabulary
+        except ImportError as exc:
+            raise ValueError("structured output needs the grammar extra "
+                             "(pip install 'minisrv[grammar]')") from exc
         from minisrv.tokenizer import Tokenizer
 
         sampler = getattr(self.backend, "sampler", None)
