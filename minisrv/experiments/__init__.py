@@ -28,10 +28,16 @@ from typing import Any
 
 _PUBLIC = {
     "rate_sweep": "scheduler",
+    "CHUNK_SIZES": "chunked",
+    "LLAMA3_8B_LONG": "chunked",
+    "SGLANG_DEFAULT": "chunked",
+    "VLLM_SMALL_GPU": "chunked",
+    "VLLM_V1_DEFAULT": "chunked",
     "SpikeRun": "chunked",
     "chunk_sweep": "chunked",
     "long_prompt_workload": "chunked",
     "spike_run": "chunked",
+    "spike_workload": "chunked",
     "EngineVsAlone": "batching",
     "FlatCheck": "batching",
     "PoolRun": "batching",

@@ -25,6 +25,7 @@ __all__ = [
     "CHUNK_SIZES",
     "LLAMA3_8B_LONG",
     "SGLANG_DEFAULT",
+    "VLLM_SMALL_GPU",
     "VLLM_V1_DEFAULT",
     "SpikeRun",
     "chunk_sweep",
@@ -46,6 +47,9 @@ SGLANG_DEFAULT = 8192
 VLLM_V1_DEFAULT = 8192
 """vLLM V1's ``max_num_batched_tokens`` for its OpenAI server on an H100 (2048 on smaller
 GPUs, 16384 for the offline ``LLM`` class); its steps always put decodes first."""
+
+VLLM_SMALL_GPU = 2048
+"""vLLM V1's ``max_num_batched_tokens`` for its OpenAI server on GPUs under 70 GiB (and A100s)."""
 
 MAX_RUNNING = 64  # the GPU-scale batch cap of the scheduler chapter
 
