@@ -215,3 +215,15 @@ def test_two_thousand_simulated_requests_run_with_chunking() -> None:
                       chunked_prefill_size=2048)
     assert result.metrics.requests == 2000
     assert all(r.prefill_tokens + len(r.decode) <= 2048 for r in result.trace)
+
+
+def test_a_timed_device_in_the_overlapped_loop_serves_chunks(model) -> None:
+    from minisrv.runner import ModelRunner
+    from minisrv.sim import TimedBackend
+
+    prompts, arrivals = workload(seed=3)
+    engine = Engine(TimedBackend(ModelRunner(model), 1e-4), kv_capacity=300, max_running=2,
+                    mode="mixed", overlap=True, cache="radix", chunked_prefill_size=5)
+    reqs = engine.make_requests(prompts, 6, None, arrivals)
+    serve_checked(engine, reqs, 5)
+    assert [r.output for r in reqs] == [model.reference_generate(p, 6) for p in prompts]
