@@ -74,19 +74,21 @@ def test_chunked_outputs_hold_under_every_policy(model, policy, mode) -> None:
 prefix_lists, specs = prefix_sharing(max_prefix=20, max_suffix=8, max_new=10, max_arrival=8)
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prefixes=prefix_lists, spec=specs, budget=st.integers(1, 24),
        slack=st.integers(0, 40), mode=st.sampled_from(CHUNK_MODES),
-       cache=st.sampled_from(["none", "radix"]), max_running=st.integers(1, 4))
+       cache=st.sampled_from(["none", "radix"]), max_running=st.integers(1, 4),
+       policy=st.sampled_from(POLICIES), overlap=st.booleans())
 def test_random_budgets_keep_the_books_and_the_tokens(
-    model, prefixes, spec, budget, slack, mode, cache, max_running
+    model, prefixes, spec, budget, slack, mode, cache, max_running, policy, overlap
 ) -> None:
     prompts = prompts_of(prefixes, spec)
     longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec, strict=True))
     budget = max(budget, max_running)
     engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
-                    cache=cache, chunked_prefill_size=budget)
+                    cache=cache, policy=policy, seed=0, overlap=overlap,
+                    chunked_prefill_size=budget)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=e) for _, _, m, e, _ in spec]
     reqs = engine.make_requests(prompts, None, params, [float(a) for *_, a in spec])
     serve_checked(engine, reqs, budget)
