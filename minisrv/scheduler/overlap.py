@@ -184,10 +184,10 @@ class OverlapLoop:
         streamed: list[tuple[Req, int]] = []
         stream = streamed.append if self.scheduler.on_token is not None else None
         extra = 0
-        batch = step.batch
-        sampled = (result.tokens if len(batch.sampling) == len(batch)
+        batch, sampling = step.batch, step.batch.sampling
+        sampled = (result.tokens if len(sampling) == len(batch)  # no chunk in the step
                    else [t for e, t in zip(batch.entries, result.tokens) if e.sample])
-        for req, pos, tokens in zip(batch.sampling, step.positions, sampled, strict=True):
+        for req, pos, tokens in zip(sampling, step.positions, sampled, strict=True):
             if (state := req.state) is FINISHED or state is ABORTED:
                 extra += len(tokens)  # it finished in the step before: discarded
                 continue
