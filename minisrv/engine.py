@@ -132,7 +132,7 @@ class Engine(ConfigView):
     def has_work_now(self) -> bool:
         """True when a request waits or runs (not only ones that arrive later)."""
         sched = self.scheduler
-        return bool(sched.waiting or sched.running or sched.finishing)
+        return bool(sched.waiting or sched.running or sched.finishing or sched.chunked)
 
     # ----------------------------------------------------------------- the driver
     def add_request(self, request: Req | Sequence[int], params: SamplingParams | None = None,
@@ -236,7 +236,7 @@ class Engine(ConfigView):
         sched, stats = self.scheduler, self.scheduler.stats
         used = sched.kv.used_count - sched.tree.evictable_size()
         return EngineSnapshot(
-            running=len(sched.running) + len(sched.finishing),
+            running=len(sched.running) + len(sched.finishing) + (sched.chunked is not None),
             queued=len(sched.waiting) + sched.pending, kv_used=used,
             token_usage=used / self.kv_capacity, hit_rate=stats.hit_rate,
             prompt_tokens=stats.prompt_tokens, steps=stats.steps)

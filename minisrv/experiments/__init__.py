@@ -6,6 +6,7 @@ tuples or DataFrames; ``minisrv.viz`` only draws them. A reader can re-run any o
 larger than the chapter does by passing other arguments.
 
 * ``scheduler`` (the scheduler loop): ``rate_sweep`` on the simulated GPU;
+* ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
   each request alone, KV pool sweeps;
 * ``radix`` (RadixAttention): serving with and without the cache, hit rates per chat turn;
@@ -27,6 +28,16 @@ from typing import Any
 
 _PUBLIC = {
     "rate_sweep": "scheduler",
+    "CHUNK_SIZES": "chunked",
+    "LLAMA3_8B_LONG": "chunked",
+    "SGLANG_DEFAULT": "chunked",
+    "VLLM_SMALL_GPU": "chunked",
+    "VLLM_V1_DEFAULT": "chunked",
+    "SpikeRun": "chunked",
+    "chunk_sweep": "chunked",
+    "long_prompt_workload": "chunked",
+    "spike_run": "chunked",
+    "spike_workload": "chunked",
     "EngineVsAlone": "batching",
     "FlatCheck": "batching",
     "PoolRun": "batching",

@@ -7,8 +7,8 @@ SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
 
 * **admission**: match the request's longest cached prefix and lock it; allocate slots for
   the rest (evicting unlocked prefixes when the pool is short);
-* **after its prefill**: insert what it computed into the tree, so requests arriving from
-  the next step on can share it, and lock the longer prefix;
+* **after its prefill** (or each chunk of it): insert what it computed into the tree, so
+  requests arriving from the next step on can share it, and lock the longer prefix;
 * **at finish**: insert prompt + output, unlock; the KV stays cached (evictable);
 * **on retraction or abort**: free the request's own slots and unlock;
 * **rejected tokens** (a speculative check, a late stop): ``truncate`` frees the KV of a
@@ -119,6 +119,25 @@ class KVManager:
         tree, tag = self.tree, _tag(req)
         tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]  # a tuple: the tree's key type
         already = tree.insert(tokens, req.kv_slots, tag=tag)
+        match = tree.match_prefix(tokens, tag=tag)
+        if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
+            return
+        self.kv.free(req.kv_slots[req.cached_len:already])
+        req.kv_slots[: match.length] = match.values
+        tree.lock(match.node, tag=tag)
+        tree.unlock(req.cache_node, tag=tag)
+        req.cached_len, req.cache_node = match.length, match.node
+
+    def cache_chunk(self, req: Req, end: int) -> None:
+        """After a chunk of ``req``'s prefill: its KV up to ``end`` into the cache, and the
+        lock moved to that longer prefix (``cache_unfinished`` for a request whose slots run
+        past what is computed: chunked prefill allocates the whole prompt at admission).
+
+        A request arriving meanwhile with the same prefix then reuses the chunk.
+        """
+        tree, tag = self.tree, _tag(req)
+        tokens = (*req.prompt, *req.output)[:end]
+        already = tree.insert(tokens, req.kv_slots[:end], tag=tag)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
             return

@@ -52,9 +52,9 @@ class DeviceWorker:
 
     def submit(self, batch: Batch) -> tuple[Future[BatchResult] | Handed, list[int]]:
         """Start ``batch`` on the device; return its answer-to-be and one future id per
-        entry (the placeholders of the tokens it is about to sample)."""
+        sampling entry (the placeholders of the tokens it is about to sample)."""
         prepared = self.backend.prepare(batch)
-        future_ids, futures = self.futures.reserve_ids(len(batch))
+        future_ids, futures = self.futures.reserve_ids(sum(e.sample for e in batch.entries))
         if self._thread is None:
             return handed(self._compute, prepared, future_ids), futures
         return self._thread.submit(self._compute, prepared, future_ids), futures

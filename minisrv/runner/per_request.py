@@ -32,6 +32,7 @@ class PerRequestBackend:
 
     time_unit = "step"
     cost_unit = "tokens"
+    computes_chunks = False  # each prefill is one forward over the whole prompt
 
     def __init__(self, model: CityLM) -> None:
         self.model = model

@@ -63,6 +63,7 @@ class EngineConfig:
     debug: bool = False  # check the memory invariants after every step (slow)
     attention: str = "auto"  # a model's attention backend: loop, padded, flex, auto
     device: str | None = None  # where a model runs ("cpu", "cuda", ...); None: where it is
+    chunked_prefill_size: int | None = None  # most new tokens one step computes; None: no cap
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
@@ -89,6 +90,22 @@ class EngineConfig:
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', or None, "
                              f"got {self.device!r}")
+        self._check_chunking()
+
+    def _check_chunking(self) -> None:
+        """A step budget must let every running request decode in one step (so no step is
+        over it), and a static batch has no steps that mix admissions in."""
+        size = self.chunked_prefill_size
+        if size is None:
+            return
+        check_int("chunked_prefill_size", size, minimum=1)
+        if self.mode == "static":
+            raise ValueError("chunked_prefill_size works with the prefill-first and mixed "
+                             "modes, not mode='static'")
+        if size < self.max_running:
+            raise ValueError(f"chunked_prefill_size ({size}) must be at least max_running "
+                             f"({self.max_running}): every running request decodes one token "
+                             "in a step")
 
     @classmethod
     def from_options(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:

@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from minisrv.request import Req, ReqState
+from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
 from minisrv.scheduler.state import SchedulerState
@@ -40,12 +41,14 @@ class Launched(NamedTuple):
     result: BatchResult
 
 
-class Scheduler(SchedulerState):
+class Scheduler(ChunkedPrefill, SchedulerState):
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
     ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
+    With ``chunked_prefill_size`` its steps are formed under a token budget
+    (``minisrv.scheduler.chunked``).
     """
 
     # ----------------------------------------------------------------- the loop
@@ -80,12 +83,18 @@ class Scheduler(SchedulerState):
         with a step: its end moves the clock).
         """
         self.receive_arrivals()
-        batch = self.get_next_batch_to_run()
+        batch = self.next_batch()
         if not batch and self._pending and not device_busy:
             self.clock = max(self.clock, self._pending[0][0])
             self.receive_arrivals()
-            batch = self.get_next_batch_to_run()
+            batch = self.next_batch()
         return batch if batch else None
+
+    def next_batch(self) -> Batch:
+        """``get_next_batch_to_run``, or its budgeted form under chunked prefill."""
+        if self.config.chunked_prefill_size is None:
+            return self.get_next_batch_to_run()
+        return self.get_next_budgeted_batch()
 
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
@@ -242,7 +251,7 @@ class Scheduler(SchedulerState):
         request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
         now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
         finished = []
-        for (req, _, n_new, _), tokens in zip(entries, results, strict=True):
+        for (req, _, n_new, sample), tokens in zip(entries, results, strict=True):
             output, params = req.output, req.params
             for token in tokens:
                 output.append(token)
@@ -257,21 +266,23 @@ class Scheduler(SchedulerState):
                     continue
                 finished.append(req)
                 break
-            if n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
+            if sample and n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
                 self.memory.truncate(req, extra)  # KV past the newest token
         return finished
 
     def finish(self, prefilled: list[Req], finished: list[Req],
                late: frozenset[int] = frozenset()) -> None:
-        """The one finish path: prefilled requests that go on give their KV to the cache;
-        finished ones give theirs, leave, and are counted.
+        """The one finish path: prefilled requests that go on give their KV to the cache (a
+        chunk's request the KV of that chunk); finished ones give theirs, leave, and are
+        counted.
 
         ``late`` holds the ids of finished requests found so one step late (the overlapped
         loop): the step in flight computed one more token for those, whose KV goes first.
         """
         done = {id(req) for req in finished}
         for req in prefilled:
-            if id(req) not in done and req.state == ReqState.RUNNING:
+            if id(req) not in done and req.state == ReqState.RUNNING and (
+                    not self.cache_chunk_of(req)):
                 self.memory.cache_unfinished(req)
         requeued = False  # a request retracted while its last token was computed
         for req in finished:

@@ -62,11 +62,11 @@ class InFlight:
     """A step handed to the device: its batch, where its tokens go, and its answer."""
 
     batch: Batch
-    positions: list[int]  # per entry: the index of its placeholder in req.output
+    positions: list[int]  # per sampling entry: the index of its placeholder in req.output
     before: dict[str, Any]  # trace fields known when the step was formed
     result: Future[BatchResult] | Handed
-    inputs: tuple[int, ...] = ()  # per entry: its last input id when formed
-    futures: tuple[int, ...] = ()  # per entry: the placeholder its new token got
+    inputs: tuple[int, ...] = ()  # per sampling entry: its last input id when formed
+    futures: tuple[int, ...] = ()  # per sampling entry: the placeholder its new token got
 
 
 class OverlapLoop:
@@ -117,7 +117,7 @@ class OverlapLoop:
         """Copy the batch's inputs, start the device, give each request its placeholder."""
         sched = self.scheduler
         before = sched._snapshot(batch)
-        reqs = batch.reqs
+        reqs = batch.sampling  # a prefill chunk's entry gets no token, so no placeholder
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in reqs) if sched.config.record_trace else ()
         result, futures = self.worker.submit(batch)
@@ -184,7 +184,10 @@ class OverlapLoop:
         streamed: list[tuple[Req, int]] = []
         stream = streamed.append if self.scheduler.on_token is not None else None
         extra = 0
-        for req, pos, tokens in zip(step.batch.reqs, step.positions, result.tokens, strict=True):
+        batch, sampling = step.batch, step.batch.sampling
+        sampled = (result.tokens if len(sampling) == len(batch)  # no chunk in the step
+                   else [t for e, t in zip(batch.entries, result.tokens) if e.sample])
+        for req, pos, tokens in zip(sampling, step.positions, sampled, strict=True):
             if (state := req.state) is FINISHED or state is ABORTED:
                 extra += len(tokens)  # it finished in the step before: discarded
                 continue
@@ -206,7 +209,7 @@ class OverlapLoop:
     def _future_step(self, index: int, step: InFlight, result: BatchResult,
                      finished: list[Req]) -> FutureStep:
         """The future map's part in ``step``: inputs, placeholders, tokens, discards."""
-        reqs = step.batch.reqs
+        reqs = step.batch.sampling
         now_done = {id(req) for req in finished}
         discarded = tuple(req.rid for req in reqs if req.state in (FINISHED, ABORTED)
                           and id(req) not in now_done)
@@ -225,6 +228,6 @@ class OverlapLoop:
 
     def _drop_placeholders(self, step: InFlight) -> None:
         """After a device error: no request keeps a placeholder for the failed step."""
-        for req, pos in zip(step.batch.reqs, step.positions, strict=True):
+        for req, pos in zip(step.batch.sampling, step.positions, strict=True):
             if pos < len(req.output) and req.output[pos] < 0:
                 del req.output[pos:]

@@ -74,9 +74,17 @@ class Batch:
         entries += map(_new_entry, zip(decode, starts, repeat(1), repeat(True)))
         return cls(tuple(entries), len(prefill), retracted)
 
+    @classmethod
+    def with_chunks(cls, prefill: Sequence[Entry], decode: Sequence[Req],
+                    retracted: tuple[Req, ...] = ()) -> Batch:
+        """``prefill`` entries as given (whole prefills, or chunks of one: chunked prefill),
+        then each of ``decode`` computing its newest token."""
+        decoding = cls.of((), decode, retracted).entries
+        return cls((*prefill, *decoding), len(prefill), retracted)
+
     @property
     def prefill(self) -> list[Req]:
-        """Requests admitted this step (their prefill computes in it)."""
+        """Requests admitted this step, or computing a chunk of their prefill in it."""
         return [e.req for e in self.entries[: self.n_prefill]]
 
     @property
@@ -88,6 +96,16 @@ class Batch:
     def reqs(self) -> list[Req]:
         """All requests of the step in the order of their entries."""
         return [e.req for e in self.entries]
+
+    @property
+    def sampling(self) -> list[Req]:
+        """Requests whose entry samples a token (all but a prefill chunk's)."""
+        return [e.req for e in self.entries if e.sample]
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens the step's prefill entries (chunks included) compute."""
+        return sum(e.n_tokens for e in self.entries[: self.n_prefill])
 
     @property
     def new_tokens(self) -> int:
@@ -150,7 +168,7 @@ class StepRecord(NamedTuple):
     index: int
     start: float  # clock when the step began
     end: float  # clock when its tokens existed
-    prefill: tuple[int, ...]  # request ids prefilled (each produced its first token)
+    prefill: tuple[int, ...]  # request ids prefilled (or computing a chunk of their prompt)
     decode: tuple[int, ...]  # request ids that decoded one token
     paused: tuple[int, ...]  # running requests that sat this step out
     finished: tuple[int, ...]  # request ids that stopped at the end of this step

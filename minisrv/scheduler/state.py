@@ -37,6 +37,10 @@ class SchedulerState(ConfigView):
     def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
         self.config = config = EngineConfig.from_options(config, **options)
         self.backend = backend
+        if config.chunked_prefill_size is not None and not getattr(
+                backend, "computes_chunks", True):
+            raise ValueError(f"chunked_prefill_size needs a backend that computes prefill "
+                             f"chunks (ModelRunner, SimBackend), not {type(backend).__name__}")
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
@@ -46,6 +50,11 @@ class SchedulerState(ConfigView):
         # Running requests whose last token is being computed (the overlapped loop with
         # skip_finishing_decode): they keep their KV until it arrives, but no seat.
         self.finishing: list[Req] = []
+        # Chunked prefill: the one request mid-prefill (SGLang's chunked_req). It holds a seat
+        # and the KV slots of its whole prompt but is not in ``running`` until its last chunk.
+        self.chunked: Req | None = None
+        self.chunk_pos = 0  # where its next chunk starts
+        self.chunk_ends: deque[tuple[Req, int]] = deque()  # chunks launched, not completed
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
         self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
@@ -77,7 +86,8 @@ class SchedulerState(ConfigView):
     @property
     def idle(self) -> bool:
         """True when nothing is pending, waiting or running."""
-        return not (self._pending or self.waiting or self.running or self.finishing)
+        return not (self._pending or self.waiting or self.running or self.finishing
+                    or self.chunked)
 
     @property
     def pending(self) -> int:
@@ -169,7 +179,7 @@ class SchedulerState(ConfigView):
             "kv_used": self.kv.used_count,
             "new_token_ratio": self.new_token_ratio,
             "retracted": tuple(req.rid for req in batch.retracted),
-            "prefill_tokens": sum(req.seq_len - req.cached_len for req in batch.prefill),
+            "prefill_tokens": batch.prefill_tokens,
         }
 
     # ----------------------------------------------------------------- cleanup
@@ -197,6 +207,9 @@ class SchedulerState(ConfigView):
                 if req.retractions:  # retracted while running: may still hold a generator
                     self.backend.release(req)
         self.running = [req for req in self.running if req.state == ReqState.RUNNING]
+        if self.chunked is not None and self.chunked.state == ReqState.ABORTED:
+            self.chunked = None
+            self.chunk_ends.clear()
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if KV memory or the request queues are inconsistent.
@@ -205,13 +218,17 @@ class SchedulerState(ConfigView):
         tree's sizes add up; every lock belongs to a running request (``KVManager``); and
         no request is in two places or lost between the queues.
         """
-        running = [*self.finishing, *self.running]
+        running = [*self.finishing, *self.running, *([self.chunked] if self.chunked else [])]
         self.memory.check_integrity(running)
         places = [*(item[2] for item in self._pending), *self.waiting, *running]
         assert len({id(r) for r in places}) == len(places), "a request is queued twice"
         assert all(r.state == ReqState.RUNNING for r in running), "non-running in batch"
         assert all(not r.kv_slots for r in self.waiting), "a waiting request holds KV slots"
         assert len(running) <= self.max_running, "running batch over max_running"
+        if self.chunked is not None:
+            req = self.chunked
+            assert len(req.kv_slots) == req.seq_len, "a chunked request lacks its prompt's KV"
+            assert req.cached_len <= self.chunk_pos < req.seq_len, "chunk position off"
 
     def _leave(self, req: Req, state: ReqState, release: bool = True) -> None:
         """A running request ends (its KV already handed over or freed); ``release=False``

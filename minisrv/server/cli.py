@@ -44,6 +44,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", default=e.cache, help="prefix cache: radix or none")
     p.add_argument("--mode", default=e.mode, help="step formation (see Engine)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
+    p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
+                   help="at most this many new tokens a step; long prompts go in chunks")
     p.add_argument("--dp", type=int, default=1, help="data-parallel worker processes")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--engine-process", action="store_true",
@@ -109,7 +111,8 @@ def server_config(args: argparse.Namespace) -> Any:
     from minisrv.server.config import EngineOptions
 
     engine = dict(max_running=args.max_running, policy=args.policy, cache=args.cache,
-                  mode=args.mode, overlap=args.overlap)
+                  mode=args.mode, overlap=args.overlap,
+                  chunked_prefill_size=args.chunked_prefill_size)
     if args.kv_capacity is not None:
         engine["kv_capacity"] = args.kv_capacity
     config = EngineOptions(model=args.model, device=args.device, threads=args.threads,
