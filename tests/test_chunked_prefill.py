@@ -210,7 +210,7 @@ def test_a_budget_of_2048_cuts_the_worst_gap_five_fold_at_a_small_ttft_cost() ->
 
 
 def test_two_thousand_simulated_requests_run_with_chunking() -> None:
-    from minisrv.engine import simulate
+    from minisrv.sim import simulate
     from minisrv.workloads import gpu_scale_workload
 
     result = simulate(gpu_scale_workload(2000), max_running=64, mode="mixed",

@@ -17,8 +17,9 @@ import numpy as np
 import pandas as pd
 
 from minisrv.configs import LLAMA3_8B
-from minisrv.engine import RunResult, simulate
+from minisrv.engine import RunResult
 from minisrv.metrics import itl_values
+from minisrv.sim import simulate
 from minisrv.workloads import Workload, output_lengths
 
 __all__ = [
