@@ -22,6 +22,8 @@ _HOMES = {
     "LoopAttention": "attention",
     "PaddedAttention": "attention",
     "make_attention": "attention",
+    "padded_pool_attention": "attention",
+    "write_kv": "attention",
     "DeviceWorker": "device",
     "FutureMap": "futures",
     "ModelBackend": "model_runner",

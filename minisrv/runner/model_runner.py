@@ -25,7 +25,7 @@ import torch
 from minisrv.kv import KVPool, SlotAllocator
 from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
-from minisrv.runner.attention import AttentionBackend, make_attention
+from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.sampler import LogitsProcessor, Sampler
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler.records import Batch, BatchResult
@@ -145,14 +145,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         """Logits [sampling entries, vocab]: every layer writes the new K/V into their slots
-        of the pool, then attends through the attention backend."""
+        of the pool (one operator), then attends through the attention backend."""
         pool, attn, metadata, write = self.pool, self.attn, step.metadata, step.flat.write_slots
         assert pool is not None  # prepare checked
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool.k[layer, write] = k
-            pool.v[layer, write] = v
-            return attn.forward(q, pool.k[layer], pool.v[layer], metadata)
+            kv = pool.kv[layer]
+            write_kv(kv, write, k, v)
+            return attn.forward(q, kv, metadata)
 
         x = self.model.run_layers(ids, step.flat.positions, attend)
         return self.model.lm_head(self.model.norm(x[step.sample_rows]))
