@@ -178,6 +178,61 @@ def test_the_flat_forward_reads_nothing_back(attention: str) -> None:
     assert rows.shape == (10, CITYLM.vocab_size)
 
 
+def test_the_runners_decode_forward_reads_nothing_back() -> None:
+    """``ModelRunner.forward`` of a prepared decode batch (with one prefill beside it) runs
+    whole on the meta device: no read-back anywhere in the step's device work."""
+    runner = ModelRunner(meta_model(), "padded")
+    runner.attach_kv(64)
+    reqs = [Req(rid=i, prompt=[1, 2, 3, 4][: i + 2], params=SamplingParams(max_new_tokens=3))
+            for i in range(3)]
+    for req in reqs:
+        req.kv_slots = runner.pool.alloc(req.prompt_len + 1)
+        req.output.append(7)
+    fresh = Req(rid=9, prompt=[5, 6, 7], params=SamplingParams(max_new_tokens=2))
+    fresh.kv_slots = runner.pool.alloc(3)
+    for batch in (Batch.of([], reqs), Batch.of([fresh], reqs)):
+        step = runner.prepare(batch)
+        assert step.flat.ids.device.type == "meta"
+        logits = runner.forward(step, step.flat.ids)
+        assert logits.device.type == "meta" and logits.shape == (len(batch.entries),
+                                                                 CITYLM.vocab_size)
+
+
+class HostReads(torch.Tensor):
+    """A tensor that counts the reads of its values by the host (``tolist``, ``item``,
+    ``cpu``, ``numpy``, ``int``/``float``/``bool``); what such a read returns is a plain
+    tensor, so work on the host afterwards is not counted."""
+
+    READS = frozenset({torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu,
+                       torch.Tensor.numpy, torch.Tensor.__int__, torch.Tensor.__float__,
+                       torch.Tensor.__bool__, torch.Tensor.__index__})
+    count = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in cls.READS:
+            HostReads.count += 1
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return out
+
+
+@pytest.mark.parametrize("temperatures", [[0.0] * 5, [0.0, 0.8, 0.0, 1.2, 0.5], [0.9] * 3])
+def test_a_steps_tokens_come_back_in_one_read(temperatures: list[float]) -> None:
+    """Greedy and sampling rows together: the host reads the device once, and the tokens
+    are each row's ``sample_next``."""
+    from minisrv.sampling import make_generator, sample_batch, sample_next
+
+    logits = torch.randn(len(temperatures), 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)]
+    HostReads.count = 0
+    tokens = sample_batch(logits.as_subclass(HostReads), params,
+                          [make_generator(p) for p in params])
+    assert HostReads.count == 1
+    assert tokens == [sample_next(row, p, make_generator(p)) for row, p in zip(logits, params)]
+
+
 def test_meta_catches_a_read_back() -> None:
     """The oracle's forward checks its ids on the device; on meta that read-back raises, so
     the test above would notice one in the flat forward."""
