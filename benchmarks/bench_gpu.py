@@ -15,7 +15,12 @@ torch version in every row:
    model: output tokens per second of the whole run, graphs off and on;
 3. ``overlap_gain.csv``: the blocking against the overlapped loop at the first batch whose
    host share of a step is >= 30% (``time_steps``), with ``throughput_ratio``'s prediction;
-4. ``graph_tokens.csv``: greedy tokens with graphs against without, request by request.
+4. ``graph_tokens.csv``: greedy tokens with graphs against without, request by request;
+
+and, in the full run only, the two tables the GPU appendix draws (``decode_steps.csv``,
+``engine_throughput.csv``, read by ``minisrv.experiments.gpu.recorded_gpu_run``): the padded
+against the ragged (flex) attention's decode step beside the roofline, and the engine's
+decode throughput for both.
 
     python benchmarks/bench_gpu.py [--quick] [--context 512] [--repeats 20] [--out DIR]
 
@@ -24,6 +29,11 @@ torch version in every row:
 H200 is the aim). Nothing here has run on a GPU yet: the first run is the test of the
 CUDA graph path (``minisrv.runner.graph``), and ``cuda_graph`` stays off by default until
 it and ``make gpu-check`` pass with graphs on.
+
+The attention tables as recorded before issue 23 (2026-11-30, NVIDIA H200, torch
+2.11.0+cu130, ``minisrv/measured/h200_*.csv``): a padded decode step took 28.9 ms at batch
+1 and 50.0 ms at batch 256 where the roofline says 0.059 and 0.686 ms; the engine decoded
+2,792 tok/s at batch 256 (0.28% of the roofline). The host set the pace.
 """
 
 from __future__ import annotations
@@ -250,6 +260,43 @@ def identity_table(seqs: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def attention_tables(context: int, repeats: int) -> dict[str, pd.DataFrame]:
+    """The appendix's two tables, in the format ``recorded_gpu_run`` reads (a ``device``
+    and a ``torch`` column): padded vs flex decode steps beside the roofline, and the
+    engine's decode throughput for both against the roofline's."""
+    from minisrv.configs import H200
+    from minisrv.experiments.gpu import (
+        current_gpu,
+        device_label,
+        engine_decode_throughput,
+        predicted_decode_throughput,
+        roofline_step_times,
+        step_time_sweep,
+    )
+
+    gpu, model, kinds = current_gpu() or H200, random_bf16(SMOLLM2_135M), ("padded", "flex")
+    measured = step_time_sweep(model, STEP_BATCHES, context, kinds, repeats=repeats)
+    steps = measured.pivot(index="batch", columns="attention", values="step_ms")
+    steps["flex / padded"] = steps["flex"] / steps["padded"]
+    roof = roofline_step_times(SMOLLM2_135M, [gpu], STEP_BATCHES, context).set_index("batch")
+    steps[f"roofline {gpu.name} ms"] = roof["step_ms"]
+    steps["roofline / flex"] = roof["step_ms"] / steps["flex"]
+    steps = steps.rename(columns={"padded": "padded ms", "flex": "flex ms"}).reset_index()
+    rows = []
+    for batch in (64, 256):
+        for attention in kinds:
+            run = engine_decode_throughput(model, batch, 128, 64, attention=attention)
+            predicted = predicted_decode_throughput(SMOLLM2_135M, gpu, run)
+            rows.append({"batch": batch, "attention": attention, "prompt": 128, "new": 64,
+                         "measured tok/s": run.tokens_per_s,
+                         f"roofline {gpu.name} tok/s": predicted,
+                         "fraction": run.tokens_per_s / predicted})
+    print(steps.to_string(float_format=lambda x: f"{x:.4g}"))
+    device = {"device": device_label("cuda")}
+    return {"decode_steps.csv": steps.assign(context=context, **device),
+            "engine_throughput.csv": pd.DataFrame(rows).assign(**device)}
+
+
 def save(table: pd.DataFrame, out: Path, name: str) -> Path:
     """``table`` as CSV in ``out`` under the GPU's prefix, the GPU and torch in every row."""
     out.mkdir(parents=True, exist_ok=True)
@@ -277,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables["overlap_gain.csv"] = overlap_table(32, 16 if args.quick else 64)
     print("\n4. graphs vs eager greedy tokens")
     tables["graph_tokens.csv"] = identity_table(16 if args.quick else 64)
+    if not args.quick:
+        print("\n5. padded vs flex attention (the GPU appendix's tables)")
+        tables.update(attention_tables(args.context, args.repeats))
     for name, table in tables.items():
         print("wrote", save(table, args.out, name))
     return 0

@@ -133,3 +133,24 @@ def test_cuda_graph_is_refused_off_cuda(model) -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         DecodeGraphs(model, runner.pool, 4, context=model.config.max_seq_len + 1)
     assert EngineConfig().cuda_graph is False  # off by default until a GPU run passes
+
+
+def test_the_padded_decode_reads_nothing_back() -> None:
+    """Copying a step into the static buffers and the forward over them run whole on the
+    meta device (any read-back raises there), as a CUDA graph's capture requires."""
+    from minisrv.configs import CITYLM
+    from minisrv.model import CityLM
+
+    with torch.device("meta"):
+        meta = CityLM(CITYLM).eval()
+    runner = ModelRunner(meta, "padded", static_decode=True, max_running=8)
+    runner.attach_kv(64)
+    reqs = [Req(rid=i, prompt=[1, 2, 3][: i + 1], params=SamplingParams(max_new_tokens=3))
+            for i in range(3)]
+    for req in reqs:
+        req.kv_slots = runner.pool.alloc(req.prompt_len + 1)
+        req.output.append(-1 - req.rid)  # future ids, as the overlapped loop hands them
+    step = runner.prepare(Batch.of([], reqs))
+    assert step.flat is None and step.has_futures and step.metadata.bucket == 4
+    logits = runner.graphs.run(step.metadata, resolve=lambda ids: ids.abs())
+    assert logits.device.type == "meta" and logits.shape == (3, CITYLM.vocab_size)
