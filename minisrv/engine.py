@@ -163,9 +163,10 @@ class Engine(ConfigView):
         """``step``; without ``collect`` the tokens are not gathered (a simulation of
         thousands of requests that nobody streams need not pay for it)."""
         tokens: list[tuple[Req, int]] = []
+        logprobs: dict[Req, list[Any]] = {}
         sched = self.scheduler
         if collect:
-            sched.on_token = lambda req, token: tokens.append((req, token))
+            sched.on_token = self._collector(tokens, logprobs)
         try:
             record = self.loop.step()
         finally:
@@ -174,7 +175,23 @@ class Engine(ConfigView):
             return StepOutput(None)
         live = self._live
         finished = [req for rid in record.finished if (req := live.pop(rid, None)) is not None]
-        return StepOutput(record, tokens, finished)
+        return StepOutput(record, tokens, finished, logprobs)
+
+    def _collector(self, tokens: list[tuple[Req, int]],
+                   logprobs: dict[Req, list[Any]]) -> Callable[[Req, int], None]:
+        """The step's token callback: each token, and its logprobs where they were asked
+        for (read as the token is appended: a request that finishes is released within
+        the same step, its sampler state with it)."""
+        pending = getattr(self.backend, "logprobs", None)
+
+        def on_token(req: Req, token: int) -> None:
+            tokens.append((req, token))
+            if pending is not None and req.params.logprobs is not None:
+                queue = pending.get(req)
+                logprobs.setdefault(req, []).append(
+                    queue.popleft() if queue else (float("nan"), []))
+
+        return on_token
 
     def abort(self, reqs: Iterable[Req]) -> None:
         """Withdraw ``reqs`` wherever they are (pending, waiting, running, in flight) and free

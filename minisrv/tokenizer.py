@@ -1,15 +1,25 @@
-"""CityLM's character-level tokenizer.
+"""The tokenizers: CityLM's characters, and any Hugging Face tokenizer behind the same face.
 
 Characters, not subwords: the city language has a tiny alphabet, so every token is one
 letter and a reader can see exactly which token the model produced at each step, which is
 what the scheduling chapters draw. The alphabet is a constant written here (not learned
 from data) so the shipped weights and any future data agree on what every id means.
+
+Both tokenizers also serve the HTTP server (``load_model`` returns one, and so does
+``load_tokenizer`` without the weights): ``chat_prompt`` applies the model's chat template,
+``stop_ids`` are the ids whose text a reply never shows, and ``prefix_stable`` says whether
+decoding one more id only appends text (then a stream decodes each new id alone).
 """
 
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ALPHABET", "BOS", "EOS", "HFTokenizer", "Tokenizer", "bounded_list",
+           "concatenated_chat", "load_tokenizer"]
 
 BOS = "<bos>"
 EOS = "<eos>"
@@ -32,8 +42,12 @@ class Tokenizer:
     def __init__(self) -> None:
         self._itos: list[str] = [*SPECIAL_TOKENS, *ALPHABET]
         self._stoi: dict[str, int] = {ch: i for i, ch in enumerate(ALPHABET, len(SPECIAL_TOKENS))}
+        self._charset = frozenset(ALPHABET)
         self.bos_id: int = BOS_ID
         self.eos_id: int = EOS_ID
+        self.eos_ids: tuple[int, ...] = (EOS_ID,)
+        self.stop_ids: frozenset[int] = frozenset(self.eos_ids)
+        self.prefix_stable = True  # one character per id: decoding only appends
 
     @property
     def vocab_size(self) -> int:
@@ -48,14 +62,15 @@ class Tokenizer:
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Ids for ``text``, preceded by ``<bos>`` unless ``bos`` is false.
 
-        Every character outside the alphabet is reported at once, with its position, so a
-        user fixing a prompt sees all problems in one go.
+        The characters outside the alphabet are reported at once, with their positions (the
+        first few and a count: a message never grows with the text), so a user fixing a
+        prompt sees the problems in one go.
         """
-        unknown = [(pos, ch) for pos, ch in enumerate(text) if ch not in self._stoi]
-        if unknown:
-            listed = ", ".join(f"{ch!r} at position {pos}" for pos, ch in unknown)
+        if not self._charset.issuperset(text):
+            unknown = ((pos, ch) for pos, ch in enumerate(text) if ch not in self._stoi)
             raise ValueError(
-                f"text contains characters outside the CityLM alphabet: {listed} "
+                "text contains characters outside the CityLM alphabet: "
+                f"{bounded_list(f'{ch!r} at position {pos}' for pos, ch in unknown)} "
                 "(fold accents first, e.g. with minisrv.data.fold_name)"
             )
         ids = [self._stoi[ch] for ch in text]
@@ -77,5 +92,118 @@ class Tokenizer:
             raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
         return self._itos[int(i)]
 
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """CityLM's chat template: the contents as one document (``concatenated_chat``)."""
+        return self.encode(concatenated_chat(messages))
+
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def concatenated_chat(messages: Sequence[dict[str, str]]) -> str:
+    """The plain chat template: every message's ``content`` in order, roles unmarked.
+
+    CityLM is a completion model of country lines, so a conversation is one document and
+    the reply continues it: ``[{"role": "user", "content": "FR:"}]`` asks what the
+    completion prompt ``"FR:"`` asks, and a multi-turn chat (``"FR:"``, the reply
+    ``" Paris, Lyon\\n"``, then ``"JP:"``) reads as ``"FR: Paris, Lyon\\nJP:"``.
+    """
+    return "".join(message["content"] for message in messages)
+
+
+def bounded_list(items: Iterable[str], shown: int = 5) -> str:
+    """The first ``shown`` items joined, then how many more there are: a message of bounded
+    length however many items (a 10 MB prompt of bad characters gives a short error)."""
+    head: list[str] = []
+    more = 0
+    for item in items:
+        if len(head) < shown:
+            head.append(item)
+        else:
+            more += 1
+    return ", ".join(head) + (f" and {more} more" if more else "")
+
+
+def _merge_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+    found: list[int] = []
+    for src in sources:
+        found.extend([] if src is None else [src] if isinstance(src, int) else src)
+    return tuple(dict.fromkeys(int(i) for i in found))
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the interface of minisrv's ``Tokenizer``.
+
+    The engine, the workloads and the chapters use ``encode(text) -> ids``,
+    ``decode(ids) -> text``, ``bos_id``, ``eos_id`` and ``vocab_size``; wrapping a
+    ``transformers`` tokenizer this way lets them serve any Llama-family checkpoint unchanged.
+    ``eos_ids`` lists every stop id: the ones given (the model's) and the tokenizer's own.
+    Subwords change how the text before them reads, so it is not ``prefix_stable``.
+    """
+
+    prefix_stable = False
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.bos_id: int | None = hf_tokenizer.bos_token_id
+        self.eos_ids: tuple[int, ...] = _merge_ids(eos_ids, hf_tokenizer.eos_token_id)
+        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
+        self.stop_ids: frozenset[int] = frozenset(self.eos_ids)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
+        """The tokenizer saved in a checkpoint folder (``tokenizer.json`` and its config)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:  # optional: only real checkpoints need it
+            raise ImportError(
+                "loading a Hugging Face tokenizer needs transformers: pip install transformers"
+            ) from err
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct ids, added special tokens included."""
+        return len(self.hf)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Ids for ``text``, with the special tokens this tokenizer puts before a text (e.g.
+        Llama's begin-of-text) unless ``bos`` is false, as ``transformers`` would feed it."""
+        return list(self.hf.encode(text, add_special_tokens=bos))
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text for ``ids``; special tokens are dropped unless ``skip_special`` is false."""
+        return str(self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special))
+
+    def id_to_str(self, i: int) -> str:
+        """The text of one id (special tokens included), as drawings label tokens."""
+        if not 0 <= int(i) < self.vocab_size:
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return str(self.hf.decode([int(i)]))
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt ids for a chat: the folder's chat template, or the plain one without."""
+        if getattr(self.hf, "chat_template", None) is None:
+            return self.encode(concatenated_chat(messages))
+        ids = self.hf.apply_chat_template(list(messages), add_generation_prompt=True,
+                                          tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers: BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
+    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
+    encodes and decodes while its workers hold the weights, and imports neither torch's
+    model code nor the weights); its stop ids are those of the folder's configs and of the
+    tokenizer, as the model's."""
+    if str(name_or_path) == "citylm":
+        return Tokenizer()
+    from minisrv.model.hf import folder_eos_ids
+    from minisrv.model.loading import checkpoint_folder
+
+    folder = checkpoint_folder(name_or_path)
+    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

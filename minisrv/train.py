@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from minisrv.configs import CITYLM
+from minisrv.configs import CITYLM, ModelConfig
 from minisrv.data import (
     GEONAMES_ATTRIBUTION,
     MAX_DOC_LINES,
@@ -139,8 +139,14 @@ def evaluate(model: CityLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     return total / count
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> tuple[CityLM, dict]:
-    """Train a fresh CityLM; returns it (eval mode) and a record of the run."""
+def train(cfg: TrainConfig, progress: bool = True, model_config: ModelConfig | None = None,
+          name: str = "CityLM") -> tuple[CityLM, dict]:
+    """Train a fresh CityLM; returns it (eval mode) and a record of the run.
+
+    ``model_config`` gives another shape on the same documents, schedule and optimiser (the
+    speculative-decoding draft, ``minisrv.spec.train_draft``); its vocabulary must be the
+    tokenizer's. ``name`` labels the progress bar.
+    """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tokenizer, table = Tokenizer(), load_cities()
@@ -153,7 +159,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> tuple[CityLM, dict]:
         ]
         for split, codes in (("train", train_codes), ("val", val_codes))
     }
-    model = CityLM(CITYLM.with_(vocab_size=tokenizer.vocab_size))
+    model = CityLM(model_config or CITYLM.with_(vocab_size=tokenizer.vocab_size))
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -167,7 +173,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> tuple[CityLM, dict]:
     history: dict[str, list] = {"step": [], "train_loss": [], "val_loss": []}
     start = time.perf_counter()
     model.train()
-    bar = tqdm(range(cfg.steps), desc="training CityLM", disable=not progress)
+    bar = tqdm(range(cfg.steps), desc=f"training {name}", disable=not progress)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)

@@ -8,16 +8,14 @@ the ``--dp`` server routes with the real cache-aware ``minisrv.router.Router``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,67 +23,19 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serving import (  # noqa: E402
+    KV_CAPACITY,  # noqa: F401
+    ROOT,
+    _free_port,
+    expected,
+    metrics,
+    reference,
+    running_servers,
+)
 
+from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.launch import wait_healthy  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
-
-_LAUNCH = """
-import sys
-from minisrv.server.cli import main
-main(sys.argv[1:])
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
-                    ) -> Iterator[list[tuple[str, list[int]]]]:
-    """One server per layout (extra CLI arguments), each on a free local port, all started
-    at once; yields each one's base URL and the /health codes seen while it started
-    (refused connections not counted). Always stopped at the end."""
-    procs, urls = [], []
-    try:
-        for args in layouts:
-            port = _free_port()
-            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port",
-                   str(port), "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
-            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                          cwd=ROOT, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + startup_s
-        seen: list[list[int]] = [[] for _ in layouts]
-        while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in time")
-            for proc, url, codes in zip(procs, urls, seen):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-                if codes and codes[-1] == 200:
-                    continue
-                try:
-                    codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.05)
-        yield list(zip(urls, seen))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +48,6 @@ def server() -> Iterator[str]:
 def client(server: str):
     with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
         yield c
-
-
-def expected(citylm, text: str, max_tokens: int, **sampling) -> tuple[str, str]:
-    """The reply text and finish reason of the request generated alone, offline."""
-    model, tok = citylm
-    ids = model.reference_generate(tok.encode(text), max_tokens, **sampling)
-    finish = "stop" if ids[-1] == tok.eos_id else "length"
-    return tok.decode(ids), finish
-
-
-def metrics(url: str) -> dict[str, float]:
-    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-    return {s.name: s.value for family in families for s in family.samples}
 
 
 # ------------------------------------------------------------------------------ replies
@@ -205,7 +142,16 @@ BAD_BODIES = {
     "longer than the KV pool": {"prompt": "A" * 470, "max_tokens": 16},
     "unknown model": {"model": "gpt-4o", "prompt": "FR:"},
     "unsupported top_k": {"prompt": "FR:", "top_k": 5},
-    "unsupported logprobs": {"prompt": "FR:", "logprobs": 2},
+    "logprobs over 20": {"prompt": "FR:", "logprobs": 21},
+    "seed of 2**64": {"prompt": "FR:", "seed": 2**64, "temperature": 1.0},
+    "seed of -2**63 - 1": {"prompt": "FR:", "seed": -(2**63) - 1, "temperature": 1.0},
+    "id outside the vocabulary": {"prompt": [0, 999]},
+    "negative id": {"prompt": [0, -1]},
+    "infinite temperature": b'{"prompt": "FR:", "temperature": 1e999}',
+    "best_of": {"prompt": "FR:", "best_of": 3},
+    "suffix": {"prompt": "FR:", "suffix": " end"},
+    "response_format": {"prompt": "FR:", "response_format": {"type": "json_object"}},
+    "presence_penalty out of range": {"prompt": "FR:", "presence_penalty": 3},
 }
 
 
@@ -223,6 +169,58 @@ def test_bad_request_is_a_json_400_and_the_server_keeps_serving(server, citylm, 
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     ok = httpx.post(url, json={"prompt": "FR:", "max_tokens": 8, "temperature": 0}).json()
     assert ok["choices"][0]["text"] == expected(citylm, "FR:", 8)[0]
+
+
+def test_requests_refused_at_the_door_leave_a_running_stream_intact(server, citylm):
+    """An out-of-range seed and out-of-vocabulary ids are 400s while a stream runs beside
+    them, and that stream ends with exactly its reference tokens."""
+    url = f"{server}/v1/completions"
+    body = {"prompt": "US:", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        pieces = []
+        for line in lines:
+            if line.startswith("data: "):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                break
+        for bad in ({"prompt": "FR:", "seed": 2**64, "temperature": 1.0},
+                    {"prompt": [0, 999, 5, -3]}, {"prompt": "FR:", "seed": 2**70, "n": 2}):
+            answer = httpx.post(url, json=bad)
+            assert answer.status_code == 400, answer.text
+            assert len(answer.json()["error"]["message"]) < 300
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    pieces += [json.loads(e)["choices"][0]["text"] for e in rest[:-1]]
+    assert "".join(pieces) == expected(citylm, "US:", 120, ignore_eos=True)[0]
+
+
+def test_a_huge_bad_prompt_is_answered_quickly_with_a_short_message(server):
+    """Text the tokenizer refuses gives a bounded message (the first positions and a count),
+    tokenized off the event loop: /health answers meanwhile."""
+    text = "é" * 200_000
+    answer = httpx.post(f"{server}/v1/completions", json={"prompt": text}, timeout=60)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and "199995 more" in message and len(message) < 400
+
+
+def test_chat_content_parts_and_unsupported_fields(server, citylm):
+    url = f"{server}/v1/chat/completions"
+    parts = [{"type": "text", "text": "JP:"}, {"type": "text", "text": " Tokyo,"}]
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": parts}],
+                              "max_tokens": 10, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == expected(citylm, "JP: Tokyo,",
+                                                                    10)[0]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    for body in ({"messages": [{"role": "user", "content": image}]},
+                 {"messages": [{"role": "user", "content": "FR:"}], "tools": [
+                     {"type": "function", "function": {"name": "f"}}]},
+                 {"messages": [{"role": "user", "content": "FR:"}],
+                  "response_format": {"type": "json_object"}},
+                 {"messages": [{"role": "user", "content": "FR:"}], "top_logprobs": 21,
+                  "logprobs": True}):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], body
 
 
 def test_bad_chat_requests(server):
@@ -386,3 +384,72 @@ def test_cli_rejects_bad_engine_options_before_loading():
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "policy" in out.stderr and "fcfs" in out.stderr
+
+
+# ------------------------------------------------------------------------------ sampler
+def test_completion_logprobs_are_the_log_softmax_of_the_reference_forward(server, citylm):
+    model, tok = citylm
+    body = {"prompt": "FR:", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    choice = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+    tokens, logps = reference(model, tok.encode("FR:"), SamplingParams(12, logprobs=3))
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.id_to_str(t) for t in tokens]
+    assert lp["token_logprobs"] == pytest.approx(logps, abs=1e-4)
+    assert all(len(top) == 3 and max(top.values()) >= v - 1e-6
+               for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None  # computed only when asked
+
+
+def test_the_openai_client_streams_logprobs(client, citylm):
+    model, tok = citylm
+    tokens, logps = reference(model, tok.encode("JP:"), SamplingParams(10, logprobs=2))
+    stream = client.completions.create(model="citylm", prompt="JP:", max_tokens=10,
+                                       temperature=0, logprobs=2, stream=True)
+    got = [v for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+           for v in chunk.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(logps, abs=1e-4)
+    chat = client.chat.completions.create(
+        model="citylm", messages=[{"role": "user", "content": "JP:"}], max_tokens=10,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    records = [r for chunk in chat if chunk.choices and chunk.choices[0].logprobs
+               for r in chunk.choices[0].logprobs.content]
+    assert [r.logprob for r in records] == pytest.approx(logps, abs=1e-4)
+    assert [r.token for r in records] == [tok.id_to_str(t) for t in tokens]
+    assert all(len(r.top_logprobs) == 2 for r in records)
+
+
+def params_of(body: dict) -> SamplingParams:
+    """The ``SamplingParams`` an OpenAI body's processor fields mean."""
+    return SamplingParams(
+        body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"),
+        presence_penalty=body.get("presence_penalty", 0.0),
+        frequency_penalty=body.get("frequency_penalty", 0.0),
+        repetition_penalty=body.get("repetition_penalty", 1.0),
+        logit_bias=tuple(sorted((int(k), float(v))
+                                for k, v in body.get("logit_bias", {}).items())),
+        min_tokens=body.get("min_tokens", 0))
+
+
+EOS_FIRST = {"logit_bias": {"1": 100}}  # <eos> at once, unless min_tokens holds it back
+
+
+@pytest.mark.parametrize(("extra", "without"), [
+    ({"presence_penalty": 2.0, "temperature": 0.9, "seed": 3},
+     {"temperature": 0.9, "seed": 3}),
+    ({"frequency_penalty": 1.2}, {}), ({"repetition_penalty": 1.6}, {}),
+    ({"logit_bias": {"9": 30.0, "3": -100}}, {}),
+    ({**EOS_FIRST, "min_tokens": 6}, EOS_FIRST)])
+def test_each_penalty_equals_the_per_request_reference(server, citylm, extra, without):
+    """Each processor, through the server, gives the reply of the per-request reference,
+    and that reply differs from the one without it (so the test would see it ignored)."""
+    model, tok = citylm
+    prompt = tok.encode("FR:")
+    body = {"prompt": "FR:", "max_tokens": 40, "temperature": 0, **extra}
+    tokens, _ = reference(model, prompt, params_of(body))
+    got = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+    assert got["text"] == tok.decode(tokens)
+    plain, _ = reference(model, prompt, params_of({"max_tokens": 40, "temperature": 0,
+                                                   **without}))
+    assert tokens != plain

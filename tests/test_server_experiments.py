@@ -23,9 +23,9 @@ from minisrv.experiments.server import (  # noqa: E402
 )
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
+from minisrv.server.config import EngineOptions  # noqa: E402
 from minisrv.server.engine_loop import FINISHED_KEPT, EngineLoop  # noqa: E402
 from minisrv.server.launch import running_server  # noqa: E402
-from minisrv.server.workers import EngineOptions  # noqa: E402
 
 OPTIONS = dict(device="cpu", threads=1, kv_capacity=600, max_running=8)
 
@@ -56,7 +56,7 @@ def test_engine_loop_remembers_a_bounded_number_of_finished_requests(model):
     finished: set[int] = set()
 
     def emit(events, snapshot):
-        finished.update(key for key, _, reason, _ in events if reason)
+        finished.update(e.key for e in events if e.finish)
         if len(finished) == FINISHED_KEPT + 3:
             done.set()
 

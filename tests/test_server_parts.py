@@ -20,19 +20,19 @@ from minisrv import Engine  # noqa: E402
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.app import BadRequest, completion_prompts, sampling_params  # noqa: E402
 from minisrv.server.engine_loop import EngineLoop  # noqa: E402
-from minisrv.server.loading import TextCodec  # noqa: E402
+from minisrv.server.messages import TokenEvent  # noqa: E402
 from minisrv.server.textstream import TextStream  # noqa: E402
 from minisrv.tokenizer import ALPHABET, Tokenizer  # noqa: E402
 
 TOK = Tokenizer()
 
 
-class WholeDecodeCodec(TextCodec):
+class WholeDecodeCodec(Tokenizer):
     """CityLM's tokenizer, but decoded the general way (whole output each time)."""
 
-    @property
-    def prefix_stable(self) -> bool:
-        return False
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_stable = False
 
 
 def first_stop_cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -55,7 +55,7 @@ def first_stop_cut(text: str, stops: list[str]) -> tuple[str, bool]:
 )
 def test_text_stream_releases_exactly_the_text_before_the_first_stop(chars, stops, cuts, whole):
     ids = TOK.encode("".join(chars), bos=False)
-    codec = (WholeDecodeCodec if whole else TextCodec)(TOK, "citylm")
+    codec = (WholeDecodeCodec if whole else Tokenizer)()
     stream = TextStream(codec, stops, frozenset())
     pieces, pos, step = [], 0, 0
     while pos < len(ids) and stream.finish is None:
@@ -70,17 +70,17 @@ def test_text_stream_releases_exactly_the_text_before_the_first_stop(chars, stop
 
 
 def test_text_stream_stop_ids_and_eos():
-    stream = TextStream(TextCodec(TOK, "citylm"), [], frozenset({TOK.encode(",", bos=False)[0]}))
+    stream = TextStream(TOK, [], frozenset({TOK.encode(",", bos=False)[0]}))
     assert stream.add(TOK.encode(" Paris, Lyon", bos=False)) == " Paris"
     assert stream.finish == "stop" and stream.n_tokens == 7
-    eos = TextStream(TextCodec(TOK, "citylm"), [], frozenset())
+    eos = TextStream(TOK, [], frozenset())
     assert eos.add([*TOK.encode(" Lyon", bos=False), TOK.eos_id]) == " Lyon"
     assert eos.close("eos") == "" and eos.finish == "stop"
 
 
 # ------------------------------------------------------------------------------ parsing
 def test_completion_prompts_take_every_openai_form():
-    codec = TextCodec(TOK, "citylm")
+    codec = TOK
     assert completion_prompts(codec, "FR:") == ([TOK.encode("FR:")], ["FR:"])
     assert completion_prompts(codec, ["FR:", "JP:"])[0] == [TOK.encode("FR:"), TOK.encode("JP:")]
     assert completion_prompts(codec, [0, 5, 6])[0] == [[0, 5, 6]]
@@ -112,12 +112,12 @@ class Collector:
 
     def __call__(self, events, snapshot) -> None:
         with self.lock:
-            for key, tokens, finish, error in events:
-                self.tokens.setdefault(key, []).extend(tokens)
-                if finish:
-                    self.finish[key] = finish
-                if error:
-                    self.errors[key] = error
+            for e in events:
+                self.tokens.setdefault(e.key, []).extend(e.tokens)
+                if e.finish:
+                    self.finish[e.key] = e.finish
+                if e.error:
+                    self.errors[e.key] = e.error
             self.snapshots.append(snapshot)
 
     def wait(self, condition, timeout: float = 30.0) -> None:
@@ -196,6 +196,37 @@ def test_engine_loop_survives_a_failing_step(loop_and_events, model, monkeypatch
     assert events.tokens[2] == model.reference_generate([0, 5, 6], 4)
 
 
+@pytest.mark.parametrize("mode", ["prefill-first", "mixed"])
+def test_a_step_that_raises_for_one_request_ends_that_request_only(model, mode):
+    """The request admitted into the failing step fails; the one already running is
+    retracted, prefilled again and ends with exactly its reference tokens."""
+    events = Collector()
+    engine = Engine(model, kv_capacity=300, max_running=4, mode=mode, record_trace=False)
+    backend = engine.scheduler.backend
+    real_run = backend.run
+    poison = [0, 9, 9, 9]
+
+    def choking(batch):
+        if any(req.prompt == poison for req in batch.reqs):
+            raise RuntimeError("cannot serve this one")
+        return real_run(batch)
+
+    backend.run = choking
+    loop = EngineLoop(engine, events)
+    loop.start()
+    try:
+        loop.submit(1, loop.make_request([0, 5, 6], SamplingParams(40, ignore_eos=True)))
+        events.wait(lambda: len(events.tokens.get(1, [])) >= 3)
+        loop.submit(2, loop.make_request(poison, SamplingParams(4)))
+        events.wait(lambda: 1 in events.finish and 2 in events.errors)
+    finally:
+        loop.stop()
+    assert "cannot serve this one" in events.errors[2] and 2 not in events.finish
+    assert events.tokens[1] == model.reference_generate([0, 5, 6], 40, ignore_eos=True)
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.idle
+
+
 # ------------------------------------------------------------------------------ HF folder
 def hf_folder(tmp_path, extra_stop: int | None = None):
     """A random HF Llama saved with a word-level tokenizer (one word ``tN`` per id)."""
@@ -221,18 +252,20 @@ def hf_folder(tmp_path, extra_stop: int | None = None):
 
 
 def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
+    import torch
     from starlette.testclient import TestClient
 
+    from minisrv.model import load_model, load_tokenizer
     from minisrv.server.app import create_app
-    from minisrv.server.loading import load_codec, load_served_model, model_name
-    from minisrv.server.workers import EngineOptions, LocalEngine
+    from minisrv.server.config import EngineOptions, model_name
+    from minisrv.server.worker import LocalEngine
 
-    plain, _ = load_served_model(str(hf_folder(tmp_path / "plain")), "cpu")
+    plain, _ = load_model(str(hf_folder(tmp_path / "plain")), "cpu", torch.float32)
     prompt_ids = [5, 9, 13]
     alone = plain.reference_generate(prompt_ids, 12)
     extra = next(t for t in alone[2:] if t != 1)  # a token greedy decoding will produce
     folder = hf_folder(tmp_path / "two-eos", extra)
-    model, codec = load_served_model(str(folder), "cpu")
+    model, codec = load_model(str(folder), "cpu", torch.float32)
     assert model.eos_id == 1 and codec.stop_ids == {1, extra}
     # same weights (same seed); the model itself now stops on every eos id of the folder
     assert model.reference_generate(prompt_ids, 12) == alone[: alone.index(extra) + 1]
@@ -240,7 +273,8 @@ def test_hf_folder_is_served_with_all_its_stop_ids(tmp_path):
     want = codec.decode(kept)
 
     options = EngineOptions(model=str(folder), device="cpu", kv_capacity=200, max_running=4)
-    app = create_app(LocalEngine(options), load_codec(str(folder)), model_name(str(folder)))
+    assert load_tokenizer(str(folder)).stop_ids == codec.stop_ids
+    app = create_app(LocalEngine(options), load_tokenizer(str(folder)), model_name(str(folder)))
     with TestClient(app) as client:
         for _ in range(400):
             if client.get("/health").status_code == 200:
@@ -275,7 +309,7 @@ def test_bench_requests_are_text_prompts_of_each_workload():
 
 
 def test_bench_summary_statistics_and_table():
-    from minisrv.server.bench import RequestResult, _summarize
+    from minisrv.server.bench import RequestResult, _summarize, parse_goodput
 
     results = [RequestResult(True, ttft=0.1 * i, itls=[0.01 * i], e2e=0.5 * i,
                              prompt_tokens=4, output_tokens=2) for i in range(1, 5)]
@@ -287,6 +321,13 @@ def test_bench_summary_statistics_and_table():
     assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
     assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
     assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
+    # goodput: ttft 100..400 ms, tpot = e2e - ttft (2 tokens) = 400i ms; e2e 500i ms
+    slo = _summarize(results, duration=2.0, slo_ms={"ttft": 250.0, "tpot": 900.0})
+    assert slo.goodput == 1.0 and "Request goodput" in slo.table()  # i = 1, 2 meet both
+    assert _summarize(results, 2.0, {"e2el": 1500.0}).goodput == 1.5
+    assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 200.0, "tpot": 50.0}
+    with pytest.raises(ValueError):
+        parse_goodput(["itl:5"])
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -303,12 +344,13 @@ def test_events_that_arrive_together_go_out_in_one_write(chat):
             pass
 
     def call() -> Call:
-        streams = {0: TextStream(TextCodec(TOK, "citylm"), [], frozenset())}
+        streams = {0: TextStream(TOK, [], frozenset())}
         body = SimpleNamespace(include_usage=True, n=1)
         return Call(NoFrontend(), streams, {0: None}, chat, "citylm", body, 3, None)
 
     ids = TOK.encode("Paris", bos=False)
-    items = [(0, ids[:1], None, None), (0, ids[1:3], None, None), (0, ids[3:], "length", None)]
+    items = [(0, TokenEvent(0, ids[:1])), (0, TokenEvent(0, ids[1:3])),
+             (0, TokenEvent(0, ids[3:], "length"))]
 
     async def all_queued(c: Call) -> list[str]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -342,3 +384,79 @@ def test_events_that_arrive_together_go_out_in_one_write(chat):
     assert text == "Paris"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+# ------------------------------------------------------------------------------ defaults
+def test_the_default_pool_runs_64_chats_without_max_tokens_together():
+    """``ServerConfig`` sizes the KV pool from the model: 64 requests that may each run to
+    the end of the context (a chat without ``max_tokens``) are admitted in one step."""
+    from minisrv.server.config import EngineOptions, ServerConfig
+    from minisrv.server.door import room
+    from minisrv.server.worker import build_engine
+
+    config = ServerConfig(threads=1, device="cpu")
+    assert config.auto_kv and config.engine.max_running == 64
+    assert not EngineOptions(kv_capacity=2000).auto_kv
+    engine, limits = build_engine(config)
+    assert limits["kv_capacity"] >= 64 * limits["max_context"]
+    prompts = [TOK.encode(f"{c}:") for c in ("FR", "JP", "US", "DE") * 16]
+    reqs = engine.make_requests(prompts, [room(limits, p) for p in prompts])
+    for req in reqs:
+        engine.scheduler.submit(req)
+    engine.scheduler.step()
+    assert len(engine.scheduler.running) == 64
+
+
+def test_router_takes_dead_workers_out_and_back():
+    from minisrv.router import Router
+
+    router = Router(3, "cache-aware")
+    prompt = [0, 5, 6, 7, 8]
+    home = router.route(prompt)
+    router.mark_down(home)
+    picks = {router.route(prompt) for _ in range(6)}
+    assert home not in picks
+    assert router.tree.sizes[home] == 0  # its cache died with it
+    for policy in ("round-robin", "random", "least-load"):
+        other = Router(3, policy)
+        other.mark_down(1)
+        assert 1 not in {other.route([0, i]) for i in range(9)}
+    router.mark_up(home)
+    for w in (0, 1, 2):
+        router.mark_down(w)
+    with pytest.raises(ValueError, match="no worker"):
+        router.route(prompt)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_loop_delivers_each_tokens_logprobs(citylm, overlap):
+    """Logprobs travel with their tokens in both loops (the overlapped one computes them on
+    its device thread, a step ahead of the tokens' delivery)."""
+    from serving import reference
+
+    model, tok = citylm
+    events = Collector()
+    logprobs: dict[int, list] = {}
+
+    def collect(batch, snapshot):
+        for e in batch:
+            if e.logprobs is not None:
+                logprobs.setdefault(e.key, []).extend(e.logprobs)
+        events(batch, snapshot)
+
+    loop = EngineLoop(Engine(model, kv_capacity=300, max_running=4, overlap=overlap), collect)
+    loop.start()
+    try:
+        prompts = [tok.encode(t) for t in ("FR:", "JP:", "US:")]
+        for key, prompt in enumerate(prompts):
+            loop.submit(key, loop.make_request(prompt, SamplingParams(
+                12, logprobs=2 if key != 1 else None)))
+        events.wait(lambda: len(events.finish) == 3)
+    finally:
+        loop.stop()
+    assert 1 not in logprobs
+    for key in (0, 2):
+        tokens, logps = reference(model, prompts[key], SamplingParams(12))
+        assert events.tokens[key] == tokens
+        assert [v for v, _ in logprobs[key]] == pytest.approx(logps, abs=1e-5)
+        assert all(len(top) == 2 and top[0][1] >= v - 1e-6 for v, top in logprobs[key])

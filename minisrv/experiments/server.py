@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from minisrv.server.bench import BenchRequest, BenchResult, run_bench
-from minisrv.server.workers import EngineOptions
+from minisrv.server.config import EngineOptions
 
 __all__ = ["Layout", "LayoutRun", "bench_frame", "bench_layouts", "open_server", "read_metrics",
            "run_sync", "slot_ranges", "stream_completion"]
@@ -55,9 +55,11 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
     (a ``LocalEngine``, whose ``loop.engine`` is the engine, or ``DataParallelEngines``).
     The server and its workers are always stopped on exit."""
     from minisrv.server.app import create_app
+    from minisrv.server.config import check_engine_options, model_name
+    from minisrv.server.dataparallel import DataParallelEngines
     from minisrv.server.launch import serving_app
-    from minisrv.server.loading import load_codec, model_name
-    from minisrv.server.workers import DataParallelEngines, LocalEngine, check_engine_options
+    from minisrv.server.worker import LocalEngine
+    from minisrv.tokenizer import load_tokenizer
 
     options = layout.options
     check_engine_options(options)
@@ -66,7 +68,7 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
         engines = LocalEngine(options)
     else:
         engines = DataParallelEngines(options, layout.dp, {})
-    app = create_app(engines, load_codec(options.model), model_name(options.model))
+    app = create_app(engines, load_tokenizer(options.model), model_name(options.model))
     with serving_app(app, startup_s) as url:
         yield url, engines
 

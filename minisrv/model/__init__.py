@@ -10,9 +10,10 @@
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
 - ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
-  ``resolve_device``, ``default_dtype``, ``available_devices``;
-- ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``, and
-  ``HFTokenizer``, its tokenizer behind minisrv's tokenizer interface.
+  ``load_tokenizer`` (the tokenizer alone);
+- ``device``: ``resolve_device``, ``default_dtype``, ``available_devices``;
+- ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``
+  (its tokenizer, ``HFTokenizer``, lives in ``minisrv.tokenizer``).
 
 Every public name is re-exported here, so ``from minisrv.model import X`` is all a user needs.
 """
@@ -20,6 +21,7 @@ Every public name is re-exported here, so ``from minisrv.model import X`` is all
 from __future__ import annotations
 
 from minisrv.model.citylm import CityLM, merge_eos_ids
+from minisrv.model.device import available_devices, default_dtype, resolve_device
 from minisrv.model.flat import (
     ATTENTION_KINDS,
     FlatBatch,
@@ -32,7 +34,6 @@ from minisrv.model.flat import (
     resolve_attention,
 )
 from minisrv.model.hf import (
-    HFTokenizer,
     config_from_hf,
     folder_eos_ids,
     from_hf_llama,
@@ -63,13 +64,12 @@ from minisrv.model.loading import (
     CITYLM_NAME,
     META_FILE,
     WEIGHTS_FILE,
-    available_devices,
-    default_dtype,
     load_citylm,
     load_model,
-    resolve_device,
+    load_tokenizer,
 )
 from minisrv.model.ragged import FLEX_AVAILABLE, ragged_block_mask, ragged_tiles
+from minisrv.tokenizer import HFTokenizer
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -109,6 +109,7 @@ __all__ = [
     "hf_names",
     "load_citylm",
     "load_model",
+    "load_tokenizer",
     "merge_eos_ids",
     "padded_attention",
     "pool_attention",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,8 @@ import torch
 
 from minisrv.configs import ModelConfig
 from minisrv.model.citylm import CityLM, merge_eos_ids
+from minisrv.model.device import resolve_device
 from minisrv.model.layers import rope_inv_freq
-from minisrv.model.loading import resolve_device
 
 # Our parameter names and the Hugging Face Llama names they come from; a fused weight of
 # ours stacks several of theirs (output rows, in this order).
@@ -183,52 +183,3 @@ def from_hf_llama(
     target_device = resolve_device(device) if device is not None else default_device
     return model.to(device=target_device, dtype=target_dtype).eval()
 
-
-class HFTokenizer:
-    """A Hugging Face tokenizer behind the interface of minisrv's ``Tokenizer``.
-
-    The engine, the workloads and the chapters use ``encode(text) -> ids``,
-    ``decode(ids) -> text``, ``bos_id``, ``eos_id`` and ``vocab_size``; wrapping a
-    ``transformers`` tokenizer this way lets them serve any Llama-family checkpoint unchanged.
-    ``eos_ids`` lists every stop id: the ones given (the model's) and the tokenizer's own.
-    """
-
-    def __init__(self, hf_tokenizer: Any, eos_ids: tuple[int, ...] = ()) -> None:
-        self.hf = hf_tokenizer
-        self.bos_id: int | None = hf_tokenizer.bos_token_id
-        self.eos_ids: tuple[int, ...] = merge_eos_ids(eos_ids, hf_tokenizer.eos_token_id)
-        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
-
-    @classmethod
-    def from_folder(cls, folder: str | Path, eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
-        """The tokenizer saved in a checkpoint folder (``tokenizer.json`` and its config)."""
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as err:  # optional: only real checkpoints need it
-            raise ImportError(
-                "loading a Hugging Face tokenizer needs transformers: pip install transformers"
-            ) from err
-        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), eos_ids)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of distinct ids, added special tokens included."""
-        return len(self.hf)
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Ids for ``text``, with the special tokens this tokenizer puts before a text (e.g.
-        Llama's begin-of-text) unless ``bos`` is false, as ``transformers`` would feed it."""
-        return list(self.hf.encode(text, add_special_tokens=bos))
-
-    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        """Text for ``ids``; special tokens are dropped unless ``skip_special`` is false."""
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-    def id_to_str(self, i: int) -> str:
-        """The text of one id (special tokens included), as drawings label tokens."""
-        if not 0 <= int(i) < self.vocab_size:
-            raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
-        return self.hf.decode([int(i)])
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

@@ -1,5 +1,7 @@
 """Loading models: the trained CityLM shipped inside the package or a local Llama checkpoint
-(``load_model``), and where and in which dtype a model runs."""
+(``load_model``), and the tokenizer of either alone (``load_tokenizer``, what a server's
+HTTP process needs). Both give a tokenizer that also serves the server (its chat template,
+stop ids, whether decoding is prefix-stable). Devices and dtypes live in ``device``."""
 
 from __future__ import annotations
 
@@ -7,34 +9,21 @@ import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.citylm import CityLM
-from minisrv.tokenizer import Tokenizer
+from minisrv.model.device import available_devices, default_dtype, resolve_device
+from minisrv.model.hf import from_hf_llama
+from minisrv.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
-if TYPE_CHECKING:
-    from minisrv.model.hf import HFTokenizer
+__all__ = ["CITYLM_NAME", "META_FILE", "WEIGHTS_FILE", "available_devices", "default_dtype",
+           "load_citylm", "load_model", "load_tokenizer", "resolve_device"]
 
 WEIGHTS_FILE = "citylm.safetensors"
 META_FILE = "citylm.json"
 CITYLM_NAME = "citylm"  # the name ``load_model`` knows without a path
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` as a ``torch.device``; ``None`` means CUDA when available, else the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def available_devices() -> list[str]:
-    """The devices this machine can run the model on: ``"cpu"``, then ``"cuda"`` when a GPU is
-    visible. Tests and benchmarks loop over it so the GPU path is exercised wherever it exists.
-    """
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def load_citylm(
@@ -62,14 +51,6 @@ def load_citylm(
     return model, tokenizer
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """What a checkpoint runs in on ``device``: bf16 on a GPU that has it, else fp16 on a GPU;
-    float32 on the CPU, where half-precision matmuls are slow or missing."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
 def load_model(
     name_or_path: str | Path = CITYLM_NAME,
     device: str | torch.device | None = None,
@@ -87,17 +68,22 @@ def load_model(
     """
     if str(name_or_path) == CITYLM_NAME:
         return load_citylm(device, dtype if dtype is not None else torch.float32)
-    folder = Path(name_or_path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(
-            f"cannot load {str(name_or_path)!r}: give {CITYLM_NAME!r} or a local folder with a "
-            "Hugging Face checkpoint (config.json, *.safetensors, tokenizer files)"
-        )
-    from minisrv.model.hf import HFTokenizer, from_hf_llama  # hf imports this module
-
+    folder = checkpoint_folder(name_or_path)
     target = resolve_device(device)
     target_dtype = dtype if dtype is not None else default_dtype(target)
     model = from_hf_llama(folder, dtype=target_dtype, device=target)
     tokenizer = HFTokenizer.from_folder(folder, model.eos_ids)
     model.eos_ids = tokenizer.eos_ids  # the tokenizer's eos ends a generation too
     return model, tokenizer
+
+
+def checkpoint_folder(name_or_path: str | Path) -> Path:
+    """``name_or_path`` as a checkpoint folder; ValueError if it holds no ``config.json``."""
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"cannot load {str(name_or_path)!r}: give {CITYLM_NAME!r} or a local folder with a "
+            "Hugging Face checkpoint (config.json, *.safetensors, tokenizer files)"
+        )
+    return folder
+

@@ -16,6 +16,10 @@ Load is what the router itself counts: ``route`` adds one request in flight on t
 worker and ``finish`` removes it. Every routed prompt is inserted into the tree under its
 worker, whatever the policy, so the tree always says where each prefix was sent.
 
+A worker that is down (``mark_down``: its process died) gets nothing until ``mark_up``: every
+policy chooses among the workers up, and the tree forgets what the dead worker held, since
+its cache died with it. With every worker up the choices are exactly those above.
+
 Choices that SGLang leaves to hash-map order are made deterministic here: among several
 workers holding the match, the one most recently sent it (its copy is the freshest, so the
 likeliest to be still cached; a group the balancer moved stays where it went); among
@@ -71,6 +75,7 @@ class Router:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
         self.loads: list[int] = [0] * n_workers
+        self.up: list[bool] = [True] * n_workers
         self.routed: list[int] = [0] * n_workers  # requests ever sent to each worker
         self.decisions: Counter[str] = Counter()
         self.last_branch: str | None = None
@@ -91,17 +96,35 @@ class Router:
 
     def finish(self, worker: int) -> None:
         """A request on ``worker`` has completed: one fewer in flight there."""
-        if isinstance(worker, bool) or not isinstance(worker, int) \
-                or not 0 <= worker < self.n_workers:
-            raise ValueError(f"worker must be an int in 0..{self.n_workers - 1}, got {worker!r}")
+        self._check_worker(worker)
         if self.loads[worker] == 0:
             raise ValueError(f"worker {worker} has no request in flight to finish")
         self.loads[worker] -= 1
 
+    def mark_down(self, worker: int) -> None:
+        """Take ``worker`` out (its process died): no request goes there until ``mark_up``,
+        and the tree drops its prefixes (its cache is gone). Its in-flight requests still
+        ``finish`` as their handlers learn they failed."""
+        self._check_worker(worker)
+        self.up[worker] = False
+        self.tree.trim(worker, 0)
+
+    def mark_up(self, worker: int) -> None:
+        """``worker`` serves again (restarted and healthy)."""
+        self._check_worker(worker)
+        self.up[worker] = True
+
+    def _check_worker(self, worker: int) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int) \
+                or not 0 <= worker < self.n_workers:
+            raise ValueError(f"worker must be an int in 0..{self.n_workers - 1}, got {worker!r}")
+
     # ----------------------------------------------------------------- the rule
     def choose(self, tokens: Sequence[int]) -> tuple[int, str]:
         """The worker ``route`` would pick now and the branch that picked it; changes nothing
-        (except the random policy's generator)."""
+        (except the random policy's generator). ValueError if no worker is up."""
+        if not all(self.up):
+            return self.choose_among_up(tokens)
         if self.policy == "round-robin":
             worker = self._turn
             self._turn = (self._turn + 1) % self.n_workers
@@ -116,6 +139,32 @@ class Router:
         if tokens and match.length / len(tokens) > self.cache_threshold:
             return match.workers[0], "cache"
         return self.least_loaded(), "miss"
+
+    def choose_among_up(self, tokens: Sequence[int]) -> tuple[int, str]:
+        """``choose`` while some worker is down: the same rule over the workers up."""
+        live = [w for w in range(self.n_workers) if self.up[w]]
+        if not live:
+            raise ValueError("no worker is up")
+        if self.policy == "round-robin":
+            while not self.up[self._turn]:
+                self._turn = (self._turn + 1) % self.n_workers
+            worker = self._turn
+            self._turn = (self._turn + 1) % self.n_workers
+            return worker, "policy"
+        if self.policy == "random":
+            return self._rng.choice(live), "policy"
+        loads, sizes = self.loads, self.tree.sizes
+        least = min(live, key=lambda w: (loads[w], sizes[w], w))
+        if self.policy == "least-load":
+            return min(live, key=loads.__getitem__), "policy"
+        high, low = max(loads[w] for w in live), min(loads[w] for w in live)
+        if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
+            return least, "balance"
+        match = self.tree.match(tokens)
+        holders = [w for w in match.workers if self.up[w]]
+        if tokens and holders and match.length / len(tokens) > self.cache_threshold:
+            return holders[0], "cache"
+        return least, "miss"
 
     def imbalanced(self) -> bool:
         """SGLang's test: the busiest worker is ahead of the idlest by more than the absolute

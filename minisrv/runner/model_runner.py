@@ -21,6 +21,7 @@ replaying the bucket's CUDA graph. Prefill and mixed steps run the flat path.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,7 +33,7 @@ from minisrv.request import Req
 from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
-from minisrv.sampling import SamplingParams
+from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class StepInputs(NamedTuple):
     reqs: list[Req]  # the sampling entries' requests (for the logits processors)
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    histories: list[tuple[list[int], list[int]]] | None  # for penalties (Sampler.histories)
 
 
 class ModelRunner:
@@ -89,14 +91,19 @@ class ModelRunner:
         self.attn: AttentionBackend = make_attention(attention, model.device, model.dtype,
                                                      model.config.head_dim)
         self.attention: str = self.attn.kind
-        self.sampler = Sampler(logits_processors)
         self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
+        self.sampler = Sampler(logits_processors, self.eos_ids)
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
         self.graph_options = (static_decode or cuda_graph, cuda_graph, max_running,
                               graph_context)
         self.graphs: DecodeGraphs | None = None
+
+    @property
+    def logprobs(self) -> dict[Req, deque[TokenLogprobs]]:
+        """The logprobs of the tokens sampled for requests that asked, until read."""
+        return self.sampler.logprobs
 
     @property
     def device(self) -> torch.device:
@@ -138,18 +145,19 @@ class ModelRunner:
         sampling = [e.req for e in batch.entries if e.sample]
         samples = tuple(e.sample for e in batch.entries)
         params, generators = [req.params for req in sampling], self.sampler.generators(sampling)
+        histories = self.sampler.histories(sampling)
         graphs, entries = self.graphs, batch.entries
         if (graphs is not None and all(samples)
                 and graphs.fits([e.n_tokens for e in entries], [e.end for e in entries])):
             padded = graphs.prepare([ids[0] for ids in new_ids], slots)
             every_row = torch.arange(padded.n, device=self.model.device)
             return StepInputs(None, padded, padded.has_futures, every_row,
-                              samples, sampling, params, generators)
+                              samples, sampling, params, generators, histories)
         flat = FlatBatch(new_ids, slots, self.model.device)
         return StepInputs(
             flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
-            samples, sampling, params, generators)
+            samples, sampling, params, generators, histories)
 
     def compute(
         self,
@@ -171,7 +179,8 @@ class ModelRunner:
             if resolve is not None and step.has_futures:
                 ids = resolve(ids)
             logits, cost = self.forward(step, ids), step.flat.num_tokens
-        tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators)
+        tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators,
+                                     step.histories)
         if store is not None:
             store(tokens)
         it = iter(tokens)

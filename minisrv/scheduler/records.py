@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from minisrv.request import Req
 
@@ -238,12 +238,14 @@ class StepOutput:
     ``record`` is the step's trace line (``None``: nothing could run, the engine is idle or
     waits for arrivals); ``tokens`` every token the step produced, ``(request, token)`` in the
     order they were produced; ``finished`` the requests that ended with it (their
-    ``finish_reason`` set).
+    ``finish_reason`` set); ``logprobs`` per request that asked for them, one entry per
+    token of ``tokens`` (``minisrv.sampling.TokenLogprobs``).
     """
 
     record: StepRecord | None
     tokens: list[tuple[Req, int]] = field(default_factory=list)
     finished: list[Req] = field(default_factory=list)
+    logprobs: dict[Req, list[Any]] = field(default_factory=dict)
 
     def tokens_of(self, req: Req) -> list[int]:
         """The tokens ``req`` got in this step."""

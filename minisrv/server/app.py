@@ -1,19 +1,22 @@
 """The HTTP layer: FastAPI routes speaking OpenAI's protocol, on top of ``Frontend``.
 
-One request's path: the body is validated (pydantic; a bad body is a 400 in OpenAI's
-error format), its text encoded with the served model's tokenizer, one engine request
-opened per prompt and per ``n``; then the handler awaits the tokens the engine thread
-delivers, detokenizes them (``TextStream``) and either streams them as server-sent
-events (``data: {chunk}``, a chunk with ``finish_reason``, an optional usage chunk with
-``choices: []``, then ``data: [DONE]``) or returns one JSON body at the end. Errors that
-can only be found by the engine (a prompt too long for the context or the KV pool) arrive
-before the first token, so they too are answered with a 400 before any byte is streamed.
-A client that goes away has its requests aborted, which frees their KV slots.
+One request's path: the body is read within its size and time limits (``middleware``) and
+validated (pydantic; a bad body is a 400 in OpenAI's error format); its text is encoded
+with the served model's tokenizer (off the event loop when long) and checked at the door
+(``door``: ids, lengths, sampling parameters); one engine request is opened per prompt and
+per ``n``; then the handler awaits the tokens the engine delivers, detokenizes them
+(``TextStream``) and either streams them as server-sent events (``data: {chunk}``, a chunk
+with ``finish_reason``, an optional usage chunk with ``choices: []``, then ``data:
+[DONE]``) or returns one JSON body at the end. An engine's error arrives as an event: before
+the first byte it is the answer's status (400, 500, or 503 with ``Retry-After`` when no
+worker can serve); in a stream it is an error event followed by ``[DONE]``. A client that
+goes away has its requests aborted, which frees their KV slots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,32 +27,39 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minisrv.sampling import SamplingParams
+from minisrv.server.config import ServerConfig
+from minisrv.server.door import (
+    BadRequest,
+    chat_messages,
+    check_fits,
+    check_supported,
+    completion_prompts,
+    off_loop,
+    room,
+    sampling_params,
+)
 from minisrv.server.frontend import Frontend, Reply
+from minisrv.server.middleware import ApiKey, BodyGuard
 from minisrv.server.protocol import ChatCompletionRequest, CompletionRequest, now
-from minisrv.server.responses import Call, error_response
+from minisrv.server.responses import Call, error_of, error_response
 from minisrv.server.textstream import TextStream
+from minisrv.server.worker import Unavailable
 
-__all__ = ["create_app"]
+__all__ = ["BadRequest", "completion_prompts", "create_app", "sampling_params"]
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
 
 
-class BadRequest(ValueError):
-    """A request the server refuses; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def _error(status: int, message: str, param: str | None = None,
-           kind: str = "invalid_request_error") -> JSONResponse:
-    return error_response(status, message, param, kind)
+           kind: str | None = None, retry_after: float | None = None) -> JSONResponse:
+    return error_response(status, message, param, kind, retry_after)
 
 
-def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
-    """The ASGI app serving ``engines`` (a ``LocalEngine`` or ``DataParallelEngines``)."""
+def create_app(engines: Any, codec: Any, served_name: str,
+               config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving ``engines`` (a ``LocalEngine`` or ``DataParallelEngines``)
+    with ``codec`` (the model's tokenizer); ``config`` defaults to the engines' own."""
+    config = config or engines.config
     frontend = Frontend(engines)
 
     @asynccontextmanager
@@ -81,45 +91,78 @@ def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), None,
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
+    def server_status() -> str:
+        if engines.failed:
+            return "failed"
+        if frontend.draining:
+            return "draining"
+        if frontend.ready:
+            return "ok"
+        restarting = any(w["state"] == "restarting" for w in engines.workers())
+        return "restarting" if restarting else "starting"
+
     @app.get("/health")
     async def health() -> Response:
+        """200 while a worker serves; 503 with the reason otherwise (``starting``,
+        ``restarting``: no worker is up, ``draining``: shutting down, ``failed``)."""
+        status = server_status()
+        body: dict[str, Any] = {"status": status}
         if engines.failed:
-            return JSONResponse({"status": "failed", "error": engines.failed}, status_code=503)
-        if not frontend.ready:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body["error"] = engines.failed
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        """The server's process id and each engine worker's state, pid and restarts."""
+        return {"status": server_status(), "pid": os.getpid(), "workers": engines.workers()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(frontend.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card() -> dict[str, Any]:
+        return {"id": served_name, "object": "model", "created": now(), "owned_by": "minisrv",
+                "max_model_len": engines.limits.get("max_context")}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": served_name, "object": "model", "created": now(), "owned_by": "minisrv",
-                "max_model_len": engines.limits.get("max_context")}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != served_name:
+            return _error(404, f"the model {model_id!r} does not exist; this server serves "
+                          f"{served_name!r}", "model")
+        return JSONResponse(card())
 
     def refuse(body: CompletionRequest | ChatCompletionRequest) -> JSONResponse | None:
+        if frontend.draining:
+            return _error(503, "the server is shutting down", retry_after=1.0)
         if not frontend.ready:
-            return _error(503, "the server is still loading the model; retry when /health "
-                          "answers 200", None, "service_unavailable")
+            return _error(503, "no engine is ready (loading the model, or restarting a worker "
+                          "that died); retry when /health answers 200", retry_after=1.0)
         if body.model not in (None, "", served_name):
             return _error(400, f"unknown model {body.model!r}; this server serves "
                           f"{served_name!r}", "model")
-        if body.logprobs not in (None, False, 0):
-            return _error(400, "logprobs are not supported by minisrv yet", "logprobs")
         return None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if (refused := refuse(body)) is not None:
             return refused
+        size = len(body.prompt) if isinstance(body.prompt, str) else sum(
+            len(p) if isinstance(p, str) else 1 for p in body.prompt)
         try:
-            prompts, texts = completion_prompts(codec, body.prompt)
-            limit = [body.max_tokens or room(engines, p) for p in prompts]
+            check_supported(body)
+            prompts, texts = await off_loop(size, completion_prompts, codec, body.prompt)
+            limit = [body.max_tokens or room(engines.limits, p) for p in prompts]
+            for prompt, n in zip(prompts, limit):
+                check_fits(prompt, n, engines.limits)
         except BadRequest as exc:
             return _error(400, str(exc), exc.param)
+        if body.echo:
+            texts = [t or codec.decode(p) for t, p in zip(texts, prompts)]
         return await generate(frontend, codec, served_name, request, body, prompts, limit,
                               chat=False, echo=texts if body.echo else None)
 
@@ -127,68 +170,26 @@ def create_app(engines: Any, codec: Any, served_name: str) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if (refused := refuse(body)) is not None:
             return refused
-        if not any(m.content for m in body.messages):
-            return _error(400, "the messages hold no text", "messages")
         try:
-            prompt = codec.chat_prompt(body.messages)
-        except ValueError as exc:
-            return _error(400, str(exc), "messages")
-        limit = [body.token_limit or room(engines, prompt)]
+            check_supported(body)
+            messages = chat_messages(body)
+            size = sum(len(m["content"]) for m in messages)
+            try:
+                prompt = await off_loop(size, codec.chat_prompt, messages)
+            except ValueError as exc:
+                raise BadRequest(str(exc), "messages") from exc
+            limit = [body.token_limit or room(engines.limits, prompt)]
+            check_fits(prompt, limit[0], engines.limits)
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.param)
         return await generate(frontend, codec, served_name, request, body, [prompt], limit,
                               chat=True)
 
+    app.add_middleware(BodyGuard, max_bytes=config.request_limit(),  # type: ignore[arg-type]
+                       timeout_s=config.body_timeout)
+    if config.api_key:  # added last: the outermost, so a request without the key is not read
+        app.add_middleware(ApiKey, key=config.api_key)  # type: ignore[arg-type]
     return app
-
-
-def room(engines: Any, prompt: list[int]) -> int:
-    """The default reply length where none is given: what the context and pool leave."""
-    limits = engines.limits
-    bound = min(limits.get("max_context") or 1 << 30, limits.get("kv_capacity") or 1 << 30)
-    return max(1, bound - len(prompt))  # a prompt that fills it all fails the engine's check
-
-
-def completion_prompts(codec: Any, prompt: Any) -> tuple[list[list[int]], list[str]]:
-    """Token prompts (and their texts, for ``echo``) from any form ``prompt`` may take."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise BadRequest("prompt is empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]
-    out, texts = [], []
-    for p in prompt:
-        if isinstance(p, str):
-            if not p:
-                raise BadRequest("prompt is empty", "prompt")
-            try:
-                out.append(codec.encode(p))
-            except ValueError as exc:
-                raise BadRequest(str(exc), "prompt") from exc
-            texts.append(p)
-        else:
-            if not p:
-                raise BadRequest("prompt is an empty list of token ids", "prompt")
-            out.append(list(p))
-            texts.append(codec.decode(list(p)))
-    return out, texts
-
-
-def sampling_params(body: Any, max_tokens: int, j: int) -> SamplingParams:
-    """The engine's ``SamplingParams`` for choice ``j`` of a request (seed + j, so that the
-    ``n`` samples of one seeded request differ from each other and still repeat)."""
-    temperature = body.temperature
-    if body.top_k not in (None, -1, 0):
-        if body.top_k != 1:
-            raise BadRequest(f"top_k={body.top_k} is not supported: minisrv samples with "
-                             "temperature and top_p; use top_k -1 or 0 (off) or 1 (greedy)",
-                             "top_k")
-        temperature = 0.0  # the single most likely token: greedy
-    seed = None if body.seed is None else body.seed + j
-    try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                              top_p=body.top_p, seed=seed, ignore_eos=body.ignore_eos)
-    except ValueError as exc:
-        raise BadRequest(str(exc), None) from exc
 
 
 @asynccontextmanager
@@ -219,17 +220,25 @@ async def generate(frontend: Frontend, codec: Any, served_name: str, request: Re
     replies: list[Reply] = []
     streams: dict[int, TextStream] = {}
     stops = body.stop_strings()
+    stop_ids = frozenset() if body.ignore_eos else codec.stop_ids
     try:
         for p, (prompt, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
                 index = p * body.n + j
-                params = sampling_params(body, limit, j)
+                params = sampling_params(body, limit, j, frontend.engines.limits.get(
+                    "vocab_size"))
+                if params.processed and frontend.engines.config.engine.overlap:
+                    raise BadRequest("penalties, logit_bias and min_tokens need a server "
+                                     "without --overlap (its next step is formed before "
+                                     "this one's token is known)", "presence_penalty")
                 replies.append(frontend.open(prompt, params, index, queue))
-                streams[index] = TextStream(codec, stops, codec.stop_ids)
-    except ValueError as exc:
+                streams[index] = TextStream(codec, stops, stop_ids)
+    except (BadRequest, Unavailable) as exc:
         for reply in replies:
             frontend.abort(reply)
-        return _error(400, str(exc), getattr(exc, "param", "prompt"))
+        if isinstance(exc, Unavailable):
+            return _error(503, str(exc), retry_after=exc.retry_after)
+        return _error(400, str(exc), exc.param)
     call = Call(frontend, streams, {reply.index: reply for reply in replies}, chat,
                 served_name, body, sum(len(p) for p in prompts), echo)
     first: list[Any] = []
@@ -241,13 +250,10 @@ async def generate(frontend: Frontend, codec: Any, served_name: str, request: Re
                 return call.client_gone()
             first.append(item)
             waiting.discard(item[0])
-            if item[3] is not None:
+            if item[1].error is not None:
                 for reply in replies:
                     frontend.abort(reply)
-                internal = item[3].startswith("engine error")
-                return _error(500 if internal else 400, item[3],
-                              None if internal else "prompt",
-                              "internal_error" if internal else "invalid_request_error")
+                return error_of(item[1])
         if not body.stream:
             return await call.complete(first, queue)
     return StreamingResponse(call.sse(first, queue), media_type="text/event-stream")

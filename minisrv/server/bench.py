@@ -58,6 +58,8 @@ class BenchResult:
     input_throughput: float
     output_throughput: float
     latency_ms: dict[str, dict[str, float]]  # "ttft"/"itl"/"e2e" -> mean, median, p99
+    goodput: float | None = None  # requests/s meeting every target of ``slo_ms``
+    slo_ms: dict[str, float] = field(default_factory=dict)  # "ttft", "tpot", "e2el" -> ms
     texts: list[str] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list, repr=False)
 
@@ -76,6 +78,10 @@ class BenchResult:
             ("Input token throughput (tok/s):", f"{self.input_throughput:.2f}"),
             ("Output token throughput (tok/s):", f"{self.output_throughput:.2f}"),
         ]
+        if self.goodput is not None:
+            targets = ", ".join(f"{k} {v:g} ms" for k, v in self.slo_ms.items())
+            rows += [("Goodput targets:", targets),
+                     ("Request goodput (req/s):", f"{self.goodput:.2f}")]
         lines = [f"{' Serving Benchmark Result ':=^50}"]
         lines += [f"{name:<40}{value:<10}" for name, value in rows]
         titles = {"ttft": ("Time to First Token", "TTFT"), "itl": ("Inter-token Latency", "ITL"),
@@ -170,7 +176,7 @@ async def run_bench(base_url: str, requests: Sequence[BenchRequest], *,
                     request_rate: float = math.inf, max_concurrency: int | None = None,
                     model: str | None = None, ignore_eos: bool = True, seed: int = 0,
                     progress: bool = True, extra_body: dict[str, Any] | None = None,
-                    ) -> BenchResult:
+                    slo_ms: dict[str, float] | None = None) -> BenchResult:
     """Send ``requests`` to ``base_url`` (e.g. ``http://127.0.0.1:30000``) and measure.
 
     The client is aiohttp, as in ``sglang.bench_serving``: its HTTP parser is written in C,
@@ -212,10 +218,31 @@ async def run_bench(base_url: str, requests: Sequence[BenchRequest], *,
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return _summarize(results, duration)
+    return _summarize(results, duration, slo_ms)
 
 
-def _summarize(results: Sequence[RequestResult], duration: float) -> BenchResult:
+def meets(result: RequestResult, slo_ms: dict[str, float]) -> bool:
+    """Whether a request met every target, as ``vllm bench serve --goodput`` counts: time to
+    first token, time per output token after the first, end-to-end latency (ms)."""
+    tpot = ((result.e2e - result.ttft) / (result.output_tokens - 1)
+            if result.output_tokens > 1 else 0.0)
+    measured = {"ttft": result.ttft, "tpot": tpot, "e2el": result.e2e}
+    return result.ok and all(measured[k] * 1e3 <= v for k, v in slo_ms.items())
+
+
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``["ttft:200", "tpot:50"]`` as ``{"ttft": 200.0, "tpot": 50.0}`` (vLLM's syntax)."""
+    out = {}
+    for spec in specs:
+        name, _, value = spec.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {spec!r}")
+        out[name] = float(value)
+    return out
+
+
+def _summarize(results: Sequence[RequestResult], duration: float,
+               slo_ms: dict[str, float] | None = None) -> BenchResult:
     ok = [r for r in results if r.ok]
     inputs = sum(r.prompt_tokens for r in ok)
     outputs = sum(r.output_tokens for r in ok)
@@ -231,6 +258,8 @@ def _summarize(results: Sequence[RequestResult], duration: float) -> BenchResult
         latency_ms={"ttft": _stats_ms([r.ttft for r in ok]),
                     "itl": _stats_ms([gap for r in ok for gap in r.itls]),
                     "e2e": _stats_ms([r.e2e for r in ok])},
+        goodput=(sum(meets(r, slo_ms) for r in ok) / duration) if slo_ms else None,
+        slo_ms=dict(slo_ms or {}),
         texts=[r.text for r in results],
         errors=[r.error for r in results if not r.ok],
     )

@@ -3,33 +3,46 @@
 ``serve`` checks every option before anything is loaded, so ``--policy nope`` or
 ``--kv-capacity 0`` ends at once with the engine's own message; then uvicorn starts, the
 model loads in the background (``/health`` answers 503 until it is ready) and the server
-runs until interrupted.
+runs until interrupted. The flags' defaults are ``ServerConfig``'s (declared once there).
+
+SIGTERM (or a first Ctrl-C) drains the server (``DrainingServer``): new requests get 503,
+the requests in flight get ``--shutdown-timeout`` seconds to finish, what is still running
+then ends with an error event and ``[DONE]`` (a 503 if nothing was sent yet), and only then
+does the server close its connections. A second signal exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from minisrv.server.config import SERVER_ENGINE, ServerConfig
+
+    d, e = ServerConfig(), SERVER_ENGINE
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Serve a model over OpenAI's HTTP API.")
     p.add_argument("--model", default="citylm",
                    help="'citylm' (embedded, the default) or a local HF Llama folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--kv-capacity", type=int, default=4000, help="KV token slots per engine")
-    p.add_argument("--max-running", type=int, default=64, help="cap on the running batch")
-    p.add_argument("--policy", default="fcfs", help="waiting-queue order (fcfs, lpm, ...)")
-    p.add_argument("--cache", default="radix", help="prefix cache: radix or none")
-    p.add_argument("--mode", default="prefill-first", help="step formation (see Engine)")
+    p.add_argument("--kv-capacity", type=int, default=None,
+                   help="KV token slots per engine (default: room for --max-running requests "
+                   "at the full context, within a share of the free memory)")
+    p.add_argument("--max-running", type=int, default=e.max_running,
+                   help="cap on the running batch")
+    p.add_argument("--policy", default=e.policy, help="waiting-queue order (fcfs, lpm, ...)")
+    p.add_argument("--cache", default=e.cache, help="prefix cache: radix or none")
+    p.add_argument("--mode", default=e.mode, help="step formation (see Engine)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--dp", type=int, default=1, help="data-parallel worker processes")
     where = p.add_mutually_exclusive_group()
@@ -43,8 +56,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5)
     p.add_argument("--balance-abs-threshold", type=int, default=32)
     p.add_argument("--balance-rel-threshold", type=float, default=1.1)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per engine")
+    p.add_argument("--device", default=d.device,
+                   help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads per engine")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body (default: from the model's context, >= 1 MiB); "
+                   "a larger one is a 413 before it is read")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a client may take to send its request body (then 408)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--restart-backoff", type=float, default=d.restart_backoff,
+                   help="seconds before a dead worker is restarted (doubling to 10 s while "
+                   "it keeps dying)")
+    p.add_argument("--api-key", default=d.api_key,
+                   help="require 'Authorization: Bearer KEY' on /v1/ (401 without)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -66,6 +92,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--output-json", default=None, help="also write the results here")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="count requests meeting these targets, e.g. ttft:200 tpot:50")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,41 +104,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def server_config(args: argparse.Namespace) -> Any:
+    """The ``ServerConfig`` the flags describe (ValueError for a bad value)."""
+    from minisrv.server.config import EngineOptions
+
+    engine = dict(max_running=args.max_running, policy=args.policy, cache=args.cache,
+                  mode=args.mode, overlap=args.overlap)
+    if args.kv_capacity is not None:
+        engine["kv_capacity"] = args.kv_capacity
+    config = EngineOptions(model=args.model, device=args.device, threads=args.threads,
+                           **engine)
+    return dataclasses.replace(config, max_request_bytes=args.max_request_bytes,
+                               body_timeout=args.body_timeout,
+                               shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
+                               restart_backoff=args.restart_backoff)
+
+
+def raise_open_files() -> None:
+    """Lift the soft limit on open files to the hard one: a thousand streams are a thousand
+    sockets, past the usual soft limit of 1024 (SGLang raises it the same way)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not on this platform, or not allowed
+        pass
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import uvicorn
 
     from minisrv.server.app import create_app
-    from minisrv.server.loading import load_codec, model_name
-    from minisrv.server.workers import (
-        DataParallelEngines,
-        EngineOptions,
-        LocalEngine,
-        check_engine_options,
-    )
+    from minisrv.server.config import model_name
+    from minisrv.server.dataparallel import DataParallelEngines
+    from minisrv.server.shutdown import DrainingServer
+    from minisrv.server.worker import LocalEngine
+    from minisrv.tokenizer import load_tokenizer
 
-    options = EngineOptions(model=args.model, device=args.device, kv_capacity=args.kv_capacity,
-                            max_running=args.max_running, policy=args.policy, cache=args.cache,
-                            mode=args.mode, overlap=args.overlap, threads=args.threads)
     try:
-        check_engine_options(options)
-        codec = load_codec(args.model)
+        config = server_config(args)
+        codec = load_tokenizer(args.model)
+        engines: Any
         if args.dp == 1 and args.engine_thread:
-            engines = LocalEngine(options)
+            engines = LocalEngine(config)
         else:
             router = dict(policy=args.router_policy, cache_threshold=args.cache_threshold,
                           balance_abs_threshold=args.balance_abs_threshold,
                           balance_rel_threshold=args.balance_rel_threshold)
-            engines = DataParallelEngines(options, args.dp, router)
+            engines = DataParallelEngines(config, args.dp, router)
     except (ValueError, ImportError) as exc:
         parser.error(str(exc))
-    app = create_app(engines, codec, model_name(args.model))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    raise_open_files()
+    app = create_app(engines, codec, model_name(args.model), config)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=5),
+                            app.state.frontend, config.shutdown_timeout)
+    server.run()
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from minisrv.server.bench import bench_requests, run_bench
+    from minisrv.server.bench import bench_requests, parse_goodput, run_bench
 
+    raise_open_files()
     try:
         requests = bench_requests(args.workload, args.num_prompts, args.seed,
                                   tuple(args.output_len))
@@ -118,7 +176,8 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             args.base_url, requests, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, model=args.model,
             ignore_eos=not args.disable_ignore_eos, seed=args.seed,
-            progress=not args.no_progress))
+            progress=not args.no_progress,
+            slo_ms=parse_goodput(args.goodput) if args.goodput else None))
     except ValueError as exc:
         parser.error(str(exc))
     print(result.table())

@@ -19,34 +19,23 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from minisrv.request import Req
+from minisrv.request import Req, ReqState
 from minisrv.sampling import SamplingParams
+from minisrv.server.messages import TokenEvent, error_event
 
-__all__ = ["EngineLoop", "Event", "engine_snapshot"]
-
-Event = tuple[int, list[int], "str | None", "str | None"]
-"""``(key, new tokens, finish reason or None, error message or None)`` for one request."""
+__all__ = ["EngineLoop", "engine_snapshot"]
 
 FINISHED_KEPT = 64  # finished requests an ``EngineLoop`` remembers
 
-Emit = Callable[[list[Event], dict[str, float]], None]
+Emit = Callable[[list[TokenEvent], dict[str, float]], None]
 
 
 def engine_snapshot(engine: Any) -> dict[str, float]:
-    """The gauges of ``/metrics`` for one engine: requests running and queued, the share of
-    KV slots held by requests (cached prefixes nobody uses do not count: they can be
-    evicted at any time, as in SGLang's ``token_usage``), and the prefix-cache hit rate."""
-    sched = engine.scheduler
-    used = sched.kv.used_count - engine.tree.evictable_size()
-    stats = engine.stats
-    return {
-        "running": float(len(sched.running)),
-        "queued": float(len(sched.waiting) + getattr(sched, "pending", 0)),
-        "token_usage": used / engine.kv_capacity,
-        "kv_used": float(used),
-        "hit_rate": float(stats.hit_rate),
-        "prompt_tokens": float(getattr(stats, "prompt_tokens", 0)),
-    }
+    """The gauges of ``/metrics`` for one engine (``Engine.snapshot``): requests running and
+    queued, the share of KV slots held by requests (cached prefixes nobody uses do not count:
+    they can be evicted at any time, as in SGLang's ``token_usage``), the prefix-cache hit
+    rate."""
+    return engine.snapshot().as_dict()
 
 
 class EngineLoop:
@@ -63,6 +52,7 @@ class EngineLoop:
         self._by_key: dict[int, Req] = {}
         self._key_of: dict[int, int] = {}  # rid -> key
         self._new_tokens: dict[int, list[int]] = {}  # rid -> tokens of the current step
+        self._new_logprobs: dict[int, list[Any]] = {}  # rid -> their logprobs, if asked
         self._make_lock = threading.Lock()
         # The last requests that finished, kept for inspection (the book reads the
         # scheduler's own record of one request); bounded, so a server never grows.
@@ -99,24 +89,20 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
-        sched = self.engine.scheduler
-        sched.on_token = self._on_token
-        try:
-            while self._drain(block=sched.idle):
-                if sched.idle:
-                    continue
-                try:
-                    record = sched.step()
-                except Exception as exc:  # a bug must not kill the server: fail these requests
-                    self._fail_all(f"engine error: {exc!r}")
-                    continue
-                finished = set(record.finished) if record is not None else set()
-                self._flush(finished)
-        finally:
-            sched.on_token = None
-
-    def _on_token(self, req: Req, token: int) -> None:
-        self._new_tokens.setdefault(req.rid, []).append(token)
+        engine = self.engine
+        while self._drain(block=engine.idle):
+            if engine.idle:
+                continue
+            try:
+                out = engine.step()  # the blocking or the overlapped loop, as configured
+            except Exception as exc:  # one request's error must not end the others
+                self._recover(f"engine error: {exc!r}")
+                continue
+            for req, token in out.tokens:
+                self._new_tokens.setdefault(req.rid, []).append(token)
+            for req, entries in out.logprobs.items():
+                self._new_logprobs.setdefault(req.rid, []).extend(entries)
+            self._flush({req.rid for req in out.finished})
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first if ``block``. False once told to stop."""
@@ -132,7 +118,7 @@ class EngineLoop:
             if kind == "submit" and req is not None:
                 self._by_key[key] = req
                 self._key_of[req.rid] = key
-                self.engine.scheduler.submit(req)
+                self.engine.add_request(req, checked=True)  # checked in make_request
             elif kind == "abort":
                 aborted |= self._abort(key)
             try:
@@ -149,29 +135,60 @@ class EngineLoop:
             return False
         self._key_of.pop(req.rid, None)
         self._new_tokens.pop(req.rid, None)
-        self.engine.scheduler.abort([req])
+        self._new_logprobs.pop(req.rid, None)
+        self.engine.abort([req])
         return True
 
     def _flush(self, finished: set[int]) -> None:
-        events: list[Event] = []
+        events: list[TokenEvent] = []
         for rid, tokens in self._new_tokens.items():
             key = self._key_of.get(rid)
             if key is None:
                 continue
             req = self._by_key[key]
             reason = req.finish_reason if rid in finished else None
-            events.append((key, tokens, reason, None))
+            events.append(TokenEvent(key, tokens, reason,
+                                     logprobs=self._new_logprobs.pop(rid, None)))
             if reason is not None:
                 self.finished.append(req)
                 del self._by_key[key], self._key_of[rid]
         self._new_tokens = {}
+        self._new_logprobs = {}
         if events:
             self.emit(events, self.snapshot())
 
-    def _fail_all(self, message: str) -> None:
-        keys = list(self._by_key)
-        self.engine.scheduler.abort(list(self._by_key.values()))
-        self._by_key.clear()
-        self._key_of.clear()
-        self._new_tokens = {}
-        self.emit([(key, [], None, message) for key in keys], self.snapshot())
+    def _recover(self, message: str) -> None:
+        """A step raised: fail the requests that likely caused it, keep serving the rest.
+
+        The requests that had produced no token yet are the suspects (a new prompt, a new
+        sampler): they fail with ``message``. The others already ran steps without error;
+        they are retracted (their KV freed, their output kept) and prefilled again at the
+        next step, so they go on with the same tokens. When no request was new, nothing
+        tells the cause apart and every running request fails. The overlapped loop has a
+        step in flight that cannot be taken back: there every request fails.
+        """
+        sched = self.engine.scheduler
+        running = [req for req in sched.running if req.state == ReqState.RUNNING]
+        fresh = [req for req in running if not req.output]
+        if self.engine.config.overlap or not fresh:
+            self._fail(list(self._by_key.values()), message)
+            return
+        self._fail(fresh, message)
+        survivors = [req for req in sched.running if req.state == ReqState.RUNNING]
+        for req in survivors:
+            sched.retract(req)
+        sched.running = []
+        sched.waiting.extendleft(reversed(survivors))
+
+    def _fail(self, reqs: list[Req], message: str) -> None:
+        """End ``reqs`` with an error event each (HTTP 500 if nothing was streamed yet)."""
+        self.engine.abort(reqs)
+        events = []
+        for req in reqs:
+            key = self._key_of.pop(req.rid, None)
+            self._new_tokens.pop(req.rid, None)
+            self._new_logprobs.pop(req.rid, None)
+            if key is not None:
+                del self._by_key[key]
+                events.append(error_event(key, message, 500))
+        self.emit(events, self.snapshot())

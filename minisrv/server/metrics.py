@@ -32,6 +32,7 @@ class ServerMetrics:
             "token_usage": ("share of KV slots held by requests", "token_usage"),
             "cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens",
                                "hit_rate"),
+            "num_workers_up": ("engine workers serving now", "workers_up"),
         }
         for name, (doc, key) in gauges.items():
             gauge = Gauge(f"minisrv:{name}", doc, registry=reg)
@@ -44,6 +45,9 @@ class ServerMetrics:
                                 registry=reg)
         self.aborted = Counter("minisrv:num_aborted_reqs",
                                "requests aborted because their client went away", registry=reg)
+        self.failed = Counter("minisrv:num_failed_reqs",
+                              "requests ended by an error (a step that raised, a worker that "
+                              "died, a shutdown)", registry=reg)
         self.ttft = Histogram("minisrv:time_to_first_token_seconds",
                               "time from receiving a request to its first token",
                               buckets=_LATENCY_BUCKETS, registry=reg)

@@ -4,15 +4,11 @@ Requests are validated by pydantic before anything reaches the engine, so a body
 field of the wrong type is answered with HTTP 400 and never disturbs the running batch.
 Field names and defaults follow OpenAI's API as SGLang and vLLM serve it (``max_tokens``
 16 for completions, ``temperature`` 1.0, ``n`` 1); fields we do not know are ignored, as
-those servers do. ``ignore_eos`` is the SGLang/vLLM extension that load generators use
-to fix output lengths.
-
-CityLM's chat template (``citylm_chat_prompt``) is deliberately plain: CityLM is a
-completion model of country lines, so a conversation is one document, the concatenation
-of every message's ``content`` in order (roles are not marked), and the assistant's reply
-continues that text. ``[{"role": "user", "content": "FR:"}]`` therefore asks exactly what
-the completion prompt ``"FR:"`` asks, and a multi-turn chat (``"FR:"``, the reply
-``" Paris, Lyon\\n"``, then ``"JP:"``) reads as the document ``"FR: Paris, Lyon\\nJP:"``.
+those servers do, except the ones a client relies on and minisrv cannot honour yet
+(``UNSUPPORTED``: ``best_of``, ``suffix``, ``tools``, ``response_format`` other than text),
+which are a 400, never silently dropped. ``ignore_eos``, ``min_tokens`` and
+``repetition_penalty`` are the SGLang/vLLM extensions. A chat message's ``content`` is a
+string or a list of text parts (``{"type": "text", "text": ...}``), joined in order.
 """
 
 from __future__ import annotations
@@ -24,14 +20,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
+    "UNSUPPORTED",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "ContentPart",
     "StreamOptions",
-    "citylm_chat_prompt",
     "error_body",
     "new_id",
 ]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs (and on completions' logprobs)
 
 
 class _Body(BaseModel):
@@ -46,8 +46,8 @@ class _Sampling(_Body):
     """The fields both endpoints share."""
 
     model: StrictStr | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -55,7 +55,19 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    logprobs: StrictBool | StrictInt | None = None  # accepted only when off (not built yet)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: StrictInt = Field(0, ge=0)
+    # Refused when set (see UNSUPPORTED); declared so that a value is seen, not dropped.
+    best_of: StrictInt | None = None
+    suffix: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list without empty strings (an empty stop would end at once)."""
@@ -73,11 +85,34 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token (None: no logprobs at all)."""
+        return self.logprobs
+
+
+class ContentPart(_Body):
+    """One part of a chat message's content; only text parts are served."""
+
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined); ValueError for other parts."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        kinds = sorted({part.type for part in self.content if part.type != "text"})
+        if kinds:
+            raise ValueError(f"content parts of type {', '.join(map(repr, kinds))} are not "
+                             "supported; minisrv serves text parts only")
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -86,15 +121,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token (None: no logprobs at all)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-def citylm_chat_prompt(messages: list[ChatMessage]) -> str:
-    """CityLM's chat template: the messages' contents concatenated in order (see above)."""
-    return "".join(message.content for message in messages)
 
 
 def new_id(prefix: str) -> str:
@@ -119,3 +156,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+UNSUPPORTED: dict[str, str] = {
+    "best_of": "best_of is not supported; use n and pick on the client",
+    "suffix": "suffix (insertion) is not supported by minisrv",
+    "tools": "tools (function calling) are not supported by minisrv",
+    "tool_choice": "tool_choice (function calling) is not supported by minisrv",
+    "functions": "functions (function calling) are not supported by minisrv",
+    "function_call": "function_call (function calling) is not supported by minisrv",
+    "response_format": "response_format other than {\"type\": \"text\"} is not supported "
+                       "until minisrv has structured output",
+}
+"""The fields a client relies on that minisrv cannot honour yet, and the 400's message."""
+
+
+def unsupported_field(body: Any) -> str | None:
+    """The first field of ``body`` set to something minisrv cannot honour, or None."""
+    for name in UNSUPPORTED:
+        value = getattr(body, name, None)
+        if value is None or (name == "best_of" and value == 1):
+            continue
+        if name in ("tools", "functions") and value == []:
+            continue
+        if name in ("tool_choice", "function_call") and value in ("none", "auto"):
+            continue
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        return name
+    return None

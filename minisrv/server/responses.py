@@ -19,16 +19,33 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from minisrv.server.frontend import Frontend, Reply
+from minisrv.server.logprobs import Entries, chat_logprobs, completion_logprobs
+from minisrv.server.messages import TokenEvent
 from minisrv.server.protocol import error_body, new_id, now, usage
 from minisrv.server.textstream import TextStream
 
-__all__ = ["Call", "error_response"]
+__all__ = ["ERROR_KINDS", "Call", "error_of", "error_response"]
+
+
+ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+               500: "internal_error", 503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
-    """An HTTP error with OpenAI's JSON error object."""
-    return JSONResponse(error_body(message, param, status, kind), status_code=status)
+                   kind: str | None = None, retry_after: float | None = None) -> JSONResponse:
+    """An HTTP error with OpenAI's JSON error object (``Retry-After`` when given)."""
+    kind = kind or ERROR_KINDS.get(status, "invalid_request_error")
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(error_body(message, param, status, kind), status_code=status,
+                        headers=headers)
+
+
+def error_of(event: TokenEvent) -> JSONResponse:
+    """The answer to a request whose event failed before anything was sent."""
+    param = "prompt" if event.status == 400 else None
+    retry = 1.0 if event.status == 503 else None
+    return error_response(event.status, event.error or "", param, retry_after=retry)
 
 
 class Call:
@@ -43,25 +60,36 @@ class Call:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
         self.texts: dict[int, list[str]] = {i: [] for i in streams}
+        self.taken: Entries = []  # the logprobs of the tokens the last ``take`` consumed
+        self.kept: dict[int, Entries] = {i: [] for i in streams}  # every choice's, so far
+        self.offsets: dict[int, int] = dict.fromkeys(streams, 0)  # text_offset, streaming
 
     @property
     def finished(self) -> bool:
         return all(s.finish is not None for s in self.streams.values())
 
-    def take(self, item: Any) -> tuple[int, str, str | None, str | None]:
-        """Apply one event: (index, new text, finish reason once it ends, error)."""
-        index, tokens, engine_finish, error = item
+    def take(self, item: tuple[int, TokenEvent]) -> tuple[int, str, str | None,
+                                                          TokenEvent | None]:
+        """Apply one event: (index, new text, finish reason once it ends, the event if it
+        is an error)."""
+        index, event = item
         stream = self.streams[index]
+        self.taken = []
         if stream.finish is not None:  # already ended by a stop string
             return index, "", None, None
-        if error is not None:
+        if event.error is not None:
             stream.finish = "error"
-            return index, "", "error", error
-        text = stream.add(tokens)
+            return index, "", "error", event
+        before = stream.n_tokens
+        text = stream.add(event.tokens)
+        if event.logprobs is not None:
+            consumed = stream.n_tokens - before
+            self.taken = list(zip(event.tokens[:consumed], event.logprobs[:consumed]))
+            self.kept[index].extend(self.taken)
         if stream.finish is not None:  # a stop string or stop id: the engine may go on
             self.frontend.abort(self.replies[index])
-        elif engine_finish is not None:
-            text += stream.close(engine_finish)
+        elif event.finish is not None:
+            text += stream.close(event.finish)
         return index, text, stream.finish, None
 
     def usage(self) -> dict[str, int]:
@@ -69,8 +97,17 @@ class Call:
         return usage(self.prompt_tokens, completion)
 
     # ------------------------------------------------------------------ streaming
+    def logprobs(self, index: int, entries: Entries, offset: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for ``entries`` (None when they were not asked)."""
+        if self.body.top_logprobs_wanted is None:
+            return None
+        codec = self.streams[index].codec
+        if self.chat:
+            return chat_logprobs(codec, entries)
+        return completion_logprobs(codec, entries, offset)
+
     def chunk(self, index: int, text: str | None, finish: str | None,
-              role: bool = False) -> str:
+              role: bool = False, logprobs: dict[str, Any] | None = None) -> str:
         """One ``data:`` event with one choice; the fields every chunk of this call shares
         are serialised once (``_head``), the choice each time."""
         if self.chat:
@@ -80,7 +117,7 @@ class Call:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         return f"{self._head}{json.dumps(choice, separators=(',', ':'))}]}}\n\n"
 
     @functools.cached_property
@@ -125,8 +162,15 @@ class Call:
         while pending and not self.finished:
             index, text, finish, error = self.take(pending.popleft())
             if error is not None:
-                yield self.event(error_body(error, None, 500, "internal_error"))
-            if text:
+                yield self.event(error_body(error.error or "", None, error.status,
+                                            ERROR_KINDS.get(error.status, "internal_error")))
+            if self.taken:
+                offset = self.offsets[index]
+                self.offsets[index] += sum(len(self.streams[index].codec.id_to_str(t))
+                                           for t, _ in self.taken)
+                yield self.chunk(index, text, None,
+                                 logprobs=self.logprobs(index, self.taken, offset))
+            elif text:
                 yield self.chunk(index, text, None)
             if finish is not None:
                 yield self.chunk(index, None if self.chat else "", finish)
@@ -159,18 +203,20 @@ class Call:
             if error is not None:
                 errors.append(error)
         if errors:
-            return error_response(500, errors[0], None, "internal_error")
+            return error_of(errors[0])
         choices = []
         for index in sorted(self.streams):
             text = "".join(self.texts[index])
             finish = self.streams[index].finish
             if self.chat:
-                choices.append({"index": index, "logprobs": None, "finish_reason": finish,
+                choices.append({"index": index, "logprobs": self.logprobs(index, self.kept[index]),
+                                "finish_reason": finish,
                                 "message": {"role": "assistant", "content": text}})
             else:
                 if self.echo:
                     text = self.echo[index // self.body.n] + text
-                choices.append({"index": index, "text": text, "logprobs": None,
+                choices.append({"index": index, "text": text,
+                                "logprobs": self.logprobs(index, self.kept[index]),
                                 "finish_reason": finish})
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat
                              else "text_completion", "created": self.created,

@@ -13,73 +13,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from minisrv.data import GEONAMES_ATTRIBUTION, load_cities, split_countries
+from minisrv.data import GEONAMES_ATTRIBUTION
 from minisrv.model import CityLM
 from minisrv.spec.config import DRAFT_META_FILE, DRAFT_WEIGHTS_FILE, draft_config
 from minisrv.tokenizer import Tokenizer
-from minisrv.train import TrainConfig, batch_loss, evaluate, lr_at, make_batch
+from minisrv.train import TrainConfig, train
 
 # The draft is ~20x smaller than CityLM, so more steps fit in the same minutes.
 DRAFT_TRAIN = TrainConfig(steps=1000, batch_size=32, lr=5e-3, warmup_steps=60, eval_every=200)
 
 
 def train_draft(cfg: TrainConfig = DRAFT_TRAIN, progress: bool = False) -> tuple[CityLM, dict]:
-    """Train a fresh draft on the training countries; returns it (eval mode) and a record."""
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    tokenizer, table = Tokenizer(), load_cities()
-    train_codes, val_codes = split_countries(list(table))
-    eval_rng = random.Random(cfg.seed + 1)
-    evals = {
-        split: [make_batch(eval_rng, codes, table, tokenizer, cfg.batch_size)
-                for _ in range(cfg.eval_batches)]
-        for split, codes in (("train", train_codes), ("val", val_codes))
-    }
-    model = CityLM(draft_config(tokenizer.vocab_size))
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-    history: dict[str, list] = {"step": [], "train_loss": [], "val_loss": []}
-    start = time.perf_counter()
-    model.train()
-    for step in range(cfg.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        loss = batch_loss(model, *make_batch(rng, train_codes, table, tokenizer, cfg.batch_size))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            history["step"].append(step + 1)
-            history["train_loss"].append(round(evaluate(model, evals["train"]), 4))
-            history["val_loss"].append(round(evaluate(model, evals["val"]), 4))
-            if progress:
-                print(f"step {step + 1}: train {history['train_loss'][-1]:.4f}, "
-                      f"val {history['val_loss'][-1]:.4f}", flush=True)
-    record = {
-        "seed": cfg.seed,
-        "steps": cfg.steps,
-        "train_config": dataclasses.asdict(cfg),
-        "history": history,
-        "final_train_loss": history["train_loss"][-1],
-        "final_val_loss": history["val_loss"][-1],
-        "train_seconds": round(time.perf_counter() - start, 1),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-    }
-    return model.eval(), record
+    """Train a fresh draft on the training countries; returns it (eval mode) and a record.
+
+    ``minisrv.train.train`` with the draft's shape: the same batches, loss, schedule and
+    evaluation as CityLM's run.
+    """
+    vocab_size = Tokenizer().vocab_size
+    return train(cfg, progress, model_config=draft_config(vocab_size), name="the draft")
 
 
 def save_draft(model: CityLM, record: dict, out_dir: str | Path) -> None:

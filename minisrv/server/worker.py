@@ -1,0 +1,171 @@
+"""One engine, in a thread of the server process or in a worker process of its own.
+
+Both kinds answer the front end the same way: ``start(deliver)`` loads the model without
+blocking (the HTTP server is already up and answers ``/health`` with 503 meanwhile),
+``submit(key, prompt, params)`` queues a request, ``abort(key)`` withdraws it,
+``done(key)`` says the front end has finished with it, and ``deliver(events, snapshot)``
+is called from another thread with every step's ``TokenEvent`` list (see ``EngineLoop``).
+Whatever goes wrong with a request comes back the same way, as an error event: a request
+the engine refuses (400), a step that raised (500), a worker that died (503).
+
+This module holds the engine thread (``LocalEngine``) and the body of a worker process
+(``worker_main``); ``dataparallel`` supervises the processes; ``workers`` names both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from minisrv.sampling import SamplingParams
+from minisrv.server.config import ServerConfig, auto_kv_capacity, free_device_bytes
+from minisrv.server.engine_loop import EngineLoop
+from minisrv.server.messages import (
+    Abort,
+    Failed,
+    Ready,
+    StepEvents,
+    Stop,
+    Submit,
+    TokenEvent,
+    error_event,
+)
+
+__all__ = ["Deliver", "LocalEngine", "Unavailable", "build_engine", "worker_main"]
+
+Deliver = Callable[[list[TokenEvent], dict[str, float]], None]
+
+
+class Unavailable(RuntimeError):
+    """No engine can take a request now (none is up); retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def build_engine(config: ServerConfig) -> tuple[Any, dict[str, Any]]:
+    """Load the model, build the engine and warm it up; return (engine, limits)."""
+    import torch
+
+    from minisrv.engine import Engine
+    from minisrv.model import load_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, _ = load_model(config.model, config.device)
+    # A throwaway engine pays the first forward's lazy setup, and leaves no trace (stats,
+    # cached prefixes) in the engine that serves.
+    Engine(model, kv_capacity=16, max_running=1).generate([[0, 2]], 1)
+    engine_config = config.engine
+    if config.auto_kv:
+        capacity = auto_kv_capacity(model, engine_config.max_running,
+                                    free_device_bytes(model.device))
+        engine_config = dataclasses.replace(engine_config, kv_capacity=capacity)
+    engine = Engine(model, engine_config)
+    limits = {"max_context": engine.backend.max_context, "kv_capacity": engine.kv_capacity,
+              "vocab_size": engine.backend.vocab_size}
+    return engine, limits
+
+
+def submit_to(loop: EngineLoop, message: Submit) -> TokenEvent | None:
+    """Queue ``message``'s request on ``loop``; the error event if it cannot be served."""
+    try:
+        loop.submit(message.key, loop.make_request(message.prompt, message.params))
+    except ValueError as exc:
+        return error_event(message.key, str(exc), 400)
+    except Exception as exc:  # a bug in building one request must not end the worker
+        return error_event(message.key, f"engine error: {exc!r}", 500)
+    return None
+
+
+class LocalEngine:
+    """One engine in a thread of this process (``--engine-thread``)."""
+
+    n = 1
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.ready = False
+        self.failed: str | None = None
+        self.limits: dict[str, Any] = {}
+        self.loop: EngineLoop | None = None
+        self._deliver: Deliver | None = None
+
+    @property
+    def options(self) -> ServerConfig:
+        return self.config
+
+    def start(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        threading.Thread(target=self._load, args=(deliver,), daemon=True).start()
+
+    def _load(self, deliver: Deliver) -> None:
+        try:
+            engine, self.limits = build_engine(self.config)
+        except Exception as exc:  # reported by /health
+            self.failed = repr(exc)
+            return
+        self.loop = EngineLoop(engine, deliver)
+        self.loop.start()
+        self.ready = True
+
+    @property
+    def up(self) -> int:
+        """Engines serving now: 1, or 0 if the engine thread has ended."""
+        return int(self.ready and self.loop is not None and self.loop._thread.is_alive())
+
+    def workers(self) -> list[dict[str, Any]]:
+        state = "failed" if self.failed else "up" if self.up else "starting"
+        return [{"index": 0, "state": state, "pid": None}]
+
+    def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a request; a request it cannot serve comes back as an error event."""
+        if not self.up or self.loop is None or self._deliver is None:
+            raise Unavailable("the engine is not running")
+        refused = submit_to(self.loop, Submit(key, prompt, params))
+        if refused is not None:
+            self._deliver([refused], {})  # the gauges come with the next step
+
+    def abort(self, key: int) -> None:
+        if self.loop is not None:
+            self.loop.abort(key)
+
+    def done(self, key: int) -> None:
+        """Nothing to release: a single engine needs no routing bookkeeping."""
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+
+
+def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any) -> None:
+    """A worker process: an engine loop fed by ``inbox``, reporting through ``conn`` (a
+    pipe of its own, so a worker that dies mid-message corrupts no other worker's)."""
+    lock = threading.Lock()  # the engine thread and this one both send
+
+    def send(message: Any) -> None:
+        with lock:
+            conn.send(message)
+
+    try:
+        engine, limits = build_engine(config)
+    except Exception as exc:
+        send(Failed(index, repr(exc)))
+        return
+    loop = EngineLoop(engine, lambda events, snap: send(StepEvents(index, events, snap)))
+    loop.start()
+    send(Ready(index, limits))
+    while True:
+        message = inbox.get()
+        if isinstance(message, Stop):
+            loop.stop()
+            return
+        if isinstance(message, Abort):
+            loop.abort(message.key)
+        elif isinstance(message, Submit):
+            refused = submit_to(loop, message)
+            if refused is not None:
+                send(StepEvents(index, [refused], loop.snapshot()))

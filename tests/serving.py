@@ -1,0 +1,114 @@
+"""Real ``minisrv serve`` subprocesses for the server tests, and what their replies must be.
+
+``running_servers`` starts one server per layout on free local ports, all at once, and
+always stops them; ``expected`` is a reply generated alone, offline (the oracle).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisrv.sampling import SamplingParams, make_generator, process_row, sample_next
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_CAPACITY = 480  # below CityLM's 512-token context, so "too long for the pool" is testable
+
+_LAUNCH = """
+import sys
+from minisrv.server.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_servers(*layouts: tuple[str, ...], startup_s: float = 90.0,
+                    ) -> Iterator[list[tuple[str, list[int]]]]:
+    """One server per layout (extra CLI arguments), each on a free local port, all started
+    at once; yields each one's base URL and the /health codes seen while it started
+    (refused connections not counted). Always stopped at the end."""
+    procs, urls = [], []
+    try:
+        for args in layouts:
+            port = _free_port()
+            cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port",
+                   str(port), "--threads", "1", "--kv-capacity", str(KV_CAPACITY), *args]
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + startup_s
+        seen: list[list[int]] = [[] for _ in layouts]
+        while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            for proc, url, codes in zip(procs, urls, seen):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+                if codes and codes[-1] == 200:
+                    continue
+                try:
+                    codes.append(httpx.get(f"{url}/health", timeout=5).status_code)
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.05)
+        yield list(zip(urls, seen))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def expected(citylm, text: str, max_tokens: int, **sampling) -> tuple[str, str]:
+    """The reply text and finish reason of the request generated alone, offline."""
+    model, tok = citylm
+    ids = model.reference_generate(tok.encode(text), max_tokens, **sampling)
+    finish = "stop" if ids[-1] == tok.eos_id else "length"
+    return tok.decode(ids), finish
+
+
+def metrics(url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return {s.name: s.value for family in families for s in family.samples}
+
+
+
+
+def reference(model, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
+    """One request alone: a dense forward per token, ``process_row``, ``sample_next``; and
+    the log_softmax of each step's raw logits."""
+    generator = make_generator(params)
+    cache = model.new_cache()
+    with torch.inference_mode():
+        logits = model(torch.tensor(prompt, device=model.device), cache)
+        out, logps = [], []
+        while True:
+            row = process_row(logits[-1], params, prompt, out, model.eos_ids)
+            token = sample_next(row, params, generator)
+            logps.append(torch.log_softmax(logits[-1].float(), -1)[token].item())
+            out.append(token)
+            if (token in model.eos_ids and not params.ignore_eos) \
+                    or len(out) == params.max_new_tokens:
+                return out, logps
+            logits = model(torch.tensor([token], device=model.device), cache)

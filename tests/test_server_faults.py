@@ -1,0 +1,233 @@
+"""The server under faults, against real ``minisrv serve`` subprocesses: a worker killed
+under load (``--dp 1`` and ``--dp 2``), hostile bodies at the door, an API key, and
+SIGTERM under 200 streams.
+
+What must hold: a dead worker's in-flight requests end at once (an error event and
+``[DONE]`` on a stream, a 503 otherwise), never hang; while no worker is up, requests get
+503 with ``Retry-After``; the worker restarts and serves the same tokens as before;
+``/health`` and ``/metrics`` say so. Shutdown never answers 500 and never cuts a stream
+without an error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+from serving import expected, metrics, running_servers  # noqa: E402
+
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = {"prompt": "FR:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+async def read_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      started: asyncio.Event | None = None) -> dict[str, Any]:
+    """POST a streaming ``body``; the status, every ``data:`` payload, and when it ended."""
+    async with c.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                        headers=AUTH) as r:
+        events: list[Any] = []
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code, "events": [], "end": time.monotonic(),
+                    "body": r.text}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+            if started is not None and len(events) == 1:
+                started.set()
+    return {"status": 200, "events": events, "end": time.monotonic()}
+
+
+def error_of(events: list[Any]) -> dict[str, Any] | None:
+    """The stream's error event, if it has one."""
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    return errors[0] if errors else None
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+def worker_pids(url: str) -> list[int]:
+    return [w["pid"] for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]]
+
+
+def wait_status(url: str, status: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/workers").json()
+        if health["status"] == status:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"/health never said {status!r}: {health}")
+
+
+async def kill_under_load(url: str, n_streams: int, victim: int) -> dict[str, Any]:
+    """Start ``n_streams`` long streams and one long non-streaming request, kill worker
+    ``victim`` once every stream has its first event, and gather what each got."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        started = [asyncio.Event() for _ in range(n_streams)]
+        streams = [asyncio.create_task(read_stream(c, url, LONG, s)) for s in started]
+        whole = asyncio.create_task(c.post(f"{url}/v1/completions", json=LONG, headers=AUTH))
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        pid = (await asyncio.to_thread(worker_pids, url))[victim]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        answer = await asyncio.wait_for(whole, 30)
+        return {"killed": killed, "streams": results, "whole": answer, "pid": pid}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with running_servers(
+            ("--api-key", KEY, "--restart-backoff", "2", "--body-timeout", "1",
+             "--max-request-bytes", "65536"),
+            ("--dp", "2", "--api-key", KEY, "--restart-backoff", "1")) as started:
+        yield [url for url, _ in started]
+
+
+def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, citylm):
+    url = servers[0]
+    got = asyncio.run(kill_under_load(url, 8, 0))
+    want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
+    in_flight = 0
+    for result in got["streams"]:  # each one complete, or ended by an error and [DONE]
+        assert result["status"] == 200 and result["events"][-1] == "[DONE]"
+        error = error_of(result["events"])
+        if error is None:  # it had finished before the kill
+            assert text_of(result["events"]) == want and result["end"] < got["killed"]
+            continue
+        in_flight += 1
+        assert error["code"] == 503 and result["end"] - got["killed"] < 2.0
+    assert in_flight >= 1
+    assert got["whole"].status_code in (200, 503)
+    # no worker is up (it restarts after 2 s): 503 with Retry-After, never a hang
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "FR:"}, headers=AUTH, timeout=5)
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert httpx.get(f"{url}/health").json() == {"status": "restarting"}
+    health = wait_status(url, "ok")
+    assert health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != got["pid"]
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                   json={"prompt": "JP:", "max_tokens": 12, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == expected(citylm, "JP:", 12)[0]
+    m = metrics(url)
+    assert m["minisrv:num_workers_up"] == 1 and m["minisrv:num_running_reqs"] == 0
+    assert m["minisrv:num_failed_reqs_total"] >= in_flight
+
+
+def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, citylm):
+    url = servers[1]
+    got = asyncio.run(kill_under_load(url, 8, 0))
+    failed = [r for r in got["streams"] if error_of(r["events"]) is not None]
+    done = [r for r in got["streams"] if r not in failed]
+    assert failed and all(r["end"] - got["killed"] < 2.0 for r in failed)
+    assert all(error_of(r["events"])["code"] == 503 for r in failed)
+    assert all(r["events"][-1] == "[DONE]" for r in got["streams"])
+    want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
+    assert all(text_of(r["events"]) == want for r in done)
+    # while worker 0 restarts, every new request goes to worker 1 and succeeds
+    health = httpx.get(f"{url}/workers").json()
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert health["workers"][0]["state"] == "restarting"
+    for text in ("JP:", "DE:", "IT:"):
+        r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                       json={"prompt": text, "max_tokens": 8, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == expected(citylm, text, 8)[0]
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/workers").json()["workers"][0]["state"] != "up":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metrics(url)["minisrv:num_workers_up"] == 2
+
+
+def test_api_key_models_and_unsupported_fields(servers):
+    url = servers[0]
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}
+                     ).status_code == 401
+    assert httpx.get(f"{url}/health").status_code in (200, 503)  # open to probes
+    card = httpx.get(f"{url}/v1/models/citylm", headers=AUTH).json()
+    assert card["id"] == "citylm" and card["object"] == "model"
+    missing = httpx.get(f"{url}/v1/models/gpt-4o", headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def raw_post(url: str, head: bytes, body: bytes = b"") -> tuple[bytes, float]:
+    """Send a request's head and part of its body on a raw socket; the answer's first line
+    and how long it took to come."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        start = time.monotonic()
+        s.sendall(head + body)
+        answer = s.recv(4096)
+        return answer.split(b"\r\n", 1)[0], time.monotonic() - start
+
+
+def test_an_oversized_body_is_a_413_before_it_is_read(servers):
+    url = servers[0]
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 50000000\r\n\r\n")
+    line, took = raw_post(url, head, b'{"prompt": "')
+    assert b" 413 " in line and took < 1.0
+    # a body that says nothing of its size (chunked) is cut off once it passes the limit
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                   content=iter([b'{"prompt": "' + b"A" * 70000, b'"}']))
+    assert r.status_code == 413 and "65536" in r.json()["error"]["message"]
+
+
+def test_a_slow_body_times_out(servers):
+    url = servers[0]
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n")
+    line, _ = raw_post(url, head, b'{"prompt": ')  # and then nothing
+    assert b" 408 " in line
+
+
+def test_sigterm_under_200_streams_ends_every_one_and_answers_no_500(citylm):
+    with running_servers(("--shutdown-timeout", "1", "--max-running", "200",
+                          "--kv-capacity", "41000")) as [(url, _)]:
+        async def run() -> tuple[list[dict[str, Any]], list[int]]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
+                    max_connections=300)) as c:
+                body = {"prompt": "FR:", "max_tokens": 200, "ignore_eos": True,
+                        "temperature": 0}
+                started = [asyncio.Event() for _ in range(200)]
+                streams = [asyncio.create_task(read_stream(c, url, body, s)) for s in started]
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+                os.kill(pid, signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                late = []
+                for _ in range(3):  # draining: refused with 503 (or no longer listening)
+                    try:
+                        late.append((await c.post(f"{url}/v1/completions",
+                                                  json={"prompt": "FR:"})).status_code)
+                    except httpx.TransportError:
+                        late.append(0)
+                return await asyncio.gather(*streams), late
+
+        pid = httpx.get(f"{url}/workers").json()["pid"]
+        results, late = asyncio.run(run())
+    want = expected(citylm, "FR:", 200, ignore_eos=True)[0]
+    for r in results:
+        assert r["status"] == 200 and r["events"][-1] == "[DONE]"  # never a silent cut
+        error = error_of(r["events"])
+        if error is not None:
+            assert error["code"] == 503
+        else:
+            assert text_of(r["events"]) == want
+    assert all(code in (0, 503) for code in late)
+
