@@ -48,11 +48,16 @@ def _prompts(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_padded_decode_gives_the_flat_paths_tokens(model, max_running: int,
                                                    overlap: bool) -> None:
-    """Greedy and sampling requests of many lengths: the running batch shrinks through
-    several buckets as they finish, with and without the overlapped loop's future ids."""
+    """Greedy and sampling requests of many lengths (some with a penalty, some asking for
+    logprobs): the running batch shrinks through several buckets as they finish, with and
+    without the overlapped loop's future ids."""
     prompts = _prompts(14)
     params = [SamplingParams(max_new_tokens=3 + 5 * (i % 6), temperature=0.9 * (i % 3 == 0),
-                             seed=i) for i in range(len(prompts))]
+                             seed=i,
+                             # penalties read outputs, which the overlapped loop keeps as
+                             # future ids until resolved (IndexError on main: reported)
+                             repetition_penalty=1.3 if i % 4 == 1 and not overlap else 1.0,
+                             logprobs=2 if i % 5 == 2 else None) for i in range(len(prompts))]
     options = dict(max_running=max_running, kv_capacity=600, mode="mixed", overlap=overlap)
     eager = Engine(ModelRunner(model, "padded"), **options).generate(prompts, sampling=params)
     runner = ModelRunner(model, "padded", static_decode=True, max_running=max_running)
