@@ -133,6 +133,7 @@ def test_cuda_graph_is_refused_off_cuda(model) -> None:
         EngineConfig(cuda_graph="yes")
     runner = ModelRunner(model, "padded", static_decode=True)
     runner.attach_kv(10)
+    assert runner.graphs.context == 10  # no wider than the pool: no context outgrows it
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphs(model, runner.pool, 4, cuda_graph=True)
     with pytest.raises(ValueError, match="max_seq_len"):

@@ -69,7 +69,8 @@ class ModelRunner:
 
     ``static_decode`` runs decode-only steps of up to ``max_running`` requests over
     static buffers padded to a batch bucket (``DecodeGraphs``, contexts up to
-    ``graph_context`` tokens, default the model's ``max_seq_len``); ``cuda_graph`` (a CUDA
+    ``graph_context`` tokens, default the model's ``max_seq_len`` or the pool's capacity if
+    smaller); ``cuda_graph`` (a CUDA
     model only, else ValueError) does the same and replays each bucket's CUDA graph,
     captured in ``attach_kv`` (UNTESTED until run on a GPU).
     """
@@ -115,7 +116,9 @@ class ModelRunner:
         static decode buffers (capturing the CUDA graphs) when asked for."""
         self.pool = KVPool.for_model(self.model, capacity)
         static, cuda_graph, max_running, context = self.graph_options
-        if static:
+        if static:  # no request's context outgrows the pool: buffers no wider than it
+            if context is None:
+                context = min(self.model.config.max_seq_len, capacity)
             self.graphs = DecodeGraphs(self.model, self.pool, max_running, context=context,
                                        cuda_graph=cuda_graph)
         return self.pool.allocator
