@@ -23,14 +23,12 @@ ValueError and leaves the engine exactly as it was.
 
 from __future__ import annotations
 
-import numbers
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from minisrv.checks import check_int, check_number, is_int
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.request import Req
@@ -48,6 +46,7 @@ from minisrv.scheduler import (
     StepRecord,
 )
 from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
+from minisrv.scheduler.prompts import check_prompt, per_request_arrivals, per_request_params
 
 if TYPE_CHECKING:  # a workload is the book's data; the engine only reads its fields
     from minisrv.workloads import Workload
@@ -101,6 +100,7 @@ class Engine(ConfigView):
             OverlapLoop(self.scheduler) if config.overlap else self.scheduler)
         self._next_rid = 0
         self._live: dict[int, Req] = {}  # rid -> request added and not yet done
+        self._grammars: Any = None  # minisrv.grammar.sampling.GrammarSampling, once needed
 
     # ----------------------------------------------------------------- views
     @property
@@ -151,9 +151,44 @@ class Engine(ConfigView):
             raise ValueError(f"request {req.rid} was added already")
         if not checked:
             self.scheduler.check(req)
+        if req.params.grammar is not None:
+            self.grammars().prepare(req.params)  # compiled (cached) now: a bad one is refused
         self.scheduler.enqueue(req)
         self._live[req.rid] = req
         return req
+
+    def grammars(self, vocab: Any = None) -> Any:
+        """The engine's structured-output masks (``minisrv.grammar``), made on first use.
+
+        ``vocab`` is the ``minisrv.grammar.Vocabulary`` of the served model's tokenizer; left
+        out, CityLM's character vocabulary, which only a CityLM-sized vocabulary may use (a
+        loaded HF model passes ``hf_vocabulary(tokenizer.hf, ...)``). Needs the ``grammar``
+        extra (xgrammar).
+        """
+        if self._grammars is not None and vocab is None:
+            return self._grammars
+        try:
+            from minisrv.grammar.sampling import GrammarSampling
+            from minisrv.grammar.vocab import citylm_vocabulary
+        except ImportError as exc:
+            raise ValueError("structured output needs the grammar extra "
+                             "(pip install 'minisrv[grammar]')") from exc
+        from minisrv.tokenizer import Tokenizer
+
+        sampler = getattr(self.backend, "sampler", None)
+        if sampler is None:
+            raise ValueError("grammars need a model to sample from, not a simulated GPU")
+        size = self.backend.vocab_size
+        if vocab is None:
+            if size != Tokenizer().vocab_size:
+                raise ValueError(f"this model's vocabulary ({size} tokens) is not CityLM's: "
+                                 "give its Vocabulary, engine.grammars(hf_vocabulary(...))")
+            vocab = citylm_vocabulary(size=size)
+        if self._grammars is not None:
+            sampler.logits_processors.remove(self._grammars)
+        self._grammars = GrammarSampling(vocab)
+        sampler.logits_processors.append(self._grammars)
+        return self._grammars
 
     def step(self) -> StepOutput:
         """Run one step of the loop (blocking or overlapped) and say what it produced."""
@@ -252,9 +287,9 @@ class Engine(ConfigView):
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
         n = len(prompts)
-        clean = [_check_prompt(i, p) for i, p in enumerate(prompts)]
-        params = _per_request_params(n, max_new_tokens, sampling)
-        arrivals = _per_request_arrivals(n, arrival_steps)
+        clean = [check_prompt(i, p) for i, p in enumerate(prompts)]
+        params = per_request_params(n, max_new_tokens, sampling)
+        arrivals = per_request_arrivals(n, arrival_steps)
         base = self.scheduler.clock
         first = self._next_rid
         self._next_rid += n
@@ -336,55 +371,3 @@ class Engine(ConfigView):
         trace = self.trace[first_step:]
         metrics = summarize(reqs, trace, self.max_running)
         return RunResult(self.mode, self.max_running, reqs, trace, metrics)
-
-
-# --------------------------------------------------------------------- argument checks
-def _check_prompt(i: int, prompt: object) -> list[int]:
-    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
-        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
-    ids = list(prompt)
-    if not ids:
-        raise ValueError(f"prompt {i} is empty (encode at least <bos>)")
-    if all(type(token) is int for token in ids):  # the common case, checked fast
-        return ids
-    for token in ids:
-        if not is_int(token):
-            raise ValueError(f"prompt {i} holds {token!r}, which is not a token id")
-    return [int(token) for token in ids]
-
-
-def _per_request(n: int, name: str, value: Any) -> list[Any]:
-    """``value`` repeated ``n`` times, or checked to hold exactly ``n`` entries."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
-def _per_request_params(
-    n: int,
-    max_new_tokens: int | Sequence[int] | None,
-    sampling: SamplingParams | Sequence[SamplingParams] | None,
-) -> list[SamplingParams]:
-    params = _per_request(n, "sampling", sampling if sampling is not None else SamplingParams())
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling for prompt {i} must be a SamplingParams, got {p!r}")
-    if max_new_tokens is None:
-        return params
-    lengths = _per_request(n, "max_new_tokens", max_new_tokens)
-    out = []
-    for i, (p, m) in enumerate(zip(params, lengths, strict=True)):
-        m = check_int(f"max_new_tokens for prompt {i}", m, minimum=1)
-        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=m))
-    return out
-
-
-def _per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list[float]:
-    if arrival_steps is None:
-        return [0.0] * n
-    if isinstance(arrival_steps, numbers.Real):
-        raise ValueError("arrival_steps must hold one arrival per prompt")
-    arrivals = _per_request(n, "arrival_steps", arrival_steps)
-    return [check_number(f"arrival_steps[{i}]", a, low=0.0) for i, a in enumerate(arrivals)]

@@ -35,6 +35,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds ``torch.Generator.manual_seed`` accepts."""
 
 
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
@@ -43,6 +46,8 @@ class SamplingParams:
     temperature and the token is drawn from the smallest set of most likely tokens whose
     probability reaches ``top_p`` (nucleus sampling). ``seed`` makes the draws repeatable;
     ``ignore_eos`` keeps generating past ``<eos>`` (benchmarks use it to fix output lengths).
+    ``regex``, ``json_schema`` (its JSON text) or ``ebnf`` (SGLang's names) constrain the
+    output to a grammar (``minisrv.grammar``): at most one of them.
     """
 
     max_new_tokens: int = 16
@@ -56,9 +61,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # stop ids are masked until this many tokens exist
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k's
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        self._check_grammar()
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, minimum=0)
@@ -88,6 +97,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when no randomness is involved."""
         return self.temperature == 0
+
+    def _check_grammar(self) -> None:
+        given = [name for name in GRAMMAR_KINDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema, ebnf; got {given}")
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if given and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar: the grammar ends "
+                             "the output with <eos> when its text is complete")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the grammar this request follows, or None."""
+        for name in GRAMMAR_KINDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def processed(self) -> bool:

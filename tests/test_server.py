@@ -150,7 +150,7 @@ BAD_BODIES = {
     "infinite temperature": b'{"prompt": "FR:", "temperature": 1e999}',
     "best_of": {"prompt": "FR:", "best_of": 3},
     "suffix": {"prompt": "FR:", "suffix": " end"},
-    "response_format": {"prompt": "FR:", "response_format": {"type": "json_object"}},
+    "JSON on CityLM (no braces)": {"prompt": "FR:", "response_format": {"type": "json_object"}},
     "presence_penalty out of range": {"prompt": "FR:", "presence_penalty": 3},
 }
 

@@ -26,6 +26,7 @@ from minisrv.configs import GPUSpec, ModelConfig, gpu_by_name
 from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
+from minisrv.model.hf import save_hf_folder
 from minisrv.roofline import decode_step_cost, decode_step_time
 from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
@@ -78,7 +79,6 @@ def write_tiny_llama(
     """
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers.utils import logging as hf_logging
 
     words = list(dict.fromkeys(DEMO_TEXT.split()))
     vocab = {tok: i for i, tok in enumerate([*SPECIALS, *words])}
@@ -101,14 +101,7 @@ def write_tiny_llama(
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     folder = Path(folder)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a built page
-    try:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    save_hf_folder(model, tokenizer, folder)
     return folder
 
 

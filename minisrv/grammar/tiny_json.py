@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from minisrv.model.hf import save_hf_folder
+
 SPECIALS = ("<pad>", "<s>", "</s>")
 CITIES = ("Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Accra")
 
@@ -36,7 +38,6 @@ def write_json_llama(folder: str | Path, *, seed: int = 0, vocab_size: int = 400
     """
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers.utils import logging as hf_logging
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,12 +60,5 @@ def write_json_llama(folder: str | Path, *, seed: int = 0, vocab_size: int = 400
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     folder = Path(folder)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    save_hf_folder(model, tokenizer, folder)
     return folder

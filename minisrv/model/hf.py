@@ -183,3 +183,18 @@ def from_hf_llama(
     target_device = resolve_device(device) if device is not None else default_device
     return model.to(device=target_device, dtype=target_dtype).eval()
 
+
+def save_hf_folder(model: Any, tokenizer: Any, folder: str | Path) -> None:
+    """Save a transformers model and tokenizer as a checkpoint folder, without the
+    "Writing model shards" progress bar (the tests' and the book's tiny offline checkpoints;
+    a bar would land in a built page)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

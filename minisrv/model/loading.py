@@ -19,7 +19,7 @@ from minisrv.model.hf import from_hf_llama
 from minisrv.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["CITYLM_NAME", "META_FILE", "WEIGHTS_FILE", "available_devices", "default_dtype",
-           "load_citylm", "load_model", "load_tokenizer", "resolve_device"]
+           "load_citylm", "load_model", "load_shipped", "load_tokenizer", "resolve_device"]
 
 WEIGHTS_FILE = "citylm.safetensors"
 META_FILE = "citylm.json"
@@ -34,21 +34,28 @@ def load_citylm(
     ``device=None`` picks CUDA when available. The weights are read through
     ``importlib.resources`` so this works from a wheel, an editable install or Colab.
     """
+    return load_shipped(WEIGHTS_FILE, META_FILE, CITYLM, device, dtype)
+
+
+def load_shipped(
+    weights_file: str, meta_file: str, base: ModelConfig,
+    device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
+) -> tuple[CityLM, Tokenizer]:
+    """A model shipped in ``minisrv/weights`` (CityLM, or the speculative-decoding draft):
+    its record's config over ``base``, its weights, in eval mode, with CityLM's tokenizer."""
     from safetensors.torch import load as load_safetensors
 
     weights_dir = resources.files("minisrv") / "weights"
-    meta = json.loads((weights_dir / META_FILE).read_text(encoding="utf-8"))
+    meta = json.loads((weights_dir / meta_file).read_text(encoding="utf-8"))
     tokenizer = Tokenizer()
     if meta["tokenizer"]["alphabet"] != tokenizer.alphabet:
-        raise ValueError("shipped weights were trained with a different tokenizer alphabet")
+        raise ValueError(f"{weights_file} was trained with a different tokenizer alphabet")
     # Only fields ModelConfig still has, so older or newer records keep loading.
     known = {field.name for field in dataclasses.fields(ModelConfig)}
-    config = CITYLM.with_(**{k: v for k, v in meta["config"].items() if k in known})
+    config = base.with_(**{k: v for k, v in meta["config"].items() if k in known})
     model = CityLM(config)
-    state = load_safetensors((weights_dir / WEIGHTS_FILE).read_bytes())
-    model.load_state_dict(state)
-    model = model.to(device=resolve_device(device), dtype=dtype).eval()
-    return model, tokenizer
+    model.load_state_dict(load_safetensors((weights_dir / weights_file).read_bytes()))
+    return model.to(device=resolve_device(device), dtype=dtype).eval(), tokenizer
 
 
 def load_model(

@@ -61,6 +61,9 @@ class Sampler:
             logits = process(logits, reqs)
         tokens, logprobs = sampling.sample_processed(logits, params, generators, histories,
                                                      self.stop_ids)
+        for process in self.logits_processors:  # a processor that follows the tokens
+            if hasattr(process, "accept"):
+                process.accept(reqs, tokens)
         for req, entry in zip(reqs, logprobs):
             if entry is not None:
                 self.logprobs.setdefault(req, deque()).append(entry)
@@ -77,6 +80,9 @@ class Sampler:
         """Forget ``req``'s generator and any logprobs not read."""
         self._generators.pop(req, None)
         self.logprobs.pop(req, None)
+        for process in self.logits_processors:
+            if hasattr(process, "release"):
+                process.release(req)
 
     @property
     def live_requests(self) -> int:

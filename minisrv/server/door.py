@@ -13,6 +13,7 @@ anything longer than ``INLINE_CHARS``, and the event loop keeps answering others
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -156,9 +157,39 @@ def sampling_params(body: Any, max_tokens: int, j: int,
                       repetition_penalty=body.repetition_penalty,
                       logit_bias=logit_bias(body, vocab), min_tokens=body.min_tokens,
                       logprobs=body.top_logprobs_wanted)
+    extras.update(grammar_fields(body))
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                               top_p=body.top_p, seed=seed, ignore_eos=body.ignore_eos,
                               **extras)
     except ValueError as exc:
         raise BadRequest(str(exc), "seed" if "seed" in str(exc) else None) from exc
+
+
+def grammar_fields(body: Any) -> dict[str, str]:
+    """The grammar a body asks for, as ``SamplingParams`` fields: OpenAI's ``response_format``
+    (``json_object``: any JSON object; ``json_schema``: its ``schema``, strict) or SGLang's
+    ``regex`` / ``ebnf``. The engine compiles it when the request reaches it (cached by text),
+    so an invalid grammar, or one the model's vocabulary cannot spell, is a 400 there."""
+    fields: dict[str, str] = {}
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            fields["json_schema"] = '{"type": "object"}'
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise BadRequest("response_format json_schema needs a json_schema.schema object",
+                                 "response_format")
+            fields["json_schema"] = json.dumps(schema, sort_keys=True)
+        elif kind != "text":
+            raise BadRequest("response_format type must be text, json_object or json_schema, "
+                             f"got {kind!r}", "response_format")
+    for name in ("regex", "ebnf"):
+        if getattr(body, name, None) is not None:
+            fields[name] = getattr(body, name)
+    if len(fields) > 1:
+        raise BadRequest(f"give one grammar, got {sorted(fields)}", "response_format")
+    return fields

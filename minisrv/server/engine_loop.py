@@ -64,7 +64,10 @@ class EngineLoop:
         """A validated request; ValueError (naming the problem) if it could never be served."""
         with self._make_lock:
             req = self.engine.make_requests([prompt], None, params)[0]
+            grammars = self.engine.grammars() if params.grammar is not None else None
         self.engine.scheduler.check(req)  # reads only fixed limits: safe from any thread
+        if grammars is not None:  # compiled here, off the engine's steps (cached by text)
+            grammars.prepare(params)
         return req
 
     def submit(self, key: int, req: Req) -> None:

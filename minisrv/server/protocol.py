@@ -5,7 +5,7 @@ field of the wrong type is answered with HTTP 400 and never disturbs the running
 Field names and defaults follow OpenAI's API as SGLang and vLLM serve it (``max_tokens``
 16 for completions, ``temperature`` 1.0, ``n`` 1); fields we do not know are ignored, as
 those servers do, except the ones a client relies on and minisrv cannot honour yet
-(``UNSUPPORTED``: ``best_of``, ``suffix``, ``tools``, ``response_format`` other than text),
+(``UNSUPPORTED``: ``best_of``, ``suffix``, ``tools``),
 which are a 400, never silently dropped. ``ignore_eos``, ``min_tokens`` and
 ``repetition_penalty`` are the SGLang/vLLM extensions. A chat message's ``content`` is a
 string or a list of text parts (``{"type": "text", "text": ...}``), joined in order.
@@ -60,6 +60,10 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     min_tokens: StrictInt = Field(0, ge=0)
+    # Structured output: OpenAI's response_format, and SGLang's extra fields.
+    response_format: Any = None
+    regex: str | None = None
+    ebnf: str | None = None
     # Refused when set (see UNSUPPORTED); declared so that a value is seen, not dropped.
     best_of: StrictInt | None = None
     suffix: Any = None
@@ -67,7 +71,6 @@ class _Sampling(_Body):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list without empty strings (an empty stop would end at once)."""
@@ -165,8 +168,6 @@ UNSUPPORTED: dict[str, str] = {
     "tool_choice": "tool_choice (function calling) is not supported by minisrv",
     "functions": "functions (function calling) are not supported by minisrv",
     "function_call": "function_call (function calling) is not supported by minisrv",
-    "response_format": "response_format other than {\"type\": \"text\"} is not supported "
-                       "until minisrv has structured output",
 }
 """The fields a client relies on that minisrv cannot honour yet, and the 400's message."""
 
@@ -180,8 +181,6 @@ def unsupported_field(body: Any) -> str | None:
         if name in ("tools", "functions") and value == []:
             continue
         if name in ("tool_choice", "function_call") and value in ("none", "auto"):
-            continue
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
         return name
     return None

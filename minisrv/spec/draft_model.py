@@ -12,13 +12,12 @@ prefill of the same tokens would hold, and nobody has to tell it what was accept
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Hashable, Sequence
-from importlib import resources
 
 import torch
 
-from minisrv.model import CityLM, DenseKVCache, resolve_device
+from minisrv.model import CityLM, DenseKVCache
+from minisrv.model.loading import load_shipped
 from minisrv.sampling import SamplingParams, nucleus_probs
 from minisrv.spec.config import CITYDRAFT, DRAFT_META_FILE, DRAFT_WEIGHTS_FILE
 from minisrv.spec.drafter import Draft, Drafter, check_draft_args
@@ -153,15 +152,5 @@ def load_draft(
 
     Read through ``importlib.resources`` like ``load_citylm``, so it works from a wheel.
     """
-    from safetensors.torch import load as load_safetensors
+    return load_shipped(DRAFT_WEIGHTS_FILE, DRAFT_META_FILE, CITYDRAFT, device, dtype)
 
-    weights_dir = resources.files("minisrv") / "weights"
-    meta = json.loads((weights_dir / DRAFT_META_FILE).read_text(encoding="utf-8"))
-    tokenizer = Tokenizer()
-    if meta["tokenizer"]["alphabet"] != tokenizer.alphabet:
-        raise ValueError("shipped draft weights were trained with a different tokenizer alphabet")
-    known = {field.name for field in dataclasses.fields(CITYDRAFT)}
-    config = CITYDRAFT.with_(**{k: v for k, v in meta["config"].items() if k in known})
-    model = CityLM(config)
-    model.load_state_dict(load_safetensors((weights_dir / DRAFT_WEIGHTS_FILE).read_bytes()))
-    return model.to(device=resolve_device(device), dtype=dtype).eval(), tokenizer

@@ -1,0 +1,69 @@
+"""The checks of ``Engine.generate``'s per-prompt arguments, at the boundary.
+
+A prompt is a non-empty list of token ids; ``max_new_tokens``, ``sampling`` and
+``arrival_steps`` are one value for every prompt or one per prompt. Each bad value is a
+``ValueError`` that names the prompt, before any request is queued.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from minisrv.checks import check_int, check_number, is_int
+from minisrv.sampling import SamplingParams
+
+__all__ = ["check_prompt", "per_request", "per_request_arrivals", "per_request_params"]
+
+
+def check_prompt(i: int, prompt: object) -> list[int]:
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError(f"prompt {i} is empty (encode at least <bos>)")
+    if all(type(token) is int for token in ids):  # the common case, checked fast
+        return ids
+    for token in ids:
+        if not is_int(token):
+            raise ValueError(f"prompt {i} holds {token!r}, which is not a token id")
+    return [int(token) for token in ids]
+
+
+def per_request(n: int, name: str, value: Any) -> list[Any]:
+    """``value`` repeated ``n`` times, or checked to hold exactly ``n`` entries."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def per_request_params(
+    n: int,
+    max_new_tokens: int | Sequence[int] | None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+) -> list[SamplingParams]:
+    params = per_request(n, "sampling", sampling if sampling is not None else SamplingParams())
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling for prompt {i} must be a SamplingParams, got {p!r}")
+    if max_new_tokens is None:
+        return params
+    lengths = per_request(n, "max_new_tokens", max_new_tokens)
+    out = []
+    for i, (p, m) in enumerate(zip(params, lengths, strict=True)):
+        m = check_int(f"max_new_tokens for prompt {i}", m, minimum=1)
+        out.append(p if p.max_new_tokens == m else replace(p, max_new_tokens=m))
+    return out
+
+
+def per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list[float]:
+    if arrival_steps is None:
+        return [0.0] * n
+    if isinstance(arrival_steps, numbers.Real):
+        raise ValueError("arrival_steps must hold one arrival per prompt")
+    arrivals = per_request(n, "arrival_steps", arrival_steps)
+    return [check_number(f"arrival_steps[{i}]", a, low=0.0) for i, a in enumerate(arrivals)]

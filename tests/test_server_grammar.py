@@ -1,0 +1,107 @@
+"""Structured output over HTTP: ``response_format`` and SGLang's ``regex``, checked end to end.
+
+On CityLM a regex over its alphabet is followed exactly (the reply equals the per-request
+constrained reference) and JSON is refused with a 400 that names the character CityLM cannot
+spell; on a tiny byte-level-BPE Llama folder the official ``openai`` client gets JSON that
+parses and validates against the schema it sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from minisrv import SamplingParams, load_citylm  # noqa: E402
+from minisrv.grammar import citylm_vocabulary, compile_grammar  # noqa: E402
+from minisrv.grammar.reference import constrained_generate  # noqa: E402
+from minisrv.grammar.tiny_json import write_json_llama  # noqa: E402
+from minisrv.model import load_tokenizer  # noqa: E402
+from minisrv.server.app import create_app  # noqa: E402
+from minisrv.server.config import EngineOptions, model_name  # noqa: E402
+from minisrv.server.worker import LocalEngine  # noqa: E402
+
+CITIES3 = r"( [A-Z][a-z]+,){3}"
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
+                   "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+
+
+def serving(model: str) -> TestClient:
+    options = EngineOptions(model=model, device="cpu", kv_capacity=400, max_running=4)
+    client = TestClient(create_app(LocalEngine(options), load_tokenizer(model),
+                                   model_name(model)))
+    client.__enter__()
+    for _ in range(600):
+        if client.get("/health").status_code == 200:
+            return client
+        time.sleep(0.05)
+    raise AssertionError("the server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def citylm_server():
+    client = serving("citylm")
+    yield client
+    client.__exit__(None, None, None)
+
+
+def test_a_regex_completion_is_the_constrained_reference(citylm_server) -> None:
+    model, tok = load_citylm("cpu")
+    grammar = compile_grammar(citylm_vocabulary(tok, size=model.config.vocab_size),
+                              regex=CITIES3)
+    for prompt in ("FR:", "JP:"):
+        r = citylm_server.post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": 40, "temperature": 0, "regex": CITIES3})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert re.fullmatch(CITIES3, text)
+        want = constrained_generate(model, tok.encode(prompt), grammar,
+                                    SamplingParams(max_new_tokens=40)).tokens
+        assert text == tok.decode([t for t in want if t not in model.eos_ids])
+
+
+def test_json_on_citylm_is_a_400_naming_what_it_cannot_spell(citylm_server) -> None:
+    for body in ({"prompt": "FR:", "response_format": {"type": "json_object"}},
+                 {"prompt": "FR:", "response_format": {"type": "json_schema",
+                                                       "json_schema": {"schema": SCHEMA}}},
+                 {"prompt": "FR:", "response_format": {"type": "yaml"}},
+                 {"prompt": "FR:", "regex": "a", "ebnf": 'root ::= "a"'}):
+        r = citylm_server.post("/v1/completions", json=body)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["message"]
+    r = citylm_server.post("/v1/completions", json={"prompt": "FR:", "response_format": {
+        "type": "json_object"}})
+    assert "'{'" in r.json()["error"]["message"]
+    ok = citylm_server.post("/v1/completions", json={"prompt": "FR:", "max_tokens": 4})
+    assert ok.status_code == 200  # the server keeps serving
+
+
+def test_the_openai_client_gets_schema_valid_json(tmp_path) -> None:
+    from openai import OpenAI
+
+    folder = str(write_json_llama(tmp_path / "json_llama"))
+    client = serving(folder)
+    try:
+        api = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA,
+                                                      "strict": True}}
+        for seed in range(4):
+            out = api.chat.completions.create(
+                model=model_name(folder), messages=[{"role": "user", "content": "a city"}],
+                max_tokens=60, temperature=1.0, seed=seed, response_format=fmt)
+            value = json.loads(out.choices[0].message.content, strict=False)
+            jsonschema.validate(value, SCHEMA)
+    finally:
+        client.__exit__(None, None, None)
