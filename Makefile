@@ -6,6 +6,8 @@
 #   make gpu-check   on a CUDA machine: the engine/model tests on cpu and cuda, and every
 #                    chapter executed under nbval with MINISRV_DEVICE=cuda, outputs not
 #                    compared (tests/nbval_execute_only.py; fails without a GPU)
+#   make gpu-bench   on a CUDA machine: benchmarks/bench_gpu.py --quick, then the full run,
+#                    CSVs to minisrv/measured/ (exits 1 without a GPU); gpu-bench-quick: --quick only
 # Both create .venv (or use VENV=$$CONDA_PREFIX for the conda route) and install what they need.
 
 PYTHON ?= python3
@@ -15,7 +17,7 @@ STAMP := $(VENV)/.minisrv-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: book test colab-check gpu-check setup dot clean
+.PHONY: book test colab-check gpu-check gpu-bench gpu-bench-quick setup dot clean
 
 # The tests that run the model and the engine on every device of available_devices() (the
 # conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
@@ -40,6 +42,13 @@ gpu-check: setup
 	  echo "error: make gpu-check needs a CUDA GPU, and torch.cuda.is_available() is False" \
 	       "(torch $$($(BIN)/python -c 'import torch; print(torch.__version__)'))." >&2; exit 1; }
 	MINISRV_DEVICE=cuda $(BIN)/python -m pytest -p tests.nbval_execute_only $(GPU_TESTS) chapters/
+
+# bench_gpu.py itself refuses (exit 1, with the reason) where torch sees no CUDA GPU.
+gpu-bench-quick: setup
+	$(BIN)/python benchmarks/bench_gpu.py --quick
+
+gpu-bench: gpu-bench-quick
+	$(BIN)/python benchmarks/bench_gpu.py
 
 setup: $(STAMP) dot
 

@@ -85,11 +85,16 @@ class Engine(ConfigView):
     def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config = EngineConfig.from_options(config, **options)
         if isinstance(model, Backend):
+            if config.cuda_graph:
+                raise ValueError(f"cuda_graph=True needs a model on a CUDA device, not a "
+                                 f"{type(model).__name__}")
             backend = model
         else:  # the model's modules load only for a model, not for a simulated GPU
             from minisrv.runner.model_runner import ModelRunner
 
-            backend = ModelRunner(model, config.attention, device=config.device)
+            # cuda_graph: off by default until `make gpu-check` has passed with it on a GPU
+            backend = ModelRunner(model, config.attention, device=config.device,
+                                  cuda_graph=config.cuda_graph, max_running=config.max_running)
         self.scheduler = Scheduler(backend, config)
         self.loop: Scheduler | OverlapLoop = (
             OverlapLoop(self.scheduler) if config.overlap else self.scheduler)

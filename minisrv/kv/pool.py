@@ -2,7 +2,10 @@
 
 A real server does not grow one KV tensor per request (``DenseKVCache``): it reserves one
 big block of memory up front and hands out *token slots*. Slot ``s`` holds the key and the
-value of one token in every layer, at ``k[layer, s]`` and ``v[layer, s]``. A request owns a
+value of one token in every layer, side by side at ``kv[layer, s]`` ([2, kv_heads, head_dim]:
+the key, then the value), so a step writes its new keys and values with one operator per
+layer and gathers a request's history with one more; ``k[layer, s]`` and ``v[layer, s]``
+are views of the two halves. A request owns a
 list of slots, in position order, that need not be contiguous; the attention gathers them.
 This is SGLang's token-to-KV pool (and, with one-token pages, vLLM's paged KV cache).
 
@@ -24,10 +27,14 @@ __all__ = ["KVPool"]
 
 
 class KVPool:
-    """K and V tensors ``[layers, capacity, kv_heads, head_dim]`` plus their slot allocator.
+    """One tensor ``kv`` [layers, capacity + 1, 2, kv_heads, head_dim] plus its slot allocator.
 
-    Build one for a model with ``KVPool.for_model(model, capacity)`` so the tensors sit on
+    Build one for a model with ``KVPool.for_model(model, capacity)`` so the tensor sits on
     the model's device in its dtype. Keys are stored after RoPE, as in ``DenseKVCache``.
+    ``k`` and ``v`` [layers, capacity, kv_heads, head_dim] are views of the keys and values.
+    The row past the last slot, ``scratch_slot``, is never handed out: padding rows of a
+    step padded to a fixed batch size (``minisrv.runner.graph``) write and read there, so
+    they never touch a request's slot.
     """
 
     def __init__(
@@ -40,9 +47,19 @@ class KVPool:
     ) -> None:
         self.allocator = SlotAllocator(capacity)
         self.config = config
-        shape = (config.n_layers, capacity, config.n_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (config.n_layers, capacity + 1, 2, config.n_kv_heads, config.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.scratch_slot = capacity
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The keys [layers, capacity, kv_heads, head_dim]: a view, writes go to ``kv``."""
+        return self.kv[:, : self.scratch_slot, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values [layers, capacity, kv_heads, head_dim]: a view, writes go to ``kv``."""
+        return self.kv[:, : self.scratch_slot, 1]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int) -> KVPool:
@@ -74,11 +91,11 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved by the K and V tensors, used or not."""
+        """Bytes the slots' keys and values take, used or not (the scratch slot left out)."""
         return 2 * self.k.numel() * self.k.element_size()
 
     def __repr__(self) -> str:
         return (
             f"KVPool(capacity={self.capacity}, used={self.used_count}, "
-            f"dtype={self.k.dtype}, device={self.k.device})"
+            f"dtype={self.kv.dtype}, device={self.kv.device})"
         )

@@ -3,6 +3,8 @@
 * ``model_runner.py``: ``ModelRunner`` (alias ``ModelBackend``): the KV pool on the device,
   a batch's entries as device tensors once per step, one flat forward, sampling;
 * ``attention.py``: the attention backends (loop, padded, flex) behind one interface;
+* ``graph.py``: ``DecodeGraphs``: decode steps over static buffers padded to a batch
+  bucket, replayed as CUDA graphs on a GPU;
 * ``sampler.py``: ``Sampler``: per-request generators and the logits-processor hook;
 * ``futures.py``: ``FutureMap``, the overlapped loop's device-side placeholders;
 * ``device.py``: ``DeviceWorker``, the overlapped loop's device thread and CUDA stream;
@@ -22,6 +24,11 @@ _HOMES = {
     "LoopAttention": "attention",
     "PaddedAttention": "attention",
     "make_attention": "attention",
+    "padded_pool_attention": "attention",
+    "write_kv": "attention",
+    "DecodeGraphs": "graph",
+    "PaddedDecode": "graph",
+    "batch_buckets": "graph",
     "DeviceWorker": "device",
     "FutureMap": "futures",
     "ModelBackend": "model_runner",

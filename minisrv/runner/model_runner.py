@@ -13,6 +13,10 @@ threads:
   forward over every new token (selective batching), logits processors, sampling.
 
 Outputs equal running each request alone (``model.reference_generate``).
+
+With ``static_decode`` (or ``cuda_graph``, on CUDA) a step of decodes only runs over the
+runner's static buffers padded to a batch bucket (``minisrv.runner.graph``): eagerly, or by
+replaying the bucket's CUDA graph. Prefill and mixed steps run the flat path.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 from minisrv.kv import KVPool, SlotAllocator
 from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
-from minisrv.runner.attention import AttentionBackend, make_attention
+from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
+from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
 from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.records import Batch, BatchResult
@@ -40,8 +45,8 @@ __all__ = ["ModelBackend", "ModelRunner", "StepInputs"]
 class StepInputs(NamedTuple):
     """One step as the device reads it (``ModelRunner.prepare``)."""
 
-    flat: FlatBatch  # ids (a future id is < 0), positions, write slots, on the device
-    metadata: Any  # the attention backend's, built before layer 0
+    flat: FlatBatch | None  # ids (a future id is < 0), positions, write slots; None: padded
+    metadata: Any  # the attention backend's, built before layer 0 (padded: a PaddedDecode)
     has_futures: bool  # some input id is a future id, to resolve on the device
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
     samples: tuple[bool, ...]  # per entry: whether it samples a token
@@ -61,6 +66,13 @@ class ModelRunner:
     ``"auto"``, resolved once here to flex on a GPU and padded on the CPU. ``device`` moves
     the model there first (``None``: where it is). ``logits_processors`` are applied to
     every step's logits before sampling (``Sampler``).
+
+    ``static_decode`` runs decode-only steps of up to ``max_running`` requests over
+    static buffers padded to a batch bucket (``DecodeGraphs``, contexts up to
+    ``graph_context`` tokens, default the model's ``max_seq_len`` or the pool's capacity if
+    smaller); ``cuda_graph`` (a CUDA
+    model only, else ValueError) does the same and replays each bucket's CUDA graph,
+    captured in ``attach_kv`` (UNTESTED until run on a GPU).
     """
 
     time_unit = "step"
@@ -68,9 +80,14 @@ class ModelRunner:
 
     def __init__(self, model: CityLM, attention: str = "auto", *,
                  device: str | torch.device | None = None,
-                 logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+                 logits_processors: Sequence[LogitsProcessor] = (),
+                 static_decode: bool = False, cuda_graph: bool = False, max_running: int = 256,
+                 graph_context: int | None = None) -> None:
         if device is not None and torch.device(device) != model.device:
             model = model.to(device)
+        if cuda_graph and model.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a model on a CUDA device, this one is on "
+                             f"{model.device}")
         self.model = model
         self.attn: AttentionBackend = make_attention(attention, model.device, model.dtype,
                                                      model.config.head_dim)
@@ -80,6 +97,9 @@ class ModelRunner:
         self.max_context: int | None = model.config.max_seq_len
         self.vocab_size: int | None = model.config.vocab_size
         self.pool: KVPool | None = None
+        self.graph_options = (static_decode or cuda_graph, cuda_graph, max_running,
+                              graph_context)
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def logprobs(self) -> dict[Req, deque[TokenLogprobs]]:
@@ -92,8 +112,15 @@ class ModelRunner:
         return self.model.device
 
     def attach_kv(self, capacity: int) -> SlotAllocator:
-        """Allocate the KV pool (``capacity`` token slots) on the model's device."""
+        """Allocate the KV pool (``capacity`` token slots) on the model's device, and the
+        static decode buffers (capturing the CUDA graphs) when asked for."""
         self.pool = KVPool.for_model(self.model, capacity)
+        static, cuda_graph, max_running, context = self.graph_options
+        if static:  # no request's context outgrows the pool: buffers no wider than it
+            if context is None:
+                context = min(self.model.config.max_seq_len, capacity)
+            self.graphs = DecodeGraphs(self.model, self.pool, max_running, context=context,
+                                       cuda_graph=cuda_graph)
         return self.pool.allocator
 
     def run(self, batch: Batch) -> BatchResult:
@@ -118,14 +145,22 @@ class ModelRunner:
             row += entry.n_tokens
             if entry.sample:
                 rows.append(row)
-        flat = FlatBatch(new_ids, slots, self.model.device)
         sampling = [e.req for e in batch.entries if e.sample]
+        samples = tuple(e.sample for e in batch.entries)
+        params, generators = [req.params for req in sampling], self.sampler.generators(sampling)
+        histories = self.sampler.histories(sampling)
+        graphs, entries = self.graphs, batch.entries
+        if (graphs is not None and all(samples)
+                and graphs.fits([e.n_tokens for e in entries], [e.end for e in entries])):
+            padded = graphs.prepare([ids[0] for ids in new_ids], slots)
+            every_row = torch.arange(padded.n, device=self.model.device)
+            return StepInputs(None, padded, padded.has_futures, every_row,
+                              samples, sampling, params, generators, histories)
+        flat = FlatBatch(new_ids, slots, self.model.device)
         return StepInputs(
             flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
-            tuple(e.sample for e in batch.entries), sampling,
-            [req.params for req in sampling], self.sampler.generators(sampling),
-            self.sampler.histories(sampling))
+            samples, sampling, params, generators, histories)
 
     def compute(
         self,
@@ -139,29 +174,35 @@ class ModelRunner:
         ``torch.where`` over the step's input ids. ``store`` receives the sampled tokens
         before this returns (``FutureMap.store``): on a GPU part of the same step's work.
         """
-        ids = step.flat.ids
-        if resolve is not None and step.has_futures:
-            ids = resolve(ids)
-        logits = self.forward(step, ids)
+        if step.flat is None:  # a padded decode over the static buffers
+            assert self.graphs is not None and isinstance(step.metadata, PaddedDecode)
+            logits, cost = self.graphs.run(step.metadata, resolve), step.metadata.n
+        else:
+            ids = step.flat.ids
+            if resolve is not None and step.has_futures:
+                ids = resolve(ids)
+            logits, cost = self.forward(step, ids), step.flat.num_tokens
         tokens = self.sampler.sample(logits, step.reqs, step.params, step.generators,
                                      step.histories)
         if store is not None:
             store(tokens)
         it = iter(tokens)
         per_entry = [[next(it)] if sample else [] for sample in step.samples]
-        return BatchResult(per_entry, cost=float(step.flat.num_tokens), elapsed=1.0)
+        return BatchResult(per_entry, cost=float(cost), elapsed=1.0)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         """Logits [sampling entries, vocab]: every layer writes the new K/V into their slots
-        of the pool, then attends through the attention backend."""
+        of the pool (one operator), then attends through the attention backend."""
+        if step.flat is None:
+            raise ValueError("a padded decode step runs through compute (DecodeGraphs.run)")
         pool, attn, metadata, write = self.pool, self.attn, step.metadata, step.flat.write_slots
         assert pool is not None  # prepare checked
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool.k[layer, write] = k
-            pool.v[layer, write] = v
-            return attn.forward(q, pool.k[layer], pool.v[layer], metadata)
+            kv = pool.kv[layer]
+            write_kv(kv, write, k, v)
+            return attn.forward(q, kv, metadata)
 
         x = self.model.run_layers(ids, step.flat.positions, attend)
         return self.model.lm_head(self.model.norm(x[step.sample_rows]))

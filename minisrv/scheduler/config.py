@@ -64,6 +64,7 @@ class EngineConfig:
     attention: str = "auto"  # a model's attention backend: loop, padded, flex, auto
     device: str | None = None  # where a model runs ("cpu", "cuda", ...); None: where it is
     chunked_prefill_size: int | None = None  # most new tokens one step computes; None: no cap
+    cuda_graph: bool = False  # a model's decode steps replay CUDA graphs (CUDA only; untested)
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
@@ -75,7 +76,7 @@ class EngineConfig:
         check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)
         check_number("min_ratio", self.min_ratio, 0.0, self.new_token_ratio)
         check_number("ratio_decay", self.ratio_decay, 0.0)
-        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug"):
+        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check = self.in_batch_prefix_check
@@ -90,6 +91,8 @@ class EngineConfig:
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', or None, "
                              f"got {self.device!r}")
+        if self.cuda_graph and self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graph=True needs a CUDA device, not device={self.device!r}")
         self._check_chunking()
 
     def _check_chunking(self) -> None:

@@ -1,0 +1,63 @@
+"""``benchmarks/bench_gpu.py`` cannot run without a GPU, but it must import, parse its
+arguments, refuse clearly (exit 1) where torch sees no CUDA, and build its workload."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments_and_the_quick_run(bench) -> None:
+    full = bench.parse_args([])
+    assert (full.quick, full.seqs, full.repeats, full.context) == (False, 256, 20, 512)
+    assert full.out == bench.MEASURED and full.out.name == "measured"
+    quick = bench.parse_args(["--quick", "--repeats", "50", "--out", "/tmp/x"])
+    assert (quick.seqs, quick.repeats, quick.out) == (32, 5, Path("/tmp/x"))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--context", "0"])
+
+
+def test_it_refuses_to_run_without_cuda(bench, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--quick"]) == 1
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and torch.__version__ in err
+
+
+def test_the_nanovllm_workload_is_reproducible_and_in_range(bench) -> None:
+    prompts, params = bench.nanovllm_workload(256, 100, 1024, 128256)
+    again, _ = bench.nanovllm_workload(256, 100, 1024, 128256)
+    assert prompts == again and len(prompts) == len(params) == 256
+    assert all(100 <= len(p) <= 1024 and max(p) < 128256 for p in prompts)
+    assert all(100 <= s.max_new_tokens <= 1024 and s.ignore_eos for s in params)
+
+
+def test_its_decode_batch_runs_on_a_cpu_runner(bench) -> None:
+    """The step-time table's batch (prefixes prefilled, one decode each) on a tiny model."""
+    from minisrv.configs import CITYLM
+    from minisrv.model import CityLM
+
+    torch.manual_seed(0)
+    model = CityLM(CITYLM.with_(n_layers=1, max_seq_len=32)).eval()
+    for graphs_context in (16, 4):  # the static path, then a context past it: the flat path
+        runner = bench.ModelRunner(model, "padded", static_decode=True, max_running=4,
+                                   graph_context=graphs_context)
+        runner.attach_kv(64)
+        batch = bench.decode_batch(runner, 3, 12)
+        assert [e.n_tokens for e in batch.entries] == [1, 1, 1]
+        assert [e.end for e in batch.entries] == [12, 12, 12]
+        assert (runner.prepare(batch).flat is None) == (graphs_context >= 12)
+        assert len(runner.compute(runner.prepare(batch)).tokens) == 3
