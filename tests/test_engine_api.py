@@ -90,3 +90,12 @@ class _Eos:
 
     def release(self, req: Req) -> None:
         self.inner.release(req)
+
+
+def test_penalties_with_the_overlapped_loop_are_refused_at_the_door(model) -> None:
+    """The overlapped loop forms step i+1 before step i's token is known; a penalty reads
+    the tokens so far, so the request is refused when added, not failed mid-run."""
+    engine = Engine(model, kv_capacity=100, overlap=True)
+    with pytest.raises(ValueError, match="overlapped loop"):
+        engine.add_request([0, 5, 6], SamplingParams(repetition_penalty=1.3))
+    assert engine.idle

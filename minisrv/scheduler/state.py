@@ -105,6 +105,10 @@ class SchedulerState(ConfigView):
             raise ValueError(f"request {req.rid}: the prompt is empty (it needs at least <bos>)")
         if not req.arrival >= 0:  # also rejects NaN
             raise ValueError(f"request {req.rid}: arrival must be >= 0, got {req.arrival}")
+        if req.params.processed and self.config.overlap:
+            raise ValueError(f"request {req.rid}: penalties, logit_bias and min_tokens read the "
+                             "tokens so far, which the overlapped loop forms the next step "
+                             "without; use overlap=False")
         limit = self.backend.max_context
         if limit is not None and req.kv_reservation > limit:
             raise ValueError(
