@@ -108,35 +108,17 @@ class KVManager:
         req.kv_slots.extend(self.kv.alloc(n))
 
     # ------------------------------------------------------------------ handing KV over
-    def cache_unfinished(self, req: Req) -> None:
-        """Right after ``req``'s prefill, put its KV in the cache and switch ``req`` to the
-        cache's copy.
+    def cache_unfinished(self, req: Req, end: int | None = None) -> None:
+        """Right after ``req``'s prefill (or a chunk of it: its KV up to ``end``), put its KV
+        in the cache and switch ``req`` to the cache's copy.
 
         Where the tree already held some of these tokens (another request prefilled the same
         text meanwhile), ``req``'s duplicate slots are freed and the tree's used instead;
         then ``req`` locks the longer prefix and releases the old lock.
         """
         tree, tag = self.tree, _tag(req)
-        tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]  # a tuple: the tree's key type
-        already = tree.insert(tokens, req.kv_slots, tag=tag)
-        match = tree.match_prefix(tokens, tag=tag)
-        if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
-            return
-        self.kv.free(req.kv_slots[req.cached_len:already])
-        req.kv_slots[: match.length] = match.values
-        tree.lock(match.node, tag=tag)
-        tree.unlock(req.cache_node, tag=tag)
-        req.cached_len, req.cache_node = match.length, match.node
-
-    def cache_chunk(self, req: Req, end: int) -> None:
-        """After a chunk of ``req``'s prefill: its KV up to ``end`` into the cache, and the
-        lock moved to that longer prefix (``cache_unfinished`` for a request whose slots run
-        past what is computed: chunked prefill allocates the whole prompt at admission).
-
-        A request arriving meanwhile with the same prefix then reuses the chunk.
-        """
-        tree, tag = self.tree, _tag(req)
-        tokens = (*req.prompt, *req.output)[:end]
+        end = len(req.kv_slots) if end is None else end
+        tokens = (*req.prompt, *req.output)[:end]  # a tuple: the tree's key type
         already = tree.insert(tokens, req.kv_slots[:end], tag=tag)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)

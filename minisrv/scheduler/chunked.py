@@ -6,8 +6,9 @@ split: its first chunk is an entry that does not sample, and the request waits, 
 as the scheduler's ``chunked`` request (SGLang's ``chunked_req``). It keeps its seat and its
 KV between steps; every later step continues it first, and nobody else starts a prefill
 until its last chunk, the one that samples its first token, is formed. Each completed
-chunk's KV goes into the prefix cache (``KVManager.cache_chunk``, SGLang's
-``cache_unfinished_req``), so a request arriving meanwhile with the same prefix reuses it.
+chunk's KV goes into the prefix cache (``KVManager.cache_unfinished`` up to the chunk's
+end, SGLang's ``cache_unfinished_req``), so a request arriving meanwhile with the same
+prefix reuses it.
 
 How a step is formed follows SGLang:
 
@@ -107,5 +108,5 @@ class ChunkedPrefill:
         ends = self.chunk_ends
         if not ends or ends[0][0] is not req:
             return False
-        self.memory.cache_chunk(req, ends.popleft()[1])
+        self.memory.cache_unfinished(req, ends.popleft()[1])
         return True
