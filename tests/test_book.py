@@ -453,3 +453,12 @@ def test_checked_outputs_print_no_rounding_digits(path: Path) -> None:
             text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
             found = _FLOAT_ERROR.findall(text)
             assert not found, f"{path.name}: cell {i} prints {found} into a checked output"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_solution_start_is_closed_before_the_next_opens(path: Path) -> None:
+    """sphinx-exercise's gated solutions must pair up: an unclosed one fails the whole build."""
+    nb = nbformat.read(path, as_version=4)
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    marks = re.findall(r"\{(solution-start|solution-end)\}", markdown)
+    assert marks == ["solution-start", "solution-end"] * (len(marks) // 2), marks
