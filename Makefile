@@ -8,7 +8,7 @@
 #                    compared (tests/nbval_execute_only.py; fails without a GPU)
 #   make gpu-bench   on a CUDA machine: benchmarks/bench_gpu.py --quick, then the full run,
 #                    CSVs to minisrv/measured/ (exits 1 without a GPU); gpu-bench-quick: --quick only
-# Both create .venv (or use VENV=$$CONDA_PREFIX for the conda route) and install what they need.
+# Each creates .venv (or uses VENV=$$CONDA_PREFIX for the conda route) and installs what it needs.
 
 PYTHON ?= python3
 VENV ?= .venv
