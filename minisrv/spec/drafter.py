@@ -11,6 +11,7 @@ drawn from (the rejection rule needs it); a drafter that guesses deterministical
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class Draft:
         return len(self.tokens)
 
 
-class Drafter:
+class Drafter(ABC):
     """What the engine and ``speculative_generate`` ask of a draft.
 
     ``propose(tokens, k)`` returns up to ``k`` guesses that follow ``tokens`` (the request's
@@ -54,9 +55,9 @@ class Drafter:
     ``tokens`` it is given, so the caller never reports acceptances or rejections).
     """
 
+    @abstractmethod
     def propose(self, tokens: Sequence[int], k: int, *, key: Hashable = None) -> list[int]:
-        """Up to ``k`` greedy guesses for the tokens after ``tokens``."""
-        raise NotImplementedError
+        """Up to ``k`` greedy guesses for the tokens after ``tokens`` (each drafter's own)."""
 
     def draft(
         self,
@@ -74,7 +75,7 @@ class Drafter:
         """
         return Draft(self.propose(tokens, k, key=key))
 
-    def release(self, key: Hashable) -> None:
+    def release(self, key: Hashable) -> None:  # noqa: B027 (a stateless drafter keeps nothing)
         """Forget the state kept for request ``key`` (finished or retracted); no-op here."""
 
 
