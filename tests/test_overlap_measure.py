@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from minisrv.engine import Engine
-from minisrv.experiments.overlap import LOOPS, model_gain, timed_gain, waste_by_length
+from minisrv.experiments.overlap import (
+    LOOPS,
+    model_gain,
+    timed_gain,
+    timed_window,
+    waste_by_length,
+)
 from minisrv.scheduler import MODES
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.overlap import future_trace_frame
@@ -85,19 +91,35 @@ def test_waste_is_one_token_per_finished_request(model) -> None:
 
 
 def test_timed_gain_reports_both_loops_lane_by_lane() -> None:
-    frame = timed_gain(shares=(0.5,), n_requests=8, output_len=3, max_running=4, repeats=1)
+    frame = timed_gain(shares=(0.5,), device_ms=1.0, running=8, output_len=4, steps=3,
+                       warmup=1, repeats=1)
     assert list(frame.index) == [50.0]
     row = frame.loc[50.0]
     assert row["outputs identical"]
-    assert 0 < row["CPU %"] < 100
-    assert 1 <= row["predicted gain"] <= 2  # (device + cpu) / max(device, cpu)
-    assert row["device busy ms, blocking"] > 0 and row["device busy ms, overlapped"] > 0
+    assert 0 < row["host %"] < 100
+    assert row["device ms"] >= 1.0  # the device step is never below device_ms
+    assert 1 <= row["predicted gain"] <= 2  # (device + host) / max(device, host)
     assert row["measured gain"] == pytest.approx(row["overlapped tok/s"] / row["blocking tok/s"])
-    for bad in ((0.0,), (1.0,), (-0.2,)):
-        with pytest.raises(ValueError, match="CPU share"):
-            timed_gain(shares=bad, n_requests=2, output_len=1, max_running=1, repeats=1)
-    with pytest.raises(ValueError, match="repeats"):
-        timed_gain(repeats=0)
+    assert row["measured / predicted"] == pytest.approx(
+        row["measured gain"] / row["predicted gain"])
+    for bad in ((0.0,), (1.0,), (-0.2,), ()):
+        with pytest.raises(ValueError, match="share"):
+            timed_gain(shares=bad, repeats=1)
+    for name, value in (("repeats", 0), ("running", 0), ("device_ms", 0), ("device_ms", True)):
+        with pytest.raises(ValueError, match=name):
+            timed_gain(**{name: value})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def testtimed_window_keeps_the_batch_full(overlap) -> None:
+    """Every timed step decodes the whole batch: as many requests join as finish."""
+    window = timed_window(40, 1e-4, overlap, running=8, output_len=4, warmup=1, steps=6)
+    assert window.tokens == 8
+    assert window.busy >= 1e-4 and window.wall >= window.busy
+    assert window.outputs and all(1 <= len(out) <= 4 for out in window.outputs.values())
+    assert all(t >= 0 for out in window.outputs.values() for t in out)  # no placeholder left
+    with pytest.raises(ValueError, match="run dry"):
+        timed_window(4, 1e-4, overlap, running=8, output_len=4, warmup=1, steps=6)
 
 
 def test_model_gain_checks_every_loop_against_each_request_alone(model) -> None:

@@ -7,13 +7,19 @@ only draws. ``benchmarks/bench_overlap.py`` runs the same measurements at a larg
 * ``waste_by_length``: tokens the overlapped loop computes and discards, against the output
   length, with and without ``skip_finishing_decode``, next to the formula (one token per
   finished request: ``1 / L`` of the useful tokens);
-* ``timed_gain``: blocking vs overlapped tokens/s on a ``TimedBackend`` whose step time puts
-  the CPU at a chosen share of a blocking step, next to ``throughput_ratio``'s prediction;
+* ``timed_gain``: blocking vs overlapped tokens/s on a ``TimedBackend`` whose steps last
+  10 ms or more, with the host's scheduling work (DFS-weight over a long waiting queue, a
+  full batch) at a chosen share of a blocking step, next to ``throughput_ratio``'s
+  prediction (``timed_window`` times one loop's steady state);
 * ``model_gain``: the same on a real model as it is (the forward in a worker thread).
 """
 
 from __future__ import annotations
 
+import gc
+import math
+import numbers
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -27,7 +33,8 @@ from minisrv.sampling import SamplingParams
 from minisrv.sim import SimBackend
 from minisrv.sim.timed import TimedBackend
 
-__all__ = ["LOOPS", "model_gain", "timed_gain", "waste_by_length"]
+__all__ = ["LOOPS", "TimedWindow", "model_gain", "timed_engine", "timed_gain", "timed_window",
+           "waste_by_length"]
 
 
 def waste_by_length(
@@ -69,121 +76,154 @@ def waste_by_length(
     return pd.DataFrame(rows).set_index("output length")
 
 
-class _TimedRun(NamedTuple):
-    wall: float  # seconds the loop ran (Scheduler.run)
-    busy: float  # seconds the device's steps took (TimedBackend.busy)
-    waited: float  # seconds the loop waited for the device to end a step (TimedBackend.waited)
-    steps: int
-    outputs: list[list[int]]
+class TimedWindow(NamedTuple):
+    """One timed run's steady-state window, per step: wall time, device busy, host waiting."""
+
+    wall: float  # seconds per step, the loop's wall clock
+    busy: float  # seconds per step the device computed (TimedBackend.busy)
+    waited: float  # seconds per step the loop slept or spun for the device (TimedBackend.waited)
+    tokens: float  # tokens per step
+    outputs: dict[int, list[int]]  # the finished requests' outputs, by request id
 
     @property
-    def device(self) -> float:
-        """Seconds per step on the device."""
-        return self.busy / self.steps
+    def idle(self) -> float:
+        """Seconds per step the device waited for the host: the host's lane, when blocking."""
+        return self.wall - self.busy
 
     @property
-    def outside(self) -> float:
-        """Seconds per step the device was not computing: waiting for the CPU."""
-        return (self.wall - self.busy) / self.steps
-
-    @property
-    def cpu(self) -> float:
+    def host(self) -> float:
         """Seconds per step the loop's thread worked (did not wait for the device)."""
-        return (self.wall - self.waited) / self.steps
+        return self.wall - self.waited
 
 
-def _serve_timed(step_time: float, overlap: bool, prompts: list[list[int]],
-                 output_len: list[int], max_running: int) -> _TimedRun:
-    """One run on ``TimedBackend(SimBackend(), step_time)``.
+def timed_engine(waiting: int, device_s: float, overlap: bool, running: int,
+                  output_len: int) -> tuple[Engine, TimedBackend]:
+    """An engine over ``TimedBackend(SimBackend(), device_s)`` with ``running`` requests
+    running and ``waiting`` more queued, ordered by DFS-weight over the radix tree.
 
-    The wall time is the loop's alone (``Engine.run``): building and queueing the
-    requests happens once per run, before any step, and is no step's CPU work.
+    The scheduling work is real: every step DFS-weight matches each waiting prompt against
+    the tree and orders the queue (it never falls back to FCFS), so the host's time per
+    step grows with the queue, the same in both loops. The prompts fall into 16 groups that
+    share 32 tokens. The first ``running`` requests want 1 to ``output_len`` tokens,
+    evenly, as if they had been running a while; every later one ``output_len``. So from
+    the first step on about ``running / output_len`` requests finish and as many join in
+    every step: the steady state that ``throughput_ratio`` describes.
     """
-    backend = TimedBackend(SimBackend(), step_time)
-    engine = Engine(backend, mode="mixed", overlap=overlap, skip_finishing_decode=True,
-                    max_running=max_running, kv_capacity=100_000, record_trace=False)
-    reqs = engine.make_requests(prompts, output_len)
-    for req in reqs:
-        engine.add_request(req)
-    start = time.perf_counter()
-    engine.run()
-    wall = time.perf_counter() - start
-    return _TimedRun(wall, backend.busy, backend.waited, engine.stats.steps,
-                     [req.output for req in reqs])
+    queued = running + waiting
+    lengths = [1 + i % output_len if i < running else output_len for i in range(queued)]
+    prompts = [[0, *range(2 + 100 * (i % 16), 34 + 100 * (i % 16)),
+                *range(5000 + i % 97, 5008 + i % 97)] for i in range(queued)]
+    backend = TimedBackend(SimBackend(), device_s)
+    engine = Engine(backend, mode="mixed", cache="radix", policy="dfs-weight",
+                    overlap=overlap, skip_finishing_decode=True, max_running=running,
+                    kv_capacity=running * (48 + output_len) + 4000, record_trace=False)
+    for req in engine.make_requests(prompts, lengths):
+        engine.add_request(req, checked=True)
+    return engine, backend
 
 
-def _best(step_time: float, overlap: bool, prompts: list[list[int]], output_len: list[int],
-          max_running: int, repeats: int) -> _TimedRun:
-    """The fastest of ``repeats`` runs (a shared machine only ever adds time)."""
-    runs = [_serve_timed(step_time, overlap, prompts, output_len, max_running)
-            for _ in range(repeats)]
-    return min(runs, key=lambda run: run.wall)
+def timed_window(waiting: int, device_s: float, overlap: bool, running: int,
+                  output_len: int, warmup: int, steps: int) -> TimedWindow:
+    """``steps`` steps of one loop, timed after ``warmup`` steps (the first prefills the
+    whole batch at once), with the batch full and the queue long throughout.
 
-
-def _best_pair(step_time: float, prompts: list[list[int]], output_len: list[int],
-               max_running: int, repeats: int) -> tuple[_TimedRun, _TimedRun]:
-    """The fastest blocking and the fastest overlapped of ``repeats`` runs each, taken in
-    turns so that a busy moment of the machine falls on both loops alike."""
-    block: list[_TimedRun] = []
-    over: list[_TimedRun] = []
-    for _ in range(repeats):
-        block.append(_serve_timed(step_time, False, prompts, output_len, max_running))
-        over.append(_serve_timed(step_time, True, prompts, output_len, max_running))
-    return min(block, key=lambda run: run.wall), min(over, key=lambda run: run.wall)
-
-
-def timed_gain(shares: Sequence[float] = (0.1, 0.3, 0.6), n_requests: int = 1024,
-               output_len: int = 16, max_running: int = 128, repeats: int = 2) -> pd.DataFrame:
-    """Blocking vs overlapped on a timed simulated device, one row per target CPU share.
-
-    The requests want ``output_len // 2`` to ``output_len // 2 + output_len`` tokens
-    (``output_len`` on average), spread evenly, so that after the first batch some
-    requests finish and others join in every step: the steady state of continuous batching,
-    which is what ``throughput_ratio`` describes (equal lengths would finish in waves, and
-    the step after each wave can only be formed once the wave is seen to finish).
-
-    A first blocking run with a device that takes 1 ms measures the loop's CPU time per
-    step: the time the device was *not* busy. For each share s the device step is set to
-    ``cpu (1 - s) / s``, and both loops serve the same requests (the fastest of
-    ``repeats`` runs each, taking turns). Each run is split into its two lanes: per step,
-    the time the device was busy (``TimedBackend.busy``) and the time it was idle (the rest
-    of the wall time). The blocking run's lanes give the realised CPU share and
-    ``throughput_ratio``'s prediction, which the measured gain (blocking wall time /
-    overlapped wall time) is held against; the overlapped run's lanes show where its time
-    went, and its CPU time per step (the wall time it did not spend waiting for the device)
-    shows what the overlapped loop's own bookkeeping costs next to the blocking loop's
-    (``device idle ms, blocking``).
+    Python's cyclic garbage collector is off while the loop runs: a collection stops
+    whichever step it falls on for tens of milliseconds (servers freeze or tune the
+    collector for the same reason).
     """
-    n_requests = check_int("n_requests", n_requests, minimum=1)
-    output_len = check_int("output_len", output_len, minimum=1)
-    max_running = check_int("max_running", max_running, minimum=1)
+    if waiting < (warmup + steps + 2) * running // output_len:
+        raise ValueError(f"{waiting} waiting requests run dry within {warmup + steps} steps")
+    engine, backend = timed_engine(waiting, device_s, overlap, running, output_len)
+    stats = engine.stats
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(warmup):
+            engine.step()
+        start, busy, waited, tokens = (time.perf_counter(), backend.busy, backend.waited,
+                                       stats.generated_tokens)
+        finished: dict[int, list[int]] = {}
+        for _ in range(steps):
+            finished.update((req.rid, req.output) for req in engine.step().finished)
+        wall = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return TimedWindow(wall / steps, (backend.busy - busy) / steps,
+                   (backend.waited - waited) / steps, (stats.generated_tokens - tokens) / steps,
+                   finished)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
+               running: int = 256, output_len: int = 32, steps: int = 20, warmup: int = 3,
+               repeats: int = 5) -> pd.DataFrame:
+    """Blocking vs overlapped on a timed simulated device, one row per target host share.
+
+    The device's step lasts ``device_ms`` at least (a memory-bound decode step costs about
+    the same at any batch), long enough that timer and wake-up jitter are small next to
+    it. The host's share of a blocking step is set by the scheduling work: the length of
+    the waiting queue that DFS-weight orders every step (``timed_engine``). A short
+    blocking run measures the host's time per waiting request; each share s then gets the
+    queue whose host time should be ``device s / (1 - s)``, and the device step is set
+    from that queue's own measured host time, so the share lands near its target.
+
+    Both loops then serve the same requests ``repeats`` times, taking turns (a busy moment
+    of a shared machine falls on both alike), each run timed over ``steps`` steps
+    (``timed_window``). Per repeat, the blocking run's lanes (device busy and device idle
+    per step) give the realised host share and ``throughput_ratio``'s prediction, and the
+    two runs' tokens/s the measured gain; each column is the median over the repeats.
+    ``outputs identical``: the requests that finished in both runs got the same tokens.
+    """
+    running = check_int("running", running, minimum=1)
+    output_len = check_int("output_len", output_len, minimum=2)
+    steps = check_int("steps", steps, minimum=1)
+    warmup = check_int("warmup", warmup, minimum=1)
     repeats = check_int("repeats", repeats, minimum=1)
+    if isinstance(device_ms, bool) or not (isinstance(device_ms, numbers.Real)
+                                           and math.isfinite(device_ms) and device_ms > 0):
+        raise ValueError(f"device_ms must be a number of milliseconds > 0, got {device_ms!r}")
+    if not shares:
+        raise ValueError("shares must name at least one host share")
     for share in shares:
         if not 0 < share < 1:
-            raise ValueError(f"each CPU share must lie strictly between 0 and 1, got {share!r}")
-    prompts = [[0, *range(2, 2 + 32 + i % 32)] for i in range(n_requests)]
-    lengths = [max(1, output_len // 2 + (7 * i) % (output_len + 1)) for i in range(n_requests)]
-    args = (prompts, lengths, max_running, repeats)
-    cpu = _best(1e-3, False, *args).outside
-    tokens = sum(lengths)
+            raise ValueError(f"each host share must lie strictly between 0 and 1, got {share!r}")
+    device = device_ms / 1e3
+    least = (warmup + steps + 2) * running // output_len + 1  # the queue must not run dry
+    probe = max(least, 1000)
+    per_waiting = timed_window(probe, 1e-3, False, running, output_len, warmup, 5).idle / probe
     rows = []
     for share in shares:
-        block, over = _best_pair(cpu * (1 - share) / share, *args)
+        # a queue a little longer than the estimate: the device step is then set from its
+        # measured host time, and stays at least device_ms
+        waiting = max(least, round(1.1 * device * share / (1 - share) / per_waiting))
+        host = timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle
+        step_s = max(device, host * (1 - share) / share)
+        runs = [(timed_window(waiting, step_s, False, running, output_len, warmup, steps),
+                 timed_window(waiting, step_s, True, running, output_len, warmup, steps))
+                for _ in range(repeats)]
+        same = all(block.outputs[rid] == out for block, over in runs
+                   for rid, out in over.outputs.items() if rid in block.outputs)
+        measured = [(o.tokens / o.wall) / (b.tokens / b.wall) for b, o in runs]
+        predicted = [throughput_ratio(b.busy, b.idle) for b, _ in runs]
         rows.append({
-            "target CPU %": 100 * share,
-            "CPU %": 100 * block.outside / (block.outside + block.device),
-            "blocking tok/s": tokens / block.wall,
-            "overlapped tok/s": tokens / over.wall,
-            "measured gain": block.wall / over.wall,
-            "predicted gain": throughput_ratio(block.device, block.outside),
-            "device busy ms, blocking": 1e3 * block.device,
-            "device idle ms, blocking": 1e3 * block.outside,
-            "device busy ms, overlapped": 1e3 * over.device,
-            "device idle ms, overlapped": 1e3 * over.outside,
-            "CPU ms, overlapped": 1e3 * over.cpu,
-            "outputs identical": block.outputs == over.outputs,
+            "target host %": 100 * share,
+            "waiting": waiting,
+            "host %": _median([100 * b.idle / b.wall for b, _ in runs]),
+            "device ms": 1e3 * step_s,
+            "host ms, blocking": _median([1e3 * b.idle for b, _ in runs]),
+            "host ms, overlapped": _median([1e3 * o.host for _, o in runs]),
+            "device idle ms, overlapped": _median([1e3 * o.idle for _, o in runs]),
+            "blocking tok/s": _median([b.tokens / b.wall for b, _ in runs]),
+            "overlapped tok/s": _median([o.tokens / o.wall for _, o in runs]),
+            "measured gain": _median(measured),
+            "predicted gain": _median(predicted),
+            "measured / predicted": _median([m / p for m, p in zip(measured, predicted)]),
+            "outputs identical": same,
         })
-    return pd.DataFrame(rows).set_index("target CPU %")
+    return pd.DataFrame(rows).set_index("target host %")
 
 
 LOOPS: dict[str, dict[str, bool]] = {
