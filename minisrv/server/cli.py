@@ -32,7 +32,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Serve a model over OpenAI's HTTP API.")
     p.add_argument("--model", default="citylm",
-                   help="'citylm' (embedded, the default) or a local HF Llama folder")
+                   help="'citylm' (embedded, the default), a local HF Llama folder, or "
+                        "'sim' / 'sim:PACE': LLaMA-3-8B on a simulated H100, each step "
+                        "sleeping PACE x its roofline time (dummy tokens)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--kv-capacity", type=int, default=None,

@@ -35,6 +35,7 @@ __all__ = [
     "check_engine_options",
     "model_context",
     "model_name",
+    "simulated_pace",
 ]
 
 SERVER_ENGINE = EngineConfig(max_running=64, cache="radix", record_trace=False)
@@ -117,8 +118,27 @@ def model_name(model: str) -> str:
     return "citylm" if model == "citylm" else Path(model).resolve().name
 
 
+def simulated_pace(model: str) -> float | None:
+    """The pace of a simulated model (``"sim"``: 1, ``"sim:4"``: 4, ``minisrv.sim.served``);
+    ``None`` for a real one. ValueError for a pace that is not a number > 0."""
+    name, _, pace = str(model).partition(":")
+    if name != "sim":
+        return None
+    try:
+        value = float(pace) if pace else 1.0
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"a simulated model is 'sim' or 'sim:PACE' with PACE > 0, got {model!r}")
+    return value
+
+
 def model_context(model: str) -> int:
     """The model's context in tokens, read from its config alone (no weights loaded)."""
+    if simulated_pace(model) is not None:
+        from minisrv.configs import LLAMA3_8B
+
+        return LLAMA3_8B.max_seq_len
     if model == "citylm":
         from importlib import resources
 

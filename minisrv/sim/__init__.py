@@ -2,7 +2,9 @@
 
 * ``backend.py``: ``SimBackend``, each step the roofline time of its batch, dummy tokens;
 * ``timed.py``: ``TimedBackend``, real tokens from any backend, each step a set wall-clock
-  time that passes without the host (as a GPU's kernels do);
+  time that passes without the host (as a GPU's kernels do); ``PacedBackend``, each step
+  the inner backend's own time for it (a ``SimBackend``'s roofline time) in wall-clock time;
+* ``served.py``: the engine ``minisrv serve --model sim`` serves (the simulated H100);
 * ``steptime.py``: ``decode_step_seconds``, one real decode step timed;
 * ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``.
 
@@ -10,9 +12,10 @@
 """
 
 from minisrv.sim.backend import SimBackend, SimStep
-from minisrv.sim.timed import SPIN, TimedBackend, TimedResult
+from minisrv.sim.timed import SPIN, PacedBackend, TimedBackend, TimedResult
 
-__all__ = ["SPIN", "SimBackend", "SimStep", "TimedBackend", "TimedResult", "simulate"]
+__all__ = ["SPIN", "PacedBackend", "SimBackend", "SimStep", "TimedBackend", "TimedResult",
+           "simulate"]
 
 
 def __getattr__(name: str) -> object:

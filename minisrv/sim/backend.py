@@ -36,7 +36,8 @@ class SimBackend:
     """A simulated GPU: no model, each step takes the roofline time of its batch.
 
     ``cfg`` and ``gpu`` choose the model and accelerator (LLaMA-3-8B on an H100 by default);
-    ``dtype_bytes`` is the width of weights and KV. Requests always run to their
+    ``dtype_bytes`` is the width of weights and KV; ``token_ids`` the ids its dummy tokens
+    take (default: the model's vocabulary). Requests always run to their
     ``max_new_tokens`` (there is no ``<eos>``), which is how a workload fixes output lengths.
     The tokens it emits are deterministic dummies, so runs are reproducible.
     """
@@ -47,14 +48,21 @@ class SimBackend:
     device = None  # no GPU: the overlapped loop gives its steps no CUDA stream
 
     def __init__(
-        self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2
+        self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2,
+        token_ids: range | None = None,
     ) -> None:
         self.cfg = cfg
         self.gpu = gpu
         self.dtype_bytes = dtype_bytes
         self.max_context: int | None = cfg.max_seq_len or None
         self.vocab_size: int | None = cfg.vocab_size or None
-        self._vocab = max(cfg.vocab_size, 2)
+        # the ids the dummy tokens take: the model's vocabulary, or (for a server that
+        # decodes them with another tokenizer) a range of that tokenizer's ids
+        self._ids = token_ids if token_ids is not None else range(max(cfg.vocab_size, 2))
+        if len(self._ids) == 0:
+            raise ValueError("token_ids must hold at least one id")
+        if token_ids is not None:
+            self.vocab_size = token_ids.stop
 
     def attach_kv(self, capacity: int) -> None:
         """No KV is stored: the scheduler's slot counts are the whole simulation of memory."""
@@ -81,7 +89,7 @@ class SimBackend:
         An entry computes ``n`` tokens after ``start`` cached ones: it reads those, attends
         to them and causally among its own (a decode: ``n = 1``, ``start = seq_len - 1``).
         """
-        vocab = self._vocab
+        ids, vocab = self._ids, len(self._ids)
         tokens: list[list[int]] = []
         new = attended = cached = 0
         for entry in batch.entries:
@@ -89,7 +97,8 @@ class SimBackend:
             new += n
             cached += start  # prefix KV read from the cache, not computed
             attended += n * start + n * (n + 1) // 2  # the prefix, then causal
-            tokens.append([(entry.req.rid * 7919 + start + n) % vocab] if entry.sample else [])
+            tokens.append([ids[(entry.req.rid * 7919 + start + n) % vocab]] if entry.sample
+                          else [])
         return SimStep(tokens, new, attended, cached)
 
     def compute(

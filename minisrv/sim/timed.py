@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from minisrv.kv import SlotAllocator
 
-__all__ = ["SPIN", "TimedBackend", "TimedResult"]
+__all__ = ["SPIN", "PacedBackend", "TimedBackend", "TimedResult"]
 
 SPIN = 2e-4
 """Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``)."""
@@ -110,14 +110,19 @@ class TimedBackend:
         start = max(handed, self._free_at)
         # Summed as durations, not as differences of clock readings (``start + t - start``
         # loses the low bits of t), so busy is never below steps x step_time.
-        took = max(self.step_time, computed - start)
-        if took > self.step_time:
+        wanted = self.step_seconds(result)
+        took = max(wanted, computed - start)
+        if took > wanted:
             self.overruns += 1
         done_at = start + took
         self.steps += 1
         self.busy += took
         self._free_at = done_at
         return TimedResult(result.tokens, result.cost, result.elapsed, done_at)
+
+    def step_seconds(self, result: BatchResult) -> float:
+        """How long the device spends on the step that gave ``result``: ``step_time``."""
+        return self.step_time
 
     def wait(self, result: BatchResult) -> None:
         """Return once the device has ended the step that gave ``result``.
@@ -139,3 +144,29 @@ class TimedBackend:
 
     def __repr__(self) -> str:
         return f"TimedBackend({self.inner!r}, step_time={self.step_time!r})"
+
+
+class PacedBackend(TimedBackend):
+    """A device whose every step lasts ``pace`` times the inner backend's own time for it.
+
+    Over a ``SimBackend`` that is the roofline time of the batch on the simulated GPU, so a
+    server (``minisrv serve --model sim``) answers at the simulated H100's pace: a prefill
+    of a long uncached prompt takes as long as it would there, a cached one far less, and
+    the policies and the prefix cache change latency and throughput as they would on the
+    GPU. ``pace`` > 1 slows every step alike (the host's own work per step then weighs
+    less next to it).
+    """
+
+    def __init__(self, inner: Any, pace: float = 1.0) -> None:
+        if (isinstance(pace, bool) or not isinstance(pace, numbers.Real)
+                or not (math.isfinite(pace) and pace > 0)):
+            raise ValueError(f"pace must be a number > 0, got {pace!r}")
+        super().__init__(inner, 0.0)
+        self.pace = float(pace)
+
+    def step_seconds(self, result: BatchResult) -> float:
+        """``pace`` times the step's time as the inner backend reports it (``elapsed``)."""
+        return self.pace * result.elapsed
+
+    def __repr__(self) -> str:
+        return f"PacedBackend({self.inner!r}, pace={self.pace!r})"
