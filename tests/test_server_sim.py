@@ -6,9 +6,17 @@ last their roofline time; the tests check what comes back, never how long it too
 from __future__ import annotations
 
 import httpx
+import pandas as pd
 import pytest
 
 from minisrv.engine import Engine
+from minisrv.experiments.server import (
+    SIM_CONFIGS,
+    beyond_spread,
+    prefix_heavy_requests,
+    sim_server_runs,
+    spread,
+)
 from minisrv.server.config import ServerConfig, model_context, simulated_pace
 from minisrv.server.launch import running_server
 from minisrv.sim import PacedBackend, SimBackend
@@ -84,3 +92,42 @@ def test_paced_backend_checks_its_pace_and_token_ids() -> None:
     engine = Engine(SimBackend(token_ids=ids), kv_capacity=200, max_running=2)
     out = engine.generate([[0, 5, 6], [0, 7]], 5)
     assert all(t in ids for o in out for t in o)
+
+
+def test_prefix_heavy_requests_share_each_groups_prefix() -> None:
+    reqs = prefix_heavy_requests(groups=3, prefix_len=50, n=7, output_len=4)
+    assert len(reqs) == 7 and all(r.max_tokens == 4 for r in reqs)
+    assert all(len(r.prompt) == 50 + 1 + 20 for r in reqs)
+    heads = [r.prompt[:50] for r in reqs]
+    assert heads[0] == heads[3] == heads[6] and len(set(heads)) == 3  # interleaved groups
+    assert len({r.prompt for r in reqs}) == 7
+    assert all(TOK.encode(r.prompt) for r in reqs)  # CityLM's characters only
+    assert prefix_heavy_requests(groups=3, prefix_len=50, n=7) == prefix_heavy_requests(
+        groups=3, prefix_len=50, n=7)  # seeded
+    with pytest.raises(ValueError, match="groups"):
+        prefix_heavy_requests(groups=0)
+
+
+def test_sim_server_runs_serve_every_configuration_each_run() -> None:
+    reqs = prefix_heavy_requests(groups=2, prefix_len=200, n=8, output_len=3)
+    runs = sim_server_runs(reqs, runs=2, kv_capacity=3000, max_running=2)
+    assert sorted(runs.index.get_level_values(0).unique()) == sorted(SIM_CONFIGS)
+    assert sorted(runs.index.get_level_values(1).unique()) == [0, 1]
+    assert (runs["completed"] == 8).all() and (runs["failed"] == 0).all()
+    assert (runs.xs("FCFS, no cache", level=0)["hit rate"] == 0).all()
+    assert (runs.xs("LPM, radix", level=0)["hit rate"] > 0).all()  # later groups' turns hit
+    table = spread(runs, ["out tok/s"])
+    assert list(table.columns) == [("out tok/s", s) for s in ("median", "min", "max")]
+    with pytest.raises(ValueError, match="runs"):
+        sim_server_runs(reqs, runs=0)
+
+
+def test_beyond_spread_needs_the_ranges_apart() -> None:
+    index = pd.MultiIndex.from_product([["a", "b"], [0, 1, 2]])
+    apart = pd.DataFrame({"x": [1.0, 2.0, 3.0, 5.0, 4.0, 6.0]}, index=index)
+    assert beyond_spread(apart, "x", "a", "b") and beyond_spread(apart, "x", "b", "a")
+    touching = pd.DataFrame({"x": [1.0, 2.0, 4.0, 4.0, 5.0, 6.0]}, index=index)
+    assert not beyond_spread(touching, "x", "a", "b")
+    table = spread(apart, ["x"])
+    assert table.loc["a", ("x", "min")] == 1.0 and table.loc["b", ("x", "max")] == 6.0
+    assert table.loc["b", ("x", "median")] == 5.0

@@ -5,12 +5,17 @@ can read its engine while it serves (its trace, its radix tree, the requests it 
 ``stream_completion`` sends one streamed request and timestamps every server-sent event;
 ``bench_layouts`` serves each of several layouts in turn and replays the same requests
 against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
+``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
+simulated H100 (``--model sim``) with each policy and cache several times, and ``spread`` /
+``beyond_spread`` say whether their TTFT and throughput differ beyond the run-to-run spread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
+import string
 import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +25,13 @@ from typing import Any, TypeVar
 
 import pandas as pd
 
+from minisrv.checks import check_int
 from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
-__all__ = ["Layout", "LayoutRun", "bench_frame", "bench_layouts", "open_server", "read_metrics",
-           "run_sync", "slot_ranges", "stream_completion"]
+__all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
+           "open_server", "prefix_heavy_requests", "read_metrics", "run_sync",
+           "sim_server_runs", "slot_ranges", "spread", "stream_completion"]
 
 T = TypeVar("T")
 
@@ -51,8 +58,9 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 @contextmanager
 def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str, Any]]:
-    """Serve CityLM with ``layout`` on a free local port; yield ``(base URL, engines)``
-    (a ``LocalEngine``, whose ``loop.engine`` is the engine, or ``DataParallelEngines``).
+    """Serve ``layout`` (its options name the model) on a free local port; yield
+    ``(base URL, engines)`` (a ``LocalEngine``, whose ``loop.engine`` is the engine, or
+    ``DataParallelEngines``).
     The server and its workers are always stopped on exit."""
     from minisrv.server.app import create_app
     from minisrv.server.config import check_engine_options, model_name
@@ -157,3 +165,60 @@ def slot_ranges(slots: Sequence[int]) -> str:
         else:
             runs.append([slot, slot])
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,
+                          output_len: int = 16, seed: int = 0) -> list[BenchRequest]:
+    """``n`` requests in ``groups`` interleaved groups (request i in group ``i % groups``):
+    each prompt is its group's ``prefix_len`` characters, ``":"`` and 20 of its own; every
+    reply is ``output_len`` tokens long. Letters only, so CityLM's tokenizer takes them."""
+    groups = check_int("groups", groups, minimum=1)
+    prefix_len = check_int("prefix_len", prefix_len, minimum=1)
+    n = check_int("n", n, minimum=1)
+    output_len = check_int("output_len", output_len, minimum=1)
+    rng = random.Random(seed)
+    letters = string.ascii_lowercase
+    heads = ["".join(rng.choices(letters, k=prefix_len)) for _ in range(groups)]
+    return [BenchRequest(f"{heads[i % groups]}:{''.join(rng.choices(letters, k=20))}",
+                         output_len) for i in range(n)]
+
+
+SIM_CONFIGS: dict[str, dict[str, str]] = {
+    "LPM, radix": {"policy": "lpm", "cache": "radix"},
+    "FCFS, radix": {"policy": "fcfs", "cache": "radix"},
+    "FCFS, no cache": {"policy": "fcfs", "cache": "none"},
+}
+"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS)."""
+
+
+def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float = 1.0,
+                    kv_capacity: int = 6000, max_running: int = 16) -> pd.DataFrame:
+    """Each of ``SIM_CONFIGS`` served over HTTP by ``minisrv serve --model sim:PACE`` (in
+    this process), ``runs`` times, the configurations taking turns; one row per run with
+    its TTFT, throughput and the server's hit rate (``bench_frame``), indexed by
+    (configuration, run). A small pool (``kv_capacity``) puts it under pressure: what the
+    cache keeps, and in which order the policy admits, decide what is recomputed."""
+    runs = check_int("runs", runs, minimum=1)
+    layouts = {name: Layout(EngineOptions(model=f"sim:{pace:g}", kv_capacity=kv_capacity,
+                                          max_running=max_running, **options))
+               for name, options in SIM_CONFIGS.items()}
+    frames = []
+    for run in range(runs):
+        frame = bench_frame(bench_layouts(layouts, requests, ignore_eos=True))
+        frames.append(frame.assign(repeat=run).set_index("repeat", append=True))
+    return pd.concat(frames).sort_index(level=0, sort_remaining=True)
+
+
+def spread(runs: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """Per configuration: the median, min and max over its runs of each of ``columns``."""
+    grouped = runs.groupby(level=0, sort=False)[list(columns)]
+    out = pd.concat({"median": grouped.median(), "min": grouped.min(), "max": grouped.max()},
+                    axis=1).swaplevel(axis=1)
+    return out[[(c, s) for c in columns for s in ("median", "min", "max")]]
+
+
+def beyond_spread(runs: pd.DataFrame, column: str, a: str, b: str) -> bool:
+    """Whether every run of ``a`` and every run of ``b`` differ in ``column`` the same way:
+    their ranges (min..max over the runs) do not overlap."""
+    x, y = runs.xs(a, level=0)[column], runs.xs(b, level=0)[column]
+    return bool(x.max() < y.min() or y.max() < x.min())
