@@ -200,8 +200,8 @@ def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokeniz
     encodes and decodes while its workers hold the weights, and imports neither torch's
     model code nor the weights); its stop ids are those of the folder's configs and of the
     tokenizer, as the model's."""
-    if str(name_or_path) == "citylm" or str(name_or_path).partition(":")[0] == "sim":
-        return Tokenizer()  # a simulated server's dummy tokens are CityLM's characters
+    if str(name_or_path) == "citylm":
+        return Tokenizer()
     from minisrv.model.hf import folder_eos_ids
     from minisrv.model.loading import checkpoint_folder
 

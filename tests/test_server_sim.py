@@ -1,9 +1,14 @@
-"""``minisrv serve --model sim``: the simulated H100 behind the real server, in a subprocess.
+"""``python -m minisrv.sim.served``: the simulated H100 behind the real server, in a subprocess.
 
 Its tokens are the simulator's dummies (deterministic, among CityLM's characters), its steps
 last their roofline time; the tests check what comes back, never how long it took."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pandas as pd
@@ -17,13 +22,33 @@ from minisrv.experiments.server import (
     sim_server_runs,
     spread,
 )
-from minisrv.server.config import ServerConfig, model_context, simulated_pace
-from minisrv.server.launch import running_server
+from minisrv.server.config import ServerConfig
+from minisrv.server.launch import free_port, wait_healthy
 from minisrv.sim import PacedBackend, SimBackend
-from minisrv.sim.served import build_sim_engine
+from minisrv.sim.served import build_sim_engine, sim_config, simulated_pace
 from minisrv.tokenizer import Tokenizer
 
 TOK = Tokenizer()
+
+
+@contextmanager
+def sim_server(*args: str) -> Iterator[str]:
+    """``python -m minisrv.sim.served ARGS`` on a free port; its URL, once healthy."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "minisrv.sim.served", "--host", "127.0.0.1",
+                             "--port", str(port), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 90, alive=lambda: proc.poll() is None)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def consecutive(text: str) -> bool:
@@ -34,7 +59,7 @@ def consecutive(text: str) -> bool:
 
 
 def test_sim_server_serves_greedy_tokens_and_metrics() -> None:
-    with running_server(["--model", "sim:2", "--max-running", "4"]) as url:
+    with sim_server("--model", "sim:2", "--max-running", "4") as url:
         models = httpx.get(f"{url}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == "sim:2"
         body = {"model": "sim:2", "prompt": "FR:Paris", "max_tokens": 6, "temperature": 0}
@@ -65,7 +90,11 @@ def test_simulated_pace_parses_the_model_name() -> None:
     for bad in ("sim:0", "sim:-1", "sim:fast", "sim:inf", "sim:nan"):
         with pytest.raises(ValueError, match="PACE"):
             simulated_pace(bad)
-    assert model_context("sim:3") == 8192  # LLaMA-3-8B's context, no config file read
+    config = sim_config(ServerConfig(model="sim:3"))
+    assert config.builder is build_sim_engine
+    assert config.request_limit() >= 64 * 8192  # from LLaMA-3-8B's context, no file read
+    with pytest.raises(ValueError, match="simulated"):
+        sim_config(ServerConfig(model="citylm"))
 
 
 def test_sim_engine_paces_steps_at_the_roofline_time() -> None:

@@ -6,7 +6,7 @@ can read its engine while it serves (its trace, its radix tree, the requests it 
 ``bench_layouts`` serves each of several layouts in turn and replays the same requests
 against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
-simulated H100 (``--model sim``) with each policy and cache several times, and ``spread`` /
+simulated H100 (``minisrv.sim.served``) with each policy and cache several times, and ``spread`` /
 ``beyond_spread`` say whether their TTFT and throughput differ beyond the run-to-run spread.
 """
 
@@ -67,16 +67,21 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
     from minisrv.server.dataparallel import DataParallelEngines
     from minisrv.server.launch import serving_app
     from minisrv.server.worker import LocalEngine
+    from minisrv.sim.served import sim_config, simulated_pace
     from minisrv.tokenizer import load_tokenizer
 
     options = layout.options
     check_engine_options(options)
+    simulated = simulated_pace(options.model) is not None
+    if simulated:  # the simulated H100 (minisrv.sim.served)
+        options = sim_config(options)
     engines: Any
     if layout.dp == 1 and not layout.engine_process:
         engines = LocalEngine(options)
     else:
         engines = DataParallelEngines(options, layout.dp, {})
-    app = create_app(engines, load_tokenizer(options.model), model_name(options.model))
+    codec = load_tokenizer("citylm" if simulated else options.model)  # sim: CityLM's letters
+    app = create_app(engines, codec, model_name(options.model))
     with serving_app(app, startup_s) as url:
         yield url, engines
 
@@ -193,8 +198,9 @@ SIM_CONFIGS: dict[str, dict[str, str]] = {
 
 def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float = 1.0,
                     kv_capacity: int = 6000, max_running: int = 16) -> pd.DataFrame:
-    """Each of ``SIM_CONFIGS`` served over HTTP by ``minisrv serve --model sim:PACE`` (in
-    this process), ``runs`` times, the configurations taking turns; one row per run with
+    """Each of ``SIM_CONFIGS`` served over HTTP on the simulated H100 (``python -m
+    minisrv.sim.served --model sim:PACE``, in this process), ``runs`` times, the
+    configurations taking turns; one row per run with
     its TTFT, throughput and the server's hit rate (``bench_frame``), indexed by
     (configuration, run). A small pool (``kv_capacity``) puts it under pressure: what the
     cache keeps, and in which order the policy admits, decide what is recomputed."""

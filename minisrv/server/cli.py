@@ -32,9 +32,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Serve a model over OpenAI's HTTP API.")
     p.add_argument("--model", default="citylm",
-                   help="'citylm' (embedded, the default), a local HF Llama folder, or "
-                        "'sim' / 'sim:PACE': LLaMA-3-8B on a simulated H100, each step "
-                        "sleeping PACE x its roofline time (dummy tokens)")
+                   help="'citylm' (embedded, the default) or a local HF Llama folder "
+                        "(a simulated H100: python -m minisrv.sim.served)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--kv-capacity", type=int, default=None,
@@ -138,7 +137,10 @@ def raise_open_files() -> None:
         pass
 
 
-def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser,
+          builder: Any = None, codec: Any = None) -> None:
+    """``minisrv serve``; ``builder`` and ``codec`` serve an engine that loads no model (the
+    book's simulated H100: ``python -m minisrv.sim.served``) with that tokenizer."""
     import uvicorn
 
     from minisrv.server.app import create_app
@@ -150,7 +152,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     try:
         config = server_config(args)
-        codec = load_tokenizer(args.model)
+        if builder is not None:
+            config = dataclasses.replace(config, builder=builder)
+        codec = codec if codec is not None else load_tokenizer(args.model)
         engines: Any
         if args.dp == 1 and args.engine_thread:
             engines = LocalEngine(config)

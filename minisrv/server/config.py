@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,6 @@ __all__ = [
     "check_engine_options",
     "model_context",
     "model_name",
-    "simulated_pace",
 ]
 
 SERVER_ENGINE = EngineConfig(max_running=64, cache="radix", record_trace=False)
@@ -64,6 +64,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     api_key: str | None = None
     restart_backoff: float = 0.5  # first wait before restarting a dead worker (doubles)
+    # Builds (engine, limits) in place of loading ``model``: a module-level function, so it
+    # travels to worker processes (the book's simulated H100, ``minisrv.sim.served``).
+    builder: Callable[[ServerConfig], tuple[Any, dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("body_timeout", "shutdown_timeout", "restart_backoff"):
@@ -118,27 +121,8 @@ def model_name(model: str) -> str:
     return "citylm" if model == "citylm" else Path(model).resolve().name
 
 
-def simulated_pace(model: str) -> float | None:
-    """The pace of a simulated model (``"sim"``: 1, ``"sim:4"``: 4, ``minisrv.sim.served``);
-    ``None`` for a real one. ValueError for a pace that is not a number > 0."""
-    name, _, pace = str(model).partition(":")
-    if name != "sim":
-        return None
-    try:
-        value = float(pace) if pace else 1.0
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"a simulated model is 'sim' or 'sim:PACE' with PACE > 0, got {model!r}")
-    return value
-
-
 def model_context(model: str) -> int:
     """The model's context in tokens, read from its config alone (no weights loaded)."""
-    if simulated_pace(model) is not None:
-        from minisrv.configs import LLAMA3_8B
-
-        return LLAMA3_8B.max_seq_len
     if model == "citylm":
         from importlib import resources
 

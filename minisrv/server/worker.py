@@ -48,12 +48,8 @@ class Unavailable(RuntimeError):
 
 def build_engine(config: ServerConfig) -> tuple[Any, dict[str, Any]]:
     """Load the model, build the engine and warm it up; return (engine, limits)."""
-    from minisrv.server.config import simulated_pace
-
-    if simulated_pace(config.model) is not None:  # --model sim: the simulated H100
-        from minisrv.sim.served import build_sim_engine
-
-        return build_sim_engine(config)
+    if config.builder is not None:  # an engine without a model to load (a simulated GPU)
+        return config.builder(config)
     import torch
 
     from minisrv.engine import Engine

@@ -4,7 +4,7 @@
 * ``timed.py``: ``TimedBackend``, real tokens from any backend, each step a set wall-clock
   time that passes without the host (as a GPU's kernels do); ``PacedBackend``, each step
   the inner backend's own time for it (a ``SimBackend``'s roofline time) in wall-clock time;
-* ``served.py``: the engine ``minisrv serve --model sim`` serves (the simulated H100);
+* ``served.py``: the simulated H100 behind the real server (``python -m minisrv.sim.served``);
 * ``steptime.py``: ``decode_step_seconds``, one real decode step timed;
 * ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``.
 
