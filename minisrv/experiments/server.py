@@ -212,7 +212,7 @@ def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float
     for run in range(runs):
         frame = bench_frame(bench_layouts(layouts, requests, ignore_eos=True))
         frames.append(frame.assign(repeat=run).set_index("repeat", append=True))
-    return pd.concat(frames).sort_index(level=0, sort_remaining=True)
+    return pd.concat(frames).sort_index().rename_axis(["configuration", "repeat"])
 
 
 def spread(runs: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
