@@ -130,3 +130,18 @@ def test_model_gain_checks_every_loop_against_each_request_alone(model) -> None:
     assert frame.loc["blocking", "late-stop tokens"] == 0
     assert frame.loc["overlapped", "late-stop tokens"] == len(PROMPTS)  # mixed: all decode
     assert frame.loc["overlapped, skip_finishing_decode", "late-stop tokens"] <= len(PROMPTS)
+
+
+def test_timed_backend_spins_as_long_as_told() -> None:
+    import math
+
+    from minisrv.sim import SimBackend, TimedBackend
+
+    for bad in (-1e-3, True, "0"):
+        with pytest.raises(ValueError, match="spin"):
+            TimedBackend(SimBackend(), 1e-3, spin=bad)
+    spinner = TimedBackend(SimBackend(), 2e-3, spin=math.inf)  # never asleep
+    engine = Engine(spinner, kv_capacity=100, max_running=2)
+    assert engine.generate([[0, 5], [0, 6, 7]], 3) == Engine(
+        SimBackend(), kv_capacity=100, max_running=2).generate([[0, 5], [0, 6, 7]], 3)
+    assert spinner.busy >= spinner.steps * 2e-3 and spinner.waited > 0

@@ -113,7 +113,7 @@ def timed_engine(waiting: int, device_s: float, overlap: bool, running: int,
     lengths = [1 + i % output_len if i < running else output_len for i in range(queued)]
     prompts = [[0, *range(2 + 100 * (i % 16), 34 + 100 * (i % 16)),
                 *range(5000 + i % 97, 5008 + i % 97)] for i in range(queued)]
-    backend = TimedBackend(SimBackend(), device_s)
+    backend = TimedBackend(SimBackend(), device_s, spin=math.inf)  # see timed_window
     engine = Engine(backend, mode="mixed", cache="radix", policy="dfs-weight",
                     overlap=overlap, skip_finishing_decode=True, max_running=running,
                     kv_capacity=running * (48 + output_len) + 4000, record_trace=False)
@@ -129,7 +129,9 @@ def timed_window(waiting: int, device_s: float, overlap: bool, running: int,
 
     Python's cyclic garbage collector is off while the loop runs: a collection stops
     whichever step it falls on for tens of milliseconds (servers freeze or tune the
-    collector for the same reason).
+    collector for the same reason). And the loop waits for the device by spinning, never
+    asleep (``spin=math.inf``, as CUDA's spinning synchronisation does): on a busy machine a
+    sleeper can wake up milliseconds late, which would lengthen every blocking step alone.
     """
     if waiting < (warmup + steps + 2) * running // output_len:
         raise ValueError(f"{waiting} waiting requests run dry within {warmup + steps} steps")
@@ -158,8 +160,8 @@ def _median(values: Sequence[float]) -> float:
 
 
 def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
-               running: int = 256, output_len: int = 32, steps: int = 20, warmup: int = 3,
-               repeats: int = 5) -> pd.DataFrame:
+               running: int = 256, output_len: int = 32, steps: int = 14, warmup: int = 3,
+               repeats: int = 7) -> pd.DataFrame:
     """Blocking vs overlapped on a timed simulated device, one row per target host share.
 
     The device's step lasts ``device_ms`` at least (a memory-bound decode step costs about

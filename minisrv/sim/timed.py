@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["SPIN", "PacedBackend", "TimedBackend", "TimedResult"]
 
 SPIN = 2e-4
-"""Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``)."""
+"""Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``'s
+default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class TimedBackend:
     time, so a run's device and host time per step can be measured.
     """
 
-    def __init__(self, inner: Any, step_time: float) -> None:
+    def __init__(self, inner: Any, step_time: float, spin: float = SPIN) -> None:
         if not callable(getattr(inner, "run", None)) or not callable(
             getattr(inner, "release", None)
         ):
@@ -63,8 +64,11 @@ class TimedBackend:
             or not (math.isfinite(step_time) and step_time >= 0)
         ):
             raise ValueError(f"step_time must be a number of seconds >= 0, got {step_time!r}")
+        if isinstance(spin, bool) or not isinstance(spin, numbers.Real) or not spin >= 0:
+            raise ValueError(f"spin must be a number of seconds >= 0, got {spin!r}")
         self.inner = inner
         self.step_time = float(step_time)
+        self.spin = float(spin)
         self.time_unit: str = inner.time_unit
         self.cost_unit: str = inner.cost_unit
         self.eos_ids: tuple[int, ...] = inner.eos_ids
@@ -127,14 +131,16 @@ class TimedBackend:
     def wait(self, result: BatchResult) -> None:
         """Return once the device has ended the step that gave ``result``.
 
-        It sleeps until ``SPIN`` seconds before the end and spins the rest (CUDA can
-        synchronise by spinning too): a sleeper wakes up to a tenth of a millisecond late,
-        which would add to every step it waits for. ``waited`` adds up the time spent here.
+        It sleeps until ``spin`` seconds before the end and spins the rest (CUDA can
+        synchronise by spinning too): a sleeper wakes up a tenth of a millisecond late, on a
+        busy machine far later, which would add to every step it waits for. Sleeping frees
+        Python's lock for other threads (a server's); ``spin=math.inf`` never sleeps.
+        ``waited`` adds up the time spent here.
         """
         start = time.perf_counter()
         done_at = getattr(result, "done_at", 0.0)
-        if done_at - start > SPIN:
-            time.sleep(done_at - start - SPIN)
+        if done_at - start > self.spin:
+            time.sleep(done_at - start - self.spin)
         while (now := time.perf_counter()) < done_at:
             pass
         self.waited += now - start
@@ -143,7 +149,7 @@ class TimedBackend:
         self.inner.release(req)
 
     def __repr__(self) -> str:
-        return f"TimedBackend({self.inner!r}, step_time={self.step_time!r})"
+        return f"TimedBackend({self.inner!r}, step_time={self.step_time!r}, spin={self.spin!r})"
 
 
 class PacedBackend(TimedBackend):
