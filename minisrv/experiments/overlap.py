@@ -170,7 +170,8 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
     the waiting queue that DFS-weight orders every step (``timed_engine``). A short
     blocking run measures the host's time per waiting request; each share s then gets the
     queue whose host time should be ``device s / (1 - s)``, and the device step is set
-    from that queue's own measured host time, so the share lands near its target.
+    from that queue's own measured host time (the median of a first run and of every
+    blocking run so far), so the share lands near its target.
 
     Both loops then serve the same requests ``repeats`` times, taking turns (a busy moment
     of a shared machine falls on both alike), each run timed over ``steps`` steps
@@ -201,11 +202,17 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
         # a queue a little longer than the estimate: the device step is then set from its
         # measured host time, and stays at least device_ms
         waiting = max(least, round(1.1 * device * share / (1 - share) / per_waiting))
-        host = timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle
-        step_s = max(device, host * (1 - share) / share)
-        runs = [(timed_window(waiting, step_s, False, running, output_len, warmup, steps),
-                 timed_window(waiting, step_s, True, running, output_len, warmup, steps))
-                for _ in range(repeats)]
+        hosts = [timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle]
+        runs, step_times = [], []
+        for _ in range(repeats):
+            # the device step follows the host time measured so far (a shared machine's
+            # load moves it), so the share stays near its target
+            step_s = max(device, _median(hosts) * (1 - share) / share)
+            block = timed_window(waiting, step_s, False, running, output_len, warmup, steps)
+            over = timed_window(waiting, step_s, True, running, output_len, warmup, steps)
+            runs.append((block, over))
+            step_times.append(step_s)
+            hosts.append(block.idle)
         same = all(block.outputs[rid] == out for block, over in runs
                    for rid, out in over.outputs.items() if rid in block.outputs)
         measured = [(o.tokens / o.wall) / (b.tokens / b.wall) for b, o in runs]
@@ -214,7 +221,7 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
             "target host %": 100 * share,
             "waiting": waiting,
             "host %": _median([100 * b.idle / b.wall for b, _ in runs]),
-            "device ms": 1e3 * step_s,
+            "device ms": 1e3 * _median(step_times),
             "host ms, blocking": _median([1e3 * b.idle for b, _ in runs]),
             "host ms, overlapped": _median([1e3 * o.host for _, o in runs]),
             "device idle ms, overlapped": _median([1e3 * o.idle for _, o in runs]),
