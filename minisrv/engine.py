@@ -188,6 +188,8 @@ class Engine(ConfigView):
             sampler.logits_processors.remove(self._grammars)
         self._grammars = GrammarSampling(vocab)
         sampler.logits_processors.append(self._grammars)
+        if self.config.jump_forward:
+            self.backend.jump = self._grammars  # type: ignore[attr-defined]
         return self._grammars
 
     def step(self) -> StepOutput:

@@ -134,6 +134,9 @@ class BatchResult:
     tokens: list[list[int]]
     cost: float
     elapsed: float
+    # Of the tokens, those a grammar forced (jump-forward); keyword-only, so a subclass's
+    # own fields (the simulator's TimedResult) stay positional after ``elapsed``.
+    jumped: int = field(default=0, kw_only=True)
 
     @property
     def next_tokens(self) -> list[int]:
@@ -264,6 +267,7 @@ class SchedulerStats:
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += len(batch.decode)
         self.generated_tokens += len(result.next_tokens)
+        self.jump_forward_tokens += result.jumped
         self.busy_time += result.elapsed
         self.cost += result.cost
 
