@@ -19,8 +19,8 @@ the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` dri
 scheduler with ``minisrv.scheduler.overlap.OverlapLoop``), the attention kind and the
 device, speculative decoding (``speculative="ngram" | "draft" | a Drafter``,
 ``num_draft_tokens=k``: ``minisrv.scheduler.speculative``) and jump-forward for
-constrained requests (``jump_forward=True``). Every argument is validated before anything is queued, so a bad call raises
-ValueError and leaves the engine exactly as it was.
+constrained requests (``jump_forward=True``). Every argument is validated before anything
+is queued, so a bad call raises ValueError and leaves the engine exactly as it was.
 """
 
 from __future__ import annotations
