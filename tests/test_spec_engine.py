@@ -221,7 +221,7 @@ def workloads(draw):
                 ratio=draw(st.sampled_from([0.7, 0.05])))  # 0.05: admits boldly, retracts
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(w=workloads())
 def test_workloads_keep_tokens_and_books(model, w):
