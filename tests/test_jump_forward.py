@@ -137,3 +137,10 @@ def test_jump_forward_refuses_the_overlapped_loop(citylm):
         Engine(model, jump_forward=True, overlap=True)
     with pytest.raises(ValueError, match="jump_forward must be True or False"):
         Engine(model, jump_forward=1)
+
+
+def test_the_server_flag_reaches_the_engine():
+    from minisrv.server.cli import build_parser, server_config
+
+    assert server_config(build_parser().parse_args(["serve", "--jump-forward"])).engine.jump_forward
+    assert not server_config(build_parser().parse_args(["serve"])).engine.jump_forward
