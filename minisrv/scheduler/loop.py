@@ -110,8 +110,6 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         before["start"] = self.clock  # a device's steps follow each other
         self.clock += result.elapsed
         finished = self.process_batch_result(batch, result)
-        if self.spec is not None:
-            self.spec.count(batch, result, self.stats, before)
         return self.record(batch, before, result, finished)
 
     # ----------------------------------------------------------------- forming a batch

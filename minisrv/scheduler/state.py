@@ -160,6 +160,8 @@ class SchedulerState(ConfigView):
         """
         stats = self.stats
         stats.count_step(batch, result, before["prefill_tokens"])
+        if self.spec is not None:  # the checks' guesses and kept ones, into the trace too
+            self.spec.count(batch, result, stats, before)
         stats.generated_tokens -= extra
         stats.wasted_tokens += extra
         stats.late_stop_tokens += extra
