@@ -119,3 +119,22 @@ def test_json_runs_validate_against_the_schema(tmp_path) -> None:
     assert (plain.forwards == plain.tokens).all() and (jump.forwards < jump.tokens).all()
     other = dict(st.CITY_SCHEMA, required=["city", "rank", "country"])
     assert not st.json_runs(model, tokenizer, grammar, other, range(1), (0.0,)).valid.any()
+
+
+def test_the_drawings_show_the_mask_and_the_automaton(citylm, vocab) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("graphviz")
+    from minisrv.viz import grammar as vg
+
+    model, tok = citylm
+    grammar = compile_grammar(vocab, regex=st.PICK)
+    tokens = constrained_generate(model, tok.encode("FR:"), grammar,
+                                  SamplingParams(max_new_tokens=10)).tokens
+    fig = vg.plot_masks(st.mask_trace(grammar, tokens), vg.token_texts(tok), title="t")
+    image = fig.axes[0].images[0].get_array()
+    assert image.shape == (len(tokens), tok.vocab_size)
+    assert (image == 2).sum() == len(tokens)  # one chosen token per step
+    machine = st.automaton(grammar)
+    dot = vg.draw_automaton(machine.compressed()).source
+    assert dot.count("doublecircle") == len(machine.compressed().accepting)
+    assert "Paris" in dot
