@@ -21,6 +21,7 @@ from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.speculative import Speculation, make_drafter
 
 __all__ = ["SchedulerState"]
 
@@ -44,6 +45,7 @@ class SchedulerState(ConfigView):
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
+        self.spec: Speculation | None = make_speculation(config, backend)
         self.clock = 0.0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -163,7 +165,8 @@ class SchedulerState(ConfigView):
         stats.late_stop_tokens += extra
         record = StepRecord(index=stats.steps - 1, end=self.clock,
                             finished=tuple(req.rid for req in finished),
-                            queued=len(self.waiting), cost=result.cost, **before)
+                            queued=len(self.waiting), cost=result.cost, jumped=result.jumped,
+                            **before)
         if self.config.record_trace:
             self.trace.append(record)
         if self.config.debug:
@@ -241,3 +244,24 @@ class SchedulerState(ConfigView):
         req.state = state
         if release:
             self.backend.release(req)
+        if self.spec is not None:
+            self.spec.release(req)
+
+
+def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | None:
+    """The engine's speculative decoding (``config.speculative``), or None when off; a
+    backend must verify drafts (``ModelRunner``), a simulated GPU does not. Jump-forward
+    alone needs its multi-token decode entries, without a drafter."""
+    if config.speculative is None:
+        if config.jump_forward:  # multi-token decode entries only, no drafts
+            return Speculation(None, 0, lambda reqs: [None] * len(reqs))
+        return None
+    sampler = getattr(backend, "sampler", None)
+    if not getattr(backend, "verifies_drafts", False) or sampler is None:
+        raise ValueError(f"speculative decoding needs a model to check the drafts "
+                         f"(ModelRunner), not a {type(backend).__name__}")
+    if sampler.logits_processors:
+        raise ValueError("speculative decoding checks its rows without the runner's logits "
+                         "processors: give the ModelRunner none")
+    return Speculation(make_drafter(config.speculative), config.num_draft_tokens,
+                       sampler.generators, backend.vocab_size)
