@@ -16,9 +16,12 @@ REPO_URL = "https://github.com/minisrv/minisrv"
 
 # What a chapter needs beyond the package itself, as the extras of pyproject.toml: every
 # chapter draws (viz); the server chapter starts `minisrv serve` and talks HTTP to it; the GPU
-# appendix loads a Hugging Face Llama folder. A chapter not listed needs ("viz",).
+# appendix loads a Hugging Face Llama folder; the structured-output chapter masks with xgrammar,
+# validates with jsonschema, writes a tiny Llama folder and serves it in-process. A chapter not
+# listed needs ("viz",).
 CHAPTER_EXTRAS: dict[str, tuple[str, ...]] = {
     "08_server": ("viz", "serve"),
+    "08a_structured_output": ("viz", "grammar", "hf", "serve"),
     "09_gpu_appendix": ("viz", "hf"),
 }
 # One importable module per package of each extra: the setup cell installs when any is missing.
@@ -26,6 +29,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "viz": ("ipywidgets", "matplotlib", "graphviz", "pandas"),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx", "aiohttp", "openai"),
     "hf": ("transformers", "tokenizers", "huggingface_hub"),
+    "grammar": ("xgrammar", "jsonschema"),
 }
 
 
@@ -47,6 +51,9 @@ def setup_cell(chapter: str) -> str:
     extras = chapter_extras(chapter)
     modules = ("minisrv",) + tuple(m for extra in extras for m in EXTRA_MODULES[extra])
     spec = f"minisrv[{','.join(extras)}] @ git+{REPO_URL}"
+    # The install line within the 100 columns of ruff: ``check=True`` on a line of its own
+    # when the chapter's extras make it longer.
+    ending = ", check=True)" if len(spec) <= 64 else ",\n                   check=True)"
     names = textwrap.fill(", ".join(f'"{m}"' for m in modules), width=84,
                           initial_indent="    ", subsequent_indent="    ")
     return f'''\
@@ -61,7 +68,7 @@ NEEDED = (
 )
 if any(importlib.util.find_spec(name) is None for name in NEEDED):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "{spec}"], check=True)
+                    "{spec}"]{ending}
     importlib.invalidate_caches()
 
 from minisrv.book import default_device  # noqa: E402  (importable only after the install)

@@ -15,6 +15,8 @@ larger than the chapter does by passing other arguments.
 * ``overlap``, ``lanes``, ``breakdown`` (zero-overhead scheduling): measured waste and gain,
   the two-lane model (``timeline``, ``throughput_ratio``), the per-step time breakdown;
 * ``server`` (serving it for real): a server opened in-process, layouts benchmarked;
+* ``structured`` (structured output): mask traces, a grammar's automaton, masked
+  probabilities, JSON runs validated against their schema, the mask's cost per step;
 * ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs.
 
 Names are imported lazily (``from minisrv.experiments import rate_sweep`` loads only the
@@ -101,6 +103,22 @@ _PUBLIC = {
     "prefix_heavy_requests": "server",
     "sim_server_runs": "server",
     "spread": "server",
+    "CITY_SCHEMA": "structured",
+    "FULL_STOP": "structured",
+    "PICK": "structured",
+    "RECORDS": "structured",
+    "THREE_CITIES": "structured",
+    "Automaton": "structured",
+    "MaskStep": "structured",
+    "StepProbability": "structured",
+    "automaton": "structured",
+    "decode_step_ms": "structured",
+    "in_process_server": "structured",
+    "json_runs": "structured",
+    "mask_cost_us": "structured",
+    "mask_trace": "structured",
+    "step_probabilities": "structured",
+    "synthetic_vocabulary": "structured",
     "DEMO_TEXT": "gpu",
     "DecodeRun": "gpu",
     "current_gpu": "gpu",

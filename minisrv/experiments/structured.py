@@ -1,0 +1,324 @@
+"""The structured-output chapter's runs: grammars as token masks, on CityLM and on a tiny
+JSON-capable Llama folder.
+
+``mask_trace`` replays a constrained generation and keeps each step's mask, for the picture
+of the vocabulary lit step by step. ``automaton`` explores a grammar with a finite language
+through xgrammar's matcher and merges prefixes with the same completions into states: the
+minimal automaton the mask walks, drawn character by character or compressed into chains
+(SGLang's compressed finite-state machine). ``step_probabilities`` compares the model's own
+probability of each chosen token with the renormalised one under the mask. ``json_runs``
+samples a JSON schema over seeds and temperatures and validates every output.
+``mask_cost_us`` times one step's fill and apply.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from minisrv.grammar import (
+    CompiledGrammar,
+    GrammarLogitsProcessor,
+    GrammarState,
+    Vocabulary,
+    compile_grammar,
+)
+from minisrv.grammar.reference import constrained_generate
+from minisrv.sampling import SamplingParams
+
+__all__ = [
+    "CITY_SCHEMA",
+    "FULL_STOP",
+    "PICK",
+    "RECORDS",
+    "THREE_CITIES",
+    "Automaton",
+    "MaskStep",
+    "StepProbability",
+    "automaton",
+    "decode_step_ms",
+    "in_process_server",
+    "json_runs",
+    "mask_cost_us",
+    "mask_trace",
+    "step_probabilities",
+    "synthetic_vocabulary",
+]
+
+THREE_CITIES = r"( [A-Z][a-z]+,){3}"
+"""Three city names, each after a space and before a comma: what a program splits on ``,``."""
+
+FULL_STOP = r" [A-Z][a-z]+, [A-Z][a-z]+, [A-Z][a-z]+\."
+"""Three cities then a full stop: a grammar CityLM's habits disagree with (see the chapter)."""
+
+RECORDS = r"""root ::= record record
+record ::= code ": " city ", " city ", " city "\n"
+code ::= [A-Z] [A-Z]
+city ::= [A-Z] [a-z]+ ("-" [A-Za-z] [a-z]+)*
+"""
+"""Two ``Country: City, City, City`` records in xgrammar's EBNF (rule ``root``)."""
+
+PICK = r" (Paris|Lyon|Lille|Nice|Rome|Riga)\."
+"""A regex with a finite language, small enough to draw its automaton."""
+
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+    },
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+"""A JSON answer a program can parse: a city of a fixed list and its rank."""
+
+
+@dataclass(frozen=True)
+class MaskStep:
+    """One decoding step: the tokens the grammar allowed, and the one chosen."""
+
+    allowed: torch.Tensor  # bool [vocab]
+    token: int
+
+
+def mask_trace(grammar: CompiledGrammar, tokens: Sequence[int]) -> list[MaskStep]:
+    """The mask before each of ``tokens`` (a constrained output) and the token taken."""
+    state = GrammarState(grammar)
+    steps = []
+    for token in tokens:
+        steps.append(MaskStep(state.allowed_mask(), int(token)))
+        state.accept(token)
+    return steps
+
+
+@dataclass(frozen=True)
+class Automaton:
+    """A minimal automaton: states ``0..n-1`` (0 the start), ``edges`` (from, text, to),
+    ``accepting`` the states where the text may end."""
+
+    n_states: int
+    edges: tuple[tuple[int, str, int], ...]
+    accepting: frozenset[int]
+
+    def compressed(self) -> Automaton:
+        """Chains of states with one way out merged into one edge of many characters: the
+        compressed finite-state machine. Along such an edge the grammar fixes every
+        character, which is what jump-forward appends without a decoding step."""
+        out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.n_states)}
+        indegree = dict.fromkeys(range(self.n_states), 0)
+        for a, text, b in self.edges:
+            out[a].append((text, b))
+            indegree[b] += 1
+
+        def passable(s: int) -> bool:  # a state inside a chain: one way in, one way out
+            return len(out[s]) == 1 and indegree[s] == 1 and s not in self.accepting and s
+
+        kept = [s for s in range(self.n_states) if not passable(s)]
+        ids = {s: i for i, s in enumerate(kept)}
+        edges = []
+        for a in kept:
+            for text, b in out[a]:
+                while passable(b):
+                    more, b = out[b][0]
+                    text += more
+                edges.append((ids[a], text, ids[b]))
+        return Automaton(len(kept), tuple(edges), frozenset(ids[s] for s in self.accepting))
+
+
+def automaton(grammar: CompiledGrammar, max_states: int = 200) -> Automaton:
+    """The minimal automaton of ``grammar``'s language, found through its matcher.
+
+    Every prefix the mask allows is visited depth first (accept a token, recurse, roll
+    back); two prefixes are one state when they allow the same completions. That only ends
+    for a finite language (no ``+`` or ``*``): ``ValueError`` past ``max_states`` prefixes.
+    """
+    vocab = grammar.vocab
+    state = GrammarState(grammar)
+    ids: dict[frozenset[str], int] = {}
+    edges: set[tuple[int, str, int]] = set()
+    accepting: set[int] = set()
+    visited = 0
+
+    def visit() -> frozenset[str]:
+        nonlocal visited
+        visited += 1
+        if visited > max_states:
+            raise ValueError(f"more than {max_states} prefixes: draw a finite grammar")
+        allowed = torch.nonzero(state.allowed_mask()).flatten().tolist()
+        completions = {""} if state.is_completed else set()
+        moves = []
+        for token in allowed:
+            if token in vocab.stop_ids:
+                continue
+            text = vocab.token_bytes[token].decode()
+            state.accept(token)
+            rest = visit()
+            state.rollback(1)
+            completions |= {text + tail for tail in rest}
+            moves.append((text, rest))
+        key = frozenset(completions)
+        here = ids.setdefault(key, len(ids))
+        if state.is_completed:
+            accepting.add(here)
+        for text, rest in moves:
+            edges.add((here, text, ids[rest]))
+        return key
+
+    start = ids[visit()]
+    # Renumber breadth first from the start, so state 0 is the start and numbers grow
+    # along the text.
+    order, queue = [start], [start]
+    while queue:
+        a = queue.pop(0)
+        for _, _, b in sorted(e for e in edges if e[0] == a):
+            if b not in order:
+                order.append(b)
+                queue.append(b)
+    new = {s: i for i, s in enumerate(order)}
+    return Automaton(len(order), tuple(sorted((new[a], t, new[b]) for a, t, b in edges)),
+                     frozenset(new[s] for s in accepting))
+
+
+@dataclass(frozen=True)
+class StepProbability:
+    """One step of a constrained output: the token, its probability under the model alone
+    (``free``), under the mask (``masked``, renormalised over the allowed tokens), and the
+    share of the model's probability the mask allowed (``allowed_mass``)."""
+
+    text: str
+    free: float
+    masked: float
+    allowed_mass: float
+
+
+@torch.inference_mode()
+def step_probabilities(model: Any, prompt: Sequence[int], grammar: CompiledGrammar,
+                       tokens: Sequence[int]) -> list[StepProbability]:
+    """The model's and the mask's probability of each of ``tokens`` after ``prompt``
+    (temperature 1: the softmax of the logits, then of the masked logits)."""
+    ids = torch.tensor([*prompt, *tokens], dtype=torch.long, device=model.device)
+    logits = model(ids, model.new_cache())[len(prompt) - 1: len(ids) - 1].float()
+    state = GrammarState(grammar)
+    rows = []
+    for row, token in zip(logits, tokens):
+        free = torch.softmax(row, -1)
+        allowed = state.allowed_mask().to(row.device)
+        masked = torch.softmax(row.masked_fill(~allowed, float("-inf")), -1)
+        text = grammar.vocab.token_bytes[token].decode("utf-8", "replace")
+        rows.append(StepProbability(text, free[token].item(), masked[token].item(),
+                                    free[allowed].sum().item()))
+        state.accept(token)
+    return rows
+
+
+def json_runs(model: Any, tokenizer: Any, grammar: CompiledGrammar, schema: dict[str, Any],
+              seeds: Iterable[int], temperatures: Iterable[float], prompt: str = "",
+              max_new_tokens: int = 80, jump_forward: bool = False) -> pd.DataFrame:
+    """One sampled output per (temperature, seed): its text, whether it parses and
+    validates against ``schema`` (jsonschema), its tokens and the model forwards it took."""
+    import jsonschema
+
+    rows = []
+    for temperature in temperatures:
+        for seed in seeds:
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=seed)
+            run = constrained_generate(model, tokenizer.encode(prompt), grammar, params,
+                                       jump_forward=jump_forward)
+            text = tokenizer.decode(run.tokens)
+            try:  # strict=False: xgrammar admits raw control characters in strings
+                jsonschema.validate(json.loads(text, strict=False), schema)
+                valid = True
+            except (json.JSONDecodeError, jsonschema.ValidationError):
+                valid = False
+            rows.append({"temperature": temperature, "seed": seed, "text": text,
+                         "valid": valid, "tokens": len(run.tokens), "forwards": run.forwards,
+                         "jumped": run.jumped})
+    return pd.DataFrame(rows)
+
+
+def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:
+    """A vocabulary of a real tokenizer's size: printable ASCII plus random letter strings
+    (a third with a leading space, as in BPE vocabularies), eos first."""
+    import xgrammar as xgr
+
+    rng = random.Random(seed)
+    tokens = ["</s>", *string.printable]
+    seen = set(tokens)
+    while len(tokens) < size:
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8)))
+        word = (" " + word) if rng.random() < 0.33 else word
+        if word not in seen:
+            seen.add(word)
+            tokens.append(word)
+    info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, stop_token_ids=[0])
+    return Vocabulary(info, f"synthetic-{size // 1000}k")
+
+
+def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str | None = None,
+                 json_schema: dict[str, Any] | None = None) -> float:
+    """Median microseconds of one step's mask (batched fill and apply on CPU float32 logits)
+    for ``batch`` constrained rows, each a few random allowed tokens into its grammar."""
+    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
+    rng = random.Random(0)
+    states = []
+    for _ in range(batch):
+        state = GrammarState(grammar)
+        for _ in range(rng.randint(0, 6)):
+            allowed = [i for i in torch.nonzero(state.allowed_mask()).flatten().tolist()
+                       if i not in vocab.stop_ids]
+            if not allowed:
+                break
+            state.accept(rng.choice(allowed))
+        states.append(state)
+    processor = GrammarLogitsProcessor(vocab.size)
+    logits = torch.randn(batch, vocab.size)
+    times = []
+    for _ in range(repeats):
+        work = logits.clone()
+        start = time.perf_counter()
+        processor(work, states)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def decode_step_ms(batch: int, context: int = 1000) -> float:
+    """A decode step's time on the simulated H100 (roofline) for LLaMA-3-8B in bf16:
+    ``batch`` requests each at ``context`` tokens."""
+    from minisrv.configs import H100, LLAMA3_8B
+    from minisrv.roofline import step_cost_from_totals
+
+    cost = step_cost_from_totals(LLAMA3_8B, H100, batch, batch * (context + 1),
+                                 batch * context, 2)
+    return cost.time_s * 1e3
+
+
+@contextmanager
+def in_process_server(model: str, startup_s: float = 60.0) -> Iterator[Any]:
+    """``minisrv serve --model MODEL`` inside this process: its HTTP app behind a test
+    client (requests go to the app directly, no socket), ready when the model is loaded."""
+    from starlette.testclient import TestClient
+
+    from minisrv.model import load_tokenizer
+    from minisrv.server.app import create_app
+    from minisrv.server.config import EngineOptions, model_name
+    from minisrv.server.worker import LocalEngine
+
+    options = EngineOptions(model=model, device="cpu", kv_capacity=400, max_running=4)
+    with TestClient(create_app(LocalEngine(options), load_tokenizer(model),
+                               model_name(model))) as client:
+        deadline = time.monotonic() + startup_s
+        while client.get("/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server for {model} did not become healthy")
+            time.sleep(0.05)
+        yield client

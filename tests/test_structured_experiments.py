@@ -1,0 +1,140 @@
+"""The structured-output chapter's experiment code (``minisrv.experiments.structured``): the
+mask trace, the automaton explored through the matcher and its compression, the masked
+probabilities, and the JSON runs' validation."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from minisrv.experiments import structured as st  # noqa: E402
+from minisrv.grammar import citylm_vocabulary, compile_grammar  # noqa: E402
+from minisrv.grammar.reference import constrained_generate  # noqa: E402
+from minisrv.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vocab(citylm):
+    model, tok = citylm
+    return citylm_vocabulary(tok, size=model.config.vocab_size)
+
+
+def _words(machine: st.Automaton) -> set[str]:
+    """Every text from the start to an accepting state (the machine is acyclic)."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for a, text, b in machine.edges:
+        out.setdefault(a, []).append((text, b))
+
+    def walk(s: int) -> set[str]:
+        here = {""} if s in machine.accepting else set()
+        return here | {t + rest for t, b in out.get(s, []) for rest in walk(b)}
+
+    return walk(0)
+
+
+def test_the_automaton_spells_exactly_the_regex_language(vocab) -> None:
+    machine = st.automaton(compile_grammar(vocab, regex=st.PICK))
+    names = ("Paris", "Lyon", "Lille", "Nice", "Rome", "Riga")
+    assert _words(machine) == {f" {n}." for n in names}
+    small = machine.compressed()
+    assert _words(small) == _words(machine)
+    assert small.n_states < machine.n_states and len(small.edges) < len(machine.edges)
+    assert "Paris" in {t for _, t, _ in small.edges}  # a chain of forced letters, one arrow
+
+
+def test_the_automaton_is_minimal_for_shared_suffixes(vocab) -> None:
+    """Prefixes with the same completions are one state: after ``a`` and after ``c``."""
+    machine = st.automaton(compile_grammar(vocab, regex=r"(ab|cb)"))
+    assert machine.n_states == 3 and len(machine.edges) == 3
+
+
+def test_an_infinite_language_is_refused(vocab) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        st.automaton(compile_grammar(vocab, regex=r"a+"), max_states=50)
+
+
+def test_the_mask_trace_allows_every_chosen_token(citylm, vocab) -> None:
+    model, tok = citylm
+    grammar = compile_grammar(vocab, regex=st.THREE_CITIES)
+    tokens = constrained_generate(model, tok.encode("FR:"), grammar,
+                                  SamplingParams(max_new_tokens=40)).tokens
+    steps = st.mask_trace(grammar, tokens)
+    assert [s.token for s in steps] == tokens
+    assert all(bool(s.allowed[s.token]) for s in steps)
+    assert steps[-1].allowed.sum() == 1 and tokens[-1] == tok.eos_id  # only <eos> at the end
+    assert re.fullmatch(st.THREE_CITIES, tok.decode(tokens))
+
+
+def test_masked_probabilities_are_the_renormalised_model(citylm, vocab) -> None:
+    model, tok = citylm
+    grammar = compile_grammar(vocab, regex=st.FULL_STOP)
+    prompt = tok.encode("FR:")
+    tokens = constrained_generate(model, prompt, grammar, SamplingParams(max_new_tokens=30)).tokens
+    for step in st.step_probabilities(model, prompt, grammar, tokens):
+        assert 0 < step.allowed_mass <= 1 + 1e-6
+        assert step.masked == pytest.approx(step.free / step.allowed_mass, rel=1e-4, abs=1e-12)
+        assert step.masked >= step.free - 1e-7
+
+
+def test_records_ebnf_gives_two_parseable_records(citylm, vocab) -> None:
+    model, tok = citylm
+    grammar = compile_grammar(vocab, ebnf=st.RECORDS)
+    line = r"[A-Z]{2}: ([A-Z][a-z]+(-[A-Za-z][a-z]+)*, ){2}[A-Z][a-z]+(-[A-Za-z][a-z]+)*\n"
+    for seed in range(3):
+        params = SamplingParams(max_new_tokens=150, temperature=1.0, seed=seed)
+        run = constrained_generate(model, tok.encode(""), grammar, params, jump_forward=True)
+        assert re.fullmatch(f"({line}){{2}}", tok.decode(run.tokens))
+        assert run.jumped == 8  # ": " and the space after each comma, in both records
+
+
+def test_mask_cost_and_the_step_are_positive_and_the_step_grows(vocab) -> None:
+    assert st.mask_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
+    assert 0 < st.decode_step_ms(1) < st.decode_step_ms(64)
+
+
+def test_the_synthetic_vocabulary_has_the_size_asked() -> None:
+    vocab = st.synthetic_vocabulary(2_000)
+    assert vocab.size == 2_000 and vocab.stop_ids == (0,)
+    assert torch.tensor([len(b) for b in vocab.token_bytes[1:]]).min() >= 1
+
+
+def test_json_runs_validate_against_the_schema(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("jsonschema")
+    from minisrv.grammar import hf_vocabulary
+    from minisrv.grammar.tiny_json import write_json_llama
+    from minisrv.model import load_model
+
+    model, tokenizer = load_model(write_json_llama(tmp_path / "llama"), "cpu")
+    vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
+    grammar = compile_grammar(vocab, json_schema=st.CITY_SCHEMA)
+    plain = st.json_runs(model, tokenizer, grammar, st.CITY_SCHEMA, range(3), (0.0, 1.5))
+    jump = st.json_runs(model, tokenizer, grammar, st.CITY_SCHEMA, range(3), (0.0, 1.5),
+                        jump_forward=True)
+    assert plain.valid.all() and jump.valid.all() and len(plain) == 6
+    assert (plain.forwards == plain.tokens).all() and (jump.forwards < jump.tokens).all()
+    other = dict(st.CITY_SCHEMA, required=["city", "rank", "country"])
+    assert not st.json_runs(model, tokenizer, grammar, other, range(1), (0.0,)).valid.any()
+
+
+def test_the_drawings_show_the_mask_and_the_automaton(citylm, vocab) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("graphviz")
+    from minisrv.viz import grammar as vg
+
+    model, tok = citylm
+    grammar = compile_grammar(vocab, regex=st.PICK)
+    tokens = constrained_generate(model, tok.encode("FR:"), grammar,
+                                  SamplingParams(max_new_tokens=10)).tokens
+    fig = vg.plot_masks(st.mask_trace(grammar, tokens), vg.token_texts(tok), title="t")
+    image = fig.axes[0].images[0].get_array()
+    assert image.shape == (len(tokens), tok.vocab_size)
+    assert (image == 2).sum() == len(tokens)  # one chosen token per step
+    machine = st.automaton(grammar)
+    dot = vg.draw_automaton(machine.compressed()).source
+    assert dot.count("doublecircle") == len(machine.compressed().accepting)
+    assert "Paris" in dot
