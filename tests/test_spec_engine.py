@@ -342,3 +342,12 @@ def test_drafts_reach_the_runner_as_one_check_per_request(citylm):
     assert len(out.tokens_of(req)) == accepted + 1
     assert len(req.kv_slots) == held + accepted + 1 == req.seq_len - 1
     assert out.record.drafted - out.record.accepted == 4 - accepted  # the KV freed
+
+
+@pytest.mark.parametrize("attention", ["loop", "padded"])
+def test_checks_under_each_attention_backend(citylm, workload, draft_model, attention):
+    model, _ = citylm
+    prompts, want = workload
+    engine = Engine(model, speculative=drafter_of("draft", draft_model), num_draft_tokens=5,
+                    attention=attention, max_running=8, debug=True)
+    assert run(engine, prompts) == want
