@@ -63,6 +63,9 @@ class Req:
     cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
     cache_node: TreeNode | None = None  # the cache node locking that prefix while it runs
     cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
+    draft_tokens: int = 0  # speculative decoding: guesses checked for it
+    accepted_tokens: int = 0  # of those, kept (acceptance rate: accepted / drafted)
+    jump_forward_tokens: int = 0  # tokens its grammar forced, appended without a step
 
     @property
     def prompt_len(self) -> int:

@@ -33,6 +33,7 @@ from minisrv.request import Req
 from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
+from minisrv.runner.speculative import compute_checks, prepare_checks
 from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.records import Batch, BatchResult
 
@@ -54,6 +55,7 @@ class StepInputs(NamedTuple):
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     histories: list[tuple[list[int], list[int]]] | None  # for penalties (Sampler.histories)
+    checks: Any = None  # speculative checks (runner.speculative.Checks); None: none
 
 
 class ModelRunner:
@@ -77,6 +79,7 @@ class ModelRunner:
 
     time_unit = "step"
     cost_unit = "tokens"
+    verifies_drafts = True  # speculative checks: minisrv.runner.speculative
 
     def __init__(self, model: CityLM, attention: str = "auto", *,
                  device: str | torch.device | None = None,
@@ -136,6 +139,8 @@ class ModelRunner:
         """
         if self.pool is None:
             raise ValueError("ModelRunner has no KV pool: the scheduler calls attach_kv first")
+        if batch.drafts is not None:
+            return prepare_checks(self, batch)
         new_ids, slots, rows = [], [], []
         row = -1
         for entry in batch.entries:
@@ -174,6 +179,8 @@ class ModelRunner:
         ``torch.where`` over the step's input ids. ``store`` receives the sampled tokens
         before this returns (``FutureMap.store``): on a GPU part of the same step's work.
         """
+        if step.checks is not None:
+            return compute_checks(self, step)
         if step.flat is None:  # a padded decode over the static buffers
             assert self.graphs is not None and isinstance(step.metadata, PaddedDecode)
             logits, cost = self.graphs.run(step.metadata, resolve), step.metadata.n

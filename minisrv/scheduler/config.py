@@ -19,6 +19,7 @@ from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
 __all__ = [
     "ADMISSIONS",
     "ATTENTIONS",
+    "MAX_DRAFT_TOKENS",
     "MODES",
     "POLICIES",
     "Admission",
@@ -26,6 +27,7 @@ __all__ = [
     "EngineConfig",
     "Mode",
     "Policy",
+    "SPECULATIVE",
 ]
 
 Mode = Literal["static", "prefill-first", "mixed"]
@@ -35,6 +37,14 @@ MODES: tuple[Mode, ...] = ("static", "prefill-first", "mixed")
 Admission = Literal["reserve", "budget"]
 ADMISSIONS: tuple[Admission, ...] = ("reserve", "budget")
 """How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
+
+
+SPECULATIVE: tuple[str, ...] = ("ngram", "draft")
+"""``Engine(model, speculative=...)``: prompt lookup, or the shipped draft model
+(``minisrv.spec``); a ``Drafter`` object is taken as it is."""
+
+MAX_DRAFT_TOKENS = 16
+"""The most guesses ``num_draft_tokens`` allows per request and step."""
 
 
 ATTENTIONS: tuple[str, ...] = ("auto", "loop", "padded", "flex")
@@ -65,6 +75,9 @@ class EngineConfig:
     device: str | None = None  # where a model runs ("cpu", "cuda", ...); None: where it is
     chunked_prefill_size: int | None = None  # most new tokens one step computes; None: no cap
     cuda_graph: bool = False  # a model's decode steps replay CUDA graphs (CUDA only; untested)
+    speculative: Any = None  # None, "ngram", "draft" or a Drafter: guess, check in one forward
+    num_draft_tokens: int = 4  # speculative: most guesses a request drafts per step
+    jump_forward: bool = False  # constrained requests append the tokens their grammar forces
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
@@ -76,7 +89,8 @@ class EngineConfig:
         check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)
         check_number("min_ratio", self.min_ratio, 0.0, self.new_token_ratio)
         check_number("ratio_decay", self.ratio_decay, 0.0)
-        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug", "cuda_graph"):
+        for name in ("overlap", "skip_finishing_decode", "record_trace", "debug", "cuda_graph",
+                     "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check = self.in_batch_prefix_check
@@ -94,6 +108,34 @@ class EngineConfig:
         if self.cuda_graph and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graph=True needs a CUDA device, not device={self.device!r}")
         self._check_chunking()
+        self._check_multi_token()
+
+    def _check_multi_token(self) -> None:
+        """Speculation and jump-forward both need each step's result before the next step
+        is formed, so neither runs under the overlapped loop."""
+        spec = self.speculative
+        k = check_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
+        if k > MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
+        if spec is None:
+            pass
+        elif isinstance(spec, str):
+            check_choice("speculative", spec, SPECULATIVE)
+        elif not (callable(getattr(spec, "draft", None))
+                  and callable(getattr(spec, "release", None))):
+            raise ValueError(f"speculative must be None, one of {', '.join(SPECULATIVE)} or a "
+                             f"minisrv.spec.Drafter, got {spec!r}")
+        if spec is not None and self.overlap:
+            raise ValueError(
+                "speculative decoding needs the blocking loop: a check keeps 1..k+1 tokens, "
+                "so the next step's positions, KV slots and drafts are known only after this "
+                "step's result, while the overlapped loop forms step i+1 before step i "
+                "completes")
+        if self.jump_forward and self.overlap:
+            raise ValueError(
+                "jump_forward needs the blocking loop: the tokens a grammar forces after step "
+                "i's token are fed in step i+1, which the overlapped loop forms before step "
+                "i's token is known")
 
     def _check_chunking(self) -> None:
         """A step budget must let every running request decode in one step (so no step is

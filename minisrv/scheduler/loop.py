@@ -91,10 +91,13 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         return batch if batch else None
 
     def next_batch(self) -> Batch:
-        """``get_next_batch_to_run``, or its budgeted form under chunked prefill."""
+        """``get_next_batch_to_run``, or its budgeted form under chunked prefill; with
+        speculative decoding each decode entry becomes a check (``speculative.py``)."""
         if self.config.chunked_prefill_size is None:
-            return self.get_next_batch_to_run()
-        return self.get_next_budgeted_batch()
+            batch = self.get_next_batch_to_run()
+        else:
+            batch = self.get_next_budgeted_batch()
+        return batch if self.spec is None else self.spec.expand(batch)
 
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
@@ -107,6 +110,8 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         before["start"] = self.clock  # a device's steps follow each other
         self.clock += result.elapsed
         finished = self.process_batch_result(batch, result)
+        if self.spec is not None:
+            self.spec.count(batch, result, self.stats, before)
         return self.record(batch, before, result, finished)
 
     # ----------------------------------------------------------------- forming a batch
@@ -195,13 +200,16 @@ class Scheduler(ChunkedPrefill, SchedulerState):
             retracted.append(victim)
         self.waiting.extendleft(reversed(retracted))
         self.admission.after_decode_prepared(self.running, retracted)
-        self.memory.alloc_decode(self.running)
+        if self.spec is None:
+            self.memory.alloc_decode(self.running)
+        else:  # drafts, and the slots of every check
+            self.spec.alloc(self.running, self.memory)
         return list(self.running), tuple(retracted)
 
-    @staticmethod
-    def decode_tokens(running: list[Req]) -> int:
-        """KV slots the running requests' decodes take this step: one token each."""
-        return len(running)
+    def decode_tokens(self, running: list[Req]) -> int:
+        """KV slots the running requests' decodes take this step: one token each, or with
+        speculative decoding each one's token plus its guesses (at most k each)."""
+        return len(running) if self.spec is None else self.spec.room(running)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:
@@ -213,6 +221,8 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         self.stats.retractions += 1
         self.stats.wasted_tokens += self.memory.release(req)
         self.admission.released(req)
+        if self.spec is not None:
+            self.spec.release(req)
         req.retractions += 1
         req.state = ReqState.WAITING
 

@@ -57,12 +57,16 @@ class Batch:
 
     The backend answers each entry with a list of tokens (``BatchResult.tokens``).
     ``retracted`` lists the requests pushed back to the queue while the step was formed;
-    they compute nothing in it and are there for the trace.
+    they compute nothing in it and are there for the trace. ``drafts`` (speculative
+    decoding, ``minisrv.scheduler.speculative``) marks the entries that are checks.
     """
 
     entries: tuple[Entry, ...]
     n_prefill: int = 0  # the first ``n_prefill`` entries are this step's admissions
     retracted: tuple[Req, ...] = ()
+    # Speculative decoding: per entry its draft (a ``minisrv.spec.Draft``: the guesses the
+    # entry's last tokens are), None where the entry is not a check; None: no check at all.
+    drafts: tuple[Any, ...] | None = None
 
     @classmethod
     def of(cls, prefill: Sequence[Req], decode: Sequence[Req],
@@ -179,6 +183,10 @@ class StepRecord(NamedTuple):
     kv_used: int = 0  # KV slots held while the step ran (its new tokens included)
     new_token_ratio: float = 0.0  # the admission estimate in force during the step
     retracted: tuple[int, ...] = ()  # request ids pushed back to the queue before the step
+    drafted: int = 0  # speculative: guesses checked in this step, all requests together
+    accepted: int = 0  # of those, kept (the KV of the other drafted - accepted was freed)
+    checks: tuple[tuple[int, int, int], ...] = ()  # (request id, drafted, accepted) per check
+    jumped: int = 0  # jump-forward: tokens appended without a step (forced by grammars)
 
     @property
     def duration(self) -> float:
@@ -210,6 +218,9 @@ class SchedulerStats:
     definition. ``retractions`` counts requests pushed back to the queue to free memory,
     ``wasted_tokens`` the KV they threw away (and must compute again when they are
     re-admitted); ``evicted_tokens`` the cached tokens the prefix cache dropped for room.
+    Speculative decoding: ``draft_tokens`` guesses were checked and ``accepted_tokens`` of
+    them kept, so ``generated_tokens`` = first tokens + ``decode_tokens`` (one per check) +
+    ``accepted_tokens`` (+ ``jump_forward_tokens``, the tokens grammars forced).
     """
 
     steps: int = 0
@@ -225,8 +236,16 @@ class SchedulerStats:
     late_stop_tokens: int = 0  # overlap: tokens computed after a finish (in wasted_tokens too)
     finished: int = 0  # requests completed
     generated_tokens: int = 0  # output tokens, the first (from prefill) included
+    draft_tokens: int = 0  # speculative: guesses checked
+    accepted_tokens: int = 0  # speculative: guesses kept (each check adds one more token)
+    jump_forward_tokens: int = 0  # tokens a grammar forced, appended without a step
     busy_time: float = 0.0  # clock time spent in steps (idle gaps excluded)
     cost: float = 0.0  # sum of the backend's step costs
+
+    @property
+    def rejected_tokens(self) -> int:
+        """Guesses the checks threw away (their KV freed at once)."""
+        return self.draft_tokens - self.accepted_tokens
 
     @property
     def hit_rate(self) -> float:

@@ -21,6 +21,7 @@ from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.speculative import Speculation, make_drafter
 
 __all__ = ["SchedulerState"]
 
@@ -44,6 +45,7 @@ class SchedulerState(ConfigView):
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
+        self.spec: Speculation | None = make_speculation(config, backend)
         self.clock = 0.0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -241,3 +243,21 @@ class SchedulerState(ConfigView):
         req.state = state
         if release:
             self.backend.release(req)
+        if self.spec is not None:
+            self.spec.release(req)
+
+
+def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | None:
+    """The engine's speculative decoding (``config.speculative``), or None when off; a
+    backend must verify drafts (``ModelRunner``), a simulated GPU does not."""
+    if config.speculative is None:
+        return None
+    sampler = getattr(backend, "sampler", None)
+    if not getattr(backend, "verifies_drafts", False) or sampler is None:
+        raise ValueError(f"speculative decoding needs a model to check the drafts "
+                         f"(ModelRunner), not a {type(backend).__name__}")
+    if sampler.logits_processors:
+        raise ValueError("speculative decoding checks its rows without the runner's logits "
+                         "processors: give the ModelRunner none")
+    return Speculation(make_drafter(config.speculative), config.num_draft_tokens,
+                       sampler.generators, backend.vocab_size)

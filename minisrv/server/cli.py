@@ -46,6 +46,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
                    help="at most this many new tokens a step; long prompts go in chunks")
+    p.add_argument("--speculative", default=e.speculative, choices=("ngram", "draft"),
+                   help="speculative decoding: prompt lookup or the shipped draft model")
+    p.add_argument("--num-draft-tokens", type=int, default=e.num_draft_tokens,
+                   help="with --speculative: guesses per request and step (1..16)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel worker processes")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--engine-process", action="store_true",
@@ -112,7 +116,8 @@ def server_config(args: argparse.Namespace) -> Any:
 
     engine = dict(max_running=args.max_running, policy=args.policy, cache=args.cache,
                   mode=args.mode, overlap=args.overlap,
-                  chunked_prefill_size=args.chunked_prefill_size)
+                  chunked_prefill_size=args.chunked_prefill_size,
+                  speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
     if args.kv_capacity is not None:
         engine["kv_capacity"] = args.kv_capacity
     config = EngineOptions(model=args.model, device=args.device, threads=args.threads,
