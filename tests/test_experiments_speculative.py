@@ -121,3 +121,24 @@ def test_bad_arguments_raise_clearly(citylm) -> None:
         chi2_critical(0)
     assert math.isfinite(chi2_critical(1))
     assert Tokenizer().vocab_size == CITYLM.vocab_size
+
+
+def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -> None:
+    from minisrv.experiments.speculative import engine_table, serve_speculative
+    from minisrv.spec import DraftModelDrafter
+    from minisrv.viz.speculative import check_table
+
+    model, tok = citylm
+    prompts = [tok.encode("FR:"), tok.encode("JP: Tokyo,"), tok.encode("DE:")]
+    runs = {"plain": serve_speculative(model, prompts, None, max_new_tokens=20),
+            "CityDraft": serve_speculative(model, prompts, DraftModelDrafter(draft_model),
+                                           k=4, max_new_tokens=20)}
+    table = engine_table(runs)
+    assert table["equals alone"].all() and (table["tokens"] == 60).all()
+    assert table.loc["CityDraft", "steps"] < table.loc["plain", "steps"] == 20
+    assert table.loc["CityDraft", "KV freed"] == (table.loc["CityDraft", "guesses"]
+                                                  - table.loc["CityDraft", "kept"])
+    step = runs["CityDraft"].engine.trace[1]
+    checks = check_table(step)
+    assert len(checks) == 3 and (checks["KV written"] - checks["KV freed"]
+                                 == checks["tokens gained"]).all()

@@ -19,8 +19,10 @@ import torch
 
 from minisrv.checks import check_int, check_number
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.engine import Engine
 from minisrv.kvsize import max_concurrent_requests
 from minisrv.model import CityLM
+from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
 from minisrv.spec import (
     Draft,
@@ -39,13 +41,16 @@ __all__ = [
     "CONTEXTS",
     "KS",
     "CheckRow",
+    "EngineRun",
     "SamplingCheck",
     "acceptance_sweep",
     "breakeven_table",
     "check_trace",
     "chi2_critical",
     "drafters",
+    "engine_table",
     "sampling_check",
+    "serve_speculative",
     "spec_workloads",
     "speedup_frame",
 ]
@@ -246,3 +251,38 @@ def breakeven_table(acceptance: float, ks: Sequence[int] = (1, 2, 4, 8),
     frame = pd.DataFrame(rows).T.astype("Int64")
     frame.index.names = ["draft", "context"]
     return frame
+
+
+class EngineRun(NamedTuple):
+    """One workload served by the engine, with or without speculation."""
+
+    engine: Engine
+    requests: list[Req]
+    identical: bool  # every request's tokens equal reference_generate's
+
+
+def serve_speculative(model: CityLM, prompts: Sequence[Sequence[int]],
+                      speculative: Drafter | str | None, k: int = 4, max_new_tokens: int = 40,
+                      max_running: int = 16, kv_capacity: int = 4000) -> EngineRun:
+    """Serve ``prompts`` greedily, all arriving at once, with ``Engine(speculative=...,
+    num_draft_tokens=k)`` (``None``: plain decoding), and compare with each request alone."""
+    extra = {} if speculative is None else {"speculative": speculative, "num_draft_tokens": k}
+    engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, **extra)
+    requests = [engine.add_request(list(p), SamplingParams(max_new_tokens=max_new_tokens))
+                for p in prompts]
+    engine.run()
+    alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
+    return EngineRun(engine, requests, [r.output for r in requests] == alone)
+
+
+def engine_table(runs: Mapping[str, EngineRun]) -> pd.DataFrame:
+    """One row per run: engine steps, output tokens per step, guesses checked and kept, KV
+    slots freed after the checks, and whether the tokens equal each request alone."""
+    rows = {}
+    for name, run in runs.items():
+        s = run.engine.stats
+        rows[name] = {"steps": s.steps, "tokens": s.generated_tokens,
+                      "tokens / step": round(s.generated_tokens / s.steps, 1),
+                      "guesses": s.draft_tokens, "kept": s.accepted_tokens,
+                      "KV freed": s.rejected_tokens, "equals alone": run.identical}
+    return pd.DataFrame(rows).T

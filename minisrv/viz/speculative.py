@@ -16,11 +16,13 @@ from matplotlib.patches import Patch, Rectangle
 from minisrv.configs import H100, LLAMA3_8B
 from minisrv.experiments.speculative import CheckRow, SamplingCheck
 from minisrv.kvsize import max_concurrent_requests
+from minisrv.scheduler import StepRecord
 from minisrv.spec.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
-__all__ = ["TOKEN_COLORS", "plot_acceptance", "plot_sampling", "plot_speedup", "plot_trace"]
+__all__ = ["TOKEN_COLORS", "check_table", "plot_acceptance", "plot_sampling", "plot_speedup",
+           "plot_trace"]
 
 TOKEN_COLORS: dict[str, str] = {"last": "#d9d9d9", "accepted": "#2ca02c",
                                 "rejected": "#d62728", "own": "#1f77b4"}
@@ -72,6 +74,16 @@ def plot_trace(rows: Sequence[CheckRow], tok: Tokenizer, title: str = "") -> Boo
                Patch(color=TOKEN_COLORS["own"], label="the target's own next token")]
     legend_below(fig, handles=handles, ncol=2)
     return fig
+
+
+def check_table(record: StepRecord, names: dict[int, str] | None = None) -> pd.DataFrame:
+    """One row per check of one engine step: guesses, how many the target kept, the tokens
+    the request gained, the KV slots written and freed."""
+    names = names or {}
+    rows = [{"request": names.get(rid, str(rid)), "guesses": drafted, "kept": accepted,
+             "tokens gained": accepted + 1, "KV written": drafted + 1,
+             "KV freed": drafted - accepted} for rid, drafted, accepted in record.checks]
+    return pd.DataFrame(rows).set_index("request")
 
 
 @styled
