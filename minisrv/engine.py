@@ -17,8 +17,10 @@ server's engine loop, the cluster simulation, ``generate``) uses::
 The options (``EngineConfig``) grow with the book: continuous batching modes, admission,
 the radix cache, cache-aware policies, the overlapped loop (``overlap=True`` drives the
 scheduler with ``minisrv.scheduler.overlap.OverlapLoop``), the attention kind and the
-device. Every argument is validated before anything is queued, so a bad call raises
-ValueError and leaves the engine exactly as it was.
+device, speculative decoding (``speculative="ngram" | "draft" | a Drafter``,
+``num_draft_tokens=k``: ``minisrv.scheduler.speculative``) and jump-forward for
+constrained requests (``jump_forward=True``). Every argument is validated before anything
+is queued, so a bad call raises ValueError and leaves the engine exactly as it was.
 """
 
 from __future__ import annotations
@@ -188,6 +190,8 @@ class Engine(ConfigView):
             sampler.logits_processors.remove(self._grammars)
         self._grammars = GrammarSampling(vocab)
         sampler.logits_processors.append(self._grammars)
+        if self.config.jump_forward:
+            self.backend.jump = self._grammars  # type: ignore[attr-defined]
         return self._grammars
 
     def step(self) -> StepOutput:

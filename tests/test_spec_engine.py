@@ -206,21 +206,22 @@ class EchoDrafter(Drafter):
 
 @st.composite
 def workloads(draw):
-    n = draw(st.integers(1, 5))
+    n = draw(st.integers(1, 6))
     prompts = [draw(st.lists(st.integers(0, 60), min_size=1, max_size=10)) for _ in range(n)]
     max_new = [draw(st.integers(1, 16)) for _ in range(n)]
     arrivals = [float(draw(st.integers(0, 4))) for _ in range(n)]
     need = max(len(p) + m for p, m in zip(prompts, max_new))
-    capacity = draw(st.integers(need, need + 40))
+    capacity = draw(st.integers(need, need + 12))
     return dict(prompts=prompts, max_new=max_new, arrivals=arrivals, kv_capacity=capacity,
-                max_running=draw(st.integers(1, 4)), k=draw(st.integers(1, 6)),
+                max_running=draw(st.integers(2, 4)), k=draw(st.integers(1, 6)),
                 mode=draw(st.sampled_from(["prefill-first", "mixed", "static"])),
                 cache=draw(st.sampled_from(["radix", "none"])),
                 admission=draw(st.sampled_from(["budget", "reserve"])),
-                wrong=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([None, 8])))
+                wrong=draw(st.integers(1, 5)), chunk=draw(st.sampled_from([None, 8])),
+                ratio=draw(st.sampled_from([0.7, 0.05])))  # 0.05: admits boldly, retracts
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(w=workloads())
 def test_workloads_keep_tokens_and_books(model, w):
@@ -236,7 +237,7 @@ def test_workloads_keep_tokens_and_books(model, w):
     engine = Engine(model, speculative=drafter, num_draft_tokens=w["k"],
                     kv_capacity=w["kv_capacity"], max_running=w["max_running"], mode=w["mode"],
                     cache=w["cache"], admission=w["admission"], chunked_prefill_size=chunk,
-                    debug=True)
+                    new_token_ratio=w["ratio"], min_ratio=min(w["ratio"], 0.05), debug=True)
     assert run(engine, w["prompts"], w["arrivals"], w["max_new"]) == want
     assert drafter.live == set()  # released on finish and on retraction
 

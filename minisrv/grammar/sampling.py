@@ -59,6 +59,28 @@ class GrammarSampling:
             if state is not None and not state.is_terminated:
                 state.accept(token)
 
+    def jump(self, reqs: Sequence[Req],
+             generators: Sequence[torch.Generator | None]) -> list[list[int]]:
+        """Jump-forward: per row, the tokens each constrained request's grammar forces after
+        the token it was just given (accepted already), cut to what its ``max_new_tokens``
+        leaves; they are accepted into its state here. A sampled request skips one uniform
+        draw per forced token, as the masked steps they replace would have drawn
+        (``minisrv.grammar.reference``), so its text equals masking alone."""
+        out: list[list[int]] = []
+        for req, gen in zip(reqs, generators, strict=True):
+            state = self.states.get(req)
+            room = req.params.max_new_tokens - len(req.output) - 1
+            if state is None or state.is_terminated or room <= 0:
+                out.append([])
+                continue
+            forced = state.jump_forward()[:room]
+            for _ in forced if gen is not None else ():
+                torch.rand((), generator=gen, dtype=torch.float64)  # the skipped draw
+            state.accept_all(forced)
+            req.jump_forward_tokens += len(forced)
+            out.append(forced)
+        return out
+
     def release(self, req: Req) -> None:
         """Forget a finished or aborted request's state."""
         self.states.pop(req, None)

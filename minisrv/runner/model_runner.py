@@ -33,7 +33,7 @@ from minisrv.request import Req
 from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
-from minisrv.runner.speculative import compute_checks, prepare_checks
+from minisrv.runner.speculative import compute_checks, jump_forward, prepare_checks
 from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.records import Batch, BatchResult
 
@@ -103,6 +103,8 @@ class ModelRunner:
         self.graph_options = (static_decode or cuda_graph, cuda_graph, max_running,
                               graph_context)
         self.graphs: DecodeGraphs | None = None
+        # Jump-forward: the engine's GrammarSampling, whose ``jump`` appends forced tokens.
+        self.jump: Any = None
 
     @property
     def logprobs(self) -> dict[Req, deque[TokenLogprobs]]:
@@ -195,6 +197,8 @@ class ModelRunner:
             store(tokens)
         it = iter(tokens)
         per_entry = [[next(it)] if sample else [] for sample in step.samples]
+        if self.jump is not None:
+            return jump_forward(self.jump, step, per_entry, float(cost))
         return BatchResult(per_entry, cost=float(cost), elapsed=1.0)
 
     @torch.inference_mode()

@@ -25,7 +25,7 @@ from minisrv.scheduler.records import Batch, BatchResult
 if TYPE_CHECKING:
     from minisrv.runner.model_runner import ModelRunner, StepInputs
 
-__all__ = ["Checks", "compute_checks", "cut_at_stop", "prepare_checks"]
+__all__ = ["Checks", "compute_checks", "cut_at_stop", "jump_forward", "prepare_checks"]
 
 
 class Checks(NamedTuple):
@@ -109,4 +109,21 @@ def compute_checks(runner: ModelRunner, step: StepInputs) -> BatchResult:
     checked = iter(cut_at_stop(k, req, eos) for k, req in zip(kept, checks.reqs, strict=True))
     per_entry = [[next(plain)] if kind == 1 else next(checked) if kind == 2 else []
                  for kind in checks.kinds]
+    if runner.jump is not None and n_plain:
+        sampled = [tokens for tokens, kind in zip(per_entry, checks.kinds) if kind == 1]
+        return jump_forward(runner.jump, step, per_entry, float(step.flat.num_tokens), sampled)
     return BatchResult(per_entry, cost=float(step.flat.num_tokens), elapsed=1.0)
+
+
+def jump_forward(jump: Any, step: StepInputs, per_entry: list[list[int]], cost: float,
+                 rows: list[list[int]] | None = None) -> BatchResult:
+    """The step's result with each sampled entry's forced tokens after its token (the
+    sampler's rows, ``step.reqs``: ``rows`` are their lists in ``per_entry``, by default
+    every non-empty one). Jump-forward: ``GrammarSampling.jump``."""
+    if rows is None:
+        rows = [t for t in per_entry if t]
+    jumped = 0
+    for row, forced in zip(rows, jump.jump(step.reqs, step.generators), strict=True):
+        row.extend(forced)
+        jumped += len(forced)
+    return BatchResult(per_entry, cost=cost, elapsed=1.0, jumped=jumped)

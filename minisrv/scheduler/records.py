@@ -134,6 +134,9 @@ class BatchResult:
     tokens: list[list[int]]
     cost: float
     elapsed: float
+    # Of the tokens, those a grammar forced (jump-forward); keyword-only, so a subclass's
+    # own fields (the simulator's TimedResult) stay positional after ``elapsed``.
+    jumped: int = field(default=0, kw_only=True)
 
     @property
     def next_tokens(self) -> list[int]:
@@ -173,7 +176,7 @@ class StepRecord(NamedTuple):
     start: float  # clock when the step began
     end: float  # clock when its tokens existed
     prefill: tuple[int, ...]  # request ids prefilled (or computing a chunk of their prompt)
-    decode: tuple[int, ...]  # request ids that decoded one token
+    decode: tuple[int, ...]  # request ids that decoded (one token, or a speculative check)
     paused: tuple[int, ...]  # running requests that sat this step out
     finished: tuple[int, ...]  # request ids that stopped at the end of this step
     queued: int  # requests left waiting in the queue after admission
@@ -226,7 +229,7 @@ class SchedulerStats:
     steps: int = 0
     prefill_steps: int = 0  # steps that prefilled at least one request
     prefill_tokens: int = 0  # prompt tokens computed
-    decode_tokens: int = 0  # tokens produced by decode steps
+    decode_tokens: int = 0  # decode entries computed (one token each; one check each)
     cached_tokens: int = 0  # tokens served from a prefix cache instead of computed
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     cached_prompt_tokens: int = 0  # of those, found in the prefix cache at admission
@@ -264,6 +267,7 @@ class SchedulerStats:
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += len(batch.decode)
         self.generated_tokens += len(result.next_tokens)
+        self.jump_forward_tokens += result.jumped
         self.busy_time += result.elapsed
         self.cost += result.cost
 

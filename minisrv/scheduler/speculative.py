@@ -15,6 +15,10 @@ i+1's draft. So its tokens depend only on its seed, and equal ``speculative_gene
 
 A request whose logits are processed (penalties, bias, ``min_tokens``, a grammar) or that
 asks for logprobs drafts nothing: its entry is an ordinary decode, sampled by the sampler.
+
+Jump-forward (``EngineConfig(jump_forward=True)``) uses the same entries without a drafter:
+the tokens a grammar forced were appended without KV, so a request's next entry computes
+every token from its first without KV (its newest sampled one) through its newest.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class Speculation:
 
     def guesses(self, req: Req) -> int:
         """The most guesses ``req`` may draft now (0 for its last token, or no drafting)."""
-        if not drafts_for(req.params):
+        if self.drafter is None or not drafts_for(req.params):
             return 0
         return max(0, min(self.k, req.remaining_new_tokens - 1))
 
@@ -86,13 +90,14 @@ class Speculation:
 
         planned = self._planned
         planned.clear()
-        vocab = self.vocab_size
-        for req, generator in zip(running, self.generators(running), strict=True):
+        vocab, drafter = self.vocab_size, self.drafter
+        generators = self.generators(running) if drafter is not None else [None] * len(running)
+        for req, generator in zip(running, generators, strict=True):
             draft = None
-            if drafts_for(req.params):
+            if drafter is not None and drafts_for(req.params):
                 k = self.guesses(req)
-                draft = self.drafter.draft([*req.prompt, *req.output], k, req.params,
-                                           generator, key=req.rid)
+                draft = drafter.draft([*req.prompt, *req.output], k, req.params, generator,
+                                      key=req.rid)
                 if not isinstance(draft, Draft) or len(draft) > k or (vocab is not None and any(
                         not 0 <= t < vocab for t in draft.tokens)):
                     planned.clear()
@@ -117,7 +122,8 @@ class Speculation:
             entries.append(Entry(req, start, req.seq_len - start + (len(draft) if draft else 0)))
             drafts.append(draft)
         planned.clear()
-        return Batch(tuple(entries), n_prefill, batch.retracted, tuple(drafts))
+        return Batch(tuple(entries), n_prefill, batch.retracted,
+                     tuple(drafts) if self.drafter is not None else None)
 
     def count(self, batch: Batch, result: BatchResult, stats: SchedulerStats,
               before: dict[str, Any]) -> None:
@@ -143,4 +149,5 @@ class Speculation:
 
     def release(self, req: Req) -> None:
         """Forget the drafter's state of ``req`` (finished, aborted or retracted)."""
-        self.drafter.release(req.rid)
+        if self.drafter is not None:
+            self.drafter.release(req.rid)

@@ -165,7 +165,8 @@ class SchedulerState(ConfigView):
         stats.late_stop_tokens += extra
         record = StepRecord(index=stats.steps - 1, end=self.clock,
                             finished=tuple(req.rid for req in finished),
-                            queued=len(self.waiting), cost=result.cost, **before)
+                            queued=len(self.waiting), cost=result.cost, jumped=result.jumped,
+                            **before)
         if self.config.record_trace:
             self.trace.append(record)
         if self.config.debug:
@@ -249,8 +250,11 @@ class SchedulerState(ConfigView):
 
 def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | None:
     """The engine's speculative decoding (``config.speculative``), or None when off; a
-    backend must verify drafts (``ModelRunner``), a simulated GPU does not."""
+    backend must verify drafts (``ModelRunner``), a simulated GPU does not. Jump-forward
+    alone needs its multi-token decode entries, without a drafter."""
     if config.speculative is None:
+        if config.jump_forward:  # multi-token decode entries only, no drafts
+            return Speculation(None, 0, lambda reqs: [None] * len(reqs))
         return None
     sampler = getattr(backend, "sampler", None)
     if not getattr(backend, "verifies_drafts", False) or sampler is None:

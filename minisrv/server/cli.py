@@ -50,6 +50,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="speculative decoding: prompt lookup or the shipped draft model")
     p.add_argument("--num-draft-tokens", type=int, default=e.num_draft_tokens,
                    help="with --speculative: guesses per request and step (1..16)")
+    p.add_argument("--jump-forward", action="store_true",
+                   help="constrained requests append the tokens their grammar forces at once")
     p.add_argument("--dp", type=int, default=1, help="data-parallel worker processes")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--engine-process", action="store_true",
@@ -117,7 +119,8 @@ def server_config(args: argparse.Namespace) -> Any:
     engine = dict(max_running=args.max_running, policy=args.policy, cache=args.cache,
                   mode=args.mode, overlap=args.overlap,
                   chunked_prefill_size=args.chunked_prefill_size,
-                  speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
+                  speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                  jump_forward=args.jump_forward)
     if args.kv_capacity is not None:
         engine["kv_capacity"] = args.kv_capacity
     config = EngineOptions(model=args.model, device=args.device, threads=args.threads,
