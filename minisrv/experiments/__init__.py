@@ -14,6 +14,8 @@ larger than the chapter does by passing other arguments.
 * ``routing`` (routing across workers): ``simulate_cluster`` and ``serve_cluster``;
 * ``overlap``, ``lanes``, ``breakdown`` (zero-overhead scheduling): measured waste and gain,
   the two-lane model (``timeline``, ``throughput_ratio``), the per-step time breakdown;
+* ``speculative`` (speculative decoding): acceptance against k, checks traced, the
+  rejection rule's distribution, the roofline speed-up against k and batch;
 * ``server`` (serving it for real): a server opened in-process, layouts benchmarked;
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
@@ -89,6 +91,21 @@ _PUBLIC = {
     "StepTiming": "breakdown",
     "StepTimings": "breakdown",
     "time_steps": "breakdown",
+    "CONTEXTS": "speculative",
+    "KS": "speculative",
+    "CheckRow": "speculative",
+    "EngineRun": "speculative",
+    "SamplingCheck": "speculative",
+    "acceptance_sweep": "speculative",
+    "breakeven_table": "speculative",
+    "check_trace": "speculative",
+    "chi2_critical": "speculative",
+    "drafters": "speculative",
+    "engine_table": "speculative",
+    "sampling_check": "speculative",
+    "serve_speculative": "speculative",
+    "spec_workloads": "speculative",
+    "speedup_frame": "speculative",
     "Layout": "server",
     "LayoutRun": "server",
     "bench_frame": "server",

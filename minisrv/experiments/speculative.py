@@ -1,0 +1,288 @@
+"""The speculative-decoding chapter's runs: how often the drafts guess right on CityLM's
+workloads, one request's checks traced, the rejection rule's distribution checked, and the
+roofline speed-up of LLaMA-3-8B on an H100 against k and the batch size.
+
+Every CityLM run goes through ``minisrv.spec.speculative_generate`` (one request with the
+target's dense forward) and is compared, token for token, with ``reference_generate``: greedy
+speculation must give exactly what decoding alone gives. The GPU numbers are the roofline's
+(``minisrv.spec.speedup``); nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import pandas as pd
+import torch
+
+from minisrv.checks import check_int, check_number
+from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.engine import Engine
+from minisrv.kvsize import max_concurrent_requests
+from minisrv.model import CityLM
+from minisrv.request import Req
+from minisrv.sampling import SamplingParams, nucleus_probs
+from minisrv.spec import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    NgramDrafter,
+    rejection_accept,
+    sample_probs,
+    speculative_generate,
+)
+from minisrv.spec.speedup import breakeven_batch, speculative_speedup
+from minisrv.tokenizer import Tokenizer
+from minisrv.workloads import chat_turns, city_prompts, shared_system_prompt
+
+__all__ = [
+    "CONTEXTS",
+    "KS",
+    "CheckRow",
+    "EngineRun",
+    "SamplingCheck",
+    "acceptance_sweep",
+    "breakeven_table",
+    "check_trace",
+    "chi2_critical",
+    "drafters",
+    "engine_table",
+    "sampling_check",
+    "serve_speculative",
+    "spec_workloads",
+    "speedup_frame",
+]
+
+KS: tuple[int, ...] = (1, 2, 3, 4, 6)
+"""The draft lengths the chapter sweeps on CityLM."""
+
+CONTEXTS: tuple[int, ...] = (256, 1024)
+"""Tokens each request holds in the roofline runs: a short chat, and a longer one."""
+
+
+def drafters(draft_model: CityLM | None = None) -> dict[str, Drafter]:
+    """The chapter's two drafts: prompt lookup (``NgramDrafter()``, no model) and the
+    shipped CityDraft (``DraftModelDrafter``, or ``draft_model`` if given)."""
+    return {"n-gram": NgramDrafter(), "CityDraft": DraftModelDrafter(draft_model)}
+
+
+def spec_workloads(model: CityLM, tok: Tokenizer) -> dict[str, list[list[int]]]:
+    """Four CityLM workloads, by name, as prompts.
+
+    - ``city prompts``: 14 country lines cut after 0-2 cities (``city_prompts``);
+    - ``shared system prompt``: 4 users asking new countries after one few-shot prompt;
+    - ``chat turns``: 4 turns of one chat, each resending the conversation so far;
+    - ``answer in the prompt``: the chat's history, then a country already answered in it,
+      where the answer's first cities can be copied from the prompt.
+    """
+    prompts, answers = chat_turns(model, tok, 4)
+    history = prompts[-1] + answers[-1]
+    again = [history + tok.encode(f"{code}:", bos=False) for code in ("FR", "DE", "IT", "JP")]
+    return {"city prompts": city_prompts(tok, 14), "shared system prompt":
+            shared_system_prompt(tok, 4), "chat turns": prompts, "answer in the prompt": again}
+
+
+def acceptance_sweep(
+    model: CityLM, workloads: Mapping[str, Sequence[Sequence[int]]],
+    drafts: Mapping[str, Drafter], ks: Sequence[int] = KS, max_new_tokens: int = 40,
+) -> pd.DataFrame:
+    """One row per (workload, draft, k): the share of guesses accepted, tokens per check
+    (target forwards) and whether every request's tokens equal ``reference_generate``'s."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    rows = []
+    for work, prompts in workloads.items():
+        alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
+        for name, drafter in drafts.items():
+            for k in ks:
+                runs = [speculative_generate(model, drafter, p, max_new_tokens, k)
+                        for p in prompts]
+                drafted = sum(sum(r.drafted) for r in runs)
+                accepted = sum(sum(r.accepted) for r in runs)
+                checks = sum(len(r.accepted) for r in runs)
+                rows.append({"workload": work, "draft": name, "k": k,
+                             "acceptance": accepted / drafted if drafted else 0.0,
+                             "tokens_per_check": (accepted + checks) / checks,
+                             "forwards": checks + len(prompts),  # a prefill each, then checks
+                             "plain_forwards": sum(len(a) for a in alone),
+                             "identical": [r.tokens for r in runs] == alone})
+    return pd.DataFrame(rows)
+
+
+class CheckRow(NamedTuple):
+    """One check of one request, as the trace figure draws it."""
+
+    last: int  # the token the check feeds first (its KV is written by this check)
+    draft: list[int]  # the guesses
+    accepted: int  # how many guesses the target kept
+    own: int  # the target's own token after the accepted run
+    cached: int  # tokens whose KV the request held before the check
+
+    @property
+    def written(self) -> int:
+        """KV slots the check writes: the last token and every guess."""
+        return len(self.draft) + 1
+
+    @property
+    def freed(self) -> int:
+        """KV slots of rejected guesses, freed after the check."""
+        return len(self.draft) - self.accepted
+
+
+def check_trace(model: CityLM, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int,
+                k: int) -> list[CheckRow]:
+    """The checks of one greedy request, with the guesses each one tested.
+
+    Runs ``speculative_generate`` and asks ``drafter`` again, before each check, for the
+    guesses it made there: a greedy draft depends only on the tokens it continues, so the
+    repeat is exact (checked against the recorded draft lengths).
+    """
+    result = speculative_generate(model, drafter, prompt, max_new_tokens, k)
+    tokens, rows = list(prompt) + result.tokens[:1], []
+    for drafted, accepted in zip(result.drafted, result.accepted, strict=True):
+        room = max_new_tokens - (len(tokens) - len(prompt))
+        guesses = drafter.propose(tokens, min(k, room - 1), key="trace")
+        if len(guesses) != drafted:
+            raise RuntimeError("the drafter is not deterministic: its guesses changed")
+        kept = result.tokens[len(tokens) - len(prompt):][: accepted + 1]
+        if kept[:accepted] != guesses[:accepted]:
+            raise RuntimeError("the accepted tokens differ from the repeated guesses")
+        rows.append(CheckRow(tokens[-1], guesses, accepted, kept[-1], len(tokens) - 1))
+        tokens += kept
+    drafter.release("trace")
+    return rows
+
+
+def chi2_critical(dof: int, z: float = 3.0902) -> float:
+    """The chi-square quantile for ``dof`` degrees of freedom at the normal quantile ``z``
+    (3.0902: the 0.1% upper tail), by the Wilson-Hilferty cube (within 2% from 5 dof,
+    1% from 10)."""
+    dof = check_int("dof", dof, minimum=1)
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+class SamplingCheck(NamedTuple):
+    """Many draws of one position through the rejection rule, against the target's p."""
+
+    p: torch.Tensor  # the target's distribution [vocab]
+    q: torch.Tensor  # the draft's distribution [vocab], what the guesses are drawn from
+    counts: torch.Tensor  # how often each token came out of the check [vocab]
+    accepted: int  # draws whose guess was kept (the rest were resampled from the residual)
+
+    @property
+    def frequencies(self) -> torch.Tensor:
+        return self.counts / self.counts.sum()
+
+    def distance(self, dist: torch.Tensor) -> float:
+        """Total variation distance between the observed frequencies and ``dist``."""
+        return float((self.frequencies - dist).abs().sum() / 2)
+
+    def chi2(self) -> tuple[float, int]:
+        """(statistic, degrees of freedom) against p, tokens expected under 5 times pooled."""
+        n = float(self.counts.sum())
+        expected = self.p * n
+        big = expected >= 5
+        obs = [*self.counts[big].tolist(), float(self.counts[~big].sum())]
+        exp = [*expected[big].tolist(), float(expected[~big].sum())]
+        pairs = [(o, e) for o, e in zip(obs, exp) if e > 0]
+        return sum((o - e) ** 2 / e for o, e in pairs), len(pairs) - 1
+
+
+@torch.inference_mode()
+def sampling_check(model: CityLM, draft: CityLM, prompt: Sequence[int], n: int = 40_000,
+                   temperature: float = 1.0, seed: int = 0) -> SamplingCheck:
+    """Draw ``n`` first tokens after ``prompt`` the speculative way: a guess from the
+    draft's q, then ``rejection_accept`` against the target's p. The kept token should be
+    distributed as p, whatever q is."""
+    n = check_int("n", n, minimum=1)
+    temperature = check_number("temperature", temperature, 1e-6, None)
+    ids = torch.tensor(list(prompt), dtype=torch.long)
+    logits = model(ids)[-1].to(torch.float64)
+    p = nucleus_probs(logits, temperature, 1.0)
+    q = nucleus_probs(draft(ids)[-1].to(torch.float64), temperature, 1.0)
+    rows = torch.stack([logits, logits])  # row 1 only draws the bonus token, unused here
+    params = SamplingParams(max_new_tokens=2, temperature=temperature, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros_like(p)
+    accepted = 0
+    for _ in range(n):
+        guess = sample_probs(q, generator)
+        kept = rejection_accept(rows, Draft([guess], q.unsqueeze(0)), params, generator)
+        accepted += len(kept) == 2
+        counts[kept[0]] += 1
+    return SamplingCheck(p, q, counts, accepted)
+
+
+def speedup_frame(acceptance: float, ks: Sequence[int] = (1, 2, 4, 8),
+                  batches: Sequence[int] = tuple(range(1, 1025)),
+                  contexts: Sequence[int] = CONTEXTS, draft: ModelConfig | None = None,
+                  cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100) -> pd.DataFrame:
+    """Roofline speed-up (tokens/s with speculation over without) per context, k and batch,
+    with free guesses (``draft=None``, n-gram) or a draft model costing k decode steps."""
+    rows = [{"context": c, "k": k, "batch": b,
+             "speedup": speculative_speedup(cfg, gpu, b, c, k, acceptance, draft)}
+            for c in contexts for k in ks for b in batches]
+    return pd.DataFrame(rows)
+
+
+def breakeven_table(acceptance: float, ks: Sequence[int] = (1, 2, 4, 8),
+                    contexts: Sequence[int] = CONTEXTS,
+                    drafts: Mapping[str, ModelConfig | None] | None = None,
+                    cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100) -> pd.DataFrame:
+    """The smallest batch at which speculation no longer pays, one row per (draft, context),
+    one column per k; ``<NA>`` where it still pays at every batch that fits in memory
+    (``max_concurrent_requests``), 0 where it never pays. The last column is that limit."""
+    drafts = drafts if drafts is not None else {"free guesses": None}
+    rows = {}
+    for name, d in drafts.items():
+        for c in contexts:
+            fits = max_concurrent_requests(cfg, gpu, c)
+            row: dict[str, int | None] = {}
+            for k in ks:
+                if speculative_speedup(cfg, gpu, 1, c, k, acceptance, d) <= 1:
+                    row[f"k = {k}"] = 0
+                else:
+                    found = breakeven_batch(cfg, gpu, c, k, acceptance, d, max_batch=fits)
+                    row[f"k = {k}"] = found
+            row["fits in memory"] = fits
+            rows[(name, c)] = row
+    frame = pd.DataFrame(rows).T.astype("Int64")
+    frame.index.names = ["draft", "context"]
+    return frame
+
+
+class EngineRun(NamedTuple):
+    """One workload served by the engine, with or without speculation."""
+
+    engine: Engine
+    requests: list[Req]
+    identical: bool  # every request's tokens equal reference_generate's
+
+
+def serve_speculative(model: CityLM, prompts: Sequence[Sequence[int]],
+                      speculative: Drafter | str | None, k: int = 4, max_new_tokens: int = 40,
+                      max_running: int = 16, kv_capacity: int = 4000) -> EngineRun:
+    """Serve ``prompts`` greedily, all arriving at once, with ``Engine(speculative=...,
+    num_draft_tokens=k)`` (``None``: plain decoding), and compare with each request alone."""
+    extra = {} if speculative is None else {"speculative": speculative, "num_draft_tokens": k}
+    engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, **extra)
+    requests = [engine.add_request(list(p), SamplingParams(max_new_tokens=max_new_tokens))
+                for p in prompts]
+    engine.run()
+    alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
+    return EngineRun(engine, requests, [r.output for r in requests] == alone)
+
+
+def engine_table(runs: Mapping[str, EngineRun]) -> pd.DataFrame:
+    """One row per run: engine steps, output tokens per step, guesses checked and kept, KV
+    slots freed after the checks, and whether the tokens equal each request alone."""
+    rows = {}
+    for name, run in runs.items():
+        s = run.engine.stats
+        rows[name] = {"steps": s.steps, "tokens": s.generated_tokens,
+                      "tokens / step": round(s.generated_tokens / s.steps, 1),
+                      "guesses": s.draft_tokens, "kept": s.accepted_tokens,
+                      "KV freed": s.rejected_tokens, "equals alone": run.identical}
+    return pd.DataFrame(rows).T

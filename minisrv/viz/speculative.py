@@ -1,0 +1,160 @@
+"""Figures of the speculative-decoding chapter: one request's checks as rows of tokens, the
+acceptance rate against k, the rejection rule's histogram, the roofline speed-up.
+
+The numbers come from ``minisrv.experiments.speculative``; nothing is computed here twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+
+from minisrv.configs import H100, LLAMA3_8B
+from minisrv.experiments.speculative import CheckRow, SamplingCheck
+from minisrv.kvsize import max_concurrent_requests
+from minisrv.scheduler import StepRecord
+from minisrv.spec.speedup import expected_tokens_per_check
+from minisrv.tokenizer import Tokenizer
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+
+__all__ = ["TOKEN_COLORS", "check_table", "plot_acceptance", "plot_sampling", "plot_speedup",
+           "plot_trace"]
+
+TOKEN_COLORS: dict[str, str] = {"last": "#d9d9d9", "accepted": "#2ca02c",
+                                "rejected": "#d62728", "own": "#1f77b4"}
+"""The token boxes of the trace: the fed token, kept and rejected guesses, the target's own."""
+WORKLOAD_COLORS = ("#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c")
+
+
+def _show(tok: Tokenizer, token: int) -> str:
+    """A token as one visible character: a space as a middle dot, a newline as a return."""
+    text = tok.decode([token])
+    return {" ": "\u00b7", "\n": "\u21b5", "": "\u2205"}.get(text, text)
+
+
+def _box(ax, x: float, y: float, kind: str, text: str) -> None:
+    ax.add_patch(Rectangle((x, y - 0.4), 0.92, 0.8, color=TOKEN_COLORS[kind]))
+    ax.text(x + 0.46, y, text, ha="center", va="center", fontsize=11, family="monospace",
+            color="black" if kind == "last" else "white")
+
+
+@styled
+def plot_trace(rows: Sequence[CheckRow], tok: Tokenizer, title: str = "") -> BookFigure:
+    """One row per check: the token fed first (grey), the guesses (green kept, red rejected),
+    then the target's own token (blue); on the right the tokens gained and the KV slots
+    written and freed."""
+    fig, ax = page_figure(height_in=0.42 * len(rows) + 1.6)
+    width = max(len(r.draft) for r in rows) + 1
+    own_x = width + 0.5
+    for y, row in enumerate(rows):
+        _box(ax, 0, -y, "last", _show(tok, row.last))
+        for j, token in enumerate(row.draft):
+            _box(ax, 1 + j, -y, "accepted" if j < row.accepted else "rejected",
+                 _show(tok, token))
+        _box(ax, own_x, -y, "own", _show(tok, row.own))
+        ax.text(own_x + 1.4, -y, f"+{row.accepted + 1} tokens;  KV {row.written} written, "
+                f"{row.freed} freed", va="center", fontsize=10)
+    for x, name in ((0.46, "fed"), ((1 + width) / 2, "guesses"), (own_x + 0.46, "target")):
+        ax.text(x, 0.75, name, ha="center", va="bottom", fontsize=10)
+    ax.set_xlim(-0.2, own_x + 8.5)
+    ax.set_ylim(-len(rows) + 0.4, 1.3)
+    ax.set_yticks([-y for y in range(len(rows))], [f"check {y + 1}" for y in range(len(rows))])
+    ax.set_xticks([])
+    ax.grid(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    label_axes(ax, title or "One request's checks: what was guessed, kept and freed")
+    handles = [Patch(color=TOKEN_COLORS["last"], label="fed first (the last kept token)"),
+               Patch(color=TOKEN_COLORS["accepted"], label="guess kept"),
+               Patch(color=TOKEN_COLORS["rejected"], label="guess rejected (its KV freed)"),
+               Patch(color=TOKEN_COLORS["own"], label="the target's own next token")]
+    legend_below(fig, handles=handles, ncol=2)
+    return fig
+
+
+def check_table(record: StepRecord, names: dict[int, str] | None = None) -> pd.DataFrame:
+    """One row per check of one engine step: guesses, how many the target kept, the tokens
+    the request gained, the KV slots written and freed."""
+    names = names or {}
+    rows = [{"request": names.get(rid, str(rid)), "guesses": drafted, "kept": accepted,
+             "tokens gained": accepted + 1, "KV written": drafted + 1,
+             "KV freed": drafted - accepted} for rid, drafted, accepted in record.checks]
+    return pd.DataFrame(rows).set_index("request")
+
+
+@styled
+def plot_acceptance(sweep: pd.DataFrame, title: str = "") -> BookFigure:
+    """Left: share of guesses accepted against k; right: tokens per check (per target
+    forward) against k, and k + 1 if every guess were kept. One colour per workload, solid
+    for CityDraft, dashed for n-gram."""
+    fig, (left, right) = page_figure(height_in=3.9, cols=2)
+    styles = {"CityDraft": "-", "n-gram": "--"}
+    for (work, color) in zip(sweep["workload"].unique(), WORKLOAD_COLORS, strict=False):
+        for name, style in styles.items():
+            rows = sweep[(sweep["workload"] == work) & (sweep["draft"] == name)]
+            left.plot(rows["k"], rows["acceptance"], style, marker="o", color=color)
+            right.plot(rows["k"], rows["tokens_per_check"], style, marker="o", color=color)
+    ks = np.arange(0, sweep["k"].max() + 1)
+    right.plot(ks, ks + 1, ":", color="black", lw=1)
+    left.set_ylim(0, 1)
+    label_axes(left, title or "Guesses accepted", "draft length k (tokens)",
+               "accepted / drafted")
+    label_axes(right, "Tokens per check", "draft length k (tokens)", "tokens per forward")
+    handles = [Line2D([], [], color=c, marker="o", label=w)
+               for w, c in zip(sweep["workload"].unique(), WORKLOAD_COLORS, strict=False)]
+    handles += [Line2D([], [], color="grey", ls=style, label=name)
+                for name, style in styles.items()]
+    handles.append(Line2D([], [], color="black", ls=":", lw=1, label="every guess kept"))
+    legend_below(fig, handles=handles, ncol=4)
+    return fig
+
+
+@styled
+def plot_sampling(check: SamplingCheck, tok: Tokenizer, top: int = 16,
+                  title: str = "") -> BookFigure:
+    """The ``top`` most likely tokens under p: the target's p (bars), the draft's q
+    (outlined bars) and the frequencies the check produced (dots)."""
+    fig, ax = page_figure(height_in=3.4)
+    order = np.argsort(-check.p.numpy())[:top]
+    x = np.arange(len(order))
+    ax.bar(x - 0.2, check.p.numpy()[order], 0.4, color="#1f77b4", label="target p")
+    ax.bar(x + 0.2, check.q.numpy()[order], 0.4, fill=False, ec="#ff7f0e", lw=1.5,
+           label="draft q (where the guesses come from)")
+    ax.plot(x - 0.2, check.frequencies.numpy()[order], "o", color="black", ms=5,
+            label=f"kept tokens, {int(check.counts.sum()):,} draws")
+    ax.set_xticks(x, [_show(tok, int(i)) for i in order])
+    label_axes(ax, title or "First letter of a new country line: what the check keeps",
+               "token", "probability")
+    legend_below(fig, ncol=3)
+    return fig
+
+
+@styled
+def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> BookFigure:
+    """One panel per context: the roofline speed-up against the batch, one line per k; the
+    break-even line at 1, the formula's batch-1 value, and the largest batch that fits."""
+    contexts = sorted(frame["context"].unique())
+    fig, axes = page_figure(height_in=3.8, cols=len(contexts), sharey=True)
+    axes = np.atleast_1d(axes)
+    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
+    for ax, context in zip(axes, contexts, strict=True):
+        part = frame[frame["context"] == context]
+        for k, color in zip(sorted(part["k"].unique()), colors, strict=False):
+            rows = part[part["k"] == k]
+            ax.plot(rows["batch"], rows["speedup"], color=color, label=f"k = {k}")
+            ax.plot([1], [expected_tokens_per_check(acceptance, int(k))], "o", color=color)
+        ax.axhline(1.0, color="black", lw=1)
+        fits = max_concurrent_requests(LLAMA3_8B, H100, int(context))
+        if fits <= part["batch"].max():
+            ax.axvline(fits, color="grey", ls=":", lw=1.5, label="largest batch in 80 GB")
+        ax.set_xscale("log", base=2)
+        label_axes(ax, f"context {context} tokens", "batch size (requests)",
+                   "speed-up (x)" if ax is axes[0] else None)
+    fig.suptitle(title or f"LLaMA-3-8B on an H100: speculation's speed-up, a = {acceptance}",
+                 x=0.02, ha="left")
+    legend_below(fig, ncol=5)
+    return fig

@@ -1,0 +1,144 @@
+"""The speculative-decoding chapter's experiments: what they return and what they check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minisrv.configs import CITYLM, H100, LLAMA3_8B, LLAMA32_1B
+from minisrv.experiments.speculative import (
+    CheckRow,
+    acceptance_sweep,
+    breakeven_table,
+    check_trace,
+    chi2_critical,
+    drafters,
+    sampling_check,
+    spec_workloads,
+    speedup_frame,
+)
+from minisrv.model import CityLM
+from minisrv.spec import NgramDrafter, load_draft
+from minisrv.spec.speedup import breakeven_batch, speculative_speedup
+from minisrv.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> CityLM:
+    return load_draft("cpu")[0]
+
+
+def test_the_sweep_is_exact_and_counts_forwards(citylm, draft_model) -> None:
+    model, tok = citylm
+    workloads = {"few": [tok.encode("FR:"), tok.encode("JP: Tokyo,")]}
+    sweep = acceptance_sweep(model, workloads, drafters(draft_model), ks=(1, 3),
+                             max_new_tokens=20)
+    assert len(sweep) == 4 and sweep["identical"].all()
+    assert ((sweep["acceptance"] >= 0) & (sweep["acceptance"] <= 1)).all()
+    # Each check yields 1..k+1 tokens; the forwards are one prefill per request plus the
+    # checks, and the tokens the same as 20 plain forwards per request minus the ones saved.
+    assert (sweep["tokens_per_check"] >= 1).all()
+    assert (sweep["tokens_per_check"] <= sweep["k"] + 1).all()
+    assert (sweep["plain_forwards"] == 40).all()
+    assert (sweep["forwards"] <= sweep["plain_forwards"] + 2).all()
+    drafted = sweep[sweep["draft"] == "CityDraft"].set_index("k")
+    assert drafted.loc[3, "forwards"] < drafted.loc[1, "forwards"]  # longer drafts, fewer checks
+
+
+def test_the_workloads_are_city_prompts_and_the_repeat_holds_its_answer(citylm) -> None:
+    model, tok = citylm
+    work = spec_workloads(model, tok)
+    assert list(work) == ["city prompts", "shared system prompt", "chat turns",
+                          "answer in the prompt"]
+    assert len(work["city prompts"]) == 14
+    again = tok.decode(work["answer in the prompt"][0])
+    assert again.endswith("FR:") and again.count("FR:") == 2
+
+
+def test_a_trace_adds_up_to_the_generated_tokens(citylm, draft_model) -> None:
+    model, tok = citylm
+    prompt = tok.encode("DE:")
+    for drafter in drafters(draft_model).values():
+        rows = check_trace(model, drafter, prompt, 30, 4)
+        alone = model.reference_generate(prompt, 30)
+        tokens = [alone[0]]
+        for row in rows:
+            assert isinstance(row, CheckRow) and row.last == tokens[-1]
+            assert row.cached == len(prompt) + len(tokens) - 1
+            assert row.written - row.freed == row.accepted + 1  # fed token + kept guesses
+            tokens += [*row.draft[: row.accepted], row.own]
+        assert tokens == alone
+
+
+def test_the_rejection_rule_gives_the_targets_distribution(citylm, draft_model) -> None:
+    model, tok = citylm
+    check = sampling_check(model, draft_model, tok.encode(""), n=6000, seed=1)
+    assert int(check.counts.sum()) == 6000 and 0 < check.accepted < 6000
+    stat, dof = check.chi2()
+    assert stat < chi2_critical(dof)
+    assert check.distance(check.p) < 0.04 < check.distance(check.q)
+
+
+def test_the_chi2_test_rejects_the_drafts_distribution(citylm, draft_model) -> None:
+    """The same statistic fires when the kept tokens follow q: the test can fail."""
+    model, tok = citylm
+    check = sampling_check(model, draft_model, tok.encode(""), n=3000)
+    as_q = check._replace(counts=torch.round(check.q * 3000))
+    stat, dof = as_q.chi2()
+    assert stat > chi2_critical(dof)
+
+
+@pytest.mark.parametrize(("dof", "exact", "rel"),
+                         [(5, 20.515, 0.02), (10, 29.588, 0.01), (25, 52.620, 0.01)])
+def test_chi2_critical_is_close_to_the_tables(dof: int, exact: float, rel: float) -> None:
+    assert chi2_critical(dof) == pytest.approx(exact, rel=rel)
+
+
+def test_speedup_frame_and_breakeven_agree_with_speedup() -> None:
+    frame = speedup_frame(0.7, ks=(2, 8), batches=(1, 64, 512), contexts=(256,))
+    assert len(frame) == 6
+    row = frame[(frame["k"] == 8) & (frame["batch"] == 512)].iloc[0]
+    assert row["speedup"] == speculative_speedup(LLAMA3_8B, H100, 512, 256, 8, 0.7)
+    table = breakeven_table(0.7, ks=(1, 8), contexts=(256, 1024),
+                            drafts={"free": None, "1B": LLAMA32_1B})
+    assert table.loc[("free", 256), "k = 8"] == breakeven_batch(LLAMA3_8B, H100, 256, 8, 0.7)
+    assert table.loc[("1B", 1024), "k = 8"] < table.loc[("free", 1024), "fits in memory"]
+    assert table.loc[("free", 1024)].isna()["k = 1"]  # pays at every batch that fits
+    never = breakeven_table(0.0, ks=(2,), contexts=(256,))
+    assert never.iloc[0]["k = 2"] == 0  # no guess ever accepted: a check only costs
+
+
+def test_bad_arguments_raise_clearly(citylm) -> None:
+    model, tok = citylm
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        acceptance_sweep(model, {"x": [tok.encode("FR:")]}, {"n": NgramDrafter()},
+                         max_new_tokens=0)
+    with pytest.raises(ValueError, match="n must be"):
+        sampling_check(model, model, tok.encode(""), n=0)
+    with pytest.raises(ValueError, match="dof"):
+        chi2_critical(0)
+    assert math.isfinite(chi2_critical(1))
+    assert Tokenizer().vocab_size == CITYLM.vocab_size
+
+
+def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -> None:
+    from minisrv.experiments.speculative import engine_table, serve_speculative
+    from minisrv.spec import DraftModelDrafter
+    from minisrv.viz.speculative import check_table
+
+    model, tok = citylm
+    prompts = [tok.encode("FR:"), tok.encode("JP: Tokyo,"), tok.encode("DE:")]
+    runs = {"plain": serve_speculative(model, prompts, None, max_new_tokens=20),
+            "CityDraft": serve_speculative(model, prompts, DraftModelDrafter(draft_model),
+                                           k=4, max_new_tokens=20)}
+    table = engine_table(runs)
+    assert table["equals alone"].all() and (table["tokens"] == 60).all()
+    assert table.loc["CityDraft", "steps"] < table.loc["plain", "steps"] == 20
+    assert table.loc["CityDraft", "KV freed"] == (table.loc["CityDraft", "guesses"]
+                                                  - table.loc["CityDraft", "kept"])
+    step = runs["CityDraft"].engine.trace[1]
+    checks = check_table(step)
+    assert len(checks) == 3 and (checks["KV written"] - checks["KV freed"]
+                                 == checks["tokens gained"]).all()
