@@ -49,9 +49,15 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("07_overlap", "Zero-overhead scheduling",
             "How does the CPU plan the next step while the device computes this one?",
             ("scheduler/overlap.py", "runner/device.py", "runner/futures.py")),
+    Chapter("07a_speculative_decoding", "Speculative decoding",
+            "How can one decode step yield several tokens per request?",
+            ("spec/", "experiments/speculative.py")),
     Chapter("08_server", "Serving it for real",
             "What does the whole request path look like behind an OpenAI-compatible API?",
             ("server/",)),
+    Chapter("08a_structured_output", "Structured output",
+            "How does a server make every answer match a grammar or a JSON schema?",
+            ("grammar/", "experiments/structured.py")),
     Chapter("09_gpu_appendix", "Appendix: a real model on a GPU",
             "How does the engine serve a Hugging Face checkpoint, near the roofline?",
             ("model/ragged.py", "model/hf.py", "experiments/gpu.py")),
@@ -72,10 +78,16 @@ COMPONENTS: dict[str, Component] = {
     "policy": Component("Scheduling policy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
                         "05_cache_aware"),
     "overlap": Component("Overlap loop\n(future tokens)", "scheduler/overlap.py", "07_overlap"),
+    "chunked": Component("Chunked prefill\n(token budget)", "scheduler/chunked.py",
+                         "03a_chunked_prefill"),
+    "spec": Component("Speculative decoding\n(drafts, checks)", "spec/",
+                      "07a_speculative_decoding"),
     "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
     "kvpool": Component("KV pool\n(token slots)", "kv/pool.py", "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "kv/radix.py", "04_radix_attention"),
     "attention": Component("Attention backend", "runner/attention.py", "03_selective_batching"),
+    "grammar": Component("Grammar masks\n(structured output)", "grammar/",
+                         "08a_structured_output"),
     "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),
 }
 
@@ -117,7 +129,8 @@ def architecture_diagram() -> graphviz.Digraph:
                color="#1d4ed8" if built else "#9ca3af",
                fontcolor="black" if built else "#6b7280",
                style="rounded,filled" if built else "rounded,filled,dashed")
-    for same in (("tokenizer", "detokenizer"), ("policy", "scheduler", "overlap")):
+    for same in (("tokenizer", "detokenizer"), ("policy", "scheduler", "overlap"),
+                 ("chunked", "spec")):
         with g.subgraph() as row:
             row.attr(rank="same")
             for key in same:
@@ -127,16 +140,18 @@ def architecture_diagram() -> graphviz.Digraph:
         w.node("worker")
         with w.subgraph() as row:
             row.attr(rank="same")
-            for key in ("kvpool", "radix", "attention"):
+            for key in ("kvpool", "radix", "attention", "grammar"):
                 row.node(key)
     g.edge("api", "router", label=" request")
     g.edge("router", "tokenizer", label=" one replica")
     g.edge("tokenizer", "scheduler", label=" token ids")
     g.edge("policy", "scheduler", arrowhead="none", style="dotted")
     g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
+    for key in ("chunked", "spec"):
+        g.edge("scheduler", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")
-    for key in ("kvpool", "radix", "attention"):
+    for key in ("kvpool", "radix", "attention", "grammar"):
         g.edge("worker", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "detokenizer", label=" streamed tokens")
     g.edge("detokenizer", "api", label=" text", constraint="false")
