@@ -63,9 +63,10 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     api_key: str | None = None
     restart_backoff: float = 0.5  # first wait before restarting a dead worker (doubles)
+    worker_timeout: float = 30.0  # a busy worker this long without progress is hung (0: off)
 
     def __post_init__(self) -> None:
-        for name in ("body_timeout", "shutdown_timeout", "restart_backoff"):
+        for name in ("body_timeout", "shutdown_timeout", "restart_backoff", "worker_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
