@@ -488,3 +488,18 @@ def test_engine_loop_delivers_each_tokens_logprobs(citylm, overlap):
         assert events.tokens[key] == tokens
         assert [v for v, _ in logprobs[key]] == pytest.approx(logps, abs=1e-5)
         assert all(len(top) == 2 and top[0][1] >= v - 1e-6 for v, top in logprobs[key])
+
+
+def test_worker_timeout_is_a_flag_with_a_checked_value():
+    from minisrv.server.cli import build_parser, server_config
+    from minisrv.server.config import ServerConfig
+    from minisrv.server.worker import beat_interval
+
+    args = build_parser().parse_args(["serve", "--worker-timeout", "2.5"])
+    assert server_config(args).worker_timeout == 2.5
+    assert ServerConfig().worker_timeout == 30.0
+    for bad in (-1.0, float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="worker_timeout"):
+            ServerConfig(worker_timeout=bad)
+    # an idle loop beats several times per timeout, never slower than once a second
+    assert beat_interval(2.0) == 0.5 and beat_interval(30.0) == 1.0 and beat_interval(0) == 1.0
