@@ -167,12 +167,19 @@ def test_engine_loop_abort_frees_the_kv(loop_and_events):
 
 
 def test_engine_loop_refuses_what_it_could_never_serve(loop_and_events, model):
-    loop, _ = loop_and_events
+    """The engine's own checks, run as the loop adds the request: a 400 error event, and
+    the loop serves the next request as before."""
+    loop, events = loop_and_events
     vocab = model.config.vocab_size
-    with pytest.raises(ValueError, match="context"):
-        loop.make_request([0] * 90, SamplingParams(10))
-    with pytest.raises(ValueError, match="vocab"):
-        loop.make_request([0, vocab], SamplingParams(2))
+    with pytest.raises(ValueError, match="empty"):
+        loop.make_request([], SamplingParams(2))
+    loop.submit(1, loop.make_request([0] * 90, SamplingParams(10)))
+    loop.submit(2, loop.make_request([0, vocab], SamplingParams(2)))
+    loop.submit(3, loop.make_request([0, 5, 6], SamplingParams(4)))
+    events.wait(lambda: {1, 2} <= set(events.errors) and 3 in events.finish)
+    assert "context" in events.errors[1] and "vocab" in events.errors[2]
+    assert events.tokens[3] == model.reference_generate([0, 5, 6], 4)
+    assert not events.tokens[1] and not events.tokens[2]
 
 
 def test_engine_loop_survives_a_failing_step(loop_and_events, model, monkeypatch):
@@ -194,6 +201,27 @@ def test_engine_loop_survives_a_failing_step(loop_and_events, model, monkeypatch
     loop.submit(2, loop.make_request([0, 5, 6], SamplingParams(4)))
     events.wait(lambda: 2 in events.finish)
     assert events.tokens[2] == model.reference_generate([0, 5, 6], 4)
+
+
+def test_engine_loop_beats_while_it_waits_and_between_steps(model):
+    """The watchdog's heartbeat: an idle loop keeps beating (it is waiting, not hung), and a
+    busy one beats at least once per step."""
+    events = Collector()
+    engine = Engine(model, kv_capacity=300, max_running=4, record_trace=False)
+    beats: list[int] = []
+    loop = EngineLoop(engine, events, lambda: beats.append(engine.stats.steps), 0.01)
+    with pytest.raises(ValueError, match="beat_every"):
+        EngineLoop(engine, events, beats.append, 0)
+    loop.start()
+    try:
+        events.wait(lambda: len(beats) >= 5)
+        assert set(beats) == {0}  # five beats without a single step: idle
+        loop.submit(1, loop.make_request([0, 5, 6], SamplingParams(20, ignore_eos=True)))
+        events.wait(lambda: 1 in events.finish)
+    finally:
+        loop.stop()
+    steps = engine.stats.steps
+    assert steps >= 20 and set(range(steps)) <= set(beats)  # a beat before every step
 
 
 @pytest.mark.parametrize("mode", ["prefill-first", "mixed"])
@@ -460,3 +488,18 @@ def test_engine_loop_delivers_each_tokens_logprobs(citylm, overlap):
         assert events.tokens[key] == tokens
         assert [v for v, _ in logprobs[key]] == pytest.approx(logps, abs=1e-5)
         assert all(len(top) == 2 and top[0][1] >= v - 1e-6 for v, top in logprobs[key])
+
+
+def test_worker_timeout_is_a_flag_with_a_checked_value():
+    from minisrv.server.cli import build_parser, server_config
+    from minisrv.server.config import ServerConfig
+    from minisrv.server.worker import beat_interval
+
+    args = build_parser().parse_args(["serve", "--worker-timeout", "2.5"])
+    assert server_config(args).worker_timeout == 2.5
+    assert ServerConfig().worker_timeout == 30.0
+    for bad in (-1.0, float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="worker_timeout"):
+            ServerConfig(worker_timeout=bad)
+    # an idle loop beats several times per timeout, never slower than once a second
+    assert beat_interval(2.0) == 0.5 and beat_interval(30.0) == 1.0 and beat_interval(0) == 1.0

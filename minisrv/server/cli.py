@@ -78,6 +78,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-backoff", type=float, default=d.restart_backoff,
                    help="seconds before a dead worker is restarted (doubling to 10 s while "
                    "it keeps dying)")
+    p.add_argument("--worker-timeout", type=float, default=d.worker_timeout,
+                   help="seconds a worker with requests in flight may go without progress "
+                   "before it is killed and restarted (0: never)")
     p.add_argument("--api-key", default=d.api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/ (401 without)")
     p.add_argument("--log-level", default="warning")
@@ -129,7 +132,8 @@ def server_config(args: argparse.Namespace) -> Any:
     return dataclasses.replace(config, max_request_bytes=args.max_request_bytes,
                                body_timeout=args.body_timeout,
                                shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
-                               restart_backoff=args.restart_backoff)
+                               restart_backoff=args.restart_backoff,
+                               worker_timeout=args.worker_timeout)
 
 
 def raise_open_files() -> None:

@@ -67,9 +67,10 @@ class ServerConfig:
     # Builds (engine, limits) in place of loading ``model``: a module-level function, so it
     # travels to worker processes (the book's simulated H100, ``minisrv.sim.served``).
     builder: Callable[[ServerConfig], tuple[Any, dict[str, Any]]] | None = None
+    worker_timeout: float = 30.0  # a busy worker this long without progress is hung (0: off)
 
     def __post_init__(self) -> None:
-        for name in ("body_timeout", "shutdown_timeout", "restart_backoff"):
+        for name in ("body_timeout", "shutdown_timeout", "restart_backoff", "worker_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")

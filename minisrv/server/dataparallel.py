@@ -8,7 +8,13 @@ every process sentinel at once, so a worker that dies is seen at once, even mid-
 A dead worker's in-flight requests fail at once with a 503 error event (streams end with
 an error event and ``[DONE]``); the worker is taken out of the router and restarted
 (after ``restart_backoff`` seconds, doubling to 10 s while it keeps dying) and rejoins
-when its engine is loaded. While no worker is up, ``submit`` raises ``Unavailable`` and
+when its engine is loaded. A worker that is alive but hung (a step that never returns, a
+stopped process) is found by a watchdog: each worker's engine loop stamps a clock in shared
+memory between steps and while it waits (``worker_main``), and a worker with requests in
+flight whose clock has not moved for ``worker_timeout`` seconds is killed, which sends it
+down the same path as a worker that died. An idle worker's loop keeps stamping while it
+waits, so idleness is never taken for a hang. While no worker is up, ``submit`` raises
+``Unavailable`` and
 the front end answers 503 with ``Retry-After``. A worker that fails to load at the first
 start fails the server (``failed``, which ``/health`` reports): a bad model path must not
 restart forever.
@@ -76,6 +82,11 @@ class DataParallelEngines:
         self._lock = threading.Lock()
         self._closing = False
         self._reader: threading.Thread | None = None
+        # Each worker's heartbeat: time.monotonic() of its engine loop's last beat.
+        self._beats = [self._ctx.RawValue("d", 0.0) for _ in range(n)]
+        self._hung: dict[int, float] = {}  # worker -> seconds without progress, when killed
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     @property
     def options(self) -> ServerConfig:
@@ -97,9 +108,13 @@ class DataParallelEngines:
         return self._failed
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's index, state, process id and restarts (``/health`` shows them)."""
+        """Each worker's index, state, process id, restarts and, once up, the seconds since
+        its engine loop last showed progress (``/workers`` shows them)."""
+        now = time.monotonic()
         return [{"index": i, "state": self.states[i], "restarts": self.restarts[i],
-                 "pid": self._procs[i].pid if self._procs[i] is not None else None}
+                 "pid": self._procs[i].pid if self._procs[i] is not None else None,
+                 "since_progress_s": (round(now - self._beats[i].value, 3)
+                                      if self.states[i] == "up" else None)}
                 for i in range(self.n)]
 
     def snapshot(self) -> dict[str, float]:
@@ -129,12 +144,18 @@ class DataParallelEngines:
         self._reader = threading.Thread(target=self._read, args=(deliver,), daemon=True,
                                         name="minisrv-dp-reader")
         self._reader.start()
+        if self.config.worker_timeout > 0:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="minisrv-dp-watchdog")
+            self._watchdog.start()
 
     def _spawn(self, i: int) -> None:
         """Start worker ``i`` with a fresh inbox and pipe (the old ones died with it)."""
         inbox = self._ctx.Queue()
         receive, send = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=worker_main, args=(i, self.config, inbox, send),
+        self._beats[i].value = time.monotonic()
+        proc = self._ctx.Process(target=worker_main,
+                                 args=(i, self.config, inbox, send, self._beats[i]),
                                  name=f"minisrv-dp{i}", daemon=True)
         proc.start()
         send.close()  # the worker holds the sending end: EOF here once it is gone
@@ -166,6 +187,23 @@ class DataParallelEngines:
                     del self._restart_at[i]
                     self.restarts[i] += 1
                     self._spawn(i)
+
+    def _watch(self) -> None:
+        """The watchdog: kill every worker that is up, has requests in flight and has not
+        beaten for ``worker_timeout`` seconds. It runs in a thread of its own because the
+        reader may be the one stuck (on the half-sent message of a worker stopped mid-send);
+        the kill ends that too, and the reader then fails the worker's requests."""
+        timeout = self.config.worker_timeout
+        while not self._stopping.wait(min(POLL_S, timeout / 10)):
+            now = time.monotonic()
+            with self._lock:
+                busy = set(self._worker_of.values())
+                for i in busy:
+                    silent = now - self._beats[i].value
+                    if self.states[i] != "up" or i in self._hung or silent <= timeout:
+                        continue
+                    self._hung[i] = silent
+                    self._procs[i].kill()  # SIGKILL ends a stopped process too
 
     def _index_of(self, ready: Any) -> int | None:
         for i in range(self.n):
@@ -220,11 +258,17 @@ class DataParallelEngines:
             if self.router is not None:
                 self.router.mark_down(i)
             keys = [key for key, w in self._worker_of.items() if w == i]
+            silent = self._hung.pop(i, None)
         if self._failed is not None:  # it never loaded: restarting would fail again
             return
         self._restart_at[i] = time.monotonic() + self._backoff[i]
         self._backoff[i] = min(MAX_BACKOFF_S, 2 * self._backoff[i] or MAX_BACKOFF_S / 20)
-        message = f"engine worker {i} died (exit code {code}); it is being restarted: retry"
+        if silent is not None:
+            message = (f"engine worker {i} made no progress for {silent:.1f} s (worker "
+                       f"timeout {self.config.worker_timeout:g} s) and was killed; it is "
+                       "being restarted: retry")
+        else:
+            message = f"engine worker {i} died (exit code {code}); it is being restarted: retry"
         deliver([error_event(key, message, 503) for key in keys], self.snapshot())
 
     # ------------------------------------------------------------------ requests
@@ -262,6 +306,9 @@ class DataParallelEngines:
         if self._closing:
             return
         self._closing = True
+        self._stopping.set()
+        if self._watchdog is not None:
+            self._watchdog.join(5)
         if self._reader is not None:
             self._reader.join(5)
         for i, inbox in enumerate(self._inboxes):

@@ -8,7 +8,13 @@ loop hands every new token to ``emit`` in one call, so the cost of crossing from
 thread to the asyncio event loop (or to another process, for ``--dp``) is paid once per
 step, not once per token.
 
-When nothing is queued or running, the loop blocks on the queue and uses no CPU.
+When nothing is queued or running, the loop blocks on the queue and uses no CPU (given a
+``beat``, it wakes every ``beat_every`` seconds to call it, so that a supervisor can tell an
+idle loop from a hung one: ``beat`` is called between every two steps and every wait).
+
+The loop drives the engine through its public calls only (``add_request``, ``step``,
+``abort``, ``snapshot``): a request the engine refuses comes back as a 400 error event,
+and a step that raises fails the requests that likely caused it (``_recover``).
 """
 
 from __future__ import annotations
@@ -42,12 +48,19 @@ class EngineLoop:
     """Runs ``engine`` in a daemon thread; ``emit(events, snapshot)`` gets each step's tokens.
 
     ``emit`` is called from the loop's thread: it must only hand the events over (e.g.
-    ``loop.call_soon_threadsafe``), never block.
+    ``loop.call_soon_threadsafe``), never block. ``beat``, if given, is called from the
+    loop's thread between steps and at least every ``beat_every`` seconds while idle (a
+    worker process stamps a clock in shared memory with it: its watchdog).
     """
 
-    def __init__(self, engine: Any, emit: Emit) -> None:
+    def __init__(self, engine: Any, emit: Emit, beat: Callable[[], None] | None = None,
+                 beat_every: float = 1.0) -> None:
+        if not beat_every > 0:
+            raise ValueError(f"beat_every must be > 0 seconds, got {beat_every!r}")
         self.engine = engine
         self.emit = emit
+        self._beat = beat
+        self._wait: float | None = beat_every if beat is not None else None
         self._inbox: queue.SimpleQueue[tuple[str, int, Req | None]] = queue.SimpleQueue()
         self._by_key: dict[int, Req] = {}
         self._key_of: dict[int, int] = {}  # rid -> key
@@ -61,11 +74,12 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ any thread
     def make_request(self, prompt: list[int], params: SamplingParams) -> Req:
-        """A validated request; ValueError (naming the problem) if it could never be served."""
+        """A request for ``prompt``; ValueError for a malformed prompt or grammar. Limits
+        (context, vocabulary, pool) are checked by ``Engine.add_request`` in the loop's
+        thread: a request over them comes back as a 400 error event."""
         with self._make_lock:
             req = self.engine.make_requests([prompt], None, params)[0]
             grammars = self.engine.grammars() if params.grammar is not None else None
-        self.engine.scheduler.check(req)  # reads only fixed limits: safe from any thread
         if grammars is not None:  # compiled here, off the engine's steps (cached by text)
             grammars.prepare(params)
         return req
@@ -109,28 +123,42 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first if ``block``. False once told to stop."""
+        if self._beat is not None:
+            self._beat()
         try:
-            command = self._inbox.get() if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=self._wait) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
-        aborted = False
+        changed = False
+        refused: list[TokenEvent] = []
         while True:
             kind, key, req = command
             if kind == "stop":
                 return False
             if kind == "submit" and req is not None:
-                self._by_key[key] = req
-                self._key_of[req.rid] = key
-                self.engine.add_request(req, checked=True)  # checked in make_request
+                if (event := self._add(key, req)) is not None:
+                    refused.append(event)
             elif kind == "abort":
-                aborted |= self._abort(key)
+                changed |= self._abort(key)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        if aborted:  # let /metrics see the freed memory even if nothing else runs
-            self.emit([], self.snapshot())
+        if changed or refused:  # let /metrics see freed memory even if nothing else runs
+            self.emit(refused, self.snapshot())
         return True
+
+    def _add(self, key: int, req: Req) -> TokenEvent | None:
+        """Queue ``req`` in the engine; the 400 error event if the engine refuses it."""
+        try:
+            self.engine.add_request(req)
+        except ValueError as exc:
+            return error_event(key, str(exc), 400)
+        except Exception as exc:  # a bug in one request must not end the loop
+            return error_event(key, f"engine error: {exc!r}", 500)
+        self._by_key[key] = req
+        self._key_of[req.rid] = key
+        return None
 
     def _abort(self, key: int) -> bool:
         req = self._by_key.pop(key, None)
@@ -163,25 +191,26 @@ class EngineLoop:
     def _recover(self, message: str) -> None:
         """A step raised: fail the requests that likely caused it, keep serving the rest.
 
-        The requests that had produced no token yet are the suspects (a new prompt, a new
-        sampler): they fail with ``message``. The others already ran steps without error;
-        they are retracted (their KV freed, their output kept) and prefilled again at the
-        next step, so they go on with the same tokens. When no request was new, nothing
-        tells the cause apart and every running request fails. The overlapped loop has a
-        step in flight that cannot be taken back: there every request fails.
+        The requests in the step that had produced no token yet are the suspects (a new
+        prompt, a new sampler): they fail with ``message``. The others already ran steps
+        without error; they are withdrawn (``Engine.abort`` frees their KV, their output
+        stays in the ``Req``) and added again, so they prefill prompt and output at a next
+        step and go on with the same tokens (greedy ones exactly; a sampled one draws the
+        rest from a fresh generator, as ``abort`` drops its random stream). When no request
+        was new, nothing tells the cause apart and every request fails. The overlapped loop
+        has a step in flight that cannot be taken back: there every request fails.
         """
-        sched = self.engine.scheduler
-        running = [req for req in sched.running if req.state == ReqState.RUNNING]
-        fresh = [req for req in running if not req.output]
+        live = list(self._by_key.values())
+        stepped = [req for req in live if req.state == ReqState.RUNNING]
+        fresh = [req for req in stepped if not req.output]
         if self.engine.config.overlap or not fresh:
-            self._fail(list(self._by_key.values()), message)
+            self._fail(live, message)
             return
         self._fail(fresh, message)
-        survivors = [req for req in sched.running if req.state == ReqState.RUNNING]
+        survivors = [req for req in stepped if req.state == ReqState.RUNNING]
+        self.engine.abort(survivors)
         for req in survivors:
-            sched.retract(req)
-        sched.running = []
-        sched.waiting.extendleft(reversed(survivors))
+            self.engine.add_request(req, checked=True)  # it was admitted once: it fits
 
     def _fail(self, reqs: list[Req], message: str) -> None:
         """End ``reqs`` with an error event each (HTTP 500 if nothing was streamed yet)."""

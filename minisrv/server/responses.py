@@ -63,10 +63,12 @@ class Call:
         self.taken: Entries = []  # the logprobs of the tokens the last ``take`` consumed
         self.kept: dict[int, Entries] = {i: [] for i in streams}  # every choice's, so far
         self.offsets: dict[int, int] = dict.fromkeys(streams, 0)  # text_offset, streaming
+        self._open = sum(s.finish is None for s in streams.values())  # choices not ended
 
     @property
     def finished(self) -> bool:
-        return all(s.finish is not None for s in self.streams.values())
+        """Every choice has ended (counted down in ``take``: it is asked once per event)."""
+        return self._open == 0
 
     def take(self, item: tuple[int, TokenEvent]) -> tuple[int, str, str | None,
                                                           TokenEvent | None]:
@@ -79,6 +81,7 @@ class Call:
             return index, "", None, None
         if event.error is not None:
             stream.finish = "error"
+            self._open -= 1
             return index, "", "error", event
         before = stream.n_tokens
         text = stream.add(event.tokens)
@@ -90,6 +93,8 @@ class Call:
             self.frontend.abort(self.replies[index])
         elif event.finish is not None:
             text += stream.close(event.finish)
+        if stream.finish is not None:
+            self._open -= 1
         return index, text, stream.finish, None
 
     def usage(self) -> dict[str, int]:
@@ -109,7 +114,17 @@ class Call:
     def chunk(self, index: int, text: str | None, finish: str | None,
               role: bool = False, logprobs: dict[str, Any] | None = None) -> str:
         """One ``data:`` event with one choice; the fields every chunk of this call shares
-        are serialised once (``_head``), the choice each time."""
+        are serialised once (``_head``), the choice each time: a token's chunk (no role, no
+        logprobs) by hand around ``json.dumps`` of its text alone, which takes the encoder's
+        C path (a dict with ``separators`` builds a new encoder per call); the same bytes."""
+        if not role and logprobs is None:
+            end = "null" if finish is None else json.dumps(finish)
+            if not self.chat:
+                return (f'{self._head}{{"index":{index},"text":{json.dumps(text or "")},'
+                        f'"logprobs":null,"finish_reason":{end}}}]}}\n\n')
+            content = "" if text is None else f'"content":{json.dumps(text)}'
+            return (f'{self._head}{{"index":{index},"delta":{{{content}}},'
+                    f'"logprobs":null,"finish_reason":{end}}}]}}\n\n')
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:

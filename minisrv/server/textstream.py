@@ -37,6 +37,8 @@ class TextStream:
     def add(self, tokens: list[int]) -> str:
         """Take new tokens; return the text that may be sent now. Sets ``finish`` to
         ``"stop"`` when a stop id or stop string ends the reply."""
+        if not self.stops and self.codec.prefix_stable:
+            return self._add_plain(tokens)
         for token in tokens:
             if self.finish is not None:
                 break
@@ -54,6 +56,24 @@ class TextStream:
         while end > self.sent and self.text[end - 1] == "\ufffd":  # half a UTF-8 character
             end -= 1
         return self._release(end)
+
+    def _add_plain(self, tokens: list[int]) -> str:
+        """``add`` without stop strings, for a tokenizer whose text only grows: the tokens
+        up to the first stop id are decoded in one call and nothing is held back."""
+        if self.finish is not None:
+            return ""
+        stop_ids = self.stop_ids
+        end = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+        new = tokens if end is None else tokens[:end]
+        self.n_tokens += len(new) if end is None else end + 1
+        if end is not None:
+            self.finish = "stop"
+        self.ids.extend(new)
+        self.text += self.codec.decode(new)
+        last = len(self.text)
+        while last > self.sent and self.text[last - 1] == "\ufffd":  # half a UTF-8 character
+            last -= 1
+        return self._release(last)
 
     def close(self, reason: str | None) -> str:
         """The engine ended the reply: return the text still held back."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,8 @@ from minisrv.server.messages import (
     error_event,
 )
 
-__all__ = ["Deliver", "LocalEngine", "Unavailable", "build_engine", "worker_main"]
+__all__ = ["Deliver", "LocalEngine", "Unavailable", "beat_interval", "build_engine",
+           "worker_main"]
 
 Deliver = Callable[[list[TokenEvent], dict[str, float]], None]
 
@@ -158,9 +160,21 @@ class LocalEngine:
             self.loop.stop()
 
 
-def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any) -> None:
+def beat_interval(timeout: float) -> float:
+    """How often an idle engine loop stamps its heartbeat: a few times per ``timeout``, so
+    a supervisor never mistakes a loop waiting for work for a hung one."""
+    return max(0.01, min(1.0, timeout / 4)) if timeout > 0 else 1.0
+
+
+def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any,
+                heartbeat: Any = None) -> None:
     """A worker process: an engine loop fed by ``inbox``, reporting through ``conn`` (a
-    pipe of its own, so a worker that dies mid-message corrupts no other worker's)."""
+    pipe of its own, so a worker that dies mid-message corrupts no other worker's).
+
+    ``heartbeat`` (a shared ``ctypes`` double) gets ``time.monotonic()`` between every two
+    steps of the engine loop and while it waits: the supervisor's watchdog reads it, and a
+    worker whose clock stops while it has requests in flight is hung (``dataparallel``).
+    """
     lock = threading.Lock()  # the engine thread and this one both send
 
     def send(message: Any) -> None:
@@ -172,7 +186,12 @@ def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any) -> None
     except Exception as exc:
         send(Failed(index, repr(exc)))
         return
-    loop = EngineLoop(engine, lambda events, snap: send(StepEvents(index, events, snap)))
+    beat = None
+    if heartbeat is not None:
+        def beat() -> None:
+            heartbeat.value = time.monotonic()
+    loop = EngineLoop(engine, lambda events, snap: send(StepEvents(index, events, snap)),
+                      beat, beat_interval(config.worker_timeout))
     loop.start()
     send(Ready(index, limits))
     while True:
