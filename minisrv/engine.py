@@ -240,6 +240,16 @@ class Engine(ConfigView):
             self._live.pop(req.rid, None)
         self.loop.abort(reqs)
 
+    def retract(self, reqs: Iterable[Req]) -> None:
+        """Send running ``reqs`` back to the head of the queue: their KV is freed, their
+        output and random generator kept, so they continue with the tokens they would have
+        had (waiting or finished ones are ignored). The blocking loop only: the overlapped
+        loop's step in flight computes for them and cannot be taken back."""
+        if isinstance(self.loop, OverlapLoop):
+            raise ValueError("retract needs the blocking loop: the overlapped loop has a step "
+                             "in flight that computes for the running requests")
+        self.scheduler.requeue(reqs)
+
     def snapshot(self) -> EngineSnapshot:
         """The gauges of this moment: requests running and queued, KV held, hit rate."""
         sched, stats = self.scheduler, self.scheduler.stats

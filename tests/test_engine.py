@@ -190,3 +190,26 @@ def test_every_eos_id_of_the_model_ends_a_request_as_it_does_alone(model) -> Non
     finally:
         model.eos_ids = saved
     assert served == alone and alone[0][-1] == second and len(alone[0]) <= 3
+
+
+def test_retract_requeues_running_requests_and_keeps_their_tokens(model) -> None:
+    """``Engine.retract`` frees a running request's KV and sends it to the head of the queue;
+    it keeps its output and random generator, so it ends with the tokens it would have had."""
+    engine = Engine(model, kv_capacity=400, max_running=4)
+    greedy = engine.add_request([0, 5, 6], SamplingParams(30, ignore_eos=True))
+    sampled = engine.add_request([0, 7, 8], SamplingParams(30, temperature=1.0, seed=3,
+                                                           ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    used = engine.scheduler.kv.used_count
+    engine.retract([sampled, greedy])
+    assert engine.scheduler.kv.used_count < used and not sampled.kv_slots
+    assert list(engine.scheduler.waiting) == [sampled, greedy]
+    engine.scheduler.check_integrity()
+    while engine.step().record is not None:
+        engine.scheduler.check_integrity()
+    assert greedy.output == model.reference_generate([0, 5, 6], 30, ignore_eos=True)
+    assert sampled.output == model.reference_generate([0, 7, 8], 30, temperature=1.0, seed=3,
+                                                      ignore_eos=True)
+    with pytest.raises(ValueError, match="blocking loop"):
+        Engine(model, overlap=True).retract([])

@@ -226,13 +226,15 @@ def test_engine_loop_beats_while_it_waits_and_between_steps(model):
 
 @pytest.mark.parametrize("mode", ["prefill-first", "mixed"])
 def test_a_step_that_raises_for_one_request_ends_that_request_only(model, mode):
-    """The request admitted into the failing step fails; the one already running is
-    retracted, prefilled again and ends with exactly its reference tokens."""
+    """The request admitted into the failing step fails; the ones already running are
+    retracted, prefilled again and end with exactly their reference tokens (a seeded,
+    sampled one too: it keeps its random generator)."""
     events = Collector()
     engine = Engine(model, kv_capacity=300, max_running=4, mode=mode, record_trace=False)
     backend = engine.scheduler.backend
     real_run = backend.run
     poison = [0, 9, 9, 9]
+    sampled = SamplingParams(40, temperature=1.0, seed=7, ignore_eos=True)
 
     def choking(batch):
         if any(req.prompt == poison for req in batch.reqs):
@@ -244,13 +246,16 @@ def test_a_step_that_raises_for_one_request_ends_that_request_only(model, mode):
     loop.start()
     try:
         loop.submit(1, loop.make_request([0, 5, 6], SamplingParams(40, ignore_eos=True)))
-        events.wait(lambda: len(events.tokens.get(1, [])) >= 3)
+        loop.submit(3, loop.make_request([0, 7, 8], sampled))
+        events.wait(lambda: min(len(events.tokens.get(k, [])) for k in (1, 3)) >= 3)
         loop.submit(2, loop.make_request(poison, SamplingParams(4)))
-        events.wait(lambda: 1 in events.finish and 2 in events.errors)
+        events.wait(lambda: {1, 3} <= set(events.finish) and 2 in events.errors)
     finally:
         loop.stop()
     assert "cannot serve this one" in events.errors[2] and 2 not in events.finish
     assert events.tokens[1] == model.reference_generate([0, 5, 6], 40, ignore_eos=True)
+    assert events.tokens[3] == model.reference_generate([0, 7, 8], 40, temperature=1.0,
+                                                        seed=7, ignore_eos=True)
     engine.scheduler.check_integrity()
     assert engine.scheduler.idle
 

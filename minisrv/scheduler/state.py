@@ -220,6 +220,23 @@ class SchedulerState(ConfigView):
             self.chunked = None
             self.chunk_ends.clear()
 
+    def requeue(self, reqs: Iterable[Req]) -> None:
+        """Retract running ``reqs`` at once: their KV freed, their output and generator kept,
+        back to the head of the queue in the order given (the server's recovery after a
+        failed step: they re-prefill prompt and output and go on with the same tokens)."""
+        back = [req for req in reqs if req.state == ReqState.RUNNING]
+        if not back:
+            return
+        ids = {id(req) for req in back}
+        self.running, self.finishing = [*self.finishing, *self.running], []
+        self.running = [req for req in self.running if id(req) not in ids]
+        if self.chunked is not None and id(self.chunked) in ids:
+            self.chunked = None
+            self.chunk_ends.clear()
+        for req in back:
+            self.retract(req)  # type: ignore[attr-defined]  # the Scheduler's
+        self.waiting.extendleft(reversed(back))
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if KV memory or the request queues are inconsistent.
 

@@ -193,12 +193,12 @@ class EngineLoop:
 
         The requests in the step that had produced no token yet are the suspects (a new
         prompt, a new sampler): they fail with ``message``. The others already ran steps
-        without error; they are withdrawn (``Engine.abort`` frees their KV, their output
-        stays in the ``Req``) and added again, so they prefill prompt and output at a next
-        step and go on with the same tokens (greedy ones exactly; a sampled one draws the
-        rest from a fresh generator, as ``abort`` drops its random stream). When no request
-        was new, nothing tells the cause apart and every request fails. The overlapped loop
-        has a step in flight that cannot be taken back: there every request fails.
+        without error; they go back to the head of the queue (``Engine.retract`` frees their
+        KV and keeps their output and random generator), so they prefill prompt and output
+        at a next step and go on with exactly the tokens they would have had. When no
+        request was new, nothing tells the cause apart and every request fails. The
+        overlapped loop has a step in flight that cannot be taken back: there every request
+        fails.
         """
         live = list(self._by_key.values())
         stepped = [req for req in live if req.state == ReqState.RUNNING]
@@ -207,10 +207,7 @@ class EngineLoop:
             self._fail(live, message)
             return
         self._fail(fresh, message)
-        survivors = [req for req in stepped if req.state == ReqState.RUNNING]
-        self.engine.abort(survivors)
-        for req in survivors:
-            self.engine.add_request(req, checked=True)  # it was admitted once: it fits
+        self.engine.retract([req for req in stepped if req.state == ReqState.RUNNING])
 
     def _fail(self, reqs: list[Req], message: str) -> None:
         """End ``reqs`` with an error event each (HTTP 500 if nothing was streamed yet)."""
