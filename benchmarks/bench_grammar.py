@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import string
 import tempfile
 import time
 
 import torch
 import xgrammar as xgr
 
+from minisrv.experiments.structured import synthetic_vocabulary
 from minisrv.grammar import (
     GrammarLogitsProcessor,
     GrammarState,
@@ -37,22 +37,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
           "properties": {"city": {"type": "string", "maxLength": 12},
                          "rank": {"type": "integer", "minimum": 1, "maximum": 99},
                          "tag": {"type": "string", "maxLength": 8}}}
-
-
-def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:
-    """Every printable ASCII character plus random letter strings of 2-8 characters (with a
-    leading space for a third of them, as BPE vocabularies have), and an eos."""
-    rng = random.Random(seed)
-    tokens = ["</s>", *string.printable]
-    seen = set(tokens)
-    while len(tokens) < size:
-        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8)))
-        word = (" " + word) if rng.random() < 0.33 else word
-        if word not in seen:
-            seen.add(word)
-            tokens.append(word)
-    return Vocabulary(xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, stop_token_ids=[0]),
-                      f"synthetic-{size // 1000}k")
 
 
 def bpe_vocabulary() -> Vocabulary:

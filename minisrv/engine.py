@@ -6,12 +6,13 @@ the request alone). ``Engine.run_workload`` and ``simulate`` replay a ``Workload
 return the metrics of the run; with a ``SimBackend`` that is a GPU-scale experiment that
 runs in about a second.
 
-The engine is the only driver of the scheduler. Its four calls are what every caller (the
+The engine is the only driver of the scheduler. Its calls are what every caller (the
 server's engine loop, the cluster simulation, ``generate``) uses::
 
     req = engine.add_request(prompt, params)   validated and queued; returns the Req
     out = engine.step()                        one step: StepOutput(record, tokens, finished)
     engine.abort([req])                        withdrawn wherever it is, its memory freed
+    engine.retract([req])                      back to the queue's head, output kept
     engine.snapshot()                          gauges: running, queued, KV use, hit rate
 
 The options (``EngineConfig``) grow with the book: continuous batching modes, admission,
