@@ -112,3 +112,30 @@ def reference(model, prompt: list[int], params: SamplingParams) -> tuple[list[in
                     or len(out) == params.max_new_tokens:
                 return out, logps
             logits = model(torch.tensor([token], device=model.device), cache)
+
+
+def cli_replies_are_alone(argv: list[str], prompts: list[str], max_tokens: int, model, tok):
+    """``minisrv serve ARGV``'s config served in this process (``LocalEngine`` behind the
+    app): each greedy completion of ``prompts`` must be the request alone. Returns the
+    config, for the caller to check what the flags set."""
+    from starlette.testclient import TestClient
+
+    from minisrv.model import load_tokenizer
+    from minisrv.server.app import create_app
+    from minisrv.server.cli import build_parser, server_config
+    from minisrv.server.worker import LocalEngine
+
+    config = server_config(build_parser().parse_args(["serve", *argv]))
+    client = TestClient(create_app(LocalEngine(config), load_tokenizer("citylm"), "citylm"))
+    with client:
+        for _ in range(600):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        for prompt in prompts:
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0})
+            want = model.reference_generate(tok.encode(prompt), max_tokens)
+            assert r.json()["choices"][0]["text"] == tok.decode(
+                [t for t in want if t not in model.eos_ids])
+    return config

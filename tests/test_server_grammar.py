@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from serving import cli_replies_are_alone  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from minisrv import SamplingParams, load_citylm  # noqa: E402
@@ -110,22 +111,8 @@ def test_the_openai_client_gets_schema_valid_json(tmp_path) -> None:
 def test_a_chunked_prefill_server_gives_each_request_its_own_tokens() -> None:
     """``--chunked-prefill-size`` reaches the engine: prompts longer than the budget are
     prefilled in chunks, and every reply is still the request alone."""
-    from minisrv.server.cli import build_parser, server_config
-
-    args = build_parser().parse_args(["serve", "--chunked-prefill-size", "8",
-                                      "--max-running", "4", "--kv-capacity", "400"])
-    config = server_config(args)
-    assert config.engine.chunked_prefill_size == 8
     model, tok = load_citylm("cpu")
-    client = TestClient(create_app(LocalEngine(config), load_tokenizer("citylm"), "citylm"))
-    with client:
-        for _ in range(600):
-            if client.get("/health").status_code == 200:
-                break
-            time.sleep(0.05)
-        for prompt in ("FR: Paris, Marseille,", "JP: Tokyo, Osaka, Nagoya,"):
-            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12,
-                                                     "temperature": 0})
-            want = model.reference_generate(tok.encode(prompt), 12)
-            assert r.json()["choices"][0]["text"] == tok.decode(
-                [t for t in want if t not in model.eos_ids])
+    config = cli_replies_are_alone(
+        ["--chunked-prefill-size", "8", "--max-running", "4", "--kv-capacity", "400"],
+        ["FR: Paris, Marseille,", "JP: Tokyo, Osaka, Nagoya,"], 12, model, tok)
+    assert config.engine.chunked_prefill_size == 8

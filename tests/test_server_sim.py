@@ -5,11 +5,6 @@ last their roofline time; the tests check what comes back, never how long it too
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import httpx
 import pandas as pd
 import pytest
@@ -23,7 +18,7 @@ from minisrv.experiments.server import (
     spread,
 )
 from minisrv.server.config import ServerConfig
-from minisrv.server.launch import free_port, wait_healthy
+from minisrv.server.launch import running_server
 from minisrv.sim import PacedBackend, SimBackend
 from minisrv.sim.served import build_sim_engine, sim_config, simulated_pace
 from minisrv.tokenizer import Tokenizer
@@ -31,24 +26,9 @@ from minisrv.tokenizer import Tokenizer
 TOK = Tokenizer()
 
 
-@contextmanager
-def sim_server(*args: str) -> Iterator[str]:
+def sim_server(*args: str):
     """``python -m minisrv.sim.served ARGS`` on a free port; its URL, once healthy."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "minisrv.sim.served", "--host", "127.0.0.1",
-                             "--port", str(port), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 90, alive=lambda: proc.poll() is None)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    return running_server(args, startup_s=90, module="minisrv.sim.served")
 
 
 def consecutive(text: str) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving import cli_replies_are_alone
 
 from minisrv.engine import POLICIES, Engine
 from minisrv.sampling import SamplingParams
@@ -300,32 +301,11 @@ def test_the_server_serves_speculatively(citylm):
     """``--speculative draft --num-draft-tokens 3`` reaches the engine; a greedy request
     through the server is the request alone."""
     pytest.importorskip("fastapi")
-    import time
-
-    from starlette.testclient import TestClient
-
-    from minisrv.model import load_tokenizer
-    from minisrv.server.app import create_app
-    from minisrv.server.cli import build_parser, server_config
-    from minisrv.server.worker import LocalEngine
-
-    args = build_parser().parse_args(["serve", "--speculative", "draft", "--num-draft-tokens",
-                                      "3", "--max-running", "4", "--kv-capacity", "400"])
-    config = server_config(args)
-    assert (config.engine.speculative, config.engine.num_draft_tokens) == ("draft", 3)
     model, tok = citylm
-    client = TestClient(create_app(LocalEngine(config), load_tokenizer("citylm"), "citylm"))
-    with client:
-        for _ in range(600):
-            if client.get("/health").status_code == 200:
-                break
-            time.sleep(0.05)
-        for prompt in ("FR: Paris, Marseille,", "JP:"):
-            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20,
-                                                     "temperature": 0})
-            want = model.reference_generate(tok.encode(prompt), 20)
-            assert r.json()["choices"][0]["text"] == tok.decode(
-                [t for t in want if t not in model.eos_ids])
+    config = cli_replies_are_alone(
+        ["--speculative", "draft", "--num-draft-tokens", "3", "--max-running", "4",
+         "--kv-capacity", "400"], ["FR: Paris, Marseille,", "JP:"], 20, model, tok)
+    assert (config.engine.speculative, config.engine.num_draft_tokens) == ("draft", 3)
 
 
 def test_drafts_reach_the_runner_as_one_check_per_request(citylm):

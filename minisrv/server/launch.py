@@ -52,14 +52,17 @@ def wait_healthy(url: str, timeout_s: float, alive: Any = None) -> None:
 
 
 @contextmanager
-def running_server(args: Sequence[str] = (), startup_s: float = 120.0) -> Iterator[str]:
+def running_server(args: Sequence[str] = (), startup_s: float = 120.0,
+                   module: str | None = None) -> Iterator[str]:
     """``minisrv serve ARGS`` in a subprocess on a free port; yields its base URL and
-    terminates it on exit (killing it if it does not stop within 15 s)."""
+    terminates it on exit (killing it if it does not stop within 15 s). ``module`` runs
+    ``python -m MODULE ARGS`` instead, a command taking the serve flags (the book's
+    ``minisrv.sim.served``)."""
     port = free_port()
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-c", _LAUNCH, "serve", "--host", "127.0.0.1", "--port", str(port),
-           *args]
+    head = ["-c", _LAUNCH, "serve"] if module is None else ["-m", module]
+    cmd = [sys.executable, *head, "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": path},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
