@@ -22,8 +22,8 @@ from minisrv.model import (
     RMSNorm,
     apply_rope,
     joint_kv,
-    layers,
     load_citylm,
+    onednn,
     rope_inv_freq,
     rope_table,
     split_fused_weights,
@@ -42,8 +42,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with the primitive the model's ``Linear`` uses, so that fusing is
     the only difference between the model and ``unfused_logits``."""
-    if layers.ONEDNN_LINEAR is not None and x.dtype == torch.float32:
-        return layers.ONEDNN_LINEAR(x, weight, None, "none", [], "")
+    if onednn.ONEDNN_LINEAR is not None and x.dtype == torch.float32:
+        return onednn.ONEDNN_LINEAR(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
@@ -91,12 +91,12 @@ def shipped() -> CityLM:
     return load_citylm("cpu")[0]
 
 
-@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("use_onednn", [True, False])
 def test_shipped_fused_model_gives_the_unfused_logits(
-    shipped: CityLM, onednn: bool, monkeypatch: pytest.MonkeyPatch
+    shipped: CityLM, use_onednn: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not onednn:  # F.linear (MKL) for the model and the reference
-        monkeypatch.setattr(layers, "ONEDNN_LINEAR", None)
+    if not use_onednn:  # F.linear (MKL) for the model and the reference
+        monkeypatch.setattr(onednn, "ONEDNN_LINEAR", None)
     ids = torch.randint(0, shipped.config.vocab_size, (40,),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

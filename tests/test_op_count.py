@@ -60,7 +60,7 @@ def _storages(values: Any) -> list[int]:
     for leaf in leaves:
         if isinstance(leaf, (list, tuple)):
             found.extend(_storages(leaf))
-        elif isinstance(leaf, torch.Tensor):
+        elif isinstance(leaf, torch.Tensor) and not leaf.is_mkldnn:  # a packed weight: opaque
             found.append(leaf.untyped_storage().data_ptr())
     return found
 

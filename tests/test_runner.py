@@ -60,7 +60,7 @@ def test_prepare_builds_the_attention_metadata_before_layer_zero(model) -> None:
     req.kv_slots += runner.pool.alloc(1)
     inputs = runner.prepare(Batch.of([], [req]))
     assert isinstance(runner.attn, PaddedAttention)
-    assert inputs.metadata and inputs.metadata[0].bias.dtype == model.dtype
+    assert inputs.metadata.groups and inputs.metadata.groups[0].bias.dtype == model.dtype
     assert inputs.flat.ids.device == model.device and not inputs.has_futures
     assert isinstance(ModelRunner(model, "loop").attn, LoopAttention)
     if FLEX_AVAILABLE:

@@ -3,6 +3,7 @@
 - ``layers``: RMSNorm, rotary positions (``rope_table``), grouped-query attention with
   fused q/k/v, SwiGLU with fused gate/up, ``Block`` (one layer's step, with the attention
   function passed in), and the fusing of unfused checkpoints (``fuse_weights``);
+- ``onednn``: ``Linear``, the CPU's float32 products through oneDNN with packed weights;
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
 - ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
   (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);

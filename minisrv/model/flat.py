@@ -111,7 +111,7 @@ class FlatBatch:
         self.ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         self.write_slots = torch.tensor(write, dtype=torch.long, device=self.device)
-        self._slot_lists = [list(s) for s in slots]  # tensors made only where an attention asks
+        self.slot_lists = [list(s) for s in slots]  # tensors made only where an attention asks
         self._slots: list[torch.Tensor] | None = None
         ends = list(itertools.accumulate(self.new_lens))
         self.starts = [end - n for end, n in zip(ends, self.new_lens)]
@@ -138,7 +138,7 @@ class FlatBatch:
         """Each request's KV slots as a tensor on the batch's device (built on first use)."""
         if self._slots is None:
             self._slots = [torch.tensor(s, dtype=torch.long, device=self.device)
-                           for s in self._slot_lists]
+                           for s in self.slot_lists]
         return self._slots
 
     def __len__(self) -> int:
@@ -180,7 +180,7 @@ class FlatBatch:
         the device in one copy each.
         """
         new = np.asarray(self.new_lens[lo:hi], dtype=np.int64)
-        slot_lists = self._slot_lists[lo:hi]
+        slot_lists = self.slot_lists[lo:hi]
         lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(new))
         n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
         key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
@@ -209,7 +209,7 @@ class FlatBatch:
         """
         if self._flex is None:
             block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
-            keys = [slot for s in self._slot_lists for slot in s]
+            keys = [slot for s in self.slot_lists for slot in s]
             self._flex = (torch.tensor(keys, dtype=torch.long, device=self.device), block_mask)
         return self._flex
 

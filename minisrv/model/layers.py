@@ -10,7 +10,8 @@ launch the host pays for: q, k and v come out of one matrix product (``qkv_proj`
 and up out of another (``gate_up_proj``), and the rotary embedding reads a table built once
 per device (``rope_table``). Checkpoints that keep the projections apart (Hugging Face
 folders, the shipped CityLM file) are fused when loaded (``UNFUSED_PARTS``). On the CPU
-the products themselves go through oneDNN (``Linear``), as vLLM's CPU build does.
+the products themselves go through oneDNN (``Linear``, ``minisrv.model.onednn``), as vLLM's
+CPU build does.
 
 ``Block.forward`` does not know where keys and values are kept: it hands the new tokens'
 q, k, v to an ``attend`` function chosen by the caller. One request's dense cache
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisrv.configs import ModelConfig
+from minisrv.model.onednn import Linear
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(q, k, v)`` for one layer: store the new tokens' K/V wherever the caller keeps
@@ -46,50 +48,6 @@ UNFUSED_PARTS: dict[str, tuple[str, ...]] = {
 }
 """Each weight of a block and the unfused weights it stacks (output rows, in this order),
 under the names the shipped CityLM file keeps (``split_fused_weights`` writes them)."""
-
-
-def _onednn_linear() -> Callable[..., torch.Tensor] | None:
-    """oneDNN's matrix product (``torch.ops.mkldnn._linear_pointwise``) if this torch has it
-    and it computes ``F.linear`` here (checked once on a small product), else ``None``."""
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return None
-    cpu = torch.device("cpu")  # explicit: a default device set by the caller must not apply
-    x = torch.linspace(-1, 1, 24, device=cpu).reshape(2, 3, 4)
-    w = torch.linspace(-2, 2, 20, device=cpu).reshape(5, 4)
-    try:
-        with torch.inference_mode():
-            works = torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5)
-    except (RuntimeError, TypeError):  # pragma: no cover - depends on the torch build
-        return None
-    return op if works else None
-
-
-ONEDNN_LINEAR = _onednn_linear()
-"""oneDNN's matrix product, or ``None`` where this torch lacks it. On the CPU in float32 it
-runs the serving shapes (64 rows of width 512) two to three times faster than ``F.linear``
-(MKL) on one thread; vLLM's CPU build uses it for the same reason."""
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` without bias whose inference product on the CPU in float32 is oneDNN's.
-
-    The same product up to rounding (another summation order: a few 1e-6 relative);
-    training (gradients on), other devices and dtypes use ``F.linear``.
-    """
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_fits(x):
-            return ONEDNN_LINEAR(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-    def onednn_fits(self, x: torch.Tensor) -> bool:
-        """Whether oneDNN takes this product: CPU, float32, no gradient to record."""
-        return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
-                and x.dtype == torch.float32 and not torch.is_grad_enabled())
 
 
 class RMSNorm(nn.Module):

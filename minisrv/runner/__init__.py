@@ -23,6 +23,8 @@ _HOMES = {
     "FlexAttention": "attention",
     "LoopAttention": "attention",
     "PaddedAttention": "attention",
+    "PaddedStep": "attention",
+    "length_cuts": "attention",
     "make_attention": "attention",
     "padded_pool_attention": "attention",
     "write_kv": "attention",

@@ -93,7 +93,8 @@ class ModelRunner:
                              f"{model.device}")
         self.model = model
         self.attn: AttentionBackend = make_attention(attention, model.device, model.dtype,
-                                                     model.config.head_dim)
+                                                     model.config.head_dim,
+                                                     model.config.n_kv_heads)
         self.attention: str = self.attn.kind
         self.eos_ids: tuple[int, ...] = tuple(model.eos_ids)
         self.sampler = Sampler(logits_processors, self.eos_ids)
