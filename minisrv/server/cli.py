@@ -80,7 +80,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "it keeps dying)")
     p.add_argument("--worker-timeout", type=float, default=d.worker_timeout,
                    help="seconds a worker with requests in flight may go without progress "
-                   "before it is killed and restarted (0: never)")
+                   "before it is killed and restarted, its requests failed (an engine thread "
+                   "is abandoned and a new one built; 0: never)")
     p.add_argument("--api-key", default=d.api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/ (401 without)")
     p.add_argument("--log-level", default="warning")

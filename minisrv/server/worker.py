@@ -101,7 +101,14 @@ def submit_to(loop: EngineLoop, message: Submit) -> TokenEvent | None:
 
 
 class LocalEngine:
-    """One engine in a thread of this process (``--engine-thread``)."""
+    """One engine in a thread of this process (``--engine-thread``).
+
+    With ``worker_timeout`` > 0 a watchdog thread reads the engine loop's heartbeat: once
+    it has stood still for longer than the timeout while requests are in flight, the
+    engine is hung. A thread cannot be stopped, so the hung one is abandoned (whatever it
+    sends later is dropped), every request in flight ends with a 503 error event, and a
+    new engine is built in a new thread, as a hung worker process is killed and restarted.
+    """
 
     n = 1
 
@@ -111,7 +118,13 @@ class LocalEngine:
         self.failed: str | None = None
         self.limits: dict[str, Any] = {}
         self.loop: EngineLoop | None = None
+        self.restarts = 0
         self._deliver: Deliver | None = None
+        self._lock = threading.Lock()
+        self._in_flight: set[int] = set()
+        self._generation = 0  # the engine thread now serving; older ones are abandoned
+        self._beat = time.monotonic()
+        self._closed = threading.Event()
 
     @property
     def options(self) -> ServerConfig:
@@ -119,32 +132,88 @@ class LocalEngine:
 
     def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
-        threading.Thread(target=self._load, args=(deliver,), daemon=True).start()
+        self._spawn()
+        if self.config.worker_timeout > 0:
+            threading.Thread(target=self._watch, daemon=True,
+                             name="minisrv-engine-watchdog").start()
 
-    def _load(self, deliver: Deliver) -> None:
+    def _spawn(self) -> None:
+        """Build an engine and start its loop, in a new thread (tagged with a generation)."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+        threading.Thread(target=self._load, args=(generation,), daemon=True).start()
+
+    def _load(self, generation: int) -> None:
         try:
             engine, self.limits = build_engine(self.config)
         except Exception as exc:  # reported by /health
             self.failed = repr(exc)
             return
-        self.loop = EngineLoop(engine, deliver)
-        self.loop.start()
-        self.ready = True
+        deliver = self._deliver
+        assert deliver is not None
+
+        def current() -> bool:
+            return generation == self._generation
+
+        def emit(events: list[TokenEvent], snapshot: dict[str, float]) -> None:
+            if current():  # an abandoned engine's late events are nobody's now
+                deliver(events, snapshot)
+
+        def beat() -> None:
+            if current():
+                self._beat = time.monotonic()
+
+        loop = EngineLoop(engine, emit, beat, beat_interval(self.config.worker_timeout))
+        with self._lock:
+            if not current() or self._closed.is_set():
+                return
+            self._beat = time.monotonic()
+            self.loop = loop
+            loop.start()
+            self.ready = True
+
+    def _watch(self) -> None:
+        """The watchdog: abandon the engine once its heartbeat has stood still for
+        ``worker_timeout`` seconds while requests are in flight, fail those requests, and
+        start a new engine."""
+        timeout = self.config.worker_timeout
+        while not self._closed.wait(beat_interval(timeout)):
+            with self._lock:
+                silent = time.monotonic() - self._beat
+                if not (self.ready and self._in_flight and silent > timeout):
+                    continue
+                keys, self._in_flight = sorted(self._in_flight), set()
+                abandoned, self.ready, self.loop = self.loop, False, None
+                self._generation += 1  # the hung thread's events and beats are dropped
+                self.restarts += 1
+            message = (f"the engine made no progress for {silent:.1f} s (worker timeout "
+                       f"{timeout:g} s) and was abandoned; a new engine is starting")
+            assert self._deliver is not None
+            self._deliver([error_event(key, message, 503) for key in keys], {})
+            if abandoned is not None:
+                abandoned.stop(timeout=0)  # it ends there if it ever comes back
+            self._spawn()
 
     @property
     def up(self) -> int:
-        """Engines serving now: 1, or 0 if the engine thread has ended."""
-        return int(self.ready and self.loop is not None and self.loop._thread.is_alive())
+        """Engines serving now: 1, or 0 if the engine thread has ended or was abandoned."""
+        loop = self.loop
+        return int(self.ready and loop is not None and loop._thread.is_alive())
 
     def workers(self) -> list[dict[str, Any]]:
-        state = "failed" if self.failed else "up" if self.up else "starting"
-        return [{"index": 0, "state": state, "pid": None}]
+        state = ("failed" if self.failed else "up" if self.up
+                 else "restarting" if self.restarts else "starting")
+        return [{"index": 0, "state": state, "pid": None, "restarts": self.restarts}]
 
     def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
         """Queue a request; a request it cannot serve comes back as an error event."""
-        if not self.up or self.loop is None or self._deliver is None:
+        loop = self.loop
+        if not self.up or loop is None or self._deliver is None:
             raise Unavailable("the engine is not running")
-        refused = submit_to(self.loop, Submit(key, prompt, params))
+        with self._lock:
+            self._in_flight.add(key)
+        refused = submit_to(loop, Submit(key, prompt, params))
         if refused is not None:
             self._deliver([refused], {})  # the gauges come with the next step
 
@@ -153,9 +222,12 @@ class LocalEngine:
             self.loop.abort(key)
 
     def done(self, key: int) -> None:
-        """Nothing to release: a single engine needs no routing bookkeeping."""
+        """The front end has finished with ``key``: no longer in flight."""
+        with self._lock:
+            self._in_flight.discard(key)
 
     def close(self) -> None:
+        self._closed.set()
         if self.loop is not None:
             self.loop.stop()
 
