@@ -61,8 +61,8 @@ def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor)
     Padding slots (slot 0, or the pool's scratch slot in a padded decode) are hidden by
     ``group.bias``. A group of decodes (one query per request) hands SDPA each KV head's
     query heads as that head's rows: [B, kv_heads, heads per KV head, head_dim] against
-    [B, kv_heads, S_max, head_dim], so nothing is broadcast (on the CPU about 1.5x faster
-    than ``enable_gqa`` at CityLM's and 12 x 512's shapes); a group of prefills shares each
+    [B, kv_heads, S_max, head_dim], so nothing is broadcast (on the CPU 1.1x faster than
+    ``enable_gqa`` at CityLM's shapes, 1.8x at 12 x 512's); a group of prefills shares each
     KV head among its query heads with ``enable_gqa``.
     """
     key_slots, bias = group.key_slots, group.bias
