@@ -85,6 +85,7 @@ def test_an_engine_cutting_every_step_gives_each_request_its_own_tokens(model, m
     assert engine.scheduler.kv.free_count == 400
 
 
-def test_the_cost_of_a_cut_scales_with_the_heads_it_gathers() -> None:
+def test_the_cost_of_a_cut_scales_with_the_heads_it_gathers_and_a_gpu_never_cuts() -> None:
     small, large = PaddedAttention(torch.float32, 64), PaddedAttention(torch.float32, 256)
     assert small.split_cost == 4 * large.split_cost
+    assert PaddedAttention(torch.float32, 64, "cuda").split_cost == float("inf")

@@ -18,6 +18,7 @@ class here.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -127,19 +128,23 @@ class PaddedAttention:
     (``length_cuts``) gathers and attends over fewer padding slots, at the price of one
     more call per group and one reordering of the queries and outputs per layer.
     ``split_cost`` is what one more group costs, in padding slots (``SPLIT_ELEMENTS``
-    spread over the key elements of one slot).
+    spread over the key elements of one slot). The cost was measured on the CPU; on a GPU,
+    where each call is a kernel launch the host pays for, decodes are not cut.
     """
 
     kind = "padded"
 
-    def __init__(self, dtype: torch.dtype, kv_elements: int = 64) -> None:
+    def __init__(self, dtype: torch.dtype, kv_elements: int = 64,
+                 device: str | torch.device = "cpu") -> None:
         self.dtype = dtype  # the queries' dtype, which the mask's bias must share
-        self.split_cost = SPLIT_ELEMENTS / kv_elements
+        cpu = torch.device(device).type == "cpu"
+        self.split_cost = SPLIT_ELEMENTS / kv_elements if cpu else math.inf
 
     def prepare(self, batch: FlatBatch) -> PaddedStep:
         groups = batch.padded_groups(self.dtype)
         last = groups[-1]
-        if last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4:  # no run of decodes
+        few = last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4  # no run of decodes
+        if few or math.isinf(self.split_cost):
             return PaddedStep(groups, None, None)
         first = len(batch) - last.key_slots.shape[0]  # the first decode request
         contexts = np.fromiter((len(s) for s in batch.slot_lists[first:]), dtype=np.int64)
@@ -229,5 +234,5 @@ def make_attention(kind: str, device: torch.device, dtype: torch.dtype,
     kv_elements = n_kv_heads * head_dim
     kind = resolve_attention(kind, device, dtype, head_dim)
     if kind == "padded":
-        return PaddedAttention(dtype, kv_elements)
+        return PaddedAttention(dtype, kv_elements, device)
     return LoopAttention() if kind == "loop" else FlexAttention()
