@@ -62,6 +62,7 @@ ONEDNN_LINEAR = _onednn_linear()
 ONEDNN_REORDER = _onednn_reorder()
 """oneDNN's weight reorder, or ``None`` where this torch lacks it."""
 
+
 class Linear(nn.Linear):
     """``nn.Linear`` without bias whose inference product on the CPU in float32 is oneDNN's,
     with the weight packed once (``packed``).

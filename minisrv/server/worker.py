@@ -208,10 +208,10 @@ class LocalEngine:
 
     def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
         """Queue a request; a request it cannot serve comes back as an error event."""
-        loop = self.loop
-        if not self.up or loop is None or self._deliver is None:
-            raise Unavailable("the engine is not running")
-        with self._lock:
+        with self._lock:  # the watchdog fails what is in flight, or the loop is gone
+            loop = self.loop
+            if not self.up or loop is None or self._deliver is None:
+                raise Unavailable("the engine is not running")
             self._in_flight.add(key)
         refused = submit_to(loop, Submit(key, prompt, params))
         if refused is not None:
