@@ -60,6 +60,17 @@ def check_jumps(engine: Engine, reqs, saved) -> None:
     assert engine.scheduler.kv.used_count == engine.tree.size_info().total
 
 
+def serve_like_alone(engine: Engine, tok, prompts, params, **options) -> list:
+    """Serve ``prompts`` on ``engine``: every request gets the tokens it gets alone
+    (``expected``), and the jumps add up (``check_jumps``). The requests, for more checks."""
+    want, saved = expected(engine.backend.model, tok, prompts, params)
+    reqs = engine.make_requests([tok.encode(p) for p in prompts], sampling=params, **options)
+    engine.serve(reqs)
+    assert [r.output for r in reqs] == want  # free ones: exactly their own tokens
+    check_jumps(engine, reqs, saved)
+    return reqs
+
+
 @pytest.mark.parametrize("cache", ["none", "radix"])
 @pytest.mark.parametrize("mode", ["prefill-first", "mixed"])
 def test_jump_forward_equals_masking_alone_in_a_mixed_batch(citylm, cache, mode):
@@ -97,28 +108,19 @@ def test_jump_forward_with_chunked_prefill_and_retraction(citylm):
     prompts = [*PROMPTS, "GB: London, Leeds,", "ES:", "US:"]
     params = [*mixed_params(), SamplingParams(40, regex=FIXED),
               *[SamplingParams(40, ignore_eos=True)] * 2]
-    want, saved = expected(model, tok, prompts, params)
     engine = Engine(model, jump_forward=True, chunked_prefill_size=6, max_running=4,
                     kv_capacity=70, new_token_ratio=0.05, min_ratio=0.01, cache="radix",
                     mode="mixed", debug=True)
-    reqs = engine.make_requests([tok.encode(p) for p in prompts], sampling=params)
-    engine.serve(reqs)
-    assert [r.output for r in reqs] == want
-    check_jumps(engine, reqs, saved)
+    serve_like_alone(engine, tok, prompts, params)
     assert engine.stats.retractions > 0
 
 
 def test_jump_forward_with_speculative_free_requests(citylm):
     """Constrained requests jump, free ones are checked speculatively, in one batch."""
     model, tok = citylm
-    params = mixed_params()
-    want, saved = expected(model, tok, PROMPTS, params)
     engine = Engine(model, jump_forward=True, speculative="draft", num_draft_tokens=3,
                     max_running=5, debug=True)
-    reqs = engine.make_requests([tok.encode(p) for p in PROMPTS], sampling=params)
-    engine.serve(reqs)
-    assert [r.output for r in reqs] == want
-    check_jumps(engine, reqs, saved)
+    serve_like_alone(engine, tok, PROMPTS, mixed_params())
     assert engine.stats.accepted_tokens > 0
 
 
