@@ -13,21 +13,28 @@ that environment's python (``--vllm-worker JOB``), so nothing of minisrv is impo
 
     python benchmarks/bench_vllm_cpu.py --install      # once: ~2 GB into /tmp
     python benchmarks/bench_vllm_cpu.py [--sizes citylm 12x512] [--requests 256] [--repeats 5]
+                                        [--breakdown]
 
 Timed runs alternate between the engines, each kept loaded (vLLM compiles its model with
-torch.compile at start, about 40 s here); the medians are compared.
+torch.compile at start, about 40 s here); the medians are compared. ``--breakdown`` then
+profiles one more run of each (``torch.profiler``) and prints where it went: the matrix
+products (both engines hand them to oneDNN, with weights packed once), attention (with the
+writes of the new K/V into the pool) and the rest (norms, rotary, activations, sampling and
+the host's Python), and what the goal leaves minisrv beside its products.
 
 Numbers (2026-12-01, a 2-core shared machine, AVX-512, torch 2.13 CPU, vllm-cpu 0.32.0,
-float32, 1 thread each, max running 64, median of 5), with the weights packed for oneDNN
-and the decodes cut into groups of similar context: CityLM's size vLLM 0.54 s (16.2k tok/s),
-minisrv 0.64 s (13.7k tok/s), 0.84x (goal 1.5x: missed); 12 x 512 vLLM 6.82 s (1.29k
-tok/s), minisrv 8.62 s (1.02k tok/s), 0.79x (goal 1.1x: missed; 0.75x before the packing
-and the cuts); 256/256 requests identical at both sizes. At 12 x 512 the products take
-5.3 s of minisrv's time (5.8 s before packing), the padded attention's gathers and SDPA
-calls 2.6 s: every decode reads its history twice (the gather, then SDPA), where vLLM's
-attention kernel reads the pool in place. At CityLM's size the products take 0.17 s and
-attention 0.2 s of 0.75 s; the rest is the host's per-step work (building the step's
-inputs 0.11 s, the scheduler 0.06 s, the layers' Python).
+float32, 1 thread each, max running 64, median of 5; the machine's speed drifts by up to
+25% within an hour, so only runs that alternate are compared):
+
+    size      vLLM     minisrv  ratio  goal   products  attention  rest (profiled run, s)
+    CityLM's  0.71 s   0.90 s   0.79x  1.5x   vLLM 0.14  0.14  0.49 | minisrv 0.16  0.25  0.34
+    12 x 512  7.21 s   9.28 s   0.78x  1.1x   vLLM 5.24  1.51  1.31 | minisrv 5.28  3.29  1.90
+
+256/256 requests got identical tokens at both sizes. The products take the same time in
+both engines. Beside them the 1.5x goal leaves minisrv 0.31 s at CityLM's size, where vLLM
+spends 0.63 s; the 1.1x goal leaves 1.27 s at 12 x 512, less than vLLM's C++ attention
+kernel alone (1.51 s), which reads the paged pool in place where minisrv gathers every
+decode's history and then attends over the copy (``index_select``, then SDPA).
 """
 
 from __future__ import annotations
@@ -92,6 +99,46 @@ def make_requests(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], l
     return prompts, [rng.randint(2, 64) for _ in range(n)]
 
 
+PRODUCT_OPS = ("mkldnn::_linear_pointwise", "_C::onednn_mm")  # minisrv's, vLLM's
+ATTENTION_RANGES = ("attention", "vllm::unified_attention_with_output",
+                    "vllm::unified_kv_cache_update")
+"""The profiler ranges that hold attention: minisrv's (``ProfiledAttention``), and vLLM's
+custom ops (its C++ attention over the paged pool, and the write of the new K/V into it).
+minisrv's K/V writes (``aten::index_put_``) are counted with attention too."""
+
+
+def profiled_run(run: Any) -> dict[str, float]:
+    """One more run under ``torch.profiler``: its wall time and the seconds spent in the
+    matrix products and in attention (the rest is norms, rotary, activations, sampling and
+    the host's Python). A profiled run is a few percent slower than a timed one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+    products = sum(totals.get(k, 0.0) for k in PRODUCT_OPS)
+    attention = sum(totals.get(k, 0.0) for k in (*ATTENTION_RANGES, "aten::index_put_"))
+    return {"wall": wall, "products": products, "attention": attention}
+
+
+class ProfiledAttention:
+    """An attention backend whose every call is a profiler range named ``attention``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.kind = inner, inner.kind
+
+    def prepare(self, batch: Any) -> Any:
+        return self.inner.prepare(batch)
+
+    def forward(self, q: Any, kv: Any, metadata: Any) -> Any:
+        import torch
+
+        with torch.profiler.record_function("attention"):
+            return self.inner.forward(q, kv, metadata)
+
+
 class MinisrvRunner:
     """minisrv's engine on one folder, kept loaded between timed runs."""
 
@@ -116,6 +163,16 @@ class MinisrvRunner:
         out = self.engine.generate(self.prompts, sampling=self.params)
         return out, time.perf_counter() - start
 
+    def breakdown(self) -> dict[str, float]:
+        """``profiled_run`` of one run, each attention call a profiler range."""
+        runner = self.engine.backend
+        plain = runner.attn
+        runner.attn = ProfiledAttention(plain)
+        try:
+            return profiled_run(self.run)
+        finally:
+            runner.attn = plain
+
 
 DONE = "MINISRV-VLLM-RUN-DONE"  # the worker's answer line (vLLM logs to the same stream)
 
@@ -132,12 +189,16 @@ def vllm_worker(job_path: str) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
               for m in job["limits"]]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
-    for _ in sys.stdin:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        Path(job["result"]).write_text(json.dumps({"tokens": tokens, "seconds": seconds}))
+    for line in sys.stdin:
+        if line.strip() == "breakdown":
+            result: dict[str, Any] = profiled_run(
+                lambda: llm.generate(prompts, params, use_tqdm=False))
+        else:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+        Path(job["result"]).write_text(json.dumps(result))
         print(DONE, flush=True)
 
 
@@ -161,13 +222,21 @@ class VLLMRunner:
 
     def run(self) -> tuple[list[list[int]], float]:
         """One timed run of every request: (tokens per request, seconds)."""
+        data = self.ask("run")
+        return data["tokens"], data["seconds"]
+
+    def breakdown(self) -> dict[str, float]:
+        """``profiled_run`` of one run, in the worker."""
+        return self.ask("breakdown")
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send the worker one command and read its result file once it answers."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("run\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.strip() == DONE:
-                data = json.loads(self.result.read_text())
-                return data["tokens"], data["seconds"]
+                return json.loads(self.result.read_text())
         raise RuntimeError(f"the vLLM worker stopped (exit code {self.proc.wait()})")
 
     def close(self) -> None:
@@ -204,6 +273,7 @@ def compare(size: str, args: Any) -> None:
             times["vLLM"].append(seconds)
             served, seconds = ours.run()
             times["minisrv"].append(seconds)
+        parts = {"vLLM": vllm.breakdown(), "minisrv": ours.breakdown()} if args.breakdown else {}
         vllm.close()
     n_tokens = sum(limits)
     t_vllm, t_ours = (statistics.median(times[k]) for k in ("vLLM", "minisrv"))
@@ -219,6 +289,23 @@ def compare(size: str, args: Any) -> None:
     print("  runs (s): " + "; ".join(f"{k} " + " ".join(f"{t:.2f}" for t in v)
                                     for k, v in times.items()))
     print(f"  identical greedy tokens: {same}/{len(prompts)} requests")
+    if parts:
+        print_breakdown(parts, t_vllm / GOALS[size], GOALS[size])
+
+
+def print_breakdown(parts: dict[str, dict[str, float]], target: float, goal: float) -> None:
+    """Where each engine's profiled run went, and what the goal leaves minisrv beside its
+    products (the part both engines hand to oneDNN)."""
+    print("  one profiled run each (s):   wall  products  attention  rest")
+    for name, p in parts.items():
+        rest = p["wall"] - p["products"] - p["attention"]
+        print(f"    {name:8s}                {p['wall']:6.2f}  {p['products']:8.2f}  "
+              f"{p['attention']:9.2f}  {rest:5.2f}")
+    ours, theirs = parts["minisrv"], parts["vLLM"]
+    left = target - ours["products"]
+    print(f"  for {goal}x minisrv must finish in {target:.2f} s: beside its products that "
+          f"leaves {left:.2f} s for attention and the rest, where vLLM spends "
+          f"{theirs['wall'] - theirs['products']:.2f} s")
 
 
 def main() -> None:
@@ -229,6 +316,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per engine")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="then one profiled run each: time in products, attention, the rest")
     parser.add_argument("--vllm-worker", metavar="JOB", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
