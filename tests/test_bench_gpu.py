@@ -3,21 +3,16 @@ arguments, refuse clearly (exit 1) where torch sees no CUDA, and build its workl
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+from bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_gpu")
 
 
 def test_arguments_and_the_quick_run(bench) -> None:

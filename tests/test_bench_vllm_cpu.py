@@ -4,23 +4,18 @@ own ``generate`` does, and ``--breakdown`` accounts a run's time without changin
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load
 
 pytest.importorskip("transformers")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vllm_cpu.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_vllm_cpu")
 
 
 @pytest.fixture(scope="module")
