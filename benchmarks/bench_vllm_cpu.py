@@ -110,7 +110,8 @@ minisrv's K/V writes (``aten::index_put_``) are counted with attention too."""
 def profiled_run(run: Any) -> dict[str, float]:
     """One more run under ``torch.profiler``: its wall time and the seconds spent in the
     matrix products and in attention (the rest is norms, rotary, activations, sampling and
-    the host's Python). A profiled run is a few percent slower than a timed one."""
+    the host's Python). Its wall time includes the profiler's own cost: here up to 13%
+    over the timed median."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -122,7 +122,7 @@ class LocalEngine:
         self._deliver: Deliver | None = None
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
-        self._generation = 0  # the engine thread now serving; older ones are abandoned
+        self._generation = 1  # the engine thread now serving; the watchdog bumps it
         self._beat = time.monotonic()
         self._closed = threading.Event()
 
@@ -138,9 +138,9 @@ class LocalEngine:
                              name="minisrv-engine-watchdog").start()
 
     def _spawn(self) -> None:
-        """Build an engine and start its loop, in a new thread (tagged with a generation)."""
+        """Build an engine and start its loop, in a new thread tagged with the current
+        generation (the watchdog has already moved past an abandoned one's)."""
         with self._lock:
-            self._generation += 1
             generation = self._generation
         threading.Thread(target=self._load, args=(generation,), daemon=True).start()
 
