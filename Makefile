@@ -17,7 +17,7 @@ STAMP := $(VENV)/.minisrv-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: book test colab-check gpu-check gpu-bench gpu-bench-quick setup dot clean
+.PHONY: book test colab-check gpu-check gpu-bench gpu-bench-quick setup dot chromium clean
 
 # The tests that run the model and the engine on every device of available_devices() (the
 # conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
@@ -58,7 +58,7 @@ gpu-bench-quick: setup
 gpu-bench: gpu-bench-quick
 	$(BIN)/python benchmarks/bench_gpu.py
 
-setup: $(STAMP) dot
+setup: $(STAMP) dot chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,18 @@ dot:
 	    echo "error: the graphviz 'dot' binary is missing. Install it with" \
 	         "'sudo apt-get install graphviz', 'brew install graphviz', or" \
 	         "'conda install -c conda-forge graphviz'." >&2; exit 1; \
+	  fi; }
+
+# Chromium opens the built explorers in tests/test_explorers.py (driven by the playwright client,
+# never by a browser playwright downloads).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq chromium; \
+	  else \
+	    echo "error: the chromium browser is missing (the explorer tests open the pages in it)." \
+	         "Install it with 'sudo apt-get install chromium', or set MINISRV_CHROMIUM to a" \
+	         "Chromium binary." >&2; exit 1; \
 	  fi; }
 
 clean:

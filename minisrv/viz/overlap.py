@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
 from minisrv.experiments.lanes import Timeline, throughput_ratio, timeline
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 
@@ -27,6 +28,7 @@ __all__ = [
     "future_trace_frame",
     "plot_cpu_breakdown",
     "plot_timelines",
+    "timeline_explorer",
     "timeline_widget",
 ]
 
@@ -240,3 +242,33 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
         })
         previous = dict(zip(step.futures, step.tokens))
     return pd.DataFrame(rows).set_index("step")
+
+
+CPU_STEPS_MS = (0.5, 3.0, 5.0, 10.0, 15.0)
+"""The CPU step times the page holds: from a tenth of the device's step to twice it."""
+
+
+def timeline_explorer(gpu_step: float = 7.36, cpu_step: float = 3.0, n_steps: int = 6,
+                      gpu_steps: Sequence[float] | None = None) -> Explorer:
+    """``plot_timelines`` over the CPU's and the device's step time (ms), for the page.
+
+    The grid crosses the point where the CPU's work outgrows the device's: below it overlap
+    hides the CPU entirely, above it the device waits in both loops. Each state carries
+    both loops' totals over ``n_steps`` steps and ``throughput_ratio``'s long-run gain; the
+    kernel face is ``timeline_widget``, which takes any value.
+    """
+    gpu_steps = sorted({2.5, 5.0, gpu_step, 10.0, 15.0} if gpu_steps is None else gpu_steps)
+    cpu_steps = sorted({*CPU_STEPS_MS, cpu_step})
+
+    def draw(gpu: float, cpu: float) -> Frame:
+        block = timeline(gpu, cpu, n_steps, overlap=False)
+        over = timeline(gpu, cpu, n_steps, overlap=True)
+        gain = throughput_ratio(gpu, cpu)
+        return Frame([plot_timelines(gpu, cpu, n_steps)],
+                     {"blocking_ms": block.total, "overlapped_ms": over.total,
+                      "long_run_gain": gain},
+                     caption=f"Long run: overlap multiplies throughput by {gain:.2f}.")
+
+    return explorer(draw, [("gpu", "device step (ms)", gpu_steps, gpu_step),
+                           ("cpu", "CPU step (ms)", cpu_steps, cpu_step)],
+                    live=lambda: timeline_widget(gpu_step, cpu_step, n_steps))

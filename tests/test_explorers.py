@@ -1,0 +1,202 @@
+"""Explorers in the rendered book: each works opened from disk with no network.
+
+The pages are built by the book's own configuration (``_config.yml``: MyST-NB told to prefer
+the explorer's HTML over the kernel widget and to load no widget manager from a CDN) from
+the outputs the chapters saved when they were executed, into one small book of a single page,
+so the test needs seconds rather than the whole book's build. Chromium then opens that page
+with every network request refused, moves each control of each explorer to its ends and its
+middle, and checks that the figure changes, that nothing on the page is blank or an error, and
+that the state shown carries the numbers the Python side computed for those values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+from browser import offline_page
+
+from minisrv.viz.explorer import MAX_STATES, Frame, explorer
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
+MARK = 'class="minisrv-explorer"'
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def explorer_outputs(path: Path) -> list[dict]:
+    """The saved outputs of ``path`` that carry an explorer, as the notebook holds them."""
+    found = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else ():
+            if MARK in output.get("data", {}).get("text/html", ""):
+                found.append(output)
+    return found
+
+
+# ----------------------------------------------------------------------- the mechanism
+
+
+def _table_frame(a: int, b: str) -> Frame:
+    import pandas as pd
+
+    return Frame([pd.DataFrame({"a": [a], "b": [b]}), "a note"], {"sum": a + len(b)},
+                 caption=f"a={a}")
+
+
+def test_every_state_is_computed_once_and_read_back_by_its_values() -> None:
+    calls = []
+
+    def draw(a: int, b: str) -> Frame:
+        calls.append((a, b))
+        return _table_frame(a, b)
+
+    ex = explorer(draw, [("a", "a value", [1, 2, 3], 2), ("b", "a name", ["x", "yy"], "x")])
+    assert sorted(calls) == sorted(itertools.product([1, 2, 3], ["x", "yy"]))
+    assert ex.metrics(a=3, b="yy") == {"sum": 5}
+    assert ex.default == {"a": 2, "b": "x"}
+    assert ex.html.count("a note") == 1  # a part every state shares is stored once
+    assert "http://" not in ex.html and "https://" not in ex.html
+    with pytest.raises(KeyError, match="no state"):
+        ex.metrics(a=4, b="x")
+    with pytest.raises(ValueError, match="name every control"):
+        ex.metrics(a=1)
+
+
+@pytest.mark.parametrize("controls, message", [
+    ([("a", "a", [1, 2], 3)], "default 3 is not one of"),
+    ([("a", "a", [], None)], "has no values"),
+    ([("a", "a", [1, 1], 1)], "repeats a value"),
+    ([("a", "a", [1], 1), ("a", "again", [2], 2)], "names repeat"),
+    ([("a", "a", list(range(MAX_STATES + 1)), 0)], "choose fewer values"),
+])
+def test_bad_controls_are_refused_before_any_run(controls, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        explorer(lambda **_: pytest.fail("ran an experiment"), controls)
+
+
+def test_a_draw_that_returns_no_frame_is_refused() -> None:
+    with pytest.raises(TypeError, match="must return a Frame"):
+        explorer(lambda a: "a figure", [("a", "a", [1], 1)])
+
+
+def test_outside_a_kernel_the_output_is_the_html_face() -> None:
+    ex = explorer(_table_frame, [("a", "a", [1], 1), ("b", "b", ["x"], "x")],
+                  live=lambda: pytest.fail("built a widget without a kernel"))
+    bundle = ex._repr_mimebundle_()
+    assert MARK in bundle["text/html"] and WIDGET not in bundle
+
+
+# ------------------------------------------------------------------- the built page
+
+
+def build_page(outputs: list[dict], where: Path) -> Path:
+    """One page holding ``outputs``, built by ``jupyter-book`` with the book's configuration
+    (nothing executed); returns the HTML file."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    config["execute"]["execute_notebooks"] = "off"
+    config["only_build_toc_files"] = True
+    (where / "_config.yml").write_text(yaml.safe_dump(config))
+    (where / "_toc.yml").write_text("format: jb-book\nroot: page\n")
+    shutil.copy(ROOT / "references.bib", where)
+    shutil.copytree(ROOT / "_ext", where / "_ext")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Explorers")]
+    for output in outputs:
+        cell = nbformat.v4.new_code_cell("explorer", execution_count=1)
+        cell.outputs = [nbformat.from_dict(output)]
+        nb.cells.append(cell)
+    nbformat.write(nb, where / "page.ipynb")
+    jb = Path(sys.executable).with_name("jupyter-book")
+    subprocess.run([str(jb), "build", "-W", "-n", "--keep-going", "-q", str(where)],
+                   check=True, capture_output=True, text=True)
+    return where / "_build" / "html" / "page.html"
+
+
+def drive(page, root) -> None:
+    """Every control to its ends and its middle: the state shown is the one the controls
+    name, with the run's numbers, drawn, and each control changes the figure."""
+    data = json.loads(root.locator('script[type="application/json"]').text_content())
+    controls = data["controls"]
+    sizes = [len(c["values"]) for c in controls]
+    current = [c["values"].index(v) for c, v in
+               zip(controls, json.loads(root.get_attribute("data-values")).values())]
+    for k, control in enumerate(controls):
+        views = set()
+        for i in sorted({0, sizes[k] // 2, sizes[k] - 1}):
+            field = root.locator(f'[data-control="{control["name"]}"]')
+            if field.evaluate("e => e.tagName") == "SELECT":
+                field.select_option(str(i))
+            else:
+                field.fill(str(i))
+            current[k] = i
+            index = 0
+            for j, size in zip(current, sizes):
+                index = index * size + j
+            assert root.get_attribute("data-state") == str(index)
+            state = data["states"][index]
+            assert json.loads(root.get_attribute("data-metrics")) == state["metrics"]
+            shown = json.loads(root.get_attribute("data-values"))
+            assert shown[control["name"]] == control["values"][i]
+            view = root.locator(".mx-view")
+            inner = view.inner_html()
+            assert inner.strip(), f"{control['name']}={control['values'][i]} shows nothing"
+            text = view.inner_text()
+            assert not re.search(r"\b(nan|NaN|Traceback|Error)\b", text), text[:200]
+            drawn = view.evaluate(
+                "v => [...v.querySelectorAll('img')].every(i => i.complete && i.naturalWidth > 0)")
+            assert drawn, f"an image of {control['name']}={control['values'][i]} did not load"
+            views.add(inner)
+        if sizes[k] > 1:
+            assert len(views) > 1, f"moving {control['name']} never changes the figure"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """The page of each chapter's explorers, built once for the module's tests."""
+    pages = {}
+    for path in CHAPTERS:
+        outputs = explorer_outputs(path)
+        if outputs:
+            pages[path.stem] = outputs
+    if not pages:
+        pytest.fail("no chapter carries an explorer")
+    where = tmp_path_factory.mktemp("explorers")
+    flat = [o for outputs in pages.values() for o in outputs]
+    return {"page": build_page(flat, where), "count": len(flat)}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_has_an_explorer(path: Path) -> None:
+    outputs = explorer_outputs(path)
+    assert outputs, f"{path.name} has no explorer"
+    for output in outputs:  # the kernel face rides along for Jupyter and Colab
+        assert WIDGET in output["data"], f"{path.name}: an explorer without its kernel widget"
+
+
+def test_explorers_work_offline_in_chromium(built) -> None:
+    html = built["page"].read_text()
+    assert "widget-view+json" not in html.split("<article", 1)[-1].split("</article>")[0]
+    with offline_page() as (page, tried):
+        page.goto(built["page"].as_uri())
+        roots = page.locator(".minisrv-explorer").all()
+        assert len(roots) == built["count"]
+        for root in roots:
+            drive(page, root)
+        assert not page.errors, page.errors
+    assert not tried, f"the page asked the network for {tried[:5]}"
+
+
+def test_the_built_page_loads_nothing_from_a_network(built) -> None:
+    html = built["page"].read_text()
+    loads = re.findall(r'<(?:script|link|img|iframe)\b[^>]*?(?:src|href)="((?:https?:)?//[^"]+)"',
+                       html)
+    assert not loads, f"loaded from a network: {loads[:5]}"
