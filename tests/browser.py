@@ -10,6 +10,7 @@ network and still works.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,13 @@ from typing import Any
 import pytest
 
 LOCAL = ("file:", "data:", "about:", "blob:")
+LOADS = re.compile(r'<(?:script|link|img|iframe|source|video|audio)\b[^>]*?\b(?:src|href)='
+                   r'"((?:https?:)?//[^"]+)"')
+
+
+def network_loads(html: str) -> list[str]:
+    """What a page's HTML would fetch from a network when opened (links to click excluded)."""
+    return LOADS.findall(html)
 
 
 def chromium_path() -> str | None:

@@ -352,6 +352,19 @@ def test_math_renders_without_network() -> None:
     assert bundled.is_file(), f"{bundled} is not shipped by the extension"
 
 
+def test_no_built_page_loads_anything_from_a_network() -> None:
+    """Opened from disk with no network, every page must work: no script, style, image or
+    frame from a CDN (``make book`` builds ``_build/html`` before ``make test`` in CI)."""
+    from browser import network_loads
+
+    pages = sorted((ROOT / "_build" / "html").rglob("*.html"))
+    if not pages:
+        pytest.skip("the book is not built: make book")
+    loads = {p.relative_to(ROOT).as_posix(): found for p in pages
+             if (found := network_loads(p.read_text(encoding="utf-8")))}
+    assert not loads, f"pages that load from a network: {dict(list(loads.items())[:3])}"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_long_code_cells_are_folded(path: Path) -> None:
     """Any visible code cell, not only a show_source listing, longer than LONG_LISTING lines

@@ -22,7 +22,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import yaml
-from browser import offline_page
+from browser import network_loads, offline_page
 
 from minisrv.viz.explorer import MAX_STATES, Frame, explorer
 
@@ -196,7 +196,5 @@ def test_explorers_work_offline_in_chromium(built) -> None:
 
 
 def test_the_built_page_loads_nothing_from_a_network(built) -> None:
-    html = built["page"].read_text()
-    loads = re.findall(r'<(?:script|link|img|iframe)\b[^>]*?(?:src|href)="((?:https?:)?//[^"]+)"',
-                       html)
+    loads = network_loads(built["page"].read_text())
     assert not loads, f"loaded from a network: {loads[:5]}"
