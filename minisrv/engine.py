@@ -163,30 +163,29 @@ class Engine(ConfigView):
     def grammars(self, vocab: Any = None) -> Any:
         """The engine's structured-output masks (``minisrv.grammar``), made on first use.
 
-        ``vocab`` is the ``minisrv.grammar.Vocabulary`` of the served model's tokenizer; left
-        out, CityLM's character vocabulary, which only a CityLM-sized vocabulary may use (a
-        loaded HF model passes ``hf_vocabulary(tokenizer.hf, ...)``). Needs the ``grammar``
-        extra (xgrammar).
+        ``vocab`` is the ``minisrv.grammar.Vocabulary`` of the served model's tokenizer. Left
+        out, it is built from the tokenizer the model carries (``model.tokenizer``, which
+        ``load_model`` sets: a loaded checkpoint needs no call here); a model built by hand
+        without one gets CityLM's character vocabulary if its vocabulary is CityLM-sized, and
+        a ValueError otherwise, since a mask over the wrong tokens would be silently wrong.
+        Needs the ``grammar`` extra (xgrammar).
         """
         if self._grammars is not None and vocab is None:
             return self._grammars
         try:
             from minisrv.grammar.sampling import GrammarSampling
-            from minisrv.grammar.vocab import citylm_vocabulary
         except ImportError as exc:
             raise ValueError("structured output needs the grammar extra "
                              "(pip install 'minisrv[grammar]')") from exc
-        from minisrv.tokenizer import Tokenizer
 
         sampler = getattr(self.backend, "sampler", None)
         if sampler is None:
             raise ValueError("grammars need a model to sample from, not a simulated GPU")
-        size = self.backend.vocab_size
-        if vocab is None:
-            if size != Tokenizer().vocab_size:
-                raise ValueError(f"this model's vocabulary ({size} tokens) is not CityLM's: "
-                                 "give its Vocabulary, engine.grammars(hf_vocabulary(...))")
-            vocab = citylm_vocabulary(size=size)
+        if vocab is None:  # that of the tokenizer the model carries
+            from minisrv.grammar.vocab import model_vocabulary
+
+            vocab = model_vocabulary(getattr(self.backend, "model", None),
+                                     self.backend.vocab_size, self.backend.eos_ids)
         if self._grammars is not None:
             sampler.logits_processors.remove(self._grammars)
         self._grammars = GrammarSampling(vocab)

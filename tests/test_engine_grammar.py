@@ -14,9 +14,12 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from minisrv import Engine, SamplingParams, load_citylm  # noqa: E402
+from minisrv.configs import CITYLM  # noqa: E402
 from minisrv.grammar import citylm_vocabulary, compile_grammar  # noqa: E402
 from minisrv.grammar.reference import constrained_generate  # noqa: E402
+from minisrv.model import CityLM  # noqa: E402
 from minisrv.sim import SimBackend  # noqa: E402
+from minisrv.tokenizer import Tokenizer  # noqa: E402
 
 THREE_CITIES = r"( [A-Z][a-z]+,){3}"  # complete after the third comma: then only <eos>
 
@@ -71,6 +74,30 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_refused_when_added(citylm) -> 
     assert engine.idle  # nothing was queued
     assert engine.generate([tok.encode("FR:")], 8) == [model.reference_generate(
         tok.encode("FR:"), 8)]
+
+
+def test_a_hand_built_model_without_a_tokenizer_needs_its_vocabulary_given() -> None:
+    """``load_model`` gives the model its tokenizer; a model built by hand has none, so a
+    constrained request is refused (nothing queued) with the call that fixes it, unless its
+    vocabulary is CityLM's size (then CityLM's characters, as before)."""
+    model = CityLM(CITYLM.with_(vocab_size=300, n_layers=1)).eval()
+    assert model.tokenizer is None
+    engine = Engine(model, kv_capacity=200)
+    with pytest.raises(ValueError, match=r"\(300 tokens\) is not CityLM's and the model "
+                                         r"carries no tokenizer.*engine\.grammars\("):
+        engine.add_request([0, 5, 7], SamplingParams(regex="ab"))
+    assert engine.idle
+    model.tokenizer = object()  # not a tokenizer minisrv knows how ids spell text
+    with pytest.raises(ValueError, match="no grammar vocabulary for a object"):
+        Engine(model, kv_capacity=200).add_request([0, 5], SamplingParams(regex="ab"))
+
+    tok = Tokenizer()
+    citylm_sized = CityLM(CITYLM.with_(n_layers=1)).eval()
+    assert citylm_sized.tokenizer is None
+    params = SamplingParams(max_new_tokens=8, regex=" [A-Z]a,")
+    out = Engine(citylm_sized, kv_capacity=200).generate([tok.encode("FR:")], sampling=params)
+    assert out == [reference(citylm_sized, tok, "FR:", " [A-Z]a,", params)]
+    assert re.fullmatch(" [A-Z]a,", tok.decode(out[0][:-1])) and out[0][-1] == tok.eos_id
 
 
 def test_grammar_params_are_checked() -> None:

@@ -1,10 +1,14 @@
 """Structured output on a vocabulary that can spell JSON: a tiny offline Llama folder with a
 byte-level BPE (``minisrv.grammar.tiny_json``). Every output parses and validates against its
-schema, sampled at many seeds and temperatures, with and without jump-forward."""
+schema, sampled at many seeds and temperatures, with and without jump-forward; the engine
+serves the loaded folder's constrained requests over its tokenizer with no vocabulary given,
+and loading it does not need the grammar extra."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
 jsonschema = pytest.importorskip("jsonschema")
 
+from minisrv import Engine  # noqa: E402
 from minisrv.grammar import GrammarState, compile_grammar, hf_vocabulary  # noqa: E402
 from minisrv.grammar.reference import constrained_generate  # noqa: E402
 from minisrv.grammar.tiny_json import CITIES, write_json_llama  # noqa: E402
@@ -41,10 +46,18 @@ LIST = {
 }
 
 
+PICK = r"(Paris|Rome|Oslo), [1-9][0-9]?"  # a regex on the same model: not JSON
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+def folder(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny checkpoint folder (random weights, byte-level BPE)."""
+    return write_json_llama(tmp_path_factory.mktemp("json_llama"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(folder):
     """The loaded tiny model, its tokenizer and their grammar vocabulary."""
-    folder = write_json_llama(tmp_path_factory.mktemp("json_llama"))
     model, tokenizer = load_model(folder, "cpu")
     vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
     return model, tokenizer, vocab
@@ -121,3 +134,55 @@ def test_the_word_level_appendix_checkpoint_cannot_spell_json(tmp_path) -> None:
         compile_grammar(vocab, regex=r"(what|why) is")
     assert "' '" in str(err.value) and "'w'" not in str(err.value)
     assert compile_grammar(vocab, regex=r"(what|why)is").witness in ("whatis", "whyis")
+
+
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_an_engine_on_a_loaded_folder_needs_no_vocabulary_given(checkpoint, jump_forward) -> None:
+    """``load_model(folder)`` then ``Engine(model)``: a JSON-schema and a regex request share
+    batches with a free one, each equal to the request alone under its grammar."""
+    model, tokenizer, vocab = checkpoint
+    assert model.tokenizer is tokenizer
+    prompts = [tokenizer.encode(t) for t in ("", '{"city": ', "", "rank", "")]
+    params = [SamplingParams(max_new_tokens=80, json_schema=json.dumps(RECORD)),
+              SamplingParams(max_new_tokens=80, temperature=1.2, seed=3,
+                             json_schema=json.dumps(LIST)),
+              SamplingParams(max_new_tokens=20, regex=PICK),
+              SamplingParams(max_new_tokens=20, temperature=1.5, seed=5, regex=PICK),
+              SamplingParams(max_new_tokens=12)]
+    engine = Engine(model, kv_capacity=800, max_running=4, jump_forward=jump_forward)
+    out = engine.generate(prompts, sampling=params)
+    grammars = engine.grammars()
+    assert grammars.vocab.size == model.config.vocab_size
+    assert grammars.vocab.stop_ids == model.eos_ids
+    assert grammars.vocab.token_bytes == vocab.token_bytes  # the tokenizer's own tokens
+    for prompt, p, tokens in zip(prompts, params, out):
+        if p.grammar is None:
+            assert tokens == model.reference_generate(prompt, p.max_new_tokens)
+            continue
+        kind, text = p.grammar
+        alone = constrained_generate(model, prompt, compile_grammar(vocab, **{kind: text}), p,
+                                     jump_forward=jump_forward)
+        assert tokens == alone.tokens
+        assert tokens[-1] in model.eos_ids, "a bounded grammar always finishes"
+        written = tokenizer.decode(tokens)
+        if kind == "regex":
+            assert re.fullmatch(PICK, written)
+        else:
+            jsonschema.validate(json.loads(written, strict=False), json.loads(text))
+    engine.scheduler.check_integrity()
+
+
+def test_loading_a_folder_does_not_need_the_grammar_extra(folder, monkeypatch) -> None:
+    """Without xgrammar the folder loads and serves free requests; only a constrained one
+    is refused, naming the extra."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now fails
+    for name in [n for n in sys.modules if n.startswith("minisrv.grammar")]:
+        monkeypatch.delitem(sys.modules, name)  # so nothing of it is imported already
+    model, tokenizer = load_model(folder, "cpu")
+    assert model.tokenizer is tokenizer
+    engine = Engine(model, kv_capacity=200)
+    with pytest.raises(ValueError, match=r"grammar extra"):
+        engine.add_request(tokenizer.encode(""), SamplingParams(regex=PICK))
+    assert engine.idle  # nothing was queued
+    prompt = tokenizer.encode("rank")
+    assert engine.generate([prompt], 8) == [model.reference_generate(prompt, 8)]

@@ -1,5 +1,10 @@
 """What a tokenizer can spell, in the form xgrammar needs: a ``TokenizerInfo`` plus the
-grammar cache that belongs to it (a compiled grammar is only valid for one vocabulary)."""
+grammar cache that belongs to it (a compiled grammar is only valid for one vocabulary).
+
+``tokenizer_vocabulary`` builds it from either of minisrv's tokenizers; ``model_vocabulary``
+from the tokenizer a loaded model carries (``model.tokenizer``, set by ``load_model``), which
+is what an engine uses, so a constrained request on a loaded checkpoint needs no vocabulary
+from its caller."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from minisrv.tokenizer import Tokenizer
+from minisrv.tokenizer import HFTokenizer, Tokenizer
 
 
 class Vocabulary:
@@ -40,16 +45,18 @@ class Vocabulary:
         return f"Vocabulary({self.name}, size={self.size}, stop_ids={self.stop_ids})"
 
 
-def citylm_vocabulary(tokenizer: Tokenizer | None = None, size: int | None = None) -> Vocabulary:
+def citylm_vocabulary(tokenizer: Tokenizer | None = None, size: int | None = None,
+                      stop_ids: tuple[int, ...] | None = None) -> Vocabulary:
     """CityLM's character vocabulary: one token per character (``VocabType.RAW``), ``<bos>``
     special (never allowed), ``<eos>`` the stop token that ends a finished grammar.
 
-    ``size`` is the model's logits width when it exceeds the tokenizer's 61 ids.
+    ``size`` is the model's logits width when it exceeds the tokenizer's 61 ids;
+    ``stop_ids`` the model's eos ids (default: ``<eos>``).
     """
     tok = tokenizer or Tokenizer()
     tokens = ["" if i == tok.bos_id else tok.id_to_str(i) for i in range(tok.vocab_size)]
     info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=size or tok.vocab_size,
-                             stop_token_ids=[tok.eos_id])
+                             stop_token_ids=list(stop_ids or (tok.eos_id,)))
     return Vocabulary(info, "citylm")
 
 
@@ -64,3 +71,38 @@ def hf_vocabulary(hf_tokenizer: Any, size: int | None = None,
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, **kwargs)
     name = Path(getattr(hf_tokenizer, "name_or_path", "") or "").name
     return Vocabulary(info, name or type(hf_tokenizer).__name__)
+
+
+def tokenizer_vocabulary(tokenizer: Tokenizer | HFTokenizer, size: int | None = None,
+                         stop_ids: tuple[int, ...] | None = None) -> Vocabulary:
+    """The vocabulary of either tokenizer ``load_model`` returns: CityLM's characters
+    (``citylm_vocabulary``) or a Hugging Face tokenizer's (``hf_vocabulary`` of its ``.hf``).
+    ``size`` is the model's logits width, ``stop_ids`` its eos ids. Anything else is a
+    ValueError: what a grammar may write depends on exactly how ids spell text."""
+    if isinstance(tokenizer, HFTokenizer):
+        return hf_vocabulary(tokenizer.hf, size=size, stop_ids=stop_ids)
+    if isinstance(tokenizer, Tokenizer):
+        return citylm_vocabulary(tokenizer, size=size, stop_ids=stop_ids)
+    raise ValueError(f"no grammar vocabulary for a {type(tokenizer).__name__}: give a "
+                     "minisrv Tokenizer or HFTokenizer, or build the Vocabulary yourself")
+
+
+def model_vocabulary(model: Any, size: int | None = None,
+                     stop_ids: tuple[int, ...] | None = None) -> Vocabulary:
+    """The vocabulary an engine serving ``model`` masks over, when none is given: that of the
+    tokenizer the model carries (``model.tokenizer``, set by ``load_model``), over the
+    model's logits width ``size`` and eos ids ``stop_ids``.
+
+    A model built by hand carries none: it gets CityLM's characters if ``size`` is CityLM's,
+    else a ValueError naming the fix, since a mask over the wrong tokens would be silently
+    wrong.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer_vocabulary(tokenizer, size=size, stop_ids=stop_ids)
+    if size not in (None, Tokenizer().vocab_size):
+        raise ValueError(f"this model's vocabulary ({size} tokens) is not CityLM's and the "
+                         "model carries no tokenizer: load it with load_model, set "
+                         "model.tokenizer, or give its Vocabulary, "
+                         "engine.grammars(hf_vocabulary(...))")
+    return citylm_vocabulary(size=size, stop_ids=stop_ids)

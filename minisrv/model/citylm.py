@@ -63,6 +63,12 @@ class CityLM(nn.Module):
     ``eos_id`` is the token that ends a generation, or a sequence of them (a checkpoint may
     have several, e.g. end-of-text and end-of-turn; ``None``: none does). ``eos_ids`` keeps
     them all, ``eos_id`` the first. CityLM's is the tokenizer's ``<eos>``.
+
+    ``tokenizer`` is the tokenizer whose ids the model reads and writes, when its loader
+    knows it (``load_model`` and ``load_citylm`` set it; ``None`` for a model built by
+    hand). An engine builds its structured-output vocabulary from it on first use, so a
+    loaded checkpoint takes a ``json_schema`` or ``regex`` with no further call; it is a
+    plain attribute, not the grammar vocabulary itself, so loading never needs xgrammar.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class CityLM(nn.Module):
         self.config = config
         self.rope_scaling = dict(rope_scaling) if rope_scaling is not None else None
         self.eos_ids: tuple[int, ...] = merge_eos_ids(eos_id)
+        self.tokenizer: Any = None  # a Tokenizer or HFTokenizer; see the class docstring
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)

@@ -31,7 +31,8 @@ def load_citylm(
 ) -> tuple[CityLM, Tokenizer]:
     """The trained CityLM shipped inside the package, in eval mode, and its tokenizer.
 
-    ``device=None`` picks CUDA when available. The weights are read through
+    ``device=None`` picks CUDA when available. The model carries the tokenizer
+    (``model.tokenizer``: what structured output spells with). The weights are read through
     ``importlib.resources`` so this works from a wheel, an editable install or Colab.
     """
     return load_shipped(WEIGHTS_FILE, META_FILE, CITYLM, device, dtype)
@@ -42,7 +43,8 @@ def load_shipped(
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
 ) -> tuple[CityLM, Tokenizer]:
     """A model shipped in ``minisrv/weights`` (CityLM, or the speculative-decoding draft):
-    its record's config over ``base``, its weights, in eval mode, with CityLM's tokenizer."""
+    its record's config over ``base``, its weights, in eval mode, with CityLM's tokenizer
+    (also carried as ``model.tokenizer``)."""
     from safetensors.torch import load as load_safetensors
 
     weights_dir = resources.files("minisrv") / "weights"
@@ -55,6 +57,7 @@ def load_shipped(
     config = base.with_(**{k: v for k, v in meta["config"].items() if k in known})
     model = CityLM(config)
     model.load_state_dict(load_safetensors((weights_dir / weights_file).read_bytes()))
+    model.tokenizer = tokenizer
     return model.to(device=resolve_device(device), dtype=dtype).eval(), tokenizer
 
 
@@ -72,6 +75,11 @@ def load_model(
     (config, generation config, tokenizer) ends a generation. ``device=None`` picks CUDA
     when available. Nothing is downloaded: fetch a hub checkpoint first (e.g. with
     ``huggingface_hub.snapshot_download``) and pass its folder.
+
+    The model carries its tokenizer (``model.tokenizer``), so ``Engine(model)`` serves a
+    ``regex``, ``json_schema`` or ``ebnf`` request over this tokenizer's vocabulary with no
+    further call (built on the first such request; the ``grammar`` extra is needed then,
+    not to load).
     """
     if str(name_or_path) == CITYLM_NAME:
         return load_citylm(device, dtype if dtype is not None else torch.float32)
@@ -81,6 +89,7 @@ def load_model(
     model = from_hf_llama(folder, dtype=target_dtype, device=target)
     tokenizer = HFTokenizer.from_folder(folder, model.eos_ids)
     model.eos_ids = tokenizer.eos_ids  # the tokenizer's eos ends a generation too
+    model.tokenizer = tokenizer  # what the engine's grammar vocabulary is built from
     return model, tokenizer
 
 

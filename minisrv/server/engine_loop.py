@@ -76,7 +76,9 @@ class EngineLoop:
     def make_request(self, prompt: list[int], params: SamplingParams) -> Req:
         """A request for ``prompt``; ValueError for a malformed prompt or grammar. Limits
         (context, vocabulary, pool) are checked by ``Engine.add_request`` in the loop's
-        thread: a request over them comes back as a 400 error event."""
+        thread: a request over them comes back as a 400 error event. The first constrained
+        request builds the engine's grammar vocabulary (from the tokenizer the model carries)
+        here, off the engine's steps, as every grammar is compiled here."""
         with self._make_lock:
             req = self.engine.make_requests([prompt], None, params)[0]
             grammars = self.engine.grammars() if params.grammar is not None else None

@@ -59,7 +59,7 @@ def build_engine(config: ServerConfig) -> tuple[Any, dict[str, Any]]:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    model, tokenizer = load_model(config.model, config.device)
+    model, _ = load_model(config.model, config.device)  # the model carries its tokenizer
     # A throwaway engine pays the first forward's lazy setup, and leaves no trace (stats,
     # cached prefixes) in the engine that serves.
     Engine(model, kv_capacity=16, max_running=1).generate([[0, 2]], 1)
@@ -69,24 +69,9 @@ def build_engine(config: ServerConfig) -> tuple[Any, dict[str, Any]]:
                                     free_device_bytes(model.device))
         engine_config = dataclasses.replace(engine_config, kv_capacity=capacity)
     engine = Engine(model, engine_config)
-    use_tokenizer_for_grammars(engine, tokenizer)
     limits = {"max_context": engine.backend.max_context, "kv_capacity": engine.kv_capacity,
               "vocab_size": engine.backend.vocab_size}
     return engine, limits
-
-
-def use_tokenizer_for_grammars(engine: Any, tokenizer: Any) -> None:
-    """Give a loaded HF model's engine its tokenizer's grammar vocabulary (CityLM's is the
-    engine's default); without the grammar extra, constrained requests are refused later."""
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None:
-        return
-    try:
-        from minisrv.grammar import hf_vocabulary
-    except ImportError:
-        return
-    engine.grammars(hf_vocabulary(hf, size=engine.backend.vocab_size,
-                                  stop_ids=list(engine.backend.eos_ids)))
 
 
 def submit_to(loop: EngineLoop, message: Submit) -> TokenEvent | None:
