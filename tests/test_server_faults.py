@@ -3,9 +3,11 @@ under load (``--dp 1`` and ``--dp 2``), hostile bodies at the door, an API key, 
 SIGTERM under 200 streams.
 
 What must hold: a dead worker's in-flight requests end at once (an error event and
-``[DONE]`` on a stream, a 503 otherwise), never hang; while no worker is up, requests get
-503 with ``Retry-After``; the worker restarts and serves the same tokens as before;
-``/health`` and ``/metrics`` say so. Shutdown never answers 500 and never cuts a stream
+``[DONE]`` on a stream, a 503 otherwise), never hang, except those it had not taken from its
+inbox yet, which another worker serves (only with no other worker up are they a 503 with
+``Retry-After``); a worker that dies while idle costs no request; while no worker is up,
+requests get 503 with ``Retry-After``; the worker restarts and serves the same tokens as
+before; ``/health`` and ``/metrics`` say so. Shutdown never answers 500 and never cuts a stream
 without an error event and ``[DONE]``.
 """
 
@@ -63,6 +65,17 @@ def text_of(events: list[Any]) -> str:
 
 def worker_pids(url: str) -> list[int]:
     return [w["pid"] for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]]
+
+
+def wait_all_up(url: str, timeout: float = 120) -> list[dict[str, Any]]:
+    """Wait until every worker is up; ``/workers``' list of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = httpx.get(f"{url}/workers").json()["workers"]
+        if all(w["state"] == "up" for w in workers):
+            return workers
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.05)
 
 
 def wait_status(url: str, status: str, timeout: float = 120) -> dict[str, Any]:
@@ -147,11 +160,88 @@ def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, 
         r = httpx.post(f"{url}/v1/completions", headers=AUTH,
                        json={"prompt": text, "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == expected(citylm, text, 8)[0]
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{url}/workers").json()["workers"][0]["state"] != "up":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_all_up(url)
     assert metrics(url)["minisrv:num_workers_up"] == 2
+
+
+async def kill_before_taken(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Stop every worker (SIGSTOP), post ``body``, and once a worker has it in its inbox
+    (``/workers``' ``in_flight``), kill that worker and let the others go on: the kill lands
+    before the worker took the request. The answer, and which worker died."""
+    pids = await asyncio.to_thread(worker_pids, url)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as c:
+            answer = asyncio.create_task(c.post(f"{url}/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while not (holders := [w["index"] for w in
+                                   (await c.get(f"{url}/workers")).json()["workers"]
+                                   if w["in_flight"]]):
+                assert time.monotonic() < deadline and not answer.done()
+                await asyncio.sleep(0.02)
+            [victim] = holders
+            os.kill(pids[victim], signal.SIGKILL)
+            for pid in pids:
+                if pid != pids[victim]:
+                    os.kill(pid, signal.SIGCONT)
+            return {"answer": await asyncio.wait_for(answer, 30), "victim": victim,
+                    "pid": pids[victim]}
+    finally:  # never leave a stopped process behind, whatever the server did
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_request_its_worker_died_before_taking_is_served_by_the_other(servers, citylm):
+    url = servers[1]
+    wait_all_up(url)
+    failed = metrics(url)["minisrv:num_failed_reqs_total"]
+    got = asyncio.run(kill_before_taken(url, {"prompt": "DE:", "max_tokens": 12,
+                                              "temperature": 0}))
+    assert got["answer"].status_code == 200, got["answer"].text
+    assert got["answer"].json()["choices"][0]["text"] == expected(citylm, "DE:", 12)[0]
+    workers = httpx.get(f"{url}/workers").json()["workers"]
+    assert [w["in_flight"] for w in workers] == [0, 0]  # the router's load moved with it
+    assert metrics(url)["minisrv:num_failed_reqs_total"] == failed
+    assert wait_all_up(url)[got["victim"]]["pid"] != got["pid"]
+
+
+def test_a_worker_killed_while_idle_costs_no_request(servers, citylm):
+    url = servers[1]
+    pid = wait_all_up(url)[0]["pid"]
+    failed = metrics(url)["minisrv:num_failed_reqs_total"]
+    prompts = ["FR:", "JP:", "DE:", "IT:"] * 5
+    os.kill(pid, signal.SIGKILL)
+    for prompt in prompts:  # at once, one at a time: the first may race the death
+        r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected(citylm, prompt, 8)[0]
+    assert metrics(url)["minisrv:num_failed_reqs_total"] == failed
+    assert wait_all_up(url)[0]["pid"] != pid
+
+
+def test_with_one_worker_a_request_it_never_took_is_a_503_until_it_is_back(servers, citylm):
+    url = servers[0]
+    wait_status(url, "ok")
+    got = asyncio.run(kill_before_taken(url, {"prompt": "FR:", "max_tokens": 8}))
+    r = got["answer"]  # nobody else could take it: retry
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert "died" in r.json()["error"]["message"]
+    statuses, deadline = [], time.monotonic() + 120
+    while not statuses or statuses[-1] != 200:
+        assert time.monotonic() < deadline, statuses[-5:]
+        r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                       json={"prompt": "JP:", "max_tokens": 12, "temperature": 0})
+        statuses.append(r.status_code)
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1
+            time.sleep(0.05)
+    assert statuses[0] == 503 and set(statuses) == {503, 200}
+    assert r.json()["choices"][0]["text"] == expected(citylm, "JP:", 12)[0]
 
 
 def test_api_key_models_and_unsupported_fields(servers):

@@ -461,6 +461,28 @@ def test_router_takes_dead_workers_out_and_back():
         router.route(prompt)
 
 
+def test_a_request_a_dead_worker_never_took_is_rerouted_off_its_load_and_tree():
+    from minisrv.router import Router
+
+    router = Router(3, "cache-aware")
+    prompt = [0, 5, 6, 7, 8]
+    home = router.route(prompt)
+    router.mark_down(home)
+    moved = router.reroute(prompt, home)
+    assert moved != home and router.up[moved]
+    assert router.loads[home] == 0 and router.loads[moved] == 1
+    assert router.tree.match(prompt) == (len(prompt), (moved,))
+    router.finish(moved)
+    assert router.loads == [0, 0, 0]
+    # with nobody up it refuses and changes nothing: the request still counts where it was
+    again = router.route(prompt)
+    for w in (0, 1, 2):
+        router.mark_down(w)
+    with pytest.raises(ValueError, match="no worker"):
+        router.reroute(prompt, again)
+    assert router.loads[again] == 1
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_engine_loop_delivers_each_tokens_logprobs(citylm, overlap):
     """Logprobs travel with their tokens in both loops (the overlapped one computes them on

@@ -18,7 +18,8 @@ worker, whatever the policy, so the tree always says where each prefix was sent.
 
 A worker that is down (``mark_down``: its process died) gets nothing until ``mark_up``: every
 policy chooses among the workers up, and the tree forgets what the dead worker held, since
-its cache died with it. With every worker up the choices are exactly those above.
+its cache died with it; a request it never received is ``reroute``d (moved off its load and
+routed again). With every worker up the choices are exactly those above.
 
 Choices that SGLang leaves to hash-map order are made deterministic here: among several
 workers holding the match, the one most recently sent it (its copy is the freshest, so the
@@ -101,10 +102,20 @@ class Router:
             raise ValueError(f"worker {worker} has no request in flight to finish")
         self.loads[worker] -= 1
 
+    def reroute(self, tokens: Sequence[int], worker: int) -> int:
+        """A request routed to ``worker`` never reached it (the worker died first): count it
+        off there and ``route`` it again; return the new worker. ValueError, with nothing
+        changed, if no worker is up."""
+        self._check_worker(worker)
+        if not any(self.up):
+            raise ValueError("no worker is up")
+        self.finish(worker)
+        return self.route(tokens)
+
     def mark_down(self, worker: int) -> None:
         """Take ``worker`` out (its process died): no request goes there until ``mark_up``,
         and the tree drops its prefixes (its cache is gone). Its in-flight requests still
-        ``finish`` as their handlers learn they failed."""
+        ``finish`` as their handlers learn they failed, or are ``reroute``d."""
         self._check_worker(worker)
         self.up[worker] = False
         self.tree.trim(worker, 0)

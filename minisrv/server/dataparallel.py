@@ -5,19 +5,25 @@ request goes to the worker SGLang's cache-aware router picks (``minisrv.router.R
 A worker reports through a pipe of its own and the reader thread waits on every pipe and
 every process sentinel at once, so a worker that dies is seen at once, even mid-message.
 
-A dead worker's in-flight requests fail at once with a 503 error event (streams end with
-an error event and ``[DONE]``); the worker is taken out of the router and restarted
-(after ``restart_backoff`` seconds, doubling to 10 s while it keeps dying) and rejoins
-when its engine is loaded. A worker that is alive but hung (a step that never returns, a
-stopped process) is found by a watchdog: each worker's engine loop stamps a clock in shared
-memory between steps and while it waits (``worker_main``), and a worker with requests in
-flight whose clock has not moved for ``worker_timeout`` seconds is killed, which sends it
-down the same path as a worker that died. An idle worker's loop keeps stamping while it
-waits, so idleness is never taken for a hang. While no worker is up, ``submit`` raises
-``Unavailable`` and
-the front end answers 503 with ``Retry-After``. A worker that fails to load at the first
-start fails the server (``failed``, which ``/health`` reports): a bad model path must not
-restart forever.
+A worker acknowledges each request it takes from its inbox (``Taken``, sent through its pipe
+before any of the request's tokens). When a worker dies, the requests it had taken fail at
+once with a 503 error event (streams end with an error event and ``[DONE]``): some of their
+tokens may have reached the client. The requests it had not taken produced nothing, so they
+go to another worker that is up (``Router.reroute``): a request routed to a worker between
+its death and the moment the reader sees the process gone is served all the same. Only
+when no other worker is up do they fail with the 503 too. The dead worker is taken out of
+the router and restarted (after ``restart_backoff`` seconds, doubling to 10 s while it keeps
+dying) and rejoins when its engine is loaded.
+
+A worker that is alive but hung (a step that never returns, a stopped process) is found by
+a watchdog: each worker's engine loop stamps a clock in shared memory between steps and
+while it waits (``worker_main``), and a worker with requests in flight whose clock has not
+moved for ``worker_timeout`` seconds is killed, which sends it down the same path as a
+worker that died. An idle worker's loop keeps stamping while it waits, so idleness is never
+taken for a hang. While no worker is up, ``submit`` raises ``Unavailable`` and the front
+end answers 503 with ``Retry-After``. A worker that fails to load at the first start fails
+the server (``failed``, which ``/health`` reports): a bad model path must not restart
+forever.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from minisrv.server.messages import (
     StepEvents,
     Stop,
     Submit,
+    Taken,
     error_event,
 )
 from minisrv.server.worker import Deliver, Unavailable, worker_main
@@ -77,6 +84,7 @@ class DataParallelEngines:
         self._restart_at: dict[int, float] = {}
         self._backoff = [config.restart_backoff] * n
         self._worker_of: dict[int, int] = {}
+        self._unacked: dict[int, Submit] = {}  # sent, not yet taken by its worker
         self._snapshots: list[dict[str, float]] = [{} for _ in range(n)]
         self._capacity = [config.engine.kv_capacity] * n
         self._lock = threading.Lock()
@@ -108,11 +116,16 @@ class DataParallelEngines:
         return self._failed
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's index, state, process id, restarts and, once up, the seconds since
-        its engine loop last showed progress (``/workers`` shows them)."""
+        """Each worker's index, state, process id, restarts, requests in flight (the
+        router's load) and, once up, the seconds since its engine loop last showed progress
+        (``/workers`` shows them)."""
         now = time.monotonic()
+        with self._lock:
+            in_flight = (list(self.router.loads) if self.router is not None
+                         else [len(self._worker_of)])
         return [{"index": i, "state": self.states[i], "restarts": self.restarts[i],
                  "pid": self._procs[i].pid if self._procs[i] is not None else None,
+                 "in_flight": in_flight[i],
                  "since_progress_s": (round(now - self._beats[i].value, 3)
                                       if self.states[i] == "up" else None)}
                 for i in range(self.n)]
@@ -226,6 +239,9 @@ class DataParallelEngines:
         if isinstance(message, StepEvents):
             self._snapshots[i] = message.snapshot
             deliver(message.events, self.snapshot())
+        elif isinstance(message, Taken):
+            with self._lock:
+                self._unacked.pop(message.key, None)
         elif isinstance(message, Ready):
             self.limits = message.limits
             self._capacity[i] = message.limits["kv_capacity"]
@@ -242,7 +258,9 @@ class DataParallelEngines:
             # After the start, the process exits next: ``_died`` restarts it.
 
     def _died(self, i: int, deliver: Deliver) -> None:
-        """Worker ``i`` is gone: fail its requests, take it out, schedule its restart."""
+        """Worker ``i`` is gone: take it out, fail the requests it had taken, send those it
+        had not to another worker (``_reroute``), schedule its restart. Everything it sent
+        has been read by now, acknowledgements included."""
         if self._closing or self._conns[i] is None:
             return
         proc = self._procs[i]
@@ -258,6 +276,8 @@ class DataParallelEngines:
             if self.router is not None:
                 self.router.mark_down(i)
             keys = [key for key, w in self._worker_of.items() if w == i]
+            failed = [key for key in keys if key not in self._unacked]
+            failed += self._reroute([key for key in keys if key in self._unacked], i)
             silent = self._hung.pop(i, None)
         if self._failed is not None:  # it never loaded: restarting would fail again
             return
@@ -269,11 +289,25 @@ class DataParallelEngines:
                        "being restarted: retry")
         else:
             message = f"engine worker {i} died (exit code {code}); it is being restarted: retry"
-        deliver([error_event(key, message, 503) for key in keys], self.snapshot())
+        deliver([error_event(key, message, 503) for key in failed], self.snapshot())
+
+    def _reroute(self, keys: list[int], dead: int) -> list[int]:
+        """Send requests that worker ``dead`` never took to workers that are up, and tell
+        the router; return those that no worker can take now. Called with the lock held."""
+        if self.up == 0:
+            return keys
+        for key in keys:
+            submit = self._unacked[key]
+            worker = self.router.reroute(submit.prompt, dead)
+            self._worker_of[key] = worker
+            self._inboxes[worker].put(submit)
+        return []
 
     # ------------------------------------------------------------------ requests
     def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
-        """Send a request to a worker that is up; ``Unavailable`` if none is."""
+        """Send a request to a worker that is up; ``Unavailable`` if none is. It is put in
+        the inbox under the lock, so a death is handled either before (another worker is
+        chosen) or after (the request is in the dead worker's inbox, and is re-routed)."""
         with self._lock:
             if self.up == 0:
                 raise Unavailable("no engine worker is up; one is being restarted",
@@ -283,19 +317,19 @@ class DataParallelEngines:
             else:
                 worker = 0
             self._worker_of[key] = worker
-            inbox = self._inboxes[worker]
-        inbox.put(Submit(key, prompt, params))
+            self._unacked[key] = message = Submit(key, prompt, params)
+            self._inboxes[worker].put(message)
 
     def abort(self, key: int) -> None:
         with self._lock:
             worker = self._worker_of.get(key)
-            inbox = self._inboxes[worker] if worker is not None else None
-        if inbox is not None and self.states[worker] == "up":
-            inbox.put(Abort(key))
+            if worker is not None and self.states[worker] == "up":
+                self._inboxes[worker].put(Abort(key))
 
     def done(self, key: int) -> None:
         """The request left its worker: the router's in-flight count drops."""
         with self._lock:
+            self._unacked.pop(key, None)
             worker = self._worker_of.pop(key, None)
             if worker is not None and self.router is not None:
                 self.router.finish(worker)

@@ -1,8 +1,9 @@
 """The messages between the HTTP process and the engines, as typed, picklable records.
 
 The front end sends ``Submit`` and ``Abort`` (and ``Stop`` to end a worker); an engine
-answers with ``StepEvents`` (every request's new tokens of one step, and the engine's
-gauges), ``Ready`` once its model is loaded and ``Failed`` if it could not load. Both
+answers with ``Taken`` for each request it takes from its inbox, ``StepEvents`` (every
+request's new tokens of one step, and the engine's gauges), ``Ready`` once its model is
+loaded and ``Failed`` if it could not load. Both
 layouts (an engine thread in the HTTP process, or worker processes) speak the same
 messages, and an error is always a ``TokenEvent`` with ``error`` set: a request the engine
 refuses, a request whose step raised, a worker that died and a server that shuts down all
@@ -23,6 +24,7 @@ __all__ = [
     "StepEvents",
     "Stop",
     "Submit",
+    "Taken",
     "TokenEvent",
     "error_event",
 ]
@@ -93,6 +95,16 @@ class StepEvents:
     worker: int
     events: list[TokenEvent]
     snapshot: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """Worker ``worker`` has taken request ``key`` from its inbox, before it streams any of
+    its tokens (both travel through the worker's one pipe, in order). A request of a worker
+    that died without taking it produced nothing, so it may go to another worker."""
+
+    worker: int
+    key: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from minisrv.server.messages import (
     StepEvents,
     Stop,
     Submit,
+    Taken,
     TokenEvent,
     error_event,
 )
@@ -231,6 +232,9 @@ def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any,
     ``heartbeat`` (a shared ``ctypes`` double) gets ``time.monotonic()`` between every two
     steps of the engine loop and while it waits: the supervisor's watchdog reads it, and a
     worker whose clock stops while it has requests in flight is hung (``dataparallel``).
+
+    Each request taken from the inbox is acknowledged (``Taken``) before the engine sees it,
+    so the supervisor knows which requests of a worker that died had not reached it.
     """
     lock = threading.Lock()  # the engine thread and this one both send
 
@@ -259,6 +263,7 @@ def worker_main(index: int, config: ServerConfig, inbox: Any, conn: Any,
         if isinstance(message, Abort):
             loop.abort(message.key)
         elif isinstance(message, Submit):
+            send(Taken(index, message.key))
             refused = submit_to(loop, message)
             if refused is not None:
                 send(StepEvents(index, [refused], loop.snapshot()))
