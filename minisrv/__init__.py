@@ -19,6 +19,8 @@ _PUBLIC = {
     "SamplingParams": "minisrv.sampling",
     "ModelConfig": "minisrv.configs",
     "Engine": "minisrv.engine",
+    "EngineConfig": "minisrv.scheduler",
+    "Router": "minisrv.router",
     "RadixCache": "minisrv.kv",
     "calc_priority": "minisrv.scheduler",
     "optimal_hit_rate": "minisrv.scheduler",

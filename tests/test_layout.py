@@ -300,10 +300,25 @@ def test_the_overlap_package_still_names_the_chapters_lanes() -> None:
 
 
 def test_the_public_names_of_the_design_resolve() -> None:
-    for name in ("Engine", "load_citylm", "load_model", "RadixCache", "calc_priority",
-                 "optimal_hit_rate", "simulate", "simulate_cluster", "timeline",
-                 "throughput_ratio"):
+    for name in ("Engine", "EngineConfig", "Router", "load_citylm", "load_model", "RadixCache",
+                 "calc_priority", "optimal_hit_rate", "simulate", "simulate_cluster",
+                 "timeline", "throughput_ratio"):
         assert callable(getattr(minisrv, name))
+
+
+def _packages() -> list[str]:
+    return sorted("minisrv" + ("." + ".".join(p.parent.relative_to(PACKAGE).parts)
+                               if p.parent != PACKAGE else "")
+                  for p in PACKAGE.rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_every_name_a_package_exports_exists(package: str) -> None:
+    """``from package import *`` works: each name in ``__all__`` is there."""
+    namespace: dict = {}
+    exec(f"from {package} import *", namespace)  # noqa: S102 - the import under test
+    exported = getattr(__import__(package, fromlist=["_"]), "__all__", [])
+    assert set(exported) <= set(namespace), package
 
 
 # ----------------------------------------------------------------------------- the map

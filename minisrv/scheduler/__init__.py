@@ -14,8 +14,8 @@
 
 from minisrv.kv.manager import KVManager
 from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS
-from minisrv.scheduler.config import ADMISSIONS, MODES, ConfigView, EngineConfig
-from minisrv.scheduler.loop import Scheduler
+from minisrv.scheduler.config import ADMISSIONS, ATTENTIONS, MODES, ConfigView, EngineConfig
+from minisrv.scheduler.loop import Launched, Scheduler
 from minisrv.scheduler.policy import POLICIES, PriorityResult, calc_priority, optimal_hit_rate
 from minisrv.scheduler.records import (
     Backend,
@@ -28,6 +28,7 @@ from minisrv.scheduler.records import (
     StepRecord,
     hit_rate,
 )
+from minisrv.scheduler.state import SchedulerState
 
 __all__ = [
     "ADMISSIONS",
