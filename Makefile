@@ -25,9 +25,11 @@ GPU_TESTS := tests/test_flex_attention.py tests/test_device.py tests/test_backen
 	tests/test_engine.py tests/test_engine_radix.py tests/test_admission.py \
 	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py
 
+# At the end, each chapter's execution time from jupyter-cache (also when the build failed).
 book: setup
 	rm -rf _build/.jupyter_cache _build/html _build/jupyter_execute
-	$(BIN)/jupyter-book build -W -n --keep-going .
+	$(BIN)/jupyter-book build -W -n --keep-going . ; status=$$?; \
+	$(BIN)/python _ext/execution_times.py _build/.jupyter_cache; exit $$status
 
 # Chapters whose printed verdicts come from wall-clock runs (the overlapped loop's measured
 # gain, the paced server's spreads): they run alone, after everything else, with every core free.
