@@ -83,3 +83,55 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     assert labels == ["measured on CPU, float32, padded attention",
                       "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left") for ax in fig.axes)
+
+
+def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> None:
+    from minisrv.kvsize import max_concurrent_requests
+    from minisrv.roofline import decode_step_cost
+
+    ex = viz.roofline_explorer(contexts=(128, 8192), batches=(1, 64))
+    assert ex.default == {"context_len": 1024, "batch": 16}  # the chapter's static figures
+    assert sorted(ex.states) == [(c, b) for c in (128, 1024, 8192) for b in (1, 16, 64)]
+    for (context, batch), state in ex.states.items():
+        cost = decode_step_cost(LLAMA3_8B, H100, batch, context)
+        assert state["step_ms"] == pytest.approx(cost.time_s * 1e3)
+        assert state["bound"] == cost.bound
+        assert state["tokens_per_s"] == pytest.approx(batch / cost.time_s)
+        assert state["requests_fit"] == max_concurrent_requests(LLAMA3_8B, H100, context)
+    assert ex.states[(8192, 64)]["requests_fit"] == 59  # 64 requests of 8K tokens do not fit
+    # a roofline per context, a memory bar per state
+    assert ex.html.count("data:image/webp") == 3 + 9
+
+
+def test_roofline_explorer_refuses_an_unknown_choice_before_drawing() -> None:
+    with pytest.raises(ValueError, match="unknown GPU 'H300'"):
+        viz.roofline_explorer(gpu="H300")
+
+
+def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None:
+    from minisrv.configs import H200, SMOLLM2_135M, T4
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.roofline import decode_step_cost
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(32, 2048), batches=(64,))
+    assert ex.default == {"context": 512, "batch": 1}  # the chapter's figure and its text
+    assert sorted(ex.states) == [(c, b) for c in (32, 512, 2048) for b in (1, 64)]
+    padded = steps[steps["attention"] == "padded"].set_index("batch")["step_ms"]
+    for (context, batch), state in ex.states.items():
+        for gpu in (H100, H200, T4):
+            cost = decode_step_cost(SMOLLM2_135M, gpu, batch, context)
+            assert state[f"step_us {gpu.name}"] == pytest.approx(cost.time_s * 1e6, abs=0.05)
+        assert state["bound"] == decode_step_cost(SMOLLM2_135M, H200, batch, context).bound
+        assert state["measured_padded_ms"] == padded[batch]
+    assert ex.html.count("data:image/webp") == 3  # the figure depends on the context alone
+
+
+def test_gpu_explorer_refuses_a_batch_the_run_did_not_time() -> None:
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    with pytest.raises(ValueError, match=r"batches \[3\] were not measured"):
+        gpu_roofline_explorer(steps, "recorded", batch=3)

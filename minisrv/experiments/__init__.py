@@ -5,6 +5,7 @@ is given (every token against the request generated alone) and returns plain res
 tuples or DataFrames; ``minisrv.viz`` only draws them. A reader can re-run any of them
 larger than the chapter does by passing other arguments.
 
+* ``overview`` (the server at a glance): a few requests through the engine, step by step;
 * ``scheduler`` (the scheduler loop): ``rate_sweep`` on the simulated GPU;
 * ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
@@ -31,6 +32,12 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+    "DEMO_LENGTHS": "overview",
+    "DEMO_QUESTIONS": "overview",
+    "RequestAtStep": "overview",
+    "StepByStep": "overview",
+    "StepView": "overview",
+    "step_by_step": "overview",
     "rate_sweep": "scheduler",
     "CHUNK_SIZES": "chunked",
     "LLAMA3_8B_LONG": "chunked",

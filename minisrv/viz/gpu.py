@@ -2,16 +2,32 @@
 
 Measured curves are solid with markers, roofline predictions dashed, and every legend entry
 names the device it describes, because in the book's CI the measurement comes from a CPU
-while the predictions are for GPUs the page was never run on.
+while the predictions are for GPUs the page was never run on. ``gpu_roofline_widget`` (a
+kernel) and ``gpu_roofline_explorer`` (the page) put the roofline's context and batch under
+controls, beside the same measurement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pandas as pd
 
+from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
+from minisrv.experiments.gpu import roofline_step_times
+from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
+from minisrv.viz.roofline import plain_log_ticks
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
-__all__ = ["plot_step_times_vs_roofline"]
+__all__ = ["GPU_CONTEXTS", "gpu_roofline_explorer", "gpu_roofline_table", "gpu_roofline_widget",
+           "plot_step_times_vs_roofline"]
+
+GPU_CONTEXTS: tuple[int, ...] = (32, 128, 512, 2048, 8192)
+"""Contexts the page holds: from a few dozen tokens, where a large batch nearly reaches the
+arithmetic roof, to 8K, where each request's cached K/V outweighs the weights' share."""
+TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
+"""The GPUs the chapter's roofline table compares."""
 
 
 @styled
@@ -22,26 +38,129 @@ def plot_step_times_vs_roofline(
 
     ``measured``: rows of ``experiments.gpu.step_time_sweep`` (device, dtype, attention, batch,
     step_ms, us_per_token); ``predicted``: rows of ``experiments.gpu.roofline_step_times``.
+    When the two hold different contexts, every legend entry names its own.
     """
     fig, (left, right) = page_figure(5.4, cols=2)
+    contexts = sorted(set(measured["context"]) | set(predicted["context"]))
+
+    def at(rows: pd.DataFrame) -> str:
+        return f", context {rows['context'].iloc[0]}" if len(contexts) > 1 else ""
+
     for (device, dtype, attention), rows in measured.groupby(
         ["device", "dtype", "attention"], sort=False
     ):
-        label = f"measured on {device}, {dtype}, {attention} attention"
+        label = f"measured on {device}, {dtype}, {attention} attention{at(rows)}"
         for ax, column in ((left, "step_ms"), (right, "us_per_token")):
             ax.plot(rows["batch"], rows[column], "o-", label=label)
     for device, rows in predicted.groupby("device", sort=False):
-        label = f"{device}, bf16: lower bound"
+        label = f"{device}, bf16: lower bound{at(rows)}"
         for ax, column in ((left, "step_ms"), (right, "us_per_token")):
             ax.plot(rows["batch"], rows[column], "--", label=label)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        plain_log_ticks(ax)
         ax.set_xlabel("batch size (requests)")
         ax.grid(True, which="major", alpha=0.3)
-    contexts = sorted(set(measured["context"]) | set(predicted["context"]))
     label_axes(left, "One decode step", ylabel="decode step time (ms)")
     label_axes(right, "Per generated token", ylabel="time per token (µs)")
-    fig.suptitle(f"{model_name}, context {', '.join(map(str, contexts))}")
+    fig.suptitle(model_name if len(contexts) > 1
+                 else f"{model_name}, context {', '.join(map(str, contexts))}")
     legend_below(fig, ncol=1)
     return fig
+
+
+def _with(gpu: GPUSpec) -> tuple[GPUSpec, ...]:
+    """The table's GPUs, and ``gpu`` after them when it is not one of them."""
+    return TABLE_GPUS if gpu in TABLE_GPUS else (*TABLE_GPUS, gpu)
+
+
+def gpu_roofline_table(cfg: ModelConfig, batch: int, context: int,
+                       gpus: Sequence[GPUSpec] = TABLE_GPUS) -> pd.DataFrame:
+    """The roofline's decode step on each of ``gpus`` at one batch and context: its time, the
+    resource that bounds it and the throughput, as the chapter's table shows them."""
+    rows = roofline_step_times(cfg, gpus, [batch], context)
+    return pd.DataFrame({"GPU (roofline)": [g.name for g in gpus],
+                         "step (µs)": (rows["step_ms"] * 1e3).round(1).to_list(),
+                         "bound by": rows["bound"].to_list(),
+                         "tokens/s": (batch / (rows["step_ms"] / 1e3)).round().astype(int)
+                         .to_list()}).set_index("GPU (roofline)")
+
+
+def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") -> float | None:
+    """The measured step of ``attention`` at ``batch``, if the run timed that batch."""
+    rows = measured[(measured["batch"] == batch) & (measured["attention"] == attention)]
+    return float(rows["step_ms"].iloc[0]) if len(rows) else None
+
+
+def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.DataFrame,
+             batch: int, context: int) -> str:
+    roof_us = table.loc[gpu.name, "step (µs)"]
+    text = (f"{cfg.name} at batch {batch}, context {context}: the {gpu.name}'s roofline step "
+            f"is {roof_us:,.1f} µs, {table.loc[gpu.name, 'bound by']}-bound")
+    ms = _measured_ms(measured, batch)
+    if ms is not None and context in set(measured["context"]):
+        text += f"; the measured padded step took {ms:,.1f} ms, {ms * 1e3 / roof_us:,.0f}x that"
+    return text + "."
+
+
+def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
+                        cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200) -> Any:
+    """Sliders for the roofline's context and a batch: the figure of ``measured`` beside
+    ``gpu``'s roofline at that context, and the roofline table at that batch. Needs a kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from minisrv.viz.widgets import panel
+
+    batches = sorted(set(measured["batch"]))
+
+    def redraw(context: int, batch: int) -> None:
+        predicted = roofline_step_times(cfg, [gpu], batches, context)
+        display(plot_step_times_vs_roofline(measured, predicted, title))
+        table = gpu_roofline_table(cfg, batch, context, _with(gpu))
+        display(table)
+        print(_caption(cfg, gpu, table, measured, batch, context))
+
+    common = {"style": {"description_width": "initial"}, "continuous_update": False}
+    return panel(redraw, {
+        "context": widgets.SelectionSlider(options=[2**k for k in range(4, 16)], value=context,
+                                           description="context (tokens)", **common),
+        "batch": widgets.SelectionSlider(options=batches, value=batch,
+                                         description="batch (requests)", **common)})
+
+
+def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
+                          cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200,
+                          contexts: Sequence[int] = GPU_CONTEXTS,
+                          batches: Sequence[int] = (1, 4, 16, 64, 256)) -> Explorer:
+    """``gpu_roofline_widget`` for every context and batch of the grid, for the page.
+
+    The figure (the measured run beside ``gpu``'s roofline at the context) depends on the
+    context alone and is drawn once per context; the table and the numbers change with the
+    batch. Each state carries the roofline's step time per GPU of the table, the bound on
+    ``gpu``, and the measured padded step at that batch. ``batches`` must be batches the
+    measurement timed; ``batch`` and ``context`` open the page.
+    """
+    timed = sorted(set(measured["batch"]))
+    batches = sorted({*batches, batch})
+    missing = sorted(set(batches) - set(timed))
+    if missing:
+        raise ValueError(f"batches {missing} were not measured; measured: {timed}")
+    figures: dict[int, str] = {}
+
+    def draw(context: int, batch: int) -> Frame:
+        if context not in figures:
+            predicted = roofline_step_times(cfg, [gpu], timed, context)
+            figures[context] = part_html(plot_step_times_vs_roofline(measured, predicted, title))
+        table = gpu_roofline_table(cfg, batch, context, _with(gpu))
+        metrics: dict[str, Any] = {f"step_us {g.name}": float(table.loc[g.name, "step (µs)"])
+                                   for g in _with(gpu)}
+        metrics["bound"] = str(table.loc[gpu.name, "bound by"])
+        metrics["measured_padded_ms"] = _measured_ms(measured, batch)
+        return Frame([figures[context], table], metrics,
+                     caption=_caption(cfg, gpu, table, measured, batch, context))
+
+    return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context),
+                           ("batch", "batch (requests)", batches, batch)],
+                    live=lambda: gpu_roofline_widget(measured, title, batch, context, cfg, gpu))

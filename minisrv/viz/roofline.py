@@ -8,11 +8,13 @@ fonts and legends follow the house style of ``minisrv.viz.style``.
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, NullLocator
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
 from minisrv.kvsize import (
@@ -23,6 +25,7 @@ from minisrv.kvsize import (
     weight_bytes,
 )
 from minisrv.roofline import decode_step_cost
+from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 
 # BookFigure lives in style.py; it is imported here too because the other viz modules
 # (timeline, batching, radix) import it from this module.
@@ -83,6 +86,22 @@ def kv_table(
             }
         )
     return pd.DataFrame(rows).set_index("model")
+
+
+def plain_log_ticks(ax) -> None:
+    """Log axes labelled with plain numbers (1, 10, 1,000) at the powers of ten only.
+
+    Matplotlib's default puts mathtext labels ($10^3$) and eight unlabelled minor ticks per
+    decade on a log axis; laying those out is most of the cost of drawing a figure, which an
+    explorer pays once per state, and plain numbers read faster in any case.
+    """
+    def plain(value: float, _position: int) -> str:
+        return f"{value:,.0f}" if value >= 1 else f"{value:g}"
+
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":
+            axis.set_minor_locator(NullLocator())
+            axis.set_major_formatter(FuncFormatter(plain))
 
 
 def _batch_grid(limit: int) -> np.ndarray:
@@ -174,7 +193,7 @@ def plot_roofline(
     for ax in (ax_time, ax_tput):
         ax.set(xscale="log", yscale="log", xlim=(1, batches[-1]))
         ax.grid(True, which="major", alpha=0.3)
-        ax.grid(False, which="minor")
+        plain_log_ticks(ax)
     label_axes(ax_time, f"Step time: {title}", ylabel="decode step time (ms)")
     label_axes(ax_tput, "Throughput", "batch size (requests decoding together)",
                "throughput (tokens/s)")
@@ -276,6 +295,12 @@ def summary_line(
     )
 
 
+def contexts_around(context_len: int) -> list[int]:
+    """The three contexts the widget and the explorer draw for a chosen one: an eighth of
+    it, it, and eight times it (1024 gives the chapter's 128, 1024 and 8192)."""
+    return sorted({max(16, context_len // 8), context_len, context_len * 8})
+
+
 def roofline_widget(
     model: str = "LLaMA-3-8B",
     gpu: str = "H100 SXM",
@@ -300,12 +325,69 @@ def roofline_widget(
 
     def redraw(model: str, gpu: str, context_len: int, batch: int, dtype: str) -> None:
         cfg, card, width = MODELS[model], GPUS[gpu], DTYPES[dtype]
-        contexts = sorted({max(16, context_len // 8), context_len, context_len * 8})
         print(summary_line(cfg, card, context_len, batch, width))
-        display(plot_roofline(cfg, card, contexts, width, batch=batch))
+        display(plot_roofline(cfg, card, contexts_around(context_len), width, batch=batch))
         display(plot_memory_budget(cfg, card, context_len, batch, width))
 
     output = widgets.interactive_output(redraw, controls)
     rows = widgets.VBox([widgets.HBox(list(controls.values())[:3]),
                          widgets.HBox(list(controls.values())[3:])])
     return widgets.VBox([rows, output])
+
+
+EXPLORER_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 8192, 32768)
+"""Contexts the page holds: short enough to turn compute-bound, and long enough that the memory
+wall falls below the batches tried."""
+EXPLORER_BATCHES: tuple[int, ...] = (1, 16, 64, 256, 1024)
+"""Batches the page holds: from one request to past LLaMA-3-8B's memory wall on an H100 at
+every context but the shortest."""
+
+
+def _choice(kind: str, name: str, options: dict) -> object:
+    if name not in options:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of {list(options)}")
+    return options[name]
+
+
+def roofline_explorer(
+    model: str = "LLaMA-3-8B",
+    gpu: str = "H100 SXM",
+    context_len: int = 1024,
+    batch: int = 16,
+    dtype: str = "bf16 / fp16",
+    contexts: Sequence[int] = EXPLORER_CONTEXTS,
+    batches: Sequence[int] = EXPLORER_BATCHES,
+) -> Explorer:
+    """``roofline_widget``'s figures for every batch and context of the grid, for the page.
+
+    Each state shows ``summary_line``, the roofline of the three ``contexts_around`` the
+    context, and the memory bar of the batch; it carries the step's time, bound and
+    throughput and how many requests fit. The roofline does not depend on the batch, so it is
+    drawn once per context (the kernel widget also marks the batch on it). ``context_len``
+    and ``batch`` open the page and join the grid if missing from it.
+    """
+    cfg = _choice("model", model, MODELS)
+    card = _choice("GPU", gpu, GPUS)
+    width = _choice("dtype", dtype, DTYPES)
+    rooflines: dict[int, str] = {}
+
+    def draw(context_len: int, batch: int) -> Frame:
+        if context_len not in rooflines:
+            rooflines[context_len] = part_html(
+                plot_roofline(cfg, card, contexts_around(context_len), width))
+        cost = decode_step_cost(cfg, card, batch, context_len, width)
+        wall = _wall(cfg, card, context_len, width)
+        summary = summary_line(cfg, card, context_len, batch, width)
+        verdict = "fit" if batch <= wall else f"do not fit: the wall is at {wall:,}"
+        return Frame(
+            [f"<pre>{html.escape(summary)}</pre>", rooflines[context_len],
+             plot_memory_budget(cfg, card, context_len, batch, width)],
+            {"step_ms": cost.time_s * 1e3, "bound": cost.bound,
+             "tokens_per_s": batch / cost.time_s, "requests_fit": wall},
+            caption=f"{batch:,} requests of {context_len:,} tokens {verdict}; "
+                    f"{batch / cost.time_s:,.0f} tokens/s.")
+
+    return explorer(draw, [("context_len", "context (tokens)", sorted({*contexts, context_len}),
+                            context_len),
+                           ("batch", "batch (requests)", sorted({*batches, batch}), batch)],
+                    live=lambda: roofline_widget(model, gpu, context_len, batch, dtype))
