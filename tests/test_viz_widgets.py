@@ -72,8 +72,7 @@ def test_a_panel_in_an_executed_notebook_shows_text_and_figure_without_an_output
 
 OUTPUT_WIDGET_NAMES = {"Output", "interactive_output", "interact", "interactive",
                        "interact_manual"}
-STILL_ON_OUTPUT_WIDGETS = {"minisrv/viz/radix.py", "minisrv/viz/roofline.py",
-                           "minisrv/viz/routing.py"}
+STILL_ON_OUTPUT_WIDGETS = {"minisrv/viz/radix.py", "minisrv/viz/routing.py"}
 """Widgets that still use ``interactive_output`` until the explorer mechanism replaces them
 (issue 35); remove each one here when it moves off."""
 

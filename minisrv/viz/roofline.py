@@ -313,6 +313,8 @@ def roofline_widget(
     import ipywidgets as widgets
     from IPython.display import display
 
+    from minisrv.viz.widgets import panel
+
     controls = {
         "model": widgets.Dropdown(options=list(MODELS), value=model, description="model"),
         "gpu": widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
@@ -329,10 +331,7 @@ def roofline_widget(
         display(plot_roofline(cfg, card, contexts_around(context_len), width, batch=batch))
         display(plot_memory_budget(cfg, card, context_len, batch, width))
 
-    output = widgets.interactive_output(redraw, controls)
-    rows = widgets.VBox([widgets.HBox(list(controls.values())[:3]),
-                         widgets.HBox(list(controls.values())[3:])])
-    return widgets.VBox([rows, output])
+    return panel(redraw, controls, per_row=3)
 
 
 EXPLORER_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 8192, 32768)
