@@ -139,3 +139,33 @@ def test_comparison_drawings_from_tables(model) -> None:
         for ax in fig.axes:
             assert ax.get_title(loc="left") and ax.get_xlabel() and ax.get_ylabel()
         assert fig.legends and all(ax.get_legend() is None for ax in fig.axes)  # off the data
+
+
+def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> None:
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz import policy as pv
+
+    tok = Tokenizer()
+    reference = ca.reference_outputs(model, ca.interleaved_groups(tok, n_groups=2))
+    ex = pv.policy_explorer(model, tok, policies=("lpm",), kv_capacity=120, n_groups=2,
+                            capacities=(120, 400), reference=reference)
+    assert ex.default == {"policy": "lpm", "capacity": 120}
+    for capacity in (120, 400):
+        table = ca.few_shot_experiment(model, tok, ("fcfs", "lpm"), kv_capacity=capacity,
+                                       n_groups=2, reference=reference)
+        state = ex.metrics(policy="lpm", capacity=capacity)
+        for side, row in (("FCFS", "fcfs"), ("policy", "lpm")):
+            for name in ("hit rate", "prefill tokens", "mean wait", "max wait"):
+                assert state[f"{side} {name}"] == table.loc[row, name]
+        assert state["requests checked"] == 2 * 16
+
+
+def test_the_policy_explorer_refuses_fcfs_and_a_reference_of_another_workload(model) -> None:
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz import policy as pv
+
+    tok = Tokenizer()
+    with pytest.raises(ValueError, match="not FCFS itself"):
+        pv.policy_explorer(model, tok, policies=("fcfs", "lpm"))
+    with pytest.raises(ValueError, match="reference holds 3 outputs for 16 requests"):
+        pv.policy_explorer(model, tok, n_groups=2, reference=[[1], [2], [3]])

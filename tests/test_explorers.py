@@ -109,6 +109,11 @@ def build_page(outputs: list[dict], where: Path) -> Path:
     shutil.copy(ROOT / "references.bib", where)
     shutil.copytree(ROOT / "_ext", where / "_ext")
     nb = nbformat.v4.new_notebook()
+    # the chapters' language: without it MyST-NB finds no lexer for the second code cell on
+    # and warns, which fails the build (-W) as soon as the page holds two explorers
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
     nb.cells = [nbformat.v4.new_markdown_cell("# Explorers")]
     for output in outputs:
         cell = nbformat.v4.new_code_cell("explorer", execution_count=1)

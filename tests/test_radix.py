@@ -319,3 +319,69 @@ def test_a_bushy_tree_is_drawn_in_the_narrower_direction() -> None:
     drawn = to_graphviz(bushy)
     assert "rankdir=LR" in drawn.source
     assert _width_pt(drawn) <= PAGE_WIDTH_IN * 72
+
+
+def test_the_event_explorer_holds_the_tree_after_every_event() -> None:
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz.radix import TreeRecorder, event_explorer, event_numbers
+
+    tok = Tokenizer()
+    cache = RadixCache()
+    recorder = TreeRecorder(cache)
+    for word in ("abcde", "abcxy", "abfg"):
+        cache.insert(tok.encode(word, bos=False), tag=word)
+    node = cache.match_prefix(tok.encode("abcxz", bos=False), tag="q").node
+    cache.lock(node, tag="q")
+    events = recorder.events
+    ex = event_explorer(events, tok)
+    assert ex.default == {"event": len(events) - 1}  # the tree as it is now, like the drawing
+    assert [ex.metrics(event=i) for i in range(len(events))] == [event_numbers(e)
+                                                                 for e in events]
+    now = ex.metrics(**ex.default)
+    assert now["cached tokens"] == cache.total_size() == 9  # "ab" "c" "de" "x" "y" "fg"
+    assert now["nodes"] == len(cache.snapshot()) - 1 == 6
+    assert (now["op"], now["request"], now["locked nodes"]) == ("lock", "q", 3)
+    assert ex.metrics(event=0) == {"op": "insert", "request": "abcde", "length": 0,
+                                   "nodes": 1, "cached tokens": 5, "locked nodes": 0}
+    assert event_explorer(events, tok, start=1).default == {"event": 1}
+    with pytest.raises(ValueError, match="event index"):
+        event_explorer(events, tok, start=len(events))
+    with pytest.raises(ValueError, match="at least one"):
+        event_explorer([], tok)
+
+
+def test_a_smaller_chat_is_taken_from_a_larger_one_built_before(citylm) -> None:
+    from minisrv.experiments.radix import chat_workload
+    from minisrv.workloads import chat_sessions_workload
+
+    model, tok = citylm
+    built = {(3, 2): chat_sessions_workload(model, tok, 3, 2)}
+    for sessions, turns in ((2, 1), (1, 2), (3, 2)):
+        taken = chat_workload(model, tok, sessions, turns, built)
+        assert taken == chat_sessions_workload(model, tok, sessions, turns)
+    assert list(built) == [(3, 2)]  # nothing was built
+    chat_workload(model, tok, 4, 1, built)  # more sessions than any built chat: built now
+    assert set(built) == {(3, 2), (4, 1)}
+    with pytest.raises(ValueError, match="sessions must be >= 1"):
+        chat_workload(model, tok, 0, 1, built)
+
+
+def test_the_chat_explorer_serves_every_state_as_the_run_alone(citylm) -> None:
+    from minisrv.experiments.radix import chat_capacity_run
+    from minisrv.viz.radix import chat_capacity_explorer
+
+    model, tok = citylm
+    built: dict = {}
+    ex = chat_capacity_explorer(model, tok, capacity=90, sessions=3, turns=2, built=built,
+                                capacities=(90, 400), session_counts=(1, 3))
+    assert ex.default == {"capacity": 90, "sessions": 3}
+    assert list(built) == [(3, 2)]  # one chat built; every state serves a part of it
+    for capacity in (90, 400):
+        for sessions in (1, 3):
+            run = chat_capacity_run(model, tok, capacity, sessions, 2)
+            state = ex.metrics(capacity=capacity, sessions=sessions)
+            assert [state[c] for c in run.table.columns] == run.hit_rates
+            assert state["requests checked"] == run.identical == 2 * sessions
+    # a small pool evicts the other sessions' histories: fewer hits than a roomy one
+    assert ex.metrics(capacity=90, sessions=3)["all turns"] < ex.metrics(
+        capacity=400, sessions=3)["all turns"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from minisrv.experiments.routing import simulate_cluster
 from minisrv.viz import routing as rv
 from minisrv.workloads import prefix_groups_workload
@@ -40,3 +42,20 @@ def test_threshold_sweep_rows() -> None:
     assert len(fig.axes) == 2  # two panels, no twin axis
     assert all(ax.get_xlabel().startswith("balance_abs_threshold") for ax in fig.axes)
     assert [ax.get_ylabel() for ax in fig.axes] == ["output tokens/s", "prefix-cache hit rate (%)"]
+
+
+def test_the_routing_explorer_states_are_the_report_of_each_hot_share() -> None:
+    ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6))
+    assert ex.default == {"hot_share": 0.0}  # the widget's default: uniform groups
+    for hot_share in (0.0, 0.6):
+        table, _ = rv.routing_report(60, hot_share=hot_share or None)
+        state = ex.metrics(hot_share=hot_share)
+        for run in ("round robin", "cache-aware"):
+            assert state[f"{run} hit rate"] == table.loc[run, "hit rate"]
+            assert state[f"{run} throughput"] == table.loc[run, "throughput (tok/s)"]
+            assert state[f"{run} load ratio"] == table.loc[run, "load ratio"]
+    # a hot group keeps its prefix in every worker's cache, even under round robin
+    assert ex.metrics(hot_share=0.6)["round robin hit rate"] > ex.metrics(
+        hot_share=0.0)["round robin hit rate"]
+    with pytest.raises(ValueError, match="default 0.0 is not one of"):
+        rv.routing_explorer(n=60, hot_shares=(0.4, 0.8))

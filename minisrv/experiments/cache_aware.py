@@ -38,6 +38,7 @@ __all__ = [
     "prefix_stream_workload",
     "gpu_policy_table",
     "few_shot_experiment",
+    "interleaved_groups",
     "group_table",
 ]
 
@@ -267,18 +268,31 @@ def gpu_policy_table(workload: Workload, policies: Sequence[str] = ("fcfs", "lpm
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def interleaved_groups(tok: Any, n_groups: int = 4, per_group: int = 8,
+                       arrival_every: float = 1.0) -> Workload:
+    """The workload ``few_shot_experiment`` serves: ``n_groups`` interleaved few-shot groups
+    whose headers hold ``41 * n_groups`` tokens in all (164 for the lecture's four)."""
+    return few_shot_groups_workload(tok, n_groups=n_groups, per_group=per_group,
+                                    prefix_tokens=41 * n_groups, arrival_every=arrival_every)
+
+
 def few_shot_experiment(model: Any, tok: Any, policies: Sequence[str] = ("fcfs", "lpm"),
                         kv_capacity: int = 180, arrival_every: float = 1.0, n_groups: int = 4,
-                        per_group: int = 8, check: bool = True, **options: Any) -> pd.DataFrame:
-    """Interleaved few-shot groups (headers ``41 * n_groups`` tokens in all, so 164 for the
-    lecture's four) served with the radix cache under each policy: one row per policy
-    with hit rate, prefill tokens and waits; ``check`` compares tokens with the reference."""
-    work = few_shot_groups_workload(tok, n_groups=n_groups, per_group=per_group,
-                                    prefix_tokens=41 * n_groups, arrival_every=arrival_every)
-    reference = reference_outputs(model, work) if check else None
+                        per_group: int = 8, check: bool = True,
+                        reference: Sequence[Sequence[int]] | None = None, **options: Any
+                        ) -> pd.DataFrame:
+    """Interleaved few-shot groups (``interleaved_groups``) served with the radix cache under
+    each policy: one row per policy with hit rate, prefill tokens and waits; ``check``
+    compares tokens with the reference, ``reference`` (``reference_outputs`` of the same
+    workload) when several runs share it, else it is generated here."""
+    work = interleaved_groups(tok, n_groups, per_group, arrival_every)
+    if reference is not None and len(reference) != len(work):
+        raise ValueError(f"reference holds {len(reference)} outputs for {len(work)} requests")
+    if check and reference is None:
+        reference = reference_outputs(model, work)
     runs = {p: {"policy": p} for p in policies}
-    return policy_table(model, work, runs, reference, kv_capacity=kv_capacity, **options)
-
+    return policy_table(model, work, runs, reference if check else None,
+                        kv_capacity=kv_capacity, **options)
 
 
 def group_table(result: RunResult, groups: Sequence[int]) -> pd.DataFrame:

@@ -14,16 +14,20 @@ from typing import Any, NamedTuple
 import pandas as pd
 from tqdm.auto import tqdm
 
+from minisrv.checks import check_int
 from minisrv.engine import Engine, RunResult
 from minisrv.request import Req
 from minisrv.scheduler import hit_rate
 from minisrv.workloads import Workload, chat_sessions_workload
 
 __all__ = [
+    "ChatCapacityRun",
     "ServedRequest",
     "cache_comparison",
     "capacity_sweep",
     "chat_capacity_report",
+    "chat_capacity_run",
+    "chat_workload",
     "per_turn_hit_rates",
     "request_hit_rate",
     "serve_step",
@@ -99,21 +103,79 @@ def capacity_sweep(model: Any, workload: Workload, capacities: Sequence[int],
     return pd.DataFrame(rows).set_index("kv capacity")
 
 
+class ChatCapacityRun(NamedTuple):
+    """The chats served once in one pool (``chat_capacity_run``)."""
+
+    table: pd.DataFrame  # hit rate of each turn and of all turns, as percentages
+    hit_rates: list[float]  # the same numbers: turn 1, turn 2, ..., then all turns
+    requests: int  # requests served
+    identical: int  # of those, outputs equal to the request generated alone (-1: unchecked)
+
+
+def chat_workload(model: Any, tok: Any, sessions: int, turns: int,
+                  built: dict[tuple[int, int], Workload]) -> Workload:
+    """``chat_sessions_workload(model, tok, sessions, turns)``, taken from a chat ``built``
+    already where one covers it, else built and added to ``built``.
+
+    Generating the answers is the slow part of a chat, and a larger chat holds every smaller
+    one: session ``s``'s messages and answers depend only on ``s`` and the turn, not on how
+    many sessions or turns were built, and request ``i`` of ``S`` sessions is turn
+    ``i // S`` of session ``i % S``. So the requests of the first ``sessions`` sessions and
+    ``turns`` turns of a built chat, in their order, are the smaller chat itself.
+    """
+    check_int("sessions", sessions, minimum=1)
+    check_int("turns", turns, minimum=1)
+    for (n_sessions, n_turns), chat in built.items():
+        if n_sessions >= sessions and n_turns >= turns:
+            keep = [i for i in range(len(chat))
+                    if i % n_sessions < sessions and i // n_sessions < turns]
+            return Workload(chat.name, [chat.prompts[i] for i in keep],
+                            [chat.output_lens[i] for i in keep],
+                            [chat.arrivals[i] for i in keep],
+                            f"{sessions} chat sessions x {turns} turns")
+    built[sessions, turns] = chat_sessions_workload(model, tok, sessions, turns)
+    return built[sessions, turns]
+
+
+def chat_capacity_run(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
+                      turns: int = 4, built: dict | None = None, alone: dict | None = None,
+                      check: bool = True) -> ChatCapacityRun:
+    """Serve ``sessions`` chats of ``turns`` turns with the radix cache in a pool of
+    ``capacity`` tokens: the hit rate of each turn and overall, and (``check``) how many
+    outputs equal the request generated alone.
+
+    ``built``: chats already built, as ``chat_workload`` takes them (new ones are added).
+    ``alone``: each request's output generated alone, by (prompt, max_new_tokens); missing
+    ones are generated and added, so runs of the same chats in other pools check for free.
+    """
+    built = {} if built is None else built
+    alone = {} if alone is None else alone
+    _, run = serve_with_cache(model, chat_workload(model, tok, sessions, turns, built),
+                              "radix", capacity)
+    rates = per_turn_hit_rates(run.requests, sessions) + [request_hit_rate(run.requests)]
+    labels = [f"turn {t + 1}" for t in range(turns)] + ["all turns"]
+    table = pd.DataFrame({"hit rate": [f"{r:.1%}" for r in rates]}, index=labels).T
+    identical = -1
+    if check:
+        identical = 0
+        for req in run.requests:
+            key = (tuple(req.prompt), req.params.max_new_tokens)
+            if key not in alone:
+                alone[key] = model.reference_generate(req.prompt, req.params.max_new_tokens)
+            identical += list(req.output) == list(alone[key])
+    return ChatCapacityRun(table, rates, len(run.requests), identical)
+
+
 def chat_capacity_report(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
                          turns: int = 4, built: dict | None = None) -> pd.DataFrame:
     """Build ``sessions`` chats of ``turns`` turns, serve them with the radix cache in a pool
     of ``capacity`` tokens, and tabulate the hit rate of each turn and overall.
 
     ``built`` maps ``(sessions, turns)`` to workloads already built (generating the chats'
-    answers is the slow part); new ones are added to it.
+    answers is the slow part); new ones are added to it. ``chat_capacity_run`` also checks
+    every output against the request generated alone.
     """
-    built = {} if built is None else built
-    if (sessions, turns) not in built:
-        built[sessions, turns] = chat_sessions_workload(model, tok, sessions, turns)
-    _, run = serve_with_cache(model, built[sessions, turns], "radix", capacity)
-    rates = per_turn_hit_rates(run.requests, sessions) + [request_hit_rate(run.requests)]
-    labels = [f"turn {t + 1}" for t in range(turns)] + ["all turns"]
-    return pd.DataFrame({"hit rate": [f"{r:.1%}" for r in rates]}, index=labels).T
+    return chat_capacity_run(model, tok, capacity, sessions, turns, built, check=False).table
 
 
 def request_hit_rate(reqs: Sequence[Req]) -> float:

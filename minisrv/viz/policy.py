@@ -13,8 +13,13 @@ from typing import Any
 import pandas as pd
 from matplotlib.patches import Patch
 
-from minisrv.experiments.cache_aware import few_shot_experiment
+from minisrv.experiments.cache_aware import (
+    few_shot_experiment,
+    interleaved_groups,
+    reference_outputs,
+)
 from minisrv.scheduler.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 
@@ -24,6 +29,7 @@ __all__ = [
     "plot_scheduling_cost",
     "plot_policy_comparison",
     "policy_widget",
+    "policy_explorer",
 ]
 
 COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
@@ -122,9 +128,16 @@ def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
     return fig
 
 
-def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-weight",
-                  "random", "lof"), kv_capacity: int = 180, arrival_every: float = 1.0,
-                  n_groups: int = 4):
+WIDGET_POLICIES = ("lpm", "dfs-weight", "random", "lof")
+"""The policies the widget and the explorer compare with FCFS."""
+
+
+def _comparison_title(groups: int, capacity: int, gap: float) -> str:
+    return f"{groups} few-shot groups, pool {capacity} tokens, a wave every {gap:g} steps"
+
+
+def policy_widget(model: Any, tok: Any, policies: Sequence[str] = WIDGET_POLICIES,
+                  kv_capacity: int = 180, arrival_every: float = 1.0, n_groups: int = 4):
     """A policy to compare with FCFS, the pool size, the arrival gap and the number of
     few-shot groups; each change serves the interleaved groups again (tokens checked against
     the reference) and redraws ``plot_policy_comparison``. Needs a live kernel."""
@@ -147,9 +160,67 @@ def policy_widget(model: Any, tok: Any, policies: Sequence[str] = ("lpm", "dfs-w
         except ValueError as err:  # e.g. a pool smaller than one request
             print(err)
             return
-        display(plot_policy_comparison(
-            table, f"{groups} few-shot groups, pool {capacity} tokens, a wave every {gap:g} "
-                   f"steps"))
+        display(plot_policy_comparison(table, _comparison_title(groups, capacity, gap)))
         display(table.round(3))
 
     return panel(redraw, controls)
+
+
+POLICY_CAPACITIES = (180, 300)
+"""Pools of the explorer: the tight one where LPM wins and the middling one where it loses."""
+PAGE_POLICIES = ("lpm", "dfs-weight", "random")
+"""The policies the explorer's page holds. LOF is left to the live widget: these requests all
+ask for 16 tokens, so its order is FCFS's, and each state costs a second of CPU time."""
+
+
+def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIES,
+                    kv_capacity: int = 180, arrival_every: float = 1.0, n_groups: int = 4,
+                    capacities: Sequence[int] = POLICY_CAPACITIES,
+                    reference: Sequence[Sequence[int]] | None = None) -> Explorer:
+    """``policy_widget`` for the page: each policy of ``policies`` against FCFS
+    (``few_shot_experiment``, drawn by ``plot_policy_comparison``) in each pool of
+    ``capacities``, with the arrival gap and groups fixed; the first state is
+    ``policies[0]`` in a pool of ``kv_capacity``.
+
+    Every run checks every request's tokens against it generated alone, and a state with a
+    difference stops the build. ``reference``: those outputs when the caller has them (the
+    ``reference_outputs`` of ``interleaved_groups`` with the same arguments); FCFS runs once
+    per pool, since its row is the same beside every policy. The kernel face is
+    ``policy_widget`` with all of ``WIDGET_POLICIES``.
+    """
+    if not policies or "fcfs" in policies:
+        raise ValueError(f"name the policies to compare with FCFS (not FCFS itself), got "
+                         f"{list(policies)}")
+    work = interleaved_groups(tok, n_groups, arrival_every=arrival_every)
+    reference = reference_outputs(model, work) if reference is None else reference
+    rows: dict[tuple[str, int], pd.DataFrame] = {}
+
+    def row(policy: str, capacity: int) -> pd.DataFrame:
+        if (policy, capacity) not in rows:
+            rows[policy, capacity] = few_shot_experiment(
+                model, tok, (policy,), kv_capacity=capacity, arrival_every=arrival_every,
+                n_groups=n_groups, reference=reference)
+        return rows[policy, capacity]
+
+    def draw(policy: str, capacity: int) -> Frame:
+        table = pd.concat([row("fcfs", capacity), row(policy, capacity)])
+        everyone = f"{len(work)}/{len(work)}"
+        if (table["outputs identical"] != everyone).any():
+            raise AssertionError(f"{policy} in a pool of {capacity}: outputs differ from the "
+                                 f"requests generated alone ({list(table['outputs identical'])})")
+        numbers = {f"{side} {name}": float(table.loc[row_name, name])
+                   for side, row_name in (("FCFS", "fcfs"), ("policy", policy))
+                   for name in ("hit rate", "prefill tokens", "mean wait", "max wait")}
+        gain = table.loc[policy, "hit rate"] - table.loc["fcfs", "hit rate"]
+        return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity,
+                                                                      arrival_every)),
+                      table.round(3)],
+                     {**numbers, "requests checked": 2 * len(work)},
+                     caption=f"{NAMES.get(policy, policy)} hits {100 * gain:+.1f} points "
+                             f"against FCFS; all outputs as each request alone.")
+
+    return explorer(draw, [("policy", "policy vs FCFS", list(policies), policies[0]),
+                           ("capacity", "KV capacity (tokens)", sorted(capacities),
+                            kv_capacity)],
+                    live=lambda: policy_widget(model, tok, WIDGET_POLICIES, kv_capacity,
+                                               arrival_every, n_groups))

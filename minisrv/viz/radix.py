@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 import graphviz
 import pandas as pd
 
-from minisrv.experiments.radix import chat_capacity_report
+from minisrv.experiments.radix import chat_capacity_run, chat_workload
 from minisrv.kv import NodeView, RadixCache, TreeEvent
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
     PAGE_WIDTH_IN,
     BookFigure,
@@ -38,8 +39,11 @@ __all__ = [
     "edge_text",
     "event_caption",
     "event_widget",
+    "event_explorer",
+    "event_numbers",
     "plot_capacity_sweep",
     "chat_capacity_widget",
+    "chat_capacity_explorer",
 ]
 
 COLORS = {
@@ -245,10 +249,8 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
     import ipywidgets as widgets
     from IPython.display import display
 
-    if not events:
-        raise ValueError("event_widget needs at least one recorded event")
-    last = len(events) - 1
-    slider = widgets.IntSlider(value=last if start is None else start, min=0, max=last,
+    start = _event_index(events, start)
+    slider = widgets.IntSlider(value=start, min=0, max=len(events) - 1,
                                description="event", continuous_update=False)
 
     def redraw(i: int) -> None:
@@ -256,6 +258,49 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
 
     output = widgets.interactive_output(redraw, {"i": slider})
     return widgets.VBox([slider, output])
+
+
+def _event_index(events: Sequence[RecordedEvent], start: int | None) -> int:
+    """``start`` checked against ``events`` (``None``: the last event)."""
+    if not events:
+        raise ValueError("an event slider needs at least one recorded event")
+    if start is None:
+        return len(events) - 1
+    if not 0 <= start < len(events):
+        raise ValueError(f"start must be an event index in 0..{len(events) - 1}, got {start}")
+    return start
+
+
+def event_numbers(event: RecordedEvent) -> dict[str, int | str]:
+    """What one recorded operation did and the tree it left: the operation, its request's
+    tag, its length (as ``event_caption`` reads it), and the tree's nodes (root excluded),
+    cached tokens and locked nodes afterwards."""
+    nodes = [view for view in event.tree if view.parent is not None]
+    return {"op": event.op, "request": event.label, "length": event.length,
+            "nodes": len(nodes), "cached tokens": sum(len(view.key) for view in nodes),
+            "locked nodes": sum(view.lock_ref > 0 for view in nodes)}
+
+
+def event_explorer(events: Sequence[RecordedEvent], tokenizer: Any = None,
+                   start: int | None = None) -> Explorer:
+    """``event_widget`` for the page: the tree after every one of ``events``, drawn by
+    ``to_graphviz`` and coloured by that event, behind one control over the event index
+    (``start``, the last event by default, is shown first).
+
+    A recorded event holds its tree's snapshot, so every state is a drawing of what the
+    cache really held; each state's numbers are ``event_numbers``.
+    """
+    start = _event_index(events, start)
+
+    def draw(event: int) -> Frame:
+        recorded = events[event]
+        numbers = event_numbers(recorded)
+        return Frame([to_graphviz(recorded, tokenizer)], numbers,
+                     caption=f"Afterwards the cache holds {numbers['cached tokens']} tokens "
+                             f"in {numbers['nodes']} nodes, {numbers['locked nodes']} locked.")
+
+    return explorer(draw, [("event", "event", list(range(len(events))), start)],
+                    live=lambda: event_widget(events, tokenizer, start))
 
 
 # ------------------------------------------------------------------------ figures of runs
@@ -277,10 +322,12 @@ def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
 def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
                          turns: int = 4, built: dict | None = None):
     """Sliders for pool size, sessions and turns; each change rebuilds and serves the chats
-    and shows ``chat_capacity_report`` (``built``: as there). Needs a live kernel."""
+    (``chat_capacity_run``, every output checked against the request generated alone) and
+    shows the hit rate of each turn. ``built``: chats already built. Needs a live kernel."""
     from IPython.display import display
 
     built = {} if built is None else built
+    alone: dict = {}
     controls = {
         "capacity": slider(capacity, 250, 2000, "KV capacity (tokens)", step=50),
         "sessions": slider(sessions, 1, 12, "sessions"),
@@ -288,6 +335,52 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     }
 
     def redraw(capacity: int, sessions: int, turns: int) -> None:
-        display(chat_capacity_report(model, tok, capacity, sessions, turns, built))
+        run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
+        display(run.table)
+        print(f"outputs equal to each request generated alone: {run.identical} of "
+              f"{run.requests}")
 
     return panel(redraw, controls, per_row=3)
+
+
+CHAT_CAPACITIES = (300, 400, 500, 600, 800)
+"""Pools of the chat explorer: from one where eight sessions evict each other's history before
+nearly every turn to one that keeps all eight conversations of four turns."""
+CHAT_SESSIONS = (2, 4, 6, 8)
+"""Sessions of the chat explorer: the pool a conversation needs grows with their number."""
+
+
+def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
+                           turns: int = 4, built: dict | None = None,
+                           capacities: Sequence[int] = CHAT_CAPACITIES,
+                           session_counts: Sequence[int] = CHAT_SESSIONS) -> Explorer:
+    """``chat_capacity_widget`` for the page: chats of ``turns`` turns served by
+    ``chat_capacity_run`` in each pool of ``capacities`` for each number of sessions of
+    ``session_counts``: the hit rate of each turn. Every output of every state is checked
+    against the request generated alone, and a state that differs stops the build.
+
+    All states serve parts of one chat (``chat_workload``: the largest one, from ``built``
+    when it is there), so the answers are generated once, and each request is generated
+    alone once however many states serve it.
+    """
+    built = {} if built is None else built
+    alone: dict = {}
+    counts = sorted(session_counts)
+    chat_workload(model, tok, counts[-1], turns, built)  # every state is a part of this one
+
+    def draw(capacity: int, sessions: int) -> Frame:
+        run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
+        if run.identical != run.requests:
+            raise AssertionError(f"pool {capacity}, {sessions} sessions: "
+                                 f"{run.requests - run.identical} outputs differ from the "
+                                 "request generated alone")
+        numbers = dict(zip(run.table.columns, run.hit_rates))
+        return Frame([run.table], {**numbers, "requests checked": run.requests},
+                     caption=f"{sessions} sessions x {turns} turns in {capacity} tokens: "
+                             f"{run.hit_rates[-1]:.1%} of prompt tokens hit; all "
+                             f"{run.requests} outputs as each request alone.")
+
+    return explorer(draw, [("capacity", "KV capacity (tokens)", sorted(capacities), capacity),
+                           ("sessions", "sessions", counts, sessions)],
+                    live=lambda: chat_capacity_widget(model, tok, capacity, sessions, turns,
+                                                      built))
