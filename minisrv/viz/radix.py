@@ -256,8 +256,7 @@ def event_widget(events: Sequence[RecordedEvent], tokenizer: Any = None, start: 
     def redraw(i: int) -> None:
         display(to_graphviz(events[i], tokenizer=tokenizer))
 
-    output = widgets.interactive_output(redraw, {"i": slider})
-    return widgets.VBox([slider, output])
+    return panel(redraw, {"i": slider}, per_row=1)
 
 
 def _event_index(events: Sequence[RecordedEvent], start: int | None) -> int:

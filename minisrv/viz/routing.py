@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 from minisrv.experiments.routing import ClusterResult, simulate_cluster
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel
 from minisrv.workloads import prefix_groups_workload
 
 __all__ = [
@@ -185,9 +186,7 @@ def routing_widget(n: int = 1000, seed: int = 0):
         display(table)
         display(fig)
 
-    output = widgets.interactive_output(redraw, controls)
-    boxes = list(controls.values())
-    return widgets.VBox([widgets.HBox(boxes[:4]), widgets.HBox(boxes[4:]), output])
+    return panel(redraw, controls, per_row=4)
 
 
 ROUTING_HOT_SHARES = (0.0, 0.4, 0.8)
