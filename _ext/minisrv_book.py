@@ -101,6 +101,24 @@ def number_per_document(app: Any, env: Any) -> list[str]:
     return changed
 
 
+def one_copy_of_each_script(app: Any, pagename: str, templatename: str, context: dict,
+                            doctree: Any) -> None:
+    """Each script once per page. sphinx-thebe adds its configuration script (``const
+    THEBE_JS_URL = ...``) at every ``env-before-read-docs``, which a build fires more than
+    once; the second copy throws "Identifier 'THEBE_JS_URL' has already been declared" in
+    every page's console."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for script in context.get("script_files", []):
+        key = (getattr(script, "filename", script) or "",  # a body script: None or ""
+               repr(sorted(getattr(script, "attributes", {}).items())))
+        if key not in seen:
+            seen.add(key)
+            kept.append(script)
+    context["script_files"] = kept
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.connect("env-get-updated", number_per_document, priority=900)
+    app.connect("html-page-context", one_copy_of_each_script)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

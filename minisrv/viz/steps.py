@@ -19,6 +19,7 @@ from minisrv.experiments.overview import (
     DEMO_QUESTIONS,
     RequestAtStep,
     StepByStep,
+    StepView,
     step_by_step,
 )
 from minisrv.viz.explorer import Explorer, Frame, explorer
@@ -54,7 +55,7 @@ def _check(run: StepByStep) -> None:
                            "they get alone: the engine changed what was computed")
 
 
-def _step(run: StepByStep, step: int) -> Any:
+def _step(run: StepByStep, step: int) -> StepView:
     if not 0 <= step < len(run.steps):
         raise ValueError(f"step must be in 0..{len(run.steps) - 1}, got {step}")
     return run.steps[step]
@@ -99,14 +100,14 @@ def plot_kv_pool(run: StepByStep, step: int, tok: Any) -> BookFigure:
     label_axes(ax, f"KV pool after step {step}: {view.slots_held} of {run.kv_capacity} slots "
                "held")
     handles = [Patch(facecolor=f"C{r.rid % 10}", alpha=0.6,
-                     label=f"{_name(r.rid)} {run_prompt(run, r.rid, tok)}")
+                     label=f"{_name(r.rid)} {_prompt(run, r.rid, tok)}")
                for r in view.requests]
     handles.append(Patch(facecolor="0.25", label="dark: written in this step"))
     legend_below(fig, handles, ncol=len(handles))
     return fig
 
 
-def run_prompt(run: StepByStep, rid: int, tok: Any) -> str:
+def _prompt(run: StepByStep, rid: int, tok: Any) -> str:
     """A request's prompt as text (without ``<bos>``)."""
     return tok.decode(run.prompts[rid])
 
@@ -127,7 +128,7 @@ def step_table(run: StepByStep, step: int, tok: Any) -> pd.DataFrame:
     KV slots it holds (as runs of consecutive slots)."""
     from minisrv.experiments.server import slot_ranges
 
-    rows = [{"request": _name(req.rid), "prompt": run_prompt(run, req.rid, tok),
+    rows = [{"request": _name(req.rid), "prompt": _prompt(run, req.rid, tok),
              "in this step": _did(req, tok), "output so far": repr(tok.decode(list(req.output))),
              "KV slots": slot_ranges(req.slots) or "-"}
             for req in _step(run, step).requests]
