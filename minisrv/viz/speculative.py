@@ -176,8 +176,9 @@ EXPLORER_BATCHES: tuple[int, ...] = (1, 32, 64, 128, 256, 384, 512, 768)
 def speedup_at(acceptance: float, batch: int, ks: Sequence[int] = TABLE_KS,
                contexts: Sequence[int] = CONTEXTS) -> pd.DataFrame:
     """One batch of ``speedup_frame``, one row per k: the tokens a check yields (the
-    acceptance formula) and the roofline speed-up at each context, ``NaN`` where that
-    many requests do not fit in the H100's memory at that context."""
+    acceptance formula, column ``"tokens per check"``) and the roofline speed-up at each
+    context (one column per context, named by it), ``NaN`` where that many requests do not
+    fit in the H100's memory at that context."""
     frame = speedup_frame(acceptance, ks=ks, batches=(batch,), contexts=contexts)
     table = frame.pivot(index="k", columns="context", values="speedup").rename_axis(
         columns=None)
@@ -186,42 +187,44 @@ def speedup_at(acceptance: float, batch: int, ks: Sequence[int] = TABLE_KS,
             table[context] = np.nan
     table.insert(0, "tokens per check", [expected_tokens_per_check(acceptance, int(k))
                                          for k in table.index])
-    return table.rename(columns={c: f"speed-up, {c:,} tokens" for c in contexts})
+    return table
+
+
+def _contexts(table: pd.DataFrame) -> list[int]:
+    return [c for c in table.columns if c != "tokens per check"]
 
 
 def _shown_table(table: pd.DataFrame) -> pd.DataFrame:
     """``speedup_at`` as the page shows it: two decimals, ``x`` after a speed-up, and the
     memory limit spelled out instead of an empty cell."""
-    shown = table.copy().astype(object)
+    shown = pd.DataFrame(index=table.index)
     shown["tokens per check"] = [f"{v:.2f}" for v in table["tokens per check"]]
-    for column in table.columns[1:]:
-        shown[column] = ["does not fit" if np.isnan(v) else f"{v:.2f}x" for v in table[column]]
+    for context in _contexts(table):
+        shown[f"speed-up, {context:,} tokens"] = [
+            "does not fit" if np.isnan(v) else f"{v:.2f}x" for v in table[context]]
     return shown
 
 
 def _speedup_caption(table: pd.DataFrame, batch: int) -> str:
     parts = []
-    for column in table.columns[1:]:
-        values = table[column].dropna()
-        context = column.removeprefix("speed-up, ")
+    for context in _contexts(table):
+        values = table[context].dropna()
         if values.empty:
-            parts.append(f"at {context} a batch of {batch} does not fit")
+            parts.append(f"at {context:,} tokens a batch of {batch} does not fit")
         elif values.max() <= 1:
-            parts.append(f"at {context} every k loses")
+            parts.append(f"at {context:,} tokens every k loses")
         else:
-            parts.append(f"at {context} k = {int(values.idxmax())} is best "
+            parts.append(f"at {context:,} tokens k = {int(values.idxmax())} is best "
                          f"({values.max():.2f}x)")
     return f"A batch of {batch}: " + "; ".join(parts) + "."
 
 
-def _speedup_metrics(table: pd.DataFrame) -> dict[str, float | int]:
-    metrics: dict[str, float | int] = {}
+def _speedup_metrics(table: pd.DataFrame) -> dict[str, float]:
+    metrics = {}
     for k, row in table.iterrows():
         metrics[f"tokens_per_check_k{k}"] = float(row["tokens per check"])
-        for column in table.columns[1:]:
-            if not np.isnan(row[column]):
-                context = int(column.removeprefix("speed-up, ").split()[0].replace(",", ""))
-                metrics[f"speedup_{context}_k{k}"] = float(row[column])
+        metrics |= {f"speedup_{c}_k{k}": float(row[c]) for c in _contexts(table)
+                    if not np.isnan(row[c])}
     return metrics
 
 
