@@ -142,3 +142,37 @@ def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -
     checks = check_table(step)
     assert len(checks) == 3 and (checks["KV written"] - checks["KV freed"]
                                  == checks["tokens gained"]).all()
+
+
+def test_the_speedup_explorer_holds_the_roofline_of_each_state() -> None:
+    pytest.importorskip("matplotlib")
+    from minisrv.kvsize import max_concurrent_requests
+    from minisrv.spec.speedup import expected_tokens_per_check
+    from minisrv.viz.speculative import speedup_at, speedup_explorer
+
+    ex = speedup_explorer(acceptance=0.7, acceptances=(0.5, 0.7), batches=(1, 256, 512))
+    assert ex.default == {"acceptance": 0.7, "batch": 1}  # the chapter's figure, a lone request
+    assert len(ex.states) == 6
+    for a in (0.5, 0.7):
+        frame = speedup_frame(a, ks=range(1, 9), batches=(256,))
+        state = ex.metrics(acceptance=a, batch=256)
+        for row in frame.itertuples():
+            assert state[f"speedup_{row.context}_k{row.k}"] == row.speedup
+            assert state[f"tokens_per_check_k{row.k}"] == expected_tokens_per_check(a, row.k)
+    alone = ex.metrics(acceptance=0.7, batch=1)  # memory-bound: the formula's tokens
+    assert alone["speedup_256_k8"] == pytest.approx(expected_tokens_per_check(0.7, 8), rel=1e-3)
+    assert max_concurrent_requests(LLAMA3_8B, H100, 1024) < 512
+    busy = ex.metrics(acceptance=0.7, batch=512)  # 512 requests of 1,024 tokens do not fit
+    assert "speedup_1024_k1" not in busy and busy["speedup_256_k1"] > 1 > busy["speedup_256_k8"]
+    table = speedup_at(0.7, 512)
+    assert table[1024].isna().all() and table[256].notna().all()
+    assert list(table.index) == list(range(1, 9))
+
+
+def test_the_speedup_widget_builds() -> None:
+    pytest.importorskip("ipywidgets")
+    from minisrv.viz.speculative import speedup_widget
+
+    sliders = speedup_widget(0.7, 1).children[0].children
+    assert [s.description for s in sliders] == ["acceptance rate a", "batch (requests)"]
+    assert (sliders[0].value, sliders[1].value) == (0.7, 1)

@@ -138,3 +138,95 @@ def test_the_drawings_show_the_mask_and_the_automaton(citylm, vocab) -> None:
     dot = vg.draw_automaton(machine.compressed()).source
     assert dot.count("doublecircle") == len(machine.compressed().accepting)
     assert "Paris" in dot
+
+
+def test_served_masks_checks_each_request_against_it_alone(citylm, vocab) -> None:
+    model, tok = citylm
+    prompt = tok.encode("FR:")
+    runs = st.served_masks(model, vocab, prompt, {"commas": st.THREE_CITIES,
+                                                  "stop": st.FULL_STOP}, max_new_tokens=30)
+    commas, stop = runs["commas"], runs["stop"]
+    assert commas.identical and stop.identical
+    alone = constrained_generate(model, prompt, compile_grammar(vocab, regex=st.THREE_CITIES),
+                                 SamplingParams(max_new_tokens=30)).tokens
+    assert commas.tokens == alone and commas.tokens[-1] == tok.eos_id
+    assert len(stop.tokens) == 30  # the full stop is never reached (the chapter's point)
+    assert [s.token for s in commas.steps] == commas.tokens
+    assert len(commas.probabilities) == len(commas.tokens)
+    # the masks agree until the third name may end: then one allows ',' and the other '.'
+    split = next(i for i, (a, b) in enumerate(zip(commas.steps, stop.steps, strict=False))
+                 if not torch.equal(a.allowed, b.allowed))
+    assert tok.decode(commas.tokens[:split]) == " Paris, Marseille, Ly"
+    comma, full_stop = tok.encode(",")[-1], tok.encode(".")[-1]
+    assert commas.steps[split].allowed[comma] and not commas.steps[split].allowed[full_stop]
+    assert stop.steps[split].allowed[full_stop] and not stop.steps[split].allowed[comma]
+    with pytest.raises(ValueError, match="regexes is empty"):
+        st.served_masks(model, vocab, prompt, {})
+
+
+def _decoded(img: str):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    data = re.search(r'base64,([^"]+)"', img).group(1)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGBA"))
+
+
+def test_the_mask_explorer_steps_through_the_served_generation(citylm, vocab) -> None:
+    pytest.importorskip("matplotlib")
+    from minisrv.viz import grammar as vg
+
+    model, tok = citylm
+    ex = vg.mask_explorer(model, tok, steps=6)
+    assert ex.default == {"grammar": "three cities, commas", "step": 6}
+    runs = st.served_masks(model, vocab, tok.encode("FR:"), dict(vg.MASK_GRAMMARS))
+    for name, run in runs.items():
+        for step in range(1, 7):
+            state = ex.metrics(grammar=name, step=step)
+            assert state["allowed"] == int(run.steps[step - 1].allowed.sum())
+            assert state["allowed_mass"] == run.probabilities[step - 1].allowed_mass
+            assert state["text"] == tok.decode(run.tokens[:step])
+            assert state["requests_checked"] == 2
+    assert ex.metrics(grammar="three cities, commas", step=1)["text"] == " "
+    with pytest.raises(ValueError, match="steps must be"):
+        vg.mask_explorer(model, tok, steps=0)
+
+
+def test_a_cut_step_image_is_the_figure_drawn_up_to_that_step(citylm, vocab) -> None:
+    pytest.importorskip("matplotlib")
+    from minisrv.viz import grammar as vg
+
+    model, tok = citylm
+    grammar = compile_grammar(vocab, regex=st.THREE_CITIES)
+    tokens = constrained_generate(model, tok.encode("FR:"), grammar,
+                                  SamplingParams(max_new_tokens=40)).tokens
+    steps, texts = st.mask_trace(grammar, tokens)[:8], vg.token_texts(tok)
+    images = vg.step_images(steps, texts, "t")
+    assert len(images) == 8
+    for s in (1, 5, 8):
+        cut = _decoded(images[s - 1])
+        drawn = vg._pixels(vg.plot_masks(steps, texts, "t", shown=s))
+        assert cut.shape == drawn.shape
+        rows = (cut != drawn).any(axis=(1, 2)).sum()
+        assert rows <= 1, f"step {s}: {rows} rows of pixels differ"  # at most the cut line
+    figure = vg.plot_masks(steps, texts, "t", shown=3)
+    grid = figure.axes[0].images[0].get_array()
+    assert (grid[3:] == 3).all() and (grid[:3] < 3).all()  # later rows not drawn yet
+    labels = figure.axes[0].get_yticklabels()
+    assert [label.get_color() for label in labels[3:]] == ["none"] * 5
+    with pytest.raises(ValueError, match="shown must be"):
+        vg.plot_masks(steps, texts, "t", shown=9)
+
+
+def test_the_mask_widget_builds(citylm) -> None:
+    pytest.importorskip("ipywidgets")
+    from minisrv.viz import grammar as vg
+
+    model, tok = citylm
+    box = vg.mask_widget(model, tok, max_new_tokens=30)
+    menu, step = box.children[0].children
+    assert list(menu.options) == list(vg.MASK_GRAMMARS)
+    assert (step.value, step.max) == (25, 30)  # the commas grammar ends at step 25

@@ -2,12 +2,14 @@
 JSON-capable Llama folder.
 
 ``mask_trace`` replays a constrained generation and keeps each step's mask, for the picture
-of the vocabulary lit step by step. ``automaton`` explores a grammar with a finite language
-through xgrammar's matcher and merges prefixes with the same completions into states: the
-minimal automaton the mask walks, drawn character by character or compressed into chains
-(SGLang's compressed finite-state machine). ``step_probabilities`` compares the model's own
-probability of each chosen token with the renormalised one under the mask. ``json_runs``
-samples a JSON schema over seeds and temperatures and validates every output.
+of the vocabulary lit step by step; ``served_masks`` serves several grammars' requests in one
+engine batch, checks each against the request alone, and traces their masks. ``automaton``
+explores a grammar with a finite language through xgrammar's matcher and merges prefixes
+with the same completions into states: the minimal automaton the mask walks, drawn
+character by character or compressed into chains (SGLang's compressed finite-state
+machine). ``step_probabilities`` compares the model's own probability of each chosen token
+with the renormalised one under the mask. ``json_runs`` samples a JSON schema over seeds and
+temperatures and validates every output.
 ``mask_cost_us`` times one step's fill and apply.
 """
 
@@ -25,6 +27,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from minisrv.checks import check_int
+from minisrv.engine import Engine
 from minisrv.grammar import (
     CompiledGrammar,
     GrammarLogitsProcessor,
@@ -42,6 +46,7 @@ __all__ = [
     "RECORDS",
     "THREE_CITIES",
     "Automaton",
+    "MaskRun",
     "MaskStep",
     "StepProbability",
     "automaton",
@@ -50,6 +55,7 @@ __all__ = [
     "json_runs",
     "mask_cost_us",
     "mask_trace",
+    "served_masks",
     "step_probabilities",
     "synthetic_vocabulary",
 ]
@@ -244,6 +250,43 @@ def json_runs(model: Any, tokenizer: Any, grammar: CompiledGrammar, schema: dict
                          "valid": valid, "tokens": len(run.tokens), "forwards": run.forwards,
                          "jumped": run.jumped})
     return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class MaskRun:
+    """One constrained request served by the engine: its tokens (``<eos>`` last when the
+    grammar ended), the mask before each (``mask_trace``), each token's probabilities
+    (``step_probabilities``), and whether the tokens equal the request generated alone."""
+
+    regex: str
+    tokens: list[int]
+    steps: list[MaskStep]
+    probabilities: list[StepProbability]
+    identical: bool
+
+
+def served_masks(model: Any, vocab: Vocabulary, prompt: Sequence[int],
+                 regexes: dict[str, str], max_new_tokens: int = 40) -> dict[str, MaskRun]:
+    """One greedy request per regex of ``regexes`` (name -> regex), all after ``prompt`` and
+    served together in one engine batch; each output is compared with ``constrained_generate``
+    (the request alone, the same mask), then its masks and probabilities are traced."""
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    if not regexes:
+        raise ValueError("regexes is empty: give at least one name -> regex")
+    prompt = list(prompt)
+    params = {name: SamplingParams(max_new_tokens=max_new_tokens, regex=regex)
+              for name, regex in regexes.items()}
+    engine = Engine(model, kv_capacity=len(params) * (len(prompt) + max_new_tokens) + 64,
+                    max_running=len(params))
+    engine.grammars(vocab)
+    outs = engine.generate([prompt] * len(params), sampling=list(params.values()))
+    runs = {}
+    for (name, p), out in zip(params.items(), outs, strict=True):
+        grammar = compile_grammar(vocab, regex=regexes[name])
+        alone = constrained_generate(model, prompt, grammar, p).tokens
+        runs[name] = MaskRun(regexes[name], list(out), mask_trace(grammar, out),
+                             step_probabilities(model, prompt, grammar, out), out == alone)
+    return runs
 
 
 def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:

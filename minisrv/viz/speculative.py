@@ -1,5 +1,6 @@
 """Figures of the speculative-decoding chapter: one request's checks as rows of tokens, the
-acceptance rate against k, the rejection rule's histogram, the roofline speed-up.
+acceptance rate against k, the rejection rule's histogram, the roofline speed-up, and the
+speed-up's explorer (acceptance rate and batch) with its kernel widget.
 
 The numbers come from ``minisrv.experiments.speculative``; nothing is computed here twice.
 """
@@ -14,15 +15,17 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from minisrv.configs import H100, LLAMA3_8B
-from minisrv.experiments.speculative import CheckRow, SamplingCheck
+from minisrv.experiments.speculative import CONTEXTS, CheckRow, SamplingCheck, speedup_frame
 from minisrv.kvsize import max_concurrent_requests
 from minisrv.scheduler import StepRecord
 from minisrv.spec.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
+from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
 
 __all__ = ["TOKEN_COLORS", "check_table", "plot_acceptance", "plot_sampling", "plot_speedup",
-           "plot_trace"]
+           "plot_trace", "speedup_at", "speedup_explorer", "speedup_widget"]
 
 TOKEN_COLORS: dict[str, str] = {"last": "#d9d9d9", "accepted": "#2ca02c",
                                 "rejected": "#d62728", "own": "#1f77b4"}
@@ -158,3 +161,115 @@ def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> Boo
                  x=0.02, ha="left")
     legend_below(fig, ncol=5)
     return fig
+
+
+# ------------------------------------------------------------------ the speed-up explorer
+FIGURE_KS: tuple[int, ...] = (1, 2, 4, 8)
+"""The draft lengths the chapter's speed-up figure draws, one line each."""
+TABLE_KS: tuple[int, ...] = tuple(range(1, 9))
+"""The draft lengths the explorer's table lists at the chosen batch."""
+EXPLORER_ACCEPTANCES: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
+EXPLORER_BATCHES: tuple[int, ...] = (1, 32, 64, 128, 256, 384, 512, 768)
+"""From a lone request to past the batch where k = 1 stops paying at 256 tokens (a = 0.9)."""
+
+
+def speedup_at(acceptance: float, batch: int, ks: Sequence[int] = TABLE_KS,
+               contexts: Sequence[int] = CONTEXTS) -> pd.DataFrame:
+    """One batch of ``speedup_frame``, one row per k: the tokens a check yields (the
+    acceptance formula, column ``"tokens per check"``) and the roofline speed-up at each
+    context (one column per context, named by it), ``NaN`` where that many requests do not
+    fit in the H100's memory at that context."""
+    frame = speedup_frame(acceptance, ks=ks, batches=(batch,), contexts=contexts)
+    table = frame.pivot(index="k", columns="context", values="speedup").rename_axis(
+        columns=None)
+    for context in contexts:
+        if batch > max_concurrent_requests(LLAMA3_8B, H100, int(context)):
+            table[context] = np.nan
+    table.insert(0, "tokens per check", [expected_tokens_per_check(acceptance, int(k))
+                                         for k in table.index])
+    return table
+
+
+def _contexts(table: pd.DataFrame) -> list[int]:
+    return [c for c in table.columns if c != "tokens per check"]
+
+
+def _shown_table(table: pd.DataFrame) -> pd.DataFrame:
+    """``speedup_at`` as the page shows it: two decimals, ``x`` after a speed-up, and the
+    memory limit spelled out instead of an empty cell."""
+    shown = pd.DataFrame(index=table.index)
+    shown["tokens per check"] = [f"{v:.2f}" for v in table["tokens per check"]]
+    for context in _contexts(table):
+        shown[f"speed-up, {context:,} tokens"] = [
+            "does not fit" if np.isnan(v) else f"{v:.2f}x" for v in table[context]]
+    return shown
+
+
+def _speedup_caption(table: pd.DataFrame, batch: int) -> str:
+    parts = []
+    for context in _contexts(table):
+        values = table[context].dropna()
+        if values.empty:
+            parts.append(f"at {context:,} tokens a batch of {batch} does not fit")
+        elif values.max() <= 1:
+            parts.append(f"at {context:,} tokens every k loses")
+        else:
+            parts.append(f"at {context:,} tokens k = {int(values.idxmax())} is best "
+                         f"({values.max():.2f}x)")
+    return f"A batch of {batch}: " + "; ".join(parts) + "."
+
+
+def _speedup_metrics(table: pd.DataFrame) -> dict[str, float]:
+    metrics = {}
+    for k, row in table.iterrows():
+        metrics[f"tokens_per_check_k{k}"] = float(row["tokens per check"])
+        metrics |= {f"speedup_{c}_k{k}": float(row[c]) for c in _contexts(table)
+                    if not np.isnan(row[c])}
+    return metrics
+
+
+def speedup_explorer(acceptance: float = 0.7, batch: int = 1,
+                     acceptances: Sequence[float] | None = None,
+                     batches: Sequence[int] | None = None) -> Explorer:
+    """``plot_speedup`` over the acceptance rate, with the speed-up of every k from 1 to 8
+    at one batch below it (``speedup_at``), for the page.
+
+    The figure depends on the acceptance rate alone, so it is drawn once per rate and shared
+    by every batch. The grid runs the batch from a lone request (the figure's dots: the
+    formula's tokens per check) past the crossings where long drafts, then short ones, stop
+    paying at 256 tokens of context. Each state carries the tokens per check and the
+    speed-ups of its table; the kernel face is ``speedup_widget``, which takes any value.
+    """
+    acceptances = sorted({*EXPLORER_ACCEPTANCES, acceptance} if acceptances is None
+                         else acceptances)
+    batches = sorted({*EXPLORER_BATCHES, batch} if batches is None else batches)
+    figures: dict[float, str] = {}
+
+    def draw(acceptance: float, batch: int) -> Frame:
+        if acceptance not in figures:
+            figures[acceptance] = part_html(
+                plot_speedup(speedup_frame(acceptance, ks=FIGURE_KS), acceptance))
+        table = speedup_at(acceptance, batch)
+        return Frame([figures[acceptance], _shown_table(table)], _speedup_metrics(table),
+                     caption=_speedup_caption(table, batch))
+
+    return explorer(draw, [("acceptance", "acceptance rate a", acceptances, acceptance),
+                           ("batch", "batch (requests)", batches, batch)],
+                    live=lambda: speedup_widget(acceptance, batch))
+
+
+def speedup_widget(acceptance: float = 0.7, batch: int = 1):
+    """Sliders for the acceptance rate and the batch; each change redraws ``plot_speedup``
+    and the table of ``speedup_at``. Needs a live kernel (draw the static figure first)."""
+    from IPython.display import display
+
+    controls = {"acceptance": slider(acceptance, 0.0, 1.0, "acceptance rate a", step=0.05),
+                "batch": slider(batch, 1, 1024, "batch (requests)")}
+
+    def redraw(acceptance: float, batch: int) -> None:
+        display(plot_speedup(speedup_frame(acceptance, ks=FIGURE_KS), acceptance))
+        table = speedup_at(acceptance, batch)
+        display(_shown_table(table))
+        print(_speedup_caption(table, batch))
+
+    return panel(redraw, controls)
