@@ -28,7 +28,7 @@ def _figures():
 def _scheduler_figures():
     """The scheduler chapters' figures, drawn from small simulated runs."""
     from minisrv.sim import simulate
-    from minisrv.viz import timeline
+    from minisrv.viz import dashboard, timeline
     from minisrv.workloads import gpu_scale_workload
 
     work = gpu_scale_workload(n=60, rate=64.0, seed=0)
@@ -42,7 +42,7 @@ def _scheduler_figures():
         "latency bars": timeline.latency_bars(runs, unit="s"),
         "step times": timeline.plot_step_times(
             {m: runs[m] for m in ("prefill-first", "mixed")}, window=(0.0, 2.0)),
-        "dashboard": timeline.sim_dashboard(n=60),
+        "dashboard": dashboard.sim_dashboard(n=60),
     }
 
 

@@ -6,7 +6,7 @@ tuples or DataFrames; ``minisrv.viz`` only draws them. A reader can re-run any o
 larger than the chapter does by passing other arguments.
 
 * ``overview`` (the server at a glance): a few requests through the engine, step by step;
-* ``scheduler`` (the scheduler loop): ``rate_sweep`` on the simulated GPU;
+* ``scheduler`` (the scheduler loop): ``rate_runs`` and ``rate_sweep`` on the simulated GPU;
 * ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
   each request alone, KV pool sweeps;
@@ -38,14 +38,19 @@ _PUBLIC = {
     "StepByStep": "overview",
     "StepView": "overview",
     "step_by_step": "overview",
+    "SimSetting": "scheduler",
+    "rate_runs": "scheduler",
     "rate_sweep": "scheduler",
+    "sweep_table": "scheduler",
     "CHUNK_SIZES": "chunked",
     "LLAMA3_8B_LONG": "chunked",
     "SGLANG_DEFAULT": "chunked",
     "VLLM_SMALL_GPU": "chunked",
     "VLLM_V1_DEFAULT": "chunked",
     "SpikeRun": "chunked",
+    "chunk_runs": "chunked",
     "chunk_sweep": "chunked",
+    "chunk_table": "chunked",
     "long_prompt_workload": "chunked",
     "spike_run": "chunked",
     "spike_workload": "chunked",

@@ -5,12 +5,13 @@ Everything runs on the simulated GPU (LLaMA-3-8B's shapes on an H100, with the 1
 of Llama 3.1 so that prompts of 4K-32K tokens are allowed) through the same ``Scheduler``
 as the real model. ``spike_run`` is the opening experiment: chats decoding, then one long
 prompt arrives. ``chunk_sweep`` serves a mix of short chats and long prompts at each chunk
-size, ``None`` meaning no chunking.
+size, ``None`` meaning no chunking (``chunk_runs`` keeps the runs, ``chunk_table`` reads
+their numbers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +30,9 @@ __all__ = [
     "VLLM_SMALL_GPU",
     "VLLM_V1_DEFAULT",
     "SpikeRun",
+    "chunk_runs",
     "chunk_sweep",
+    "chunk_table",
     "long_prompt_workload",
     "spike_run",
     "spike_workload",
@@ -106,16 +109,22 @@ def spike_run(chunk: int | None = None, mode: str = "mixed", **workload_args) ->
     return SpikeRun(chunk, result, float(itl_values(chats).max()), long.ttft)
 
 
-def chunk_sweep(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
-                workload: Workload | None = None, mode: str = "mixed",
-                long_from: int = 4096) -> pd.DataFrame:
-    """One row per chunk size: inter-token latency (p99, max), TTFT (mean; p99 of the
-    short chats; mean of the long prompts), throughput. ``None``: no chunking."""
+def chunk_runs(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
+               workload: Workload | None = None,
+               mode: str = "mixed") -> dict[int | None, RunResult]:
+    """``workload`` (``long_prompt_workload()`` by default) served at each chunk size, by
+    size; ``None``: no chunking. The runs keep their traces and token times for figures."""
     workload = workload if workload is not None else long_prompt_workload()
+    return {size: simulate(workload, cfg=LLAMA3_8B_LONG, mode=mode, max_running=MAX_RUNNING,
+                           chunked_prefill_size=size) for size in sizes}
+
+
+def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> pd.DataFrame:
+    """One row per run of ``chunk_runs``: inter-token latency (p99, max), TTFT (mean; p99 of
+    the short chats; mean of the long prompts, those of ``long_from`` tokens or more),
+    throughput and steps."""
     rows = []
-    for size in sizes:
-        result = simulate(workload, cfg=LLAMA3_8B_LONG, mode=mode, max_running=MAX_RUNNING,
-                          chunked_prefill_size=size)
+    for size, result in runs.items():
         m = result.metrics
         long = [r for r in result.requests if r.prompt_len >= long_from]
         short = [r for r in result.requests if r.prompt_len < long_from]
@@ -126,3 +135,12 @@ def chunk_sweep(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
             "throughput": m.throughput, "steps": m.steps,
         })
     return pd.DataFrame(rows)
+
+
+def chunk_sweep(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
+                workload: Workload | None = None, mode: str = "mixed",
+                long_from: int = 4096) -> pd.DataFrame:
+    """One row per chunk size (``chunk_table`` of ``chunk_runs``): inter-token latency (p99,
+    max), TTFT (mean; p99 of the short chats; mean of the long prompts), throughput.
+    ``None``: no chunking."""
+    return chunk_table(chunk_runs(sizes, workload, mode), long_from)

@@ -1,38 +1,69 @@
-"""The scheduler-loop chapter's sweep: the GPU-scale workload at several arrival rates under
+"""The scheduler-loop chapter's runs: the GPU-scale workload at several arrival rates under
 each batching mode, on the simulated GPU.
 
-The default grid takes a few seconds; a reader can pass more rates, more requests or other
-seeds. Progress bars are off unless ``progress=True``.
+``rate_runs`` keeps every run (a figure such as the chapter's dashboard needs the trace, not
+only the metrics); ``sweep_table`` reads one row of metrics from each, and ``rate_sweep`` is
+the two together. The default grid takes a few seconds; a reader can pass more rates, more
+requests or other seeds. Progress bars are off unless ``progress=True``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import pandas as pd
 from tqdm.auto import tqdm
 
+from minisrv.engine import RunResult
 from minisrv.sim import simulate
-from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
+from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS, gpu_scale_workload
 
-__all__ = ["rate_sweep"]
+__all__ = ["SimSetting", "rate_runs", "rate_sweep", "sweep_table"]
+
+
+class SimSetting(NamedTuple):
+    """One GPU-scale run: everything that decides its outcome, so two equal settings give
+    the same run (the simulator is deterministic) and a run can be looked up by its setting."""
+
+    rate: float
+    mode: str = "prefill-first"
+    max_running: int = GPU_SCALE_BATCH_CAP
+    output_cv: float = 1.0
+    n: int = GPU_SCALE_REQUESTS
+    seed: int = 0
+
+    def run(self) -> RunResult:
+        """Serve the GPU-scale workload of this setting on the simulated H100, reserving
+        prompt plus ``max_new_tokens`` at admission as the chapter does."""
+        workload = gpu_scale_workload(n=self.n, rate=self.rate, output_cv=self.output_cv,
+                                      seed=self.seed)
+        return simulate(workload, mode=self.mode, max_running=self.max_running,
+                        admission="reserve")
+
+
+def rate_runs(rates: Sequence[float] = (8, 16, 32, 64),
+              modes: Sequence[str] = ("static", "prefill-first"), n: int = GPU_SCALE_REQUESTS,
+              max_running: int = GPU_SCALE_BATCH_CAP, output_cv: float = 1.0, seed: int = 0,
+              progress: bool = False) -> dict[SimSetting, RunResult]:
+    """Every (rate, mode) of the grid simulated once, by its ``SimSetting`` (each run takes
+    seconds and holds its trace: tens of MB at 2000 requests)."""
+    grid = [SimSetting(float(rate), mode, max_running, output_cv, n, seed)
+            for rate in rates for mode in modes]
+    return {s: s.run() for s in tqdm(grid, desc="simulating", disable=not progress)}
+
+
+def sweep_table(runs: Mapping[SimSetting, RunResult]) -> pd.DataFrame:
+    """One row per run: its rate and mode, then its metrics."""
+    return pd.DataFrame([{"rate": s.rate, "mode": s.mode, **run.metrics.as_dict()}
+                         for s, run in runs.items()])
 
 
 def rate_sweep(rates: Sequence[float] = (8, 16, 32, 64),
-               modes: Sequence[str] = ("static", "prefill-first"), n: int = 2000,
+               modes: Sequence[str] = ("static", "prefill-first"), n: int = GPU_SCALE_REQUESTS,
                max_running: int = GPU_SCALE_BATCH_CAP, output_cv: float = 1.0, seed: int = 0,
                progress: bool = False) -> pd.DataFrame:
     """Simulate the GPU-scale workload at each arrival rate under each mode (reserve
-    admission, as in the scheduler-loop chapter).
-
-    One row per (rate, mode) with the run's metrics. The default grid takes a few seconds;
-    pass more rates, more requests or other seeds to explore (each run is about a second).
-    """
-    rows = []
-    grid = [(rate, mode) for rate in rates for mode in modes]
-    for rate, mode in tqdm(grid, desc="simulating", disable=not progress):
-        workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
-        metrics = simulate(workload, mode=mode, max_running=max_running,
-                           admission="reserve").metrics
-        rows.append({"rate": rate, "mode": mode, **metrics.as_dict()})
-    return pd.DataFrame(rows)
+    admission, as in the scheduler-loop chapter): one row per (rate, mode) with the run's
+    metrics. Pass more rates, more requests or other seeds to explore."""
+    return sweep_table(rate_runs(rates, modes, n, max_running, output_cv, seed, progress))

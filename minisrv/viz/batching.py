@@ -14,6 +14,7 @@ from matplotlib.ticker import MaxNLocator
 
 from minisrv.experiments.batching import PoolRun, run_pool
 from minisrv.model import CityLM
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import Workload
@@ -148,3 +149,67 @@ def pool_widget(
         display(plot_pool_run(run))
 
     return panel(redraw, controls)
+
+
+POOL_CAPACITIES: tuple[int, ...] = (120, 240, 400)
+"""Pools of the explorer, in tokens: the chapter's tiny one, twice and more than three times
+as large, where retraction has all but stopped."""
+
+POOL_RATIOS: tuple[float, ...] = (0.1, 0.7)
+"""Initial ``new_token_ratio`` of the explorer: SGLang's floor and its starting value."""
+
+
+def pool_explorer(
+    model: CityLM,
+    workload: Workload,
+    reference: Sequence[Sequence[int]],
+    capacity: int = 120,
+    ratio: float = 0.7,
+    decay: float = 0.01,
+    max_running: int = 8,
+    capacities: Sequence[int] = POOL_CAPACITIES,
+    ratios: Sequence[float] = POOL_RATIOS,
+    runs: Sequence[PoolRun] = (),
+) -> Explorer:
+    """``plot_pool_run`` over the pool's capacity and the initial ratio, for the page.
+
+    Each state serves ``workload`` on CityLM (``run_pool``, the widget's experiment) and
+    checks every request's tokens against ``reference``, each request generated alone; a
+    state with a difference stops the build. ``decay`` and ``max_running`` stay fixed; the
+    kernel face is ``pool_widget``, which also moves them. A run takes seconds, so ``runs``
+    takes those the chapter has already made (``run_pool`` of this workload, decay and batch
+    cap, checked); each serves the state of its pool and initial ratio.
+    """
+    smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
+    if min(capacities) < smallest:
+        raise ValueError(f"a pool of {min(capacities)} tokens can never hold the largest "
+                         f"request ({smallest} tokens): choose capacities >= {smallest}")
+
+    made: dict[tuple[int, float], PoolRun] = {}
+    for run in runs:
+        config = run.engine.config
+        if ((config.ratio_decay, config.max_running) != (decay, max_running)
+                or [list(out) for out in run.outputs] != [list(ref) for ref in reference]):
+            raise ValueError("a run given to pool_explorer did not serve this workload with "
+                             f"decay {decay:g} and at most {max_running} running")
+        made[config.kv_capacity, config.new_token_ratio] = run
+
+    def draw(capacity: int, ratio: float) -> Frame:
+        run = made[capacity, ratio] if (capacity, ratio) in made else run_pool(
+            model, workload, reference, capacity=capacity, ratio=ratio, decay=decay,
+            max_running=max_running)
+        if run.identical != run.total:
+            raise AssertionError(f"pool {capacity}, ratio {ratio:g}: {run.check}")
+        stats = run.engine.stats
+        return Frame([plot_pool_run(run)],
+                     {"steps": stats.steps, "retractions": stats.retractions,
+                      "recomputed_tokens": stats.wasted_tokens,
+                      "peak_slots": max(s.kv_used for s in run.engine.trace),
+                      "requests_checked": run.total},
+                     caption=f"{stats.steps} steps, {stats.retractions} retractions; "
+                             f"{run.check}.")
+
+    return explorer(draw, [("capacity", "pool capacity (tokens)", list(capacities), capacity),
+                           ("ratio", "initial new_token_ratio", list(ratios), ratio)],
+                    live=lambda: pool_widget(model, workload, reference, capacity, ratio,
+                                             decay, max_running))

@@ -1,25 +1,32 @@
-"""Figures and the widget of the chunked-prefill chapter: the inter-token spike, one step's
-budget, and the chunk size's trade-off between inter-token latency and time to first token."""
+"""Figures, widget and explorer of the chunked-prefill chapter: the inter-token spike, one
+step's budget, and the chunk size's trade-off between inter-token latency and time to first
+token."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from minisrv.engine import RunResult
 from minisrv.experiments.chunked import (
+    CHUNK_SIZES,
     SGLANG_DEFAULT,
     VLLM_SMALL_GPU,
     SpikeRun,
-    chunk_sweep,
+    chunk_runs,
+    chunk_table,
     long_prompt_workload,
 )
+from minisrv.metrics import itl_values
 from minisrv.scheduler import StepRecord
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
-__all__ = ["chunk_widget", "plot_spike", "plot_tradeoff", "step_table"]
+__all__ = ["chunk_explorer", "chunk_widget", "plot_chunk_choice", "plot_spike", "plot_tradeoff",
+           "step_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -94,19 +101,140 @@ def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
     return fig
 
 
-def chunk_widget(n: int = 200, rate: float = 4.0) -> Any:
-    """Chunk size and long-prompt share: the chats' worst gap and p99 gap, and the TTFTs."""
+def _size_label(size: float) -> str:
+    return f"{int(size) // 1024}K" if size >= 1024 else str(int(size))
+
+
+@styled
+def plot_chunk_choice(runs: Mapping[int | None, RunResult], chunk: int,
+                      title: str = "") -> BookFigure:
+    """One chunk size among the others, on one workload (``runs``: ``chunk_runs`` with
+    ``None`` and ``chunk`` among its sizes).
+
+    Left: the worst and the p99 inter-token gap at every chunk size of ``runs``, ``chunk``
+    ringed, no chunking as dashed lines. Right: the share of all inter-token gaps longer than
+    a given time, at ``chunk`` and without chunking: the tail the budget cuts off.
+    """
+    if None not in runs or chunk not in runs:
+        raise ValueError(f"runs must hold no chunking (None) and chunk {chunk}, "
+                         f"got {sorted(runs, key=lambda s: -1 if s is None else s)}")
+    table = chunk_table(runs).set_index("chunk", drop=False)
+    sizes = table[table["chunk"].notna()]
+    whole = table[table["chunk"].isna()].iloc[0]
+    fig, (left, right) = page_figure(height_in=3.8, cols=2)
+    for column, color, name in (("max_itl", COLORS[0], "worst gap"),
+                                ("p99_itl", COLORS[1], "p99 gap")):
+        left.plot(sizes["chunk"], 1e3 * sizes[column], "o-", color=color, label=name)
+        left.axhline(1e3 * whole[column], color=color, ls="--", lw=1,
+                     label=f"{name}, no chunking")
+        left.plot([chunk], [1e3 * table.loc[chunk, column]], "o", ms=13, mfc="none",
+                  mec="black", mew=1.5)
+    left.set_xscale("log", base=2)
+    left.set_xticks(list(sizes["chunk"]), [_size_label(c) for c in sizes["chunk"]])
+    left.minorticks_off()
+    left.set_yscale("log")
+    label_axes(left, f"Chunks of {chunk}: worst gap {1e3 * table.loc[chunk, 'max_itl']:.0f} ms",
+               "chunk size (tokens)", "inter-token gap (ms)")
+    for size, color, name in ((None, "#7f7f7f", "no chunking"),
+                              (chunk, COLORS[0], f"chunks of {chunk}")):
+        gaps = np.sort(itl_values(runs[size].requests)) * 1e3
+        longer = 1.0 - np.arange(len(gaps)) / len(gaps)
+        right.step(gaps, longer, where="post", color=color, lw=1.5, label=name)
+    right.set_xscale("log")
+    right.set_yscale("log")
+    label_axes(right, "The tail of the gaps", "inter-token gap (ms)", "share of gaps this long")
+    legend_below(fig, ncol=3)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def chunk_widget(n: int = 300, rate: float = 4.0) -> Any:
+    """Chunk size and long-prompt share: ``plot_chunk_choice`` and the numbers of that chunk
+    size beside no chunking. A new share serves the mix at every chunk size (some seconds);
+    a new chunk size only redraws. Needs a live kernel."""
     from IPython.display import display
 
     from minisrv.viz.widgets import panel, slider
 
+    served: dict[float, dict[int | None, RunResult]] = {}
+
     def redraw(log2_chunk: int, long_share: float) -> None:
-        work = long_prompt_workload(n=n, long_share=long_share, rate=rate)
-        size = 2 ** log2_chunk
-        rows = chunk_sweep((None, size), work)
+        if long_share not in served:
+            work = long_prompt_workload(n=n, long_share=long_share, rate=rate)
+            served[long_share] = chunk_runs((None, *CHUNK_SIZES), work)
+        runs, size = served[long_share], 2 ** log2_chunk
+        display(plot_chunk_choice(runs, size, _share_title(long_share, rate)))
+        rows = chunk_table({None: runs[None], size: runs[size]})
         rows["chunk"] = ["none", str(size)]
         display(rows.set_index("chunk")[["max_itl", "p99_itl", "mean_ttft",
                                           "mean_ttft_long", "throughput"]].round(3))
 
-    return panel(redraw, {"log2_chunk": slider(11, 8, 14, "chunk size (log2)"),
+    low, high = (int(np.log2(c)) for c in (CHUNK_SIZES[0], CHUNK_SIZES[-1]))
+    return panel(redraw, {"log2_chunk": slider(11, low, high, "chunk size (log2)"),
                           "long_share": slider(0.1, 0.0, 0.5, "long-prompt share", 0.05)})
+
+
+def _share_title(share: float, rate: float) -> str:
+    return f"{share:.0%} of the requests bring 4K-32K tokens, arriving at {rate:g} per second"
+
+
+EXPLORER_SHARES: tuple[float, ...] = (0.1,)
+"""Long-prompt shares of the explorer: the chapter's mix, whose sweep the chapter has already
+served (another share serves its mix at every chunk size again: some seconds each)."""
+
+
+def chunk_explorer(
+    runs: Mapping[int | None, RunResult] | None = None,
+    *,
+    chunk: int = 2048,
+    long_share: float = 0.1,
+    shares: Sequence[float] = EXPLORER_SHARES,
+    n: int = 300,
+    rate: float = 4.0,
+) -> Explorer:
+    """``plot_chunk_choice`` over the chunk size (``CHUNK_SIZES``) and, given more than one
+    of ``shares``, the share of long prompts, for the page.
+
+    Each share's mix (``long_prompt_workload``) is served once at every chunk size and
+    without chunking (``chunk_runs``, the chapter's sweep); every chunk size of that share is
+    drawn from those runs. ``runs``: the chapter's own sweep at ``long_share``, reused when
+    given (checked to be that workload's). The kernel face is ``chunk_widget``, which takes
+    any share.
+    """
+    served: dict[float, Mapping[int | None, RunResult]] = {}
+    if runs is not None:
+        work = long_prompt_workload(n=n, long_share=long_share, rate=rate)
+        lens = [len(p) for p in work.prompts]
+        for size, result in runs.items():
+            if ([r.prompt_len for r in result.requests] != lens
+                    or [r.arrival for r in result.requests] != list(work.arrivals)):
+                raise ValueError(f"the run at chunk {size} did not serve "
+                                 f"long_prompt_workload(n={n}, long_share={long_share}, "
+                                 f"rate={rate})")
+        served[long_share] = runs
+
+    def draw(chunk: int, share: float = long_share) -> Frame:
+        if share not in served:
+            work = long_prompt_workload(n=n, long_share=share, rate=rate)
+            served[share] = chunk_runs((None, *CHUNK_SIZES), work)
+        share_runs = served[share]
+        whole, chunked = (row for _, row in chunk_table(
+            {None: share_runs[None], chunk: share_runs[chunk]}).iterrows())
+        return Frame([plot_chunk_choice(share_runs, chunk, _share_title(share, rate))],
+                     {"max_itl": float(chunked["max_itl"]), "p99_itl": float(chunked["p99_itl"]),
+                      "mean_ttft_long": float(chunked["mean_ttft_long"]),
+                      "throughput": float(chunked["throughput"]),
+                      "max_itl_unchunked": float(whole["max_itl"])},
+                     caption=f"Chunks of {chunk}: worst gap {1e3 * chunked['max_itl']:.0f} ms "
+                             f"against {1e3 * whole['max_itl']:.0f} ms unchunked; long prompts' "
+                             f"first token after {chunked['mean_ttft_long']:.2f} s.")
+
+    # The page's range steps through the sizes in order (powers of two, as the widget's log2
+    # slider does) and shows the size itself.
+    controls = [("chunk", "chunk size (tokens)", list(CHUNK_SIZES), chunk)]
+    if len(shares) > 1:  # one share needs no control
+        controls.append(("share", "long-prompt share", list(shares), long_share))
+    elif list(shares) != [long_share]:
+        raise ValueError(f"the only share {list(shares)} must be long_share={long_share}")
+    return explorer(draw, controls, live=lambda: chunk_widget(n, rate))

@@ -19,8 +19,7 @@ from matplotlib.ticker import FuncFormatter
 from minisrv.engine import RunResult
 from minisrv.metrics import RunMetrics
 from minisrv.request import Req
-from minisrv.scheduler import MODES, StepRecord
-from minisrv.sim import simulate
+from minisrv.scheduler import StepRecord
 from minisrv.viz.style import (
     FONT_SIZES,
     BookFigure,
@@ -30,8 +29,6 @@ from minisrv.viz.style import (
     page_figure,
     styled,
 )
-from minisrv.viz.widgets import panel, slider
-from minisrv.workloads import GPU_SCALE_BATCH_CAP, gpu_scale_workload
 
 STATE_COLORS: dict[str, str] = {
     "queued": "#d9d9d9",
@@ -316,69 +313,3 @@ def plot_step_times(
                for run, text in zip(runs.values(), counts, strict=True)]
     legend_below(fig, handles, ncol=1)
     return fig
-
-
-# --------------------------------------------------------------------------- widget
-@styled
-def sim_dashboard(
-    rate: float = 64.0,
-    max_running: int = GPU_SCALE_BATCH_CAP,
-    output_cv: float = 1.0,
-    mode: str = "prefill-first",
-    n: int = 2000,
-    seed: int = 0,
-) -> BookFigure:
-    """Simulate one configuration and draw its batch size over time and its latencies."""
-    workload = gpu_scale_workload(n=n, rate=rate, output_cv=output_cv, seed=seed)
-    run = simulate(workload, mode=mode, max_running=max_running, admission="reserve")
-    m = run.metrics
-    fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
-    times = [s.start for s in run.trace]
-    holding = [s.batch_size + len(s.paused) for s in run.trace]
-    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running")
-    left.axhline(max_running, color="black", ls="--", lw=1, label=f"batch cap {max_running}")
-    label_axes(left, f"{rate:g} req/s, output cv {output_cv:g}", "simulated time (s)",
-               "running requests")
-    queue = left.twinx()
-    queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
-    queue.set_ylabel("waiting requests", color="#d62728")
-    queue.grid(False)
-    # Both counts start at zero with headroom above their peaks, so neither curve runs into
-    # the frame (a twin axis otherwise autoscales its peak onto the top edge).
-    left.set_ylim(0, max([max_running, *holding]) * 1.1)
-    queue.set_ylim(0, max(1, *(s.queued for s in run.trace)) * 1.1)
-    latency = np.array([r.latency for r in run.requests])
-    right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
-    right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
-    right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
-    label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
-    handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
-               *right.get_legend_handles_labels()[0]]
-    legend_below(fig, handles, ncol=3)
-    fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
-                 f"mean time to first token {m.mean_ttft:.2f} s", x=0.02, ha="left")
-    return fig
-
-
-def sim_widget(
-    rate: float = 64.0,
-    max_running: int = GPU_SCALE_BATCH_CAP,
-    output_cv: float = 1.0,
-    mode: str = "prefill-first",
-):
-    """Sliders for arrival rate, batch cap, output-length spread and mode; each change
-    re-simulates the 2000 requests (about a second) and redraws. Needs a live kernel."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    controls = {
-        "rate": slider(rate, 0.0, 2.5, "arrival rate (req/s)", log=True),
-        "max_running": slider(max_running, 4, 256, "batch cap", step=4),
-        "output_cv": slider(output_cv, 0.0, 2.0, "output spread (cv)", step=0.25),
-        "mode": widgets.Dropdown(options=list(MODES), value=mode, description="mode"),
-    }
-
-    def redraw(rate: float, max_running: int, output_cv: float, mode: str) -> None:
-        display(sim_dashboard(rate, max_running, output_cv, mode))
-
-    return panel(redraw, controls)

@@ -1,0 +1,138 @@
+"""The scheduler chapter's GPU-scale dashboard: one simulated run of 2000 requests drawn
+(requests holding a slot and waiting over time, the latencies), the widget that re-simulates
+it for any rate, cap, spread and mode, and the explorer that carries its states into the page.
+
+The runs are ``SimSetting.run`` (``minisrv.experiments.scheduler``), the same ones the
+chapter's rate sweep makes, so the explorer can draw those instead of simulating again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from minisrv.engine import RunResult
+from minisrv.experiments.scheduler import SimSetting
+from minisrv.scheduler import MODES
+from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.timeline import MODE_COLORS, MODE_LABELS
+from minisrv.viz.widgets import panel, slider
+from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS
+
+__all__ = ["EXPLORER_RATES", "plot_sim_run", "sim_dashboard", "sim_explorer", "sim_widget"]
+
+
+@styled
+def plot_sim_run(run: RunResult, setting: SimSetting) -> BookFigure:
+    """One GPU-scale run: requests holding a slot and requests waiting over time (left), the
+    latencies (right); ``setting`` is what produced ``run`` (its rate and spread label it)."""
+    m, mode, cap = run.metrics, run.mode, run.max_running
+    fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
+    times = [s.start for s in run.trace]
+    holding = [s.batch_size + len(s.paused) for s in run.trace]
+    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running")
+    left.axhline(cap, color="black", ls="--", lw=1, label=f"batch cap {cap}")
+    label_axes(left, f"{setting.rate:g} req/s, output cv {setting.output_cv:g}",
+               "simulated time (s)", "running requests")
+    queue = left.twinx()
+    queue.plot(times, [s.queued for s in run.trace], lw=0.8, color="#d62728", label="waiting")
+    queue.set_ylabel("waiting requests", color="#d62728")
+    queue.grid(False)
+    # Both counts start at zero with headroom above their peaks, so neither curve runs into
+    # the frame (a twin axis otherwise autoscales its peak onto the top edge).
+    left.set_ylim(0, max([cap, *holding]) * 1.1)
+    queue.set_ylim(0, max(1, *(s.queued for s in run.trace)) * 1.1)
+    latency = np.array([r.latency for r in run.requests])
+    right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
+    right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
+    right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
+    label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
+    handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
+               *right.get_legend_handles_labels()[0]]
+    legend_below(fig, handles, ncol=3)
+    fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
+                 f"mean time to first token {m.mean_ttft:.2f} s", x=0.02, ha="left")
+    return fig
+
+
+def sim_dashboard(
+    rate: float = 64.0,
+    max_running: int = GPU_SCALE_BATCH_CAP,
+    output_cv: float = 1.0,
+    mode: str = "prefill-first",
+    n: int = GPU_SCALE_REQUESTS,
+    seed: int = 0,
+) -> BookFigure:
+    """Simulate one configuration and draw its batch size over time and its latencies."""
+    setting = SimSetting(rate, mode, max_running, output_cv, n, seed)
+    return plot_sim_run(setting.run(), setting)
+
+
+def sim_widget(
+    rate: float = 64.0,
+    max_running: int = GPU_SCALE_BATCH_CAP,
+    output_cv: float = 1.0,
+    mode: str = "prefill-first",
+):
+    """Sliders for arrival rate, batch cap, output-length spread and mode; each change
+    re-simulates the 2000 requests (some seconds) and redraws. Needs a live kernel."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {
+        "rate": slider(rate, 0.0, 2.5, "arrival rate (req/s)", log=True),
+        "max_running": slider(max_running, 4, 256, "batch cap", step=4),
+        "output_cv": slider(output_cv, 0.0, 2.0, "output spread (cv)", step=0.25),
+        "mode": widgets.Dropdown(options=list(MODES), value=mode, description="mode"),
+    }
+
+    def redraw(rate: float, max_running: int, output_cv: float, mode: str) -> None:
+        display(sim_dashboard(rate, max_running, output_cv, mode))
+
+    return panel(redraw, controls)
+
+
+EXPLORER_RATES: tuple[float, ...] = (8.0, 16.0, 32.0, 64.0, 128.0)
+"""Arrival rates of the explorer: from a load both modes keep up with to one that swamps both."""
+
+
+def sim_explorer(
+    runs: Mapping[SimSetting, RunResult] | None = None,
+    *,
+    rate: float = 64.0,
+    mode: str = "prefill-first",
+    max_running: int = GPU_SCALE_BATCH_CAP,
+    output_cv: float = 1.0,
+    rates: Sequence[float] = EXPLORER_RATES,
+    modes: Sequence[str] = ("static", "prefill-first"),
+    n: int = GPU_SCALE_REQUESTS,
+    seed: int = 0,
+) -> Explorer:
+    """``sim_dashboard`` over arrival rate and batching mode, for the page.
+
+    Each state is one GPU-scale run (``SimSetting.run``, the code of the dashboard and of
+    ``sim_widget``) at the batch cap and output spread given. A run takes seconds, so
+    ``runs`` takes those the chapter has already made (``rate_runs``), found by their
+    setting; any other state is simulated here. The kernel face is ``sim_widget``, which
+    also moves the cap and the spread.
+    """
+    runs = {} if runs is None else runs
+
+    def draw(rate: float, mode: str) -> Frame:
+        setting = SimSetting(rate, mode, max_running, output_cv, n, seed)
+        run = runs[setting] if setting in runs else setting.run()
+        m, label = run.metrics, MODE_LABELS.get(mode, mode)
+        return Frame([plot_sim_run(run, setting)],
+                     {"throughput": m.throughput, "mean_batch": m.mean_batch,
+                      "mean_latency": m.mean_latency, "p99_latency": m.p99_latency,
+                      "mean_ttft": m.mean_ttft, "steps": m.steps},
+                     caption=f"{label[0].upper()}{label[1:]} at {rate:g} requests/s: "
+                             f"{m.throughput:,.0f} tokens/s, mean latency "
+                             f"{m.mean_latency:.1f} s.")
+
+    return explorer(draw, [("rate", "arrival rate (req/s)", [float(r) for r in rates],
+                            float(rate)),
+                           ("mode", "batching", list(modes), mode)],
+                    live=lambda: sim_widget(rate, max_running, output_cv, mode))

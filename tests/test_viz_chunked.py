@@ -1,0 +1,64 @@
+"""The chunked-prefill chapter's explorer: each state is the chunk sweep's run at its chunk
+size and share of long prompts, and the chapter's own sweep is reused only for its workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisrv.experiments.chunked import (
+    CHUNK_SIZES,
+    chunk_runs,
+    chunk_sweep,
+    chunk_table,
+    long_prompt_workload,
+)
+from minisrv.viz import chunked as vc
+
+N = 24  # requests per mix: enough for a few long prompts, cheap to serve at 8 sizes
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return chunk_runs(workload=long_prompt_workload(n=N, long_share=0.2))
+
+
+def test_each_state_is_the_sweep_s_run_at_its_values(sweep) -> None:
+    ex = vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
+    assert ex.default == {"chunk": 2048, "share": 0.2}
+    other = chunk_sweep(workload=long_prompt_workload(n=N, long_share=0.5)).set_index("chunk")
+    mine = chunk_table(sweep).set_index("chunk")
+    for share, table in ((0.2, mine), (0.5, other)):
+        for size in CHUNK_SIZES:
+            state = ex.metrics(chunk=size, share=share)
+            row = table.loc[size]
+            assert (state["max_itl"], state["p99_itl"], state["mean_ttft_long"]) == (
+                row["max_itl"], row["p99_itl"], row["mean_ttft_long"])
+            assert state["max_itl_unchunked"] == table[table.index.isna()]["max_itl"].iloc[0]
+
+
+def test_the_explorer_starts_at_the_chapter_s_mix_and_the_widget_s_size() -> None:
+    import inspect
+
+    page = inspect.signature(vc.chunk_explorer).parameters
+    assert page["long_share"].default == inspect.signature(
+        long_prompt_workload).parameters["long_share"].default
+    assert page["n"].default == inspect.signature(long_prompt_workload).parameters["n"].default
+    assert page["n"].default == inspect.signature(vc.chunk_widget).parameters["n"].default
+    assert page["long_share"].default in vc.EXPLORER_SHARES
+
+
+def test_one_share_needs_no_control(sweep) -> None:
+    ex = vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2,), n=N)
+    assert ex.default == {"chunk": 2048}
+    assert ex.metrics(chunk=256)["max_itl"] == chunk_table(sweep).set_index("chunk").loc[
+        256, "max_itl"]
+
+
+def test_runs_of_another_workload_are_refused(sweep) -> None:
+    with pytest.raises(ValueError, match="did not serve long_prompt_workload"):
+        vc.chunk_explorer(sweep, long_share=0.1, shares=(0.1,), n=N)
+
+
+def test_the_figure_needs_the_unchunked_run(sweep) -> None:
+    with pytest.raises(ValueError, match="no chunking"):
+        vc.plot_chunk_choice({2048: sweep[2048]}, 2048)
