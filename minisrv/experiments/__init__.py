@@ -152,6 +152,8 @@ _PUBLIC = {
     "mask_trace": "structured",
     "step_probabilities": "structured",
     "synthetic_vocabulary": "structured",
+    "MaskRun": "structured",
+    "served_masks": "structured",
     "DEMO_TEXT": "gpu",
     "DecodeRun": "gpu",
     "current_gpu": "gpu",
