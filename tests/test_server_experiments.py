@@ -16,6 +16,7 @@ from minisrv.experiments.server import (  # noqa: E402
     Layout,
     bench_frame,
     bench_layouts,
+    beyond_spread,
     open_server,
     read_metrics,
     slot_ranges,
@@ -154,3 +155,64 @@ def test_running_server_reports_a_server_that_cannot_start():
         with running_server(["--policy", "nope"], startup_s=60):
             pass
     assert "nope" in str(failure.value)  # the CLI's own message comes back
+
+
+def _comparison_runs():
+    """A table of runs served once (as ``bench_frame`` gives it) and one of runs repeated
+    three times (as ``sim_server_runs`` does), with numbers chosen by hand."""
+    import pandas as pd
+
+    columns = ["out tok/s", "hit rate", "ttft median (ms)", "ttft p99 (ms)",
+               "e2e median (ms)", "e2e p99 (ms)"]
+    single = pd.DataFrame([[100.0, 0.5, 20.0, 40.0, 60.0, 90.0],
+                           [120.0, 0.6, 10.0, 30.0, 50.0, 80.0],
+                           [90.0, 0.0, 25.0, 45.0, 70.0, 95.0]], columns=columns,
+                          index=pd.Index(["FCFS", "LPM", "no cache"], name="run"))
+    rows = []
+    for repeat, (fast, slow) in enumerate([(300.0, 800.0), (250.0, 810.0), (600.0, 805.0)]):
+        rows.append({"configuration": "LPM, radix", "repeat": repeat, "out tok/s": 1500.0,
+                     "hit rate": 0.8, "ttft median (ms)": fast, "ttft p99 (ms)": fast * 2,
+                     "e2e median (ms)": fast + 100, "e2e p99 (ms)": fast + 200})
+        rows.append({"configuration": "FCFS, radix", "repeat": repeat, "out tok/s": 600.0,
+                     "hit rate": 0.0, "ttft median (ms)": slow, "ttft p99 (ms)": slow * 2,
+                     "e2e median (ms)": slow + 100, "e2e p99 (ms)": slow + 200})
+    repeated = pd.DataFrame(rows).set_index(["configuration", "repeat"]).sort_index()
+    return single, repeated
+
+
+def test_the_comparison_explorer_is_drawn_from_the_runs_it_is_given():
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.server import comparison_explorer, plot_metric_per_configuration
+
+    single, repeated = _comparison_runs()
+    ex = comparison_explorer(single, repeated, metrics=("ttft median (ms)", "hit rate"))
+    assert ex.default == {"metric": "ttft median (ms)",
+                          "configuration": "simulated H100: LPM, radix"}
+    assert len(ex.states) == 2 * 5
+    state = ex.metrics(**ex.default)
+    assert (state["value"], state["min"], state["max"]) == (300.0, 250.0, 600.0)
+    assert state["beyond FCFS, radix"] == "yes"  # 250-600 against 800-810
+    assert state["ratio FCFS, radix"] == 805.0 / 300.0
+    assert beyond_spread(repeated, "ttft median (ms)", "LPM, radix", "FCFS, radix")
+    cpu = ex.metrics(metric="ttft median (ms)", configuration="CityLM on the CPU: LPM")
+    assert cpu == {"value": 10.0, "ratio FCFS": 2.0, "ratio no cache": 2.5}
+    nothing = ex.metrics(metric="hit rate", configuration="simulated H100: FCFS, radix")
+    assert nothing["value"] == 0.0 and "ratio LPM, radix" not in nothing  # no ratio to 0
+    fig = plot_metric_per_configuration(single, repeated, "hit rate")
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_xticklabels()] == ["FCFS", "LPM", "no cache"]
+    assert len(right.patches) == 2 and left.get_ylim() == (0, 1)
+    with pytest.raises(ValueError, match="not a column"):
+        comparison_explorer(single, repeated, metrics=("req/s",))
+    with pytest.raises(ValueError, match="configuration, repeat"):
+        plot_metric_per_configuration(single, single, "hit rate")
+
+
+def test_the_comparison_widget_builds():
+    pytest.importorskip("ipywidgets")
+    from minisrv.viz.server import comparison_widget
+
+    single, repeated = _comparison_runs()
+    metric, configuration = comparison_widget(single, repeated).children[0].children
+    assert metric.value == "ttft median (ms)" and "out tok/s" in metric.options
+    assert configuration.value == "simulated H100: LPM, radix"

@@ -1,19 +1,25 @@
-"""Plots for the server chapter: ``minisrv bench`` results of several server layouts.
+"""Plots for the server chapter: ``minisrv bench`` results of several server layouts, and
+an explorer (with its kernel widget) over the chapter's two HTTP comparisons.
 
-Reads the table of ``minisrv.experiments.server.bench_frame`` (one row per run); nothing in
-the serving core imports this module.
+Reads the table of ``minisrv.experiments.server.bench_frame`` (one row per run) and the
+repeated runs of ``sim_server_runs``; nothing in the serving core imports this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from minisrv.experiments.server import beyond_spread
+from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
+from minisrv.viz.widgets import panel
 
-__all__ = ["plot_bench_comparisons"]
+__all__ = ["COMPARED_METRICS", "comparison_explorer", "comparison_widget",
+           "plot_bench_comparisons", "plot_metric_per_configuration"]
 
 _LATENCIES = (("ttft", "TTFT"), ("e2e", "end to end"))
 _COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
@@ -53,3 +59,165 @@ def plot_bench_comparisons(frame: pd.DataFrame,
     return fig
 
 
+
+
+# ------------------------------------------------------------ the comparisons' explorer
+COMPARED_METRICS: tuple[str, ...] = ("ttft median (ms)", "ttft p99 (ms)", "out tok/s",
+                                     "e2e median (ms)", "e2e p99 (ms)", "hit rate")
+"""The columns of ``bench_frame`` the explorer offers: what a user waits for (TTFT, end to
+end), what the server delivers (output tokens per second), and why (the cache's hit rate)."""
+CPU_SIDE, SIM_SIDE = "CityLM on the CPU", "simulated H100"
+_HIGHLIGHT, _OTHER = "#4c72b0", "#b8c4d6"
+
+
+def _check_runs(single: pd.DataFrame, repeated: pd.DataFrame, metric: str) -> None:
+    for name, frame in (("single", single), ("repeated", repeated)):
+        if metric not in frame.columns:
+            raise ValueError(f"{metric!r} is not a column of the {name} runs: "
+                             f"{list(frame.columns)}")
+    if repeated.index.nlevels != 2:
+        raise ValueError("the repeated runs must be indexed by (configuration, repeat), as "
+                         "sim_server_runs returns them")
+
+
+@styled
+def plot_metric_per_configuration(single: pd.DataFrame, repeated: pd.DataFrame,
+                                  metric: str, title: str = "") -> BookFigure:
+    """One metric for every configuration of both comparisons: on the left the runs served
+    once each (``bench_frame``: CityLM on the CPU), on the right the median of the repeated
+    runs (``sim_server_runs``: the simulated H100) with every run as a dot and the spread
+    (min to max) as a whisker."""
+    _check_runs(single, repeated, metric)
+    names = list(repeated.index.unique(level=0))
+    fig, (left, right) = page_figure(3.3, cols=2,
+                                     gridspec_kw={"width_ratios": [len(single), len(names)]})
+    left.bar(range(len(single)), single[metric], color=_HIGHLIGHT)
+    left.set_xticks(range(len(single)), list(single.index))
+    label_axes(left, f"{CPU_SIDE}, one run each", None, metric)
+    medians = [repeated.xs(n, level=0)[metric].median() for n in names]
+    right.bar(range(len(names)), medians, color=_HIGHLIGHT)
+    for x, name in enumerate(names):
+        values = repeated.xs(name, level=0)[metric]
+        right.plot([x, x], [values.min(), values.max()], color="black", lw=1.5)
+        right.plot([x] * len(values), values, "o", color="black", ms=4)
+    right.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names])
+    runs = repeated.groupby(level=0).size().max()
+    label_axes(right, f"{SIM_SIDE}, {runs} runs each", None, None)
+    if metric == "hit rate":
+        for ax in (left, right):
+            ax.set_ylim(0, 1)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def _configurations(single: pd.DataFrame, repeated: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """Each configuration as the page names it -> (its comparison, its name there)."""
+    out = {f"{CPU_SIDE}: {name}": (CPU_SIDE, name) for name in single.index}
+    out |= {f"{SIM_SIDE}: {name}": (SIM_SIDE, name)
+            for name in repeated.index.unique(level=0)}
+    return out
+
+
+def _number(value: float, metric: str) -> str:
+    return f"{value:.0%}" if metric == "hit rate" else f"{value:,.1f}"
+
+
+def _against(single: pd.DataFrame, repeated: pd.DataFrame, side: str, chosen: str,
+             metric: str) -> tuple[pd.DataFrame, dict[str, float | str], str]:
+    """The chosen configuration against the others of its comparison on ``metric``: the
+    page's table, the state's numbers, and the caption."""
+    if side == CPU_SIDE:
+        values = single[metric]
+        rows = {name: {"value": _number(v, metric)} for name, v in values.items()}
+        metrics: dict[str, float | str] = {"value": float(values[chosen])}
+        spread = "one run per layout, so no spread to compare with"
+    else:
+        grouped = repeated.groupby(level=0, sort=False)[metric]
+        values, low, high = grouped.median(), grouped.min(), grouped.max()
+        rows = {name: {"median": _number(values[name], metric),
+                       "min": _number(low[name], metric), "max": _number(high[name], metric)}
+                for name in values.index}
+        metrics = {"value": float(values[chosen]), "min": float(low[chosen]),
+                   "max": float(high[chosen])}
+        beyond = []
+        for name in values.index:
+            verdict = "-"
+            if name != chosen:
+                verdict = "yes" if beyond_spread(repeated, metric, chosen, name) else "no"
+                metrics[f"beyond {name}"] = verdict
+                beyond += [name] if verdict == "yes" else []
+            rows[name]["beyond the spread"] = verdict
+        others = len(values) - 1
+        spread = ("beyond the spread of every other configuration" if len(beyond) == others
+                  else "within the spread of every other configuration" if not beyond
+                  else "beyond the spread of " + " and ".join(f'"{n}"' for n in beyond))
+    base = float(values[chosen])
+    for name, v in values.items():
+        ratio = float(v) / base if base else None
+        rows[name][f"relative to {chosen}"] = "-" if ratio is None else f"{ratio:.2f}"
+        if ratio is not None and name != chosen:
+            metrics[f"ratio {name}"] = ratio
+    table = pd.DataFrame.from_dict(rows, orient="index").rename_axis(
+        index=side, columns=metric)
+    caption = f"{chosen} ({side}), {metric}: {_number(base, metric)}; {spread}."
+    return table, metrics, caption
+
+
+def comparison_explorer(single: pd.DataFrame, repeated: pd.DataFrame,
+                        metric: str = "ttft median (ms)",
+                        configuration: str = f"{SIM_SIDE}: LPM, radix",
+                        metrics: Sequence[str] = COMPARED_METRICS) -> Explorer:
+    """``plot_metric_per_configuration`` over the metric, and below it the chosen
+    configuration against the others of its comparison, for the page.
+
+    ``single``: the chapter's CityLM runs over HTTP (``bench_frame``, one run per layout);
+    ``repeated``: its simulated-H100 runs (``sim_server_runs``). Nothing is served again:
+    every state is drawn from these runs. The figure depends on the metric alone, so it is
+    drawn once per metric; the table gives each configuration's value and its ratio to the
+    chosen one and, for the repeated runs, whether the two differ beyond the spread
+    (``beyond_spread``). The kernel face is ``comparison_widget``.
+    """
+    metrics = list(metrics)
+    for m in metrics:
+        _check_runs(single, repeated, m)
+    configurations = _configurations(single, repeated)
+    figures = {m: part_html(plot_metric_per_configuration(single, repeated, m))
+               for m in metrics}
+
+    def draw(metric: str, configuration: str) -> Frame:
+        side, chosen = configurations[configuration]
+        table, numbers, caption = _against(single, repeated, side, chosen, metric)
+        return Frame([figures[metric], table], numbers, caption=caption)
+
+    return explorer(draw, [("metric", "metric", metrics, metric),
+                           ("configuration", "compared with", list(configurations),
+                            configuration)],
+                    live=lambda: comparison_widget(single, repeated, metric, configuration))
+
+
+def comparison_widget(single: pd.DataFrame, repeated: pd.DataFrame,
+                      metric: str = "ttft median (ms)",
+                      configuration: str = f"{SIM_SIDE}: LPM, radix") -> Any:
+    """Menus for any column of the runs and any configuration; each change redraws
+    ``plot_metric_per_configuration`` and the comparison table from the same runs (nothing
+    is served again). Needs a live kernel (draw the static figure first)."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    columns = [c for c in single.columns if c in repeated.columns
+               and pd.api.types.is_numeric_dtype(single[c])]
+    configurations = _configurations(single, repeated)
+    controls = {"metric": widgets.Dropdown(options=columns, value=metric,
+                                           description="metric"),
+                "configuration": widgets.Dropdown(options=list(configurations),
+                                                  value=configuration,
+                                                  description="compared with")}
+
+    def redraw(metric: str, configuration: str) -> None:
+        display(plot_metric_per_configuration(single, repeated, metric))
+        table, _, caption = _against(single, repeated, *configurations[configuration], metric)
+        display(table)
+        print(caption)
+
+    return panel(redraw, controls)
