@@ -118,7 +118,16 @@ def one_copy_of_each_script(app: Any, pagename: str, templatename: str, context:
     context["script_files"] = kept
 
 
+def full_link_text(app: Any, config: Any) -> None:
+    """Print links as written. The pydata theme under sphinx-book-theme shortens a GitHub
+    URL shown as its own text to "owner/repo" behind an icon, so the bibliography's
+    sgl-router entry (a folder of the sglang repository) read as a bare icon and a link
+    to the wrong place."""
+    config.html_theme_options = {**(config.html_theme_options or {}), "shorten_urls": False}
+
+
 def setup(app: Any) -> dict[str, Any]:
+    app.connect("config-inited", full_link_text)
     app.connect("env-get-updated", number_per_document, priority=900)
     app.connect("html-page-context", one_copy_of_each_script)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
