@@ -32,7 +32,8 @@ def _brute_force(prompts, outputs):
     for i, prompt in enumerate(prompts):
         total += len(prompt)
         repeated += max((_common_prefix(prompt, s) for s in seen), default=0)
-        seen.append(list(prompt) + (list(outputs[i]) if outputs else []))
+        # the last sampled token has no KV: what a request computed ends one before it
+        seen.append(list(prompt) + (list(outputs[i])[:-1] if outputs else []))
     return total, repeated
 
 
@@ -70,7 +71,18 @@ def test_chat_turn_prompt_extends_the_previous_turn(citylm) -> None:
         assert prompts[k][: len(prompts[k - 1]) + len(answers[k - 1])] == (
             prompts[k - 1] + answers[k - 1])
     count = repeated_prefill(prompts, answers)
-    assert count.repeated == sum(len(p) + len(a) for p, a in zip(prompts[:-1], answers[:-1]))
+    # each turn finds the previous turn's prompt and answer but the answer's last token
+    assert count.repeated == sum(len(p) + len(a) - 1 for p, a in zip(prompts[:-1], answers[:-1]))
+
+
+def test_the_last_sampled_token_is_not_counted_as_computed() -> None:
+    """A follow-up that resends prompt + answer finds all of it but the answer's last token:
+    that token was sampled, never fed through a forward pass, so it has no KV."""
+    prompt, answer = [1, 2, 3], [4, 5]
+    follow_up = prompt + answer + [6]
+    assert repeated_prefill([prompt, follow_up], [answer, [7]]).repeated == 4
+    assert repeated_prefill([prompt, follow_up], [[], [7]]).repeated == 3  # nothing sampled
+    assert repeated_prefill([prompt, follow_up]).repeated == 3
 
 
 @pytest.mark.parametrize("bad", [0, -1])

@@ -167,6 +167,23 @@ def test_match_at_threshold_is_a_miss() -> None:
     assert r2.route([1, 1, 9, 9]) == 0 and r2.last_branch == "cache"
 
 
+def test_a_miss_goes_to_the_least_loaded_worker_not_the_smallest_tree() -> None:
+    """sgl-model-gateway's rule (the renamed sgl-router): a miss goes to the least-loaded
+    worker. sgl-router before it sent a miss to the smallest approximate tree
+    (``get_smallest_tenant``), which could pick a busy worker that had only been sent short
+    prompts; here worker 0 is busier with the smaller tree, and the miss goes to worker 1."""
+    r = Router(2, balance_abs_threshold=100, balance_rel_threshold=10.0)  # never balances
+    r.route([1] * 40)  # worker 0 (both empty): a long prompt
+    r.route([2])  # worker 1: least loaded
+    r.route([3])  # loads [1, 1], worker 1's tree is smaller: worker 1
+    r.route([4])  # loads [1, 2]: worker 0
+    r.finish(1)
+    r.finish(1)
+    r.route([5] * 40)  # loads [2, 0]: worker 1 now holds the larger tree
+    assert r.loads == [2, 1] and r.tree.sizes[0] < r.tree.sizes[1]
+    assert r.route([7, 7, 7]) == 1 and r.last_branch == "miss"
+
+
 def test_balance_branch_needs_both_thresholds() -> None:
     r = Router(2, balance_abs_threshold=2, balance_rel_threshold=1.5)
     for _ in range(3):

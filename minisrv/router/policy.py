@@ -6,11 +6,15 @@ Policies (``POLICIES``):
   groups, every worker must eventually hold all G prefixes.
 * ``"random"``: a seeded uniform choice; even on average, equally blind.
 * ``"least-load"``: the worker with the fewest requests in flight (SGLang's shortest queue).
-* ``"cache-aware"``: SGLang's default (``sgl-router``, ``policies/cache_aware.rs``). If the
-  load is imbalanced, i.e. ``max_load - min_load > balance_abs_threshold`` and
+* ``"cache-aware"``: SGLang's default (``sgl-model-gateway/src/policies/cache_aware.rs``,
+  the router formerly called ``sgl-router``). If the load is imbalanced, i.e.
+  ``max_load - min_load > balance_abs_threshold`` and
   ``max_load > min_load * balance_rel_threshold``, the least-loaded worker. Otherwise, if
   the approximate tree's longest match covers more than ``cache_threshold`` of the prompt,
-  a worker holding that match. Otherwise the least-loaded worker.
+  a worker holding that match. Otherwise (a miss) the least-loaded worker, as the gateway
+  (0.3) does; ``sgl-router`` before the rename sent a miss to the worker with the smallest
+  approximate tree (``get_smallest_tenant``), which can pick a busy worker that was only
+  sent short prompts.
 
 Load is what the router itself counts: ``route`` adds one request in flight on the chosen
 worker and ``finish`` removes it. Every routed prompt is inserted into the tree under its
@@ -24,7 +28,7 @@ routed again). With every worker up the choices are exactly those above.
 Choices that SGLang leaves to hash-map order are made deterministic here: among several
 workers holding the match, the one most recently sent it (its copy is the freshest, so the
 likeliest to be still cached; a group the balancer moved stays where it went); among
-equally loaded workers, the smallest tree (the most room, SGLang's older miss rule), then
+equally loaded workers, the smallest tree (the most room: sgl-router's older miss rule), then
 the lowest index.
 """
 

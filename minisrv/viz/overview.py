@@ -83,7 +83,9 @@ COMPONENTS: dict[str, Component] = {
     "spec": Component("Speculative decoding\n(drafts, checks)", "spec/",
                       "07a_speculative_decoding"),
     "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
-    "kvpool": Component("KV pool\n(token slots)", "kv/pool.py", "03_selective_batching"),
+    "kvpool": Component("KV pool\n(K and V tensors)", "kv/pool.py", "03_selective_batching"),
+    "slots": Component("Slot allocator,\nrequest-to-token rows", "kv/manager.py",
+                       "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "kv/radix.py", "04_radix_attention"),
     "attention": Component("Attention backend", "runner/attention.py", "03_selective_batching"),
     "grammar": Component("Grammar masks\n(structured output)", "grammar/",
@@ -113,10 +115,13 @@ def component_table() -> list[dict[str, str]]:
 def architecture_diagram() -> graphviz.Digraph:
     """The serving stack of the lecture's architecture slide, as minisrv builds it.
 
-    Requests flow down from the client to the model worker and answers flow back up. The
-    policy and the overlap loop sit beside the scheduler and the worker's three parts side by
-    side, so that the drawing is narrow (about 6 in) and its labels keep their size on the
-    page. Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
+    Requests flow down from the client to the model worker and answers flow back up. As in
+    SGLang, the scheduler's side owns the KV bookkeeping (the radix cache, which slots each
+    request's tokens occupy, the free slots) and the model worker holds the KV tensors and
+    the attention backend. The policy and the overlap loop sit beside the scheduler and each
+    side's parts side by side, so that the drawing is narrow (about 6 in) and its labels keep
+    their size on the page. Solid boxes exist in the package today; dashed grey boxes are what
+    later chapters add.
     """
     g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.25",
                                                        ranksep="0.4"))
@@ -135,12 +140,19 @@ def architecture_diagram() -> graphviz.Digraph:
             row.attr(rank="same")
             for key in same:
                 row.node(key)
+    with g.subgraph(name="cluster_memory") as m:
+        m.attr(label="owned by the scheduler: KV bookkeeping", labeljust="l", style="dashed",
+               color="#6b7280")
+        with m.subgraph() as row:
+            row.attr(rank="same")
+            for key in ("radix", "slots"):
+                row.node(key)
     with g.subgraph(name="cluster_worker") as w:
         w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
         w.node("worker")
         with w.subgraph() as row:
             row.attr(rank="same")
-            for key in ("kvpool", "radix", "attention", "grammar"):
+            for key in ("kvpool", "attention", "grammar"):
                 row.node(key)
     g.edge("api", "router", label=" request")
     g.edge("router", "tokenizer", label=" one replica")
@@ -151,7 +163,9 @@ def architecture_diagram() -> graphviz.Digraph:
         g.edge("scheduler", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")
-    for key in ("kvpool", "radix", "attention", "grammar"):
+    for key in ("radix", "slots"):
+        g.edge("scheduler", key, arrowhead="none", style="dotted")
+    for key in ("kvpool", "attention", "grammar"):
         g.edge("worker", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "detokenizer", label=" streamed tokens")
     g.edge("detokenizer", "api", label=" text", constraint="false")

@@ -146,9 +146,11 @@ def repeated_prefill(prompts: Sequence[Sequence[int]],
     """Count prompt tokens whose prefix was already computed for an earlier request.
 
     Requests are taken in order. A token is a repeat when the prompt up to and including it
-    is a prefix of an earlier request's prompt (or of its prompt + output, when ``outputs``
-    is given, since a server has computed the KV of what it generated too). This is what an
-    unlimited prefix cache would skip; a trie of token ids finds it in O(total tokens).
+    is a prefix of what an earlier request computed: its prompt, and with ``outputs`` its
+    prompt + output but the last output token. The last sampled token never went through a
+    forward pass, so it has no KV; SGLang caches a finished request's
+    ``(input + output)[:-1]`` for the same reason. This is what an unlimited prefix cache
+    would skip; a trie of token ids finds it in O(total tokens).
     """
     if outputs is not None and len(outputs) != len(prompts):
         raise ValueError(f"got {len(outputs)} outputs for {len(prompts)} prompts")
@@ -164,7 +166,7 @@ def repeated_prefill(prompts: Sequence[Sequence[int]],
             matched += 1
         total += len(prompt)
         repeated += matched
-        seen = list(prompt) + (list(outputs[i]) if outputs is not None else [])
+        seen = list(prompt) + (list(outputs[i])[:-1] if outputs is not None else [])
         node = root
         for token in seen:
             node = node.setdefault(token, {})
