@@ -126,8 +126,25 @@ def full_link_text(app: Any, config: Any) -> None:
     config.html_theme_options = {**(config.html_theme_options or {}), "shorten_urls": False}
 
 
+REPOSITORY_URL = "{{ repository_url }}"
+"""Written in a page's source (``intro.md``'s ``git clone``), replaced by the repository URL of
+``_config.yml`` when the page is read, code blocks included (MyST substitutions skip those)."""
+
+
+def fill_repository_url(app: Any, docname: str, source: list[str]) -> None:
+    """Put the configured repository URL where a page writes ``REPOSITORY_URL``, so the
+    repository is named once, in ``_config.yml`` (jupyter-book passes it to the theme)."""
+    if REPOSITORY_URL in source[0]:
+        url = (app.config.html_theme_options or {}).get("repository_url")
+        if not url:
+            raise ValueError(f"{docname} names the repository but _config.yml has no "
+                             "repository: url")
+        source[0] = source[0].replace(REPOSITORY_URL, url)
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.connect("config-inited", full_link_text)
+    app.connect("source-read", fill_repository_url)
     app.connect("env-get-updated", number_per_document, priority=900)
     app.connect("html-page-context", one_copy_of_each_script)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

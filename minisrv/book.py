@@ -10,8 +10,11 @@ import inspect
 import textwrap
 from typing import Any
 
-# The repository is named here and nowhere else in the package; `tests/test_book.py` checks
-# that `_config.yml` and every chapter's Colab setup cell agree with it.
+# The repository is named here and nowhere else in the package (Colab installs from it before
+# any book file is at hand). `python -m minisrv.book` writes it into `_config.yml` (the
+# repository button, and `intro.md`'s `{{ repository_url }}`, filled in at build time by
+# `_ext/minisrv_book.py`) and into every chapter's saved Colab setup cell, so publishing the
+# book under another URL is one edit and one command; `tests/test_book.py` checks they agree.
 REPO_URL = "https://github.com/minisrv/minisrv"
 
 # What a chapter needs beyond the package itself, as the extras of pyproject.toml: every
@@ -38,7 +41,7 @@ def chapter_extras(chapter: str) -> tuple[str, ...]:
     return CHAPTER_EXTRAS.get(chapter, ("viz",))
 
 
-def setup_cell(chapter: str) -> str:
+def setup_cell(chapter: str, repo_url: str = REPO_URL) -> str:
     """The source of a chapter's first cell (tagged ``remove-cell``, so the HTML hides it).
 
     On Colab it installs minisrv from the repository with the chapter's extras, keeping
@@ -50,7 +53,7 @@ def setup_cell(chapter: str) -> str:
     """
     extras = chapter_extras(chapter)
     modules = ("minisrv",) + tuple(m for extra in extras for m in EXTRA_MODULES[extra])
-    spec = f"minisrv[{','.join(extras)}] @ git+{REPO_URL}"
+    spec = f"minisrv[{','.join(extras)}] @ git+{repo_url}"
     # The install line within the 100 columns of ruff: ``check=True`` on a line of its own
     # when the chapter's extras make it longer.
     ending = ", check=True)" if len(spec) <= 64 else ",\n                   check=True)"
@@ -74,6 +77,41 @@ if any(importlib.util.find_spec(name) is None for name in NEEDED):
 from minisrv.book import default_device  # noqa: E402  (importable only after the install)
 
 DEVICE = default_device()'''
+
+
+def publish_repository_url(root: Any, repo_url: str = REPO_URL) -> list[str]:
+    """Write ``repo_url`` wherever the book spells out its repository: the ``url`` of
+    ``_config.yml``'s ``repository`` entry and the first (Colab setup) cell of every chapter
+    under ``root``. Returns the files it changed; a second call changes nothing.
+
+    The saved setup cells must hold the URL itself (Colab runs the notebook as saved), so they
+    are regenerated from ``setup_cell`` rather than edited by hand.
+    """
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    if not re.fullmatch(r"https://[^\s\"']+", repo_url):
+        raise ValueError(f"repo_url must be an https:// URL, got {repo_url!r}")
+    root = Path(root)
+    changed = []
+    config = root / "_config.yml"
+    text = config.read_text()
+    new, n = re.subn(r"(?m)^(repository:\n  url: ).*$", lambda m: m.group(1) + repo_url, text)
+    if n != 1:
+        raise ValueError(f"{config} has no 'repository:' entry whose first key is 'url'")
+    if new != text:
+        config.write_text(new)
+        changed.append(str(config))
+    for path in sorted((root / "chapters").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        wanted = setup_cell(path.stem, repo_url)
+        if nb.cells and nb.cells[0].source != wanted:
+            nb.cells[0].source = wanted
+            nbformat.write(nb, path)
+            changed.append(str(path))
+    return changed
 
 
 def default_device() -> str:
@@ -144,3 +182,11 @@ def glue(name: str, value: Any, display: bool = True) -> None:
             _display(value)
         return
     _glue(name, value, display=display)
+
+
+if __name__ == "__main__":  # python -m minisrv.book: write REPO_URL wherever the book needs it
+    from pathlib import Path
+
+    for changed in publish_repository_url(Path(__file__).resolve().parent.parent) or [
+            "nothing to change"]:
+        print(changed)

@@ -25,6 +25,49 @@ def test_repository_url_is_kept_in_one_place() -> None:
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert config["repository"]["url"] == book.REPO_URL
     assert config["launch_buttons"]["colab_url"].startswith("https://colab.research.google.com")
+    # The pages name it through the build-time placeholder, never spelled out (issue 38).
+    ext = _book_extension()
+    intro = (ROOT / "intro.md").read_text()
+    assert ext.REPOSITORY_URL in intro and book.REPO_URL not in intro
+    assert not [p.name for p in ROOT.glob("*.md") if book.REPO_URL in p.read_text()]
+
+
+def test_intro_gets_the_configured_repository_url_at_build_time() -> None:
+    ext = _book_extension()
+
+    class App:
+        class config:  # noqa: N801  (Sphinx's attribute name)
+            html_theme_options = {"repository_url": "https://example.org/fork/minisrv"}
+
+    source = [f"git clone {ext.REPOSITORY_URL} minisrv\n"]
+    ext.fill_repository_url(App, "intro", source)
+    assert source == ["git clone https://example.org/fork/minisrv minisrv\n"]
+    App.config.html_theme_options = {}
+    with pytest.raises(ValueError, match="repository: url"):
+        ext.fill_repository_url(App, "intro", [ext.REPOSITORY_URL])
+
+
+def test_publishing_under_another_url_rewrites_config_and_setup_cells(tmp_path) -> None:
+    """``python -m minisrv.book`` writes REPO_URL into _config.yml and every saved setup cell;
+    on this checkout it has nothing to change, under another URL it changes all of them."""
+    import shutil
+
+    shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")
+    (tmp_path / "chapters").mkdir()
+    for path in CHAPTERS[:2]:
+        shutil.copy(path, tmp_path / "chapters" / path.name)
+    assert book.publish_repository_url(tmp_path) == []
+    fork = "https://github.com/someone/minisrv-fork"
+    changed = book.publish_repository_url(tmp_path, fork)
+    assert len(changed) == 3
+    assert yaml.safe_load((tmp_path / "_config.yml").read_text())["repository"]["url"] == fork
+    for path in (tmp_path / "chapters").glob("*.ipynb"):
+        first = nbformat.read(path, as_version=4).cells[0]
+        assert first.source == book.setup_cell(path.stem, fork)
+        assert f"git+{fork}" in first.source
+    assert book.publish_repository_url(tmp_path, fork) == []
+    with pytest.raises(ValueError, match="https://"):
+        book.publish_repository_url(tmp_path, "github.com/x")
 
 
 def test_toc_lists_every_chapter_in_reading_order() -> None:
