@@ -118,10 +118,10 @@ def architecture_diagram() -> graphviz.Digraph:
     Requests flow down from the client to the model worker and answers flow back up. As in
     SGLang, the scheduler's side owns the KV bookkeeping (the radix cache, which slots each
     request's tokens occupy, the free slots) and the model worker holds the KV tensors and
-    the attention backend. The policy and the overlap loop sit beside the scheduler and each
-    side's parts side by side, so that the drawing is narrow (about 6 in) and its labels keep
-    their size on the page. Solid boxes exist in the package today; dashed grey boxes are what
-    later chapters add.
+    the attention backend. The policy and the overlap loop sit beside the scheduler, the
+    worker's parts side by side and the scheduler's two stacked, so that the drawing is narrow
+    (about 6 in) and its labels keep their size on the page. Solid boxes exist in the package
+    today; dashed grey boxes are what later chapters add.
     """
     g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.25",
                                                        ranksep="0.4"))
@@ -141,12 +141,11 @@ def architecture_diagram() -> graphviz.Digraph:
             for key in same:
                 row.node(key)
     with g.subgraph(name="cluster_memory") as m:
-        m.attr(label="owned by the scheduler: KV bookkeeping", labeljust="l", style="dashed",
+        m.attr(label="scheduler: KV bookkeeping", labeljust="l", style="dashed",
                color="#6b7280")
-        with m.subgraph() as row:
-            row.attr(rank="same")
-            for key in ("radix", "slots"):
-                row.node(key)
+        m.node("radix")
+        m.node("slots")
+        m.edge("radix", "slots", style="invis")  # stacked: the drawing stays four boxes wide
     with g.subgraph(name="cluster_worker") as w:
         w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
         w.node("worker")
@@ -163,8 +162,8 @@ def architecture_diagram() -> graphviz.Digraph:
         g.edge("scheduler", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "worker", label=" next batch")
     g.edge("worker", "scheduler", label=" new tokens", constraint="false")
-    for key in ("radix", "slots"):
-        g.edge("scheduler", key, arrowhead="none", style="dotted")
+    g.edge("scheduler", "radix", arrowhead="none", style="dotted")
+    g.edge("scheduler", "slots", arrowhead="none", style="dotted", constraint="false")
     for key in ("kvpool", "attention", "grammar"):
         g.edge("worker", key, arrowhead="none", style="dotted")
     g.edge("scheduler", "detokenizer", label=" streamed tokens")
