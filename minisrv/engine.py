@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
@@ -48,6 +48,7 @@ from minisrv.scheduler import (
     StepOutput,
     StepRecord,
 )
+from minisrv.scheduler.capabilities import Capability, JumpForwarder, SamplingBackend
 from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
 from minisrv.scheduler.prompts import check_prompt, per_request_arrivals, per_request_params
 
@@ -78,7 +79,9 @@ class Engine(ConfigView):
     options) or any ``Backend``, e.g. a ``SimBackend``. The options are those of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``policy``, ``cache``, ``mode``,
     ``admission``, ...), given as keywords or as one ``config``; an unknown option is an
-    error that lists the valid ones.
+    error that lists the valid ones. What they need of the backend (overlap, chunks, drafts,
+    jump-forward: ``minisrv.scheduler.capabilities``) is checked once, as the scheduler is
+    built: a ValueError names what is missing.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
     ``minisrv.kv.radix``). To watch the tree change, attach the book's recorder to
@@ -178,20 +181,21 @@ class Engine(ConfigView):
             raise ValueError("structured output needs the grammar extra "
                              "(pip install 'minisrv[grammar]')") from exc
 
-        sampler = getattr(self.backend, "sampler", None)
-        if sampler is None:
-            raise ValueError("grammars need a model to sample from, not a simulated GPU")
+        backend = cast(SamplingBackend, self.backend)
+        if Capability.SAMPLES_PROCESSORS not in backend.capabilities:
+            raise ValueError(f"grammars need a model to sample from, not a simulated GPU "
+                             f"({type(backend).__name__})")
+        sampler = backend.sampler
         if vocab is None:  # that of the tokenizer the model carries
             from minisrv.grammar.vocab import model_vocabulary
 
-            vocab = model_vocabulary(getattr(self.backend, "model", None),
-                                     self.backend.vocab_size, self.backend.eos_ids)
+            vocab = model_vocabulary(backend.model, backend.vocab_size, backend.eos_ids)
         if self._grammars is not None:
             sampler.logits_processors.remove(self._grammars)
         self._grammars = GrammarSampling(vocab)
         sampler.logits_processors.append(self._grammars)
-        if self.config.jump_forward:
-            self.backend.jump = self._grammars  # type: ignore[attr-defined]
+        if self.config.jump_forward:  # JUMPS_FORWARD: checked when the engine was built
+            cast(JumpForwarder, backend).set_jump(self._grammars)
         return self._grammars
 
     def step(self) -> StepOutput:
@@ -221,7 +225,9 @@ class Engine(ConfigView):
         """The step's token callback: each token, and its logprobs where they were asked
         for (read as the token is appended: a request that finishes is released within
         the same step, its sampler state with it)."""
-        pending = getattr(self.backend, "logprobs", None)
+        backend = self.backend
+        pending = (cast(SamplingBackend, backend).logprobs
+                   if Capability.GIVES_LOGPROBS in backend.capabilities else None)
 
         def on_token(req: Req, token: int) -> None:
             tokens.append((req, token))

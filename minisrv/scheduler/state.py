@@ -13,12 +13,13 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from minisrv.kv import PrefixCache, SlotAllocator
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
+from minisrv.scheduler.capabilities import DraftVerifier, needs, require
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
 from minisrv.scheduler.speculative import Speculation, make_drafter
@@ -37,11 +38,8 @@ class SchedulerState(ConfigView):
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
         self.config = config = EngineConfig.from_options(config, **options)
+        require(backend, needs(config))  # once: the step path asks the backend nothing more
         self.backend = backend
-        if config.chunked_prefill_size is not None and not getattr(
-                backend, "computes_chunks", True):
-            raise ValueError(f"chunked_prefill_size needs a backend that computes prefill "
-                             f"chunks (ModelRunner, SimBackend), not {type(backend).__name__}")
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
@@ -275,10 +273,7 @@ def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | No
         if config.jump_forward:  # multi-token decode entries only, no drafts
             return Speculation(None, 0, lambda reqs: [None] * len(reqs))
         return None
-    sampler = getattr(backend, "sampler", None)
-    if not getattr(backend, "verifies_drafts", False) or sampler is None:
-        raise ValueError(f"speculative decoding needs a model to check the drafts "
-                         f"(ModelRunner), not a {type(backend).__name__}")
+    sampler = cast(DraftVerifier, backend).sampler  # declared: checked in __init__
     if sampler.logits_processors:
         raise ValueError("speculative decoding checks its rows without the runner's logits "
                          "processors: give the ModelRunner none")
