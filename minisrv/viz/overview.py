@@ -207,7 +207,7 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
     """
     import pandas as pd
 
-    from minisrv.data import load_cities
+    from minisrv.train.data import load_cities
 
     cities = load_cities()
     rows = []
