@@ -92,16 +92,17 @@ class Scheduler(ChunkedPrefill, SchedulerState):
 
     def next_batch(self) -> Batch:
         """``get_next_batch_to_run``, or its budgeted form under chunked prefill; with
-        speculative decoding each decode entry becomes a check (``speculative.py``)."""
+        speculative decoding each decode entry becomes a check, with jump-forward it computes
+        the tokens a grammar forced (``wide.py``)."""
         if self.config.chunked_prefill_size is None:
             batch = self.get_next_batch_to_run()
         else:
             batch = self.get_next_budgeted_batch()
-        return batch if self.spec is None else self.spec.expand(batch)
+        return batch if self.wide is None else self.wide.expand(batch)
 
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
-        before = self._snapshot(batch)
+        before = self.trace_fields(batch)
         return Launched(batch, before, self.backend.run(batch))
 
     def complete(self, step: Launched) -> StepRecord:
@@ -198,31 +199,21 @@ class Scheduler(ChunkedPrefill, SchedulerState):
             retracted.append(victim)
         self.waiting.extendleft(reversed(retracted))
         self.admission.after_decode_prepared(self.running, retracted)
-        if self.spec is None:
+        if self.wide is None:
             self.memory.alloc_decode(self.running)
-        else:  # drafts, and the slots of every check
-            self.spec.alloc(self.running, self.memory)
+        else:  # each wide entry's slots (a check's drafts included)
+            self.wide.alloc(self.running, self.memory)
         return list(self.running), tuple(retracted)
 
     def decode_tokens(self, running: list[Req]) -> int:
         """KV slots the running requests' decodes take this step: one token each, or with
-        speculative decoding each one's token plus its guesses (at most k each)."""
-        return len(running) if self.spec is None else self.spec.room(running)
+        wider entries (``wide.py``) each one's tokens without KV plus its guesses."""
+        return len(running) if self.wide is None else self.wide.room(running)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:
         """The request to retract first: fewest generated tokens, then the longest prompt."""
         return min(running, key=lambda r: (len(r.output), -r.prompt_len))
-
-    def retract(self, req: Req) -> None:
-        """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
-        self.stats.retractions += 1
-        self.stats.wasted_tokens += self.memory.release(req)
-        self.admission.released(req)
-        if self.spec is not None:
-            self.spec.release(req)
-        req.retractions += 1
-        req.state = ReqState.WAITING
 
     def set_aside_finishing(self) -> None:
         """Move the running requests whose pending token is their last to ``finishing``: they

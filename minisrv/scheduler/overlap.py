@@ -116,7 +116,7 @@ class OverlapLoop:
     def launch(self, batch: Batch) -> InFlight:
         """Copy the batch's inputs, start the device, give each request its placeholder."""
         sched = self.scheduler
-        before = sched._snapshot(batch)
+        before = sched.trace_fields(batch)
         reqs = batch.sampling  # a prefill chunk's entry gets no token, so no placeholder
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in reqs) if sched.config.record_trace else ()

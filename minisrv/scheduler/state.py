@@ -13,16 +13,16 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 from minisrv.kv import PrefixCache, SlotAllocator
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
-from minisrv.scheduler.capabilities import DraftVerifier, needs, require
+from minisrv.scheduler.capabilities import needs, require
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
-from minisrv.scheduler.speculative import Speculation, make_drafter
+from minisrv.scheduler.wide import WideDecode, make_wide
 
 __all__ = ["SchedulerState"]
 
@@ -43,7 +43,8 @@ class SchedulerState(ConfigView):
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
-        self.spec: Speculation | None = make_speculation(config, backend)
+        # speculative checks or jump-forward's entries: decodes of several tokens
+        self.wide: WideDecode | None = make_wide(config, backend)
         self.clock = 0.0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -158,8 +159,8 @@ class SchedulerState(ConfigView):
         """
         stats = self.stats
         stats.count_step(batch, result, before["prefill_tokens"])
-        if self.spec is not None:  # the checks' guesses and kept ones, into the trace too
-            self.spec.count(batch, result, stats, before)
+        if self.wide is not None:  # the checks' guesses and kept ones, into the trace too
+            self.wide.count(batch, result, stats, before)
         stats.generated_tokens -= extra
         stats.wasted_tokens += extra
         stats.late_stop_tokens += extra
@@ -173,8 +174,8 @@ class SchedulerState(ConfigView):
             self.check_integrity()
         return record
 
-    def _snapshot(self, batch: Batch) -> dict[str, Any]:
-        """The trace fields known before the backend runs the step."""
+    def trace_fields(self, batch: Batch) -> dict[str, Any]:
+        """The trace fields known before the backend runs the step (both loops' launch)."""
         computing = {id(req) for req in batch.reqs}
         return {
             "start": self.clock,
@@ -232,7 +233,7 @@ class SchedulerState(ConfigView):
             self.chunked = None
             self.chunk_ends.clear()
         for req in back:
-            self.retract(req)  # type: ignore[attr-defined]  # the Scheduler's
+            self.retract(req)
         self.waiting.extendleft(reversed(back))
 
     def check_integrity(self) -> None:
@@ -254,6 +255,16 @@ class SchedulerState(ConfigView):
             assert len(req.kv_slots) == req.seq_len, "a chunked request lacks its prompt's KV"
             assert req.cached_len <= self.chunk_pos < req.seq_len, "chunk position off"
 
+    def retract(self, req: Req) -> None:
+        """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
+        self.stats.retractions += 1
+        self.stats.wasted_tokens += self.memory.release(req)
+        self.admission.released(req)
+        if self.wide is not None:
+            self.wide.release(req)
+        req.retractions += 1
+        req.state = ReqState.WAITING
+
     def _leave(self, req: Req, state: ReqState, release: bool = True) -> None:
         """A running request ends (its KV already handed over or freed); ``release=False``
         keeps the backend's state of it (a step in flight still samples with it)."""
@@ -261,21 +272,6 @@ class SchedulerState(ConfigView):
         req.state = state
         if release:
             self.backend.release(req)
-        if self.spec is not None:
-            self.spec.release(req)
+        if self.wide is not None:
+            self.wide.release(req)
 
-
-def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | None:
-    """The engine's speculative decoding (``config.speculative``), or None when off; a
-    backend must verify drafts (``ModelRunner``), a simulated GPU does not. Jump-forward
-    alone needs its multi-token decode entries, without a drafter."""
-    if config.speculative is None:
-        if config.jump_forward:  # multi-token decode entries only, no drafts
-            return Speculation(None, 0, lambda reqs: [None] * len(reqs))
-        return None
-    sampler = cast(DraftVerifier, backend).sampler  # declared: checked in __init__
-    if sampler.logits_processors:
-        raise ValueError("speculative decoding checks its rows without the runner's logits "
-                         "processors: give the ModelRunner none")
-    return Speculation(make_drafter(config.speculative), config.num_draft_tokens,
-                       sampler.generators, backend.vocab_size)
