@@ -25,7 +25,6 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from minisrv.request import Req, ReqState
-from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
 from minisrv.scheduler.state import SchedulerState
@@ -41,14 +40,15 @@ class Launched(NamedTuple):
     result: BatchResult
 
 
-class Scheduler(ChunkedPrefill, SchedulerState):
+class Scheduler(SchedulerState):
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
     ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
-    With ``chunked_prefill_size`` its steps are formed under a token budget
-    (``minisrv.scheduler.chunked``).
+    With ``chunked_prefill_size`` its steps are formed under a token budget, the request
+    mid-prefill held by its ``ChunkedPrefill`` (``chunks``); decode entries of several
+    tokens come from its ``WideDecode`` (``wide``: speculative checks or jump-forward).
     """
 
     # ----------------------------------------------------------------- the loop
@@ -164,6 +164,56 @@ class Scheduler(ChunkedPrefill, SchedulerState):
             new.append(req)
         self.running.extend(new)
         return new
+
+    def get_next_budgeted_batch(self) -> Batch:
+        """This step's work under ``chunked_prefill_size`` (``minisrv.scheduler.chunked``):
+        mixed, decodes first and chunks in what is left; prefill-first, prefills and chunks
+        up to the budget, decodes only in a step without them."""
+        budget = self.config.chunked_prefill_size
+        if self.mode == "mixed":
+            decoding, retracted = self.prepare_decode() if self.running else ([], ())
+            left = budget - len(decoding)
+            prefill = self.continue_chunk(left)
+            if self.chunked is None and not retracted:
+                prefill += self.admit_chunks(left - sum(e.n_tokens for e in prefill))
+            return Batch.with_chunks(prefill, decoding, retracted)
+        prefill = self.continue_chunk(budget)
+        if self.chunked is None:
+            prefill += self.admit_chunks(budget - sum(e.n_tokens for e in prefill))
+        if prefill or not self.running:
+            return Batch.with_chunks(prefill, [])
+        return Batch.of([], *self.prepare_decode())
+
+    def continue_chunk(self, budget: int) -> list[Entry]:
+        """The next chunk of the request mid-prefill (seated in ``running`` by its last)."""
+        entries = self.chunks.next_chunk(budget)
+        self.running.extend(e.req for e in entries if e.sample)
+        return entries
+
+    def admit_chunks(self, budget: int) -> list[Entry]:
+        """``admit`` under a token budget: each request with the KV of its whole prompt (so
+        it can finish its prefill), the first that does not fit in ``budget`` as a chunk,
+        which ends admission."""
+        adder = self.admission.adder(self.running, self.memory, self.max_running)
+        if self.waiting and adder.has_place and budget > 0:
+            self.prioritize()
+        entries: list[Entry] = []
+        while self.waiting and adder.has_place and budget > 0:
+            req = self.waiting[0]
+            match = self.memory.match(req)
+            fill = req.seq_len - match.length
+            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
+                self.memory.drop_match(req, match)
+                break
+            adder.add(req, fill)
+            self.waiting.popleft()
+            self._start(req, match.length)
+            entries.append(entry := self.chunks.cut(req, match.length, budget))
+            budget -= entry.n_tokens
+            if not entry.sample:
+                break
+            self.running.append(req)
+        return entries
 
     def prioritize(self) -> None:
         """Reorder the waiting queue by the policy (``policy.calc_priority``, as SGLang sorts
@@ -281,7 +331,7 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         done = {id(req) for req in finished}
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING and (
-                    not self.cache_chunk_of(req)):
+                    not self.chunks.completed(req, self.memory)):
                 self.memory.cache_unfinished(req)
         requeued = False  # a request retracted while its last token was computed
         for req in finished:

@@ -20,6 +20,7 @@ from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.capabilities import needs, require
+from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
 from minisrv.scheduler.wide import WideDecode, make_wide
@@ -53,9 +54,7 @@ class SchedulerState(ConfigView):
         self.finishing: list[Req] = []
         # Chunked prefill: the one request mid-prefill (SGLang's chunked_req). It holds a seat
         # and the KV slots of its whole prompt but is not in ``running`` until its last chunk.
-        self.chunked: Req | None = None
-        self.chunk_pos = 0  # where its next chunk starts
-        self.chunk_ends: deque[tuple[Req, int]] = deque()  # chunks launched, not completed
+        self.chunks = ChunkedPrefill()
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
         self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
@@ -73,6 +72,11 @@ class SchedulerState(ConfigView):
     def tree(self) -> PrefixCache:
         """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
         return self.memory.tree
+
+    @property
+    def chunked(self) -> Req | None:
+        """The request mid-prefill under chunked prefill (``None``: none)."""
+        return self.chunks.req
 
     @property
     def kv_reserved(self) -> int:
@@ -215,9 +219,8 @@ class SchedulerState(ConfigView):
                 if req.retractions:  # retracted while running: may still hold a generator
                     self.backend.release(req)
         self.running = [req for req in self.running if req.state == ReqState.RUNNING]
-        if self.chunked is not None and self.chunked.state == ReqState.ABORTED:
-            self.chunked = None
-            self.chunk_ends.clear()
+        for req in doomed:
+            self.chunks.drop(req)
 
     def requeue(self, reqs: Iterable[Req]) -> None:
         """Retract running ``reqs`` at once: their KV freed, their output and generator kept,
@@ -229,10 +232,8 @@ class SchedulerState(ConfigView):
         ids = {id(req) for req in back}
         self.running, self.finishing = [*self.finishing, *self.running], []
         self.running = [req for req in self.running if id(req) not in ids]
-        if self.chunked is not None and id(self.chunked) in ids:
-            self.chunked = None
-            self.chunk_ends.clear()
         for req in back:
+            self.chunks.drop(req)
             self.retract(req)
         self.waiting.extendleft(reversed(back))
 
@@ -253,7 +254,7 @@ class SchedulerState(ConfigView):
         if self.chunked is not None:
             req = self.chunked
             assert len(req.kv_slots) == req.seq_len, "a chunked request lacks its prompt's KV"
-            assert req.cached_len <= self.chunk_pos < req.seq_len, "chunk position off"
+            assert req.cached_len <= self.chunks.pos < req.seq_len, "chunk position off"
 
     def retract(self, req: Req) -> None:
         """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
