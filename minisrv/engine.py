@@ -26,9 +26,8 @@ is queued, so a bad call raises ValueError and leaves the engine exactly as it w
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,8 +48,8 @@ from minisrv.scheduler import (
     StepRecord,
 )
 from minisrv.scheduler.capabilities import Capability, JumpForwarder, SamplingBackend
-from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
-from minisrv.scheduler.prompts import check_prompt, per_request_arrivals, per_request_params
+from minisrv.scheduler.overlap import OverlapLoop, short_switch_interval
+from minisrv.scheduler.prompts import make_requests
 
 if TYPE_CHECKING:  # a workload is the book's data; the engine only reads its fields
     from minisrv.workloads import Workload
@@ -304,19 +303,10 @@ class Engine(ConfigView):
         arrival_steps: Sequence[float] | None = None,
     ) -> list[Req]:
         """Validated ``Req`` objects for ``generate``'s arguments; nothing is queued yet."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
-        n = len(prompts)
-        clean = [check_prompt(i, p) for i, p in enumerate(prompts)]
-        params = per_request_params(n, max_new_tokens, sampling)
-        arrivals = per_request_arrivals(n, arrival_steps)
-        base = self.scheduler.clock
-        first = self._next_rid
-        self._next_rid += n
-        return [
-            Req(rid=first + i, prompt=clean[i], params=params[i], arrival=base + arrivals[i])
-            for i in range(n)
-        ]
+        reqs = make_requests(prompts, max_new_tokens, sampling, arrival_steps,
+                             first_rid=self._next_rid, now=self.scheduler.clock)
+        self._next_rid += len(reqs)
+        return reqs
 
     def serve(
         self,
@@ -352,7 +342,8 @@ class Engine(ConfigView):
 
             bar = tqdm(total=total, unit="req", desc=f"serving ({self.mode})")
         try:
-            with self._short_switch_interval():
+            overlapped = isinstance(self.loop, OverlapLoop)  # its device thread needs the GIL
+            with short_switch_interval() if overlapped else nullcontext():
                 while (out := self._step(collect=on_token is not None)).record is not None:
                     if on_token is not None:
                         for req, token in out.tokens:
@@ -362,21 +353,6 @@ class Engine(ConfigView):
         finally:
             if bar is not None:
                 bar.close()
-
-    @contextmanager
-    def _short_switch_interval(self) -> Iterator[None]:
-        """While the overlapped loop runs, hand the GIL over every ``SWITCH_INTERVAL``: the
-        device thread needs it for a moment to start each step, and Python's default (5 ms)
-        is longer than a whole step."""
-        if not isinstance(self.loop, OverlapLoop):
-            yield
-            return
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
-        try:
-            yield
-        finally:
-            sys.setswitchinterval(old)
 
     def run_workload(self, workload: Workload, progress: bool = False) -> RunResult:
         """Replay ``workload`` (arrivals relative to now); return requests, steps, metrics.
