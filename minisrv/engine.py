@@ -26,11 +26,10 @@ is queued, so a bad call raises ValueError and leaves the engine exactly as it w
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
@@ -48,8 +47,9 @@ from minisrv.scheduler import (
     StepOutput,
     StepRecord,
 )
-from minisrv.scheduler.overlap import SWITCH_INTERVAL, OverlapLoop
-from minisrv.scheduler.prompts import check_prompt, per_request_arrivals, per_request_params
+from minisrv.scheduler.capabilities import Capability, JumpForwarder, SamplingBackend
+from minisrv.scheduler.overlap import OverlapLoop, short_switch_interval
+from minisrv.scheduler.prompts import make_requests
 
 if TYPE_CHECKING:  # a workload is the book's data; the engine only reads its fields
     from minisrv.workloads import Workload
@@ -78,7 +78,9 @@ class Engine(ConfigView):
     options) or any ``Backend``, e.g. a ``SimBackend``. The options are those of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``policy``, ``cache``, ``mode``,
     ``admission``, ...), given as keywords or as one ``config``; an unknown option is an
-    error that lists the valid ones.
+    error that lists the valid ones. What they need of the backend (overlap, chunks, drafts,
+    jump-forward: ``minisrv.scheduler.capabilities``) is checked once, as the scheduler is
+    built: a ValueError names what is missing.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
     ``minisrv.kv.radix``). To watch the tree change, attach the book's recorder to
@@ -178,20 +180,21 @@ class Engine(ConfigView):
             raise ValueError("structured output needs the grammar extra "
                              "(pip install 'minisrv[grammar]')") from exc
 
-        sampler = getattr(self.backend, "sampler", None)
-        if sampler is None:
-            raise ValueError("grammars need a model to sample from, not a simulated GPU")
+        backend = cast(SamplingBackend, self.backend)
+        if Capability.SAMPLES_PROCESSORS not in backend.capabilities:
+            raise ValueError(f"grammars need a model to sample from, not a simulated GPU "
+                             f"({type(backend).__name__})")
+        sampler = backend.sampler
         if vocab is None:  # that of the tokenizer the model carries
             from minisrv.grammar.vocab import model_vocabulary
 
-            vocab = model_vocabulary(getattr(self.backend, "model", None),
-                                     self.backend.vocab_size, self.backend.eos_ids)
+            vocab = model_vocabulary(backend.model, backend.vocab_size, backend.eos_ids)
         if self._grammars is not None:
             sampler.logits_processors.remove(self._grammars)
         self._grammars = GrammarSampling(vocab)
         sampler.logits_processors.append(self._grammars)
-        if self.config.jump_forward:
-            self.backend.jump = self._grammars  # type: ignore[attr-defined]
+        if self.config.jump_forward:  # JUMPS_FORWARD: checked when the engine was built
+            cast(JumpForwarder, backend).set_jump(self._grammars)
         return self._grammars
 
     def step(self) -> StepOutput:
@@ -221,7 +224,9 @@ class Engine(ConfigView):
         """The step's token callback: each token, and its logprobs where they were asked
         for (read as the token is appended: a request that finishes is released within
         the same step, its sampler state with it)."""
-        pending = getattr(self.backend, "logprobs", None)
+        backend = self.backend
+        pending = (cast(SamplingBackend, backend).logprobs
+                   if Capability.GIVES_LOGPROBS in backend.capabilities else None)
 
         def on_token(req: Req, token: int) -> None:
             tokens.append((req, token))
@@ -298,19 +303,10 @@ class Engine(ConfigView):
         arrival_steps: Sequence[float] | None = None,
     ) -> list[Req]:
         """Validated ``Req`` objects for ``generate``'s arguments; nothing is queued yet."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
-        n = len(prompts)
-        clean = [check_prompt(i, p) for i, p in enumerate(prompts)]
-        params = per_request_params(n, max_new_tokens, sampling)
-        arrivals = per_request_arrivals(n, arrival_steps)
-        base = self.scheduler.clock
-        first = self._next_rid
-        self._next_rid += n
-        return [
-            Req(rid=first + i, prompt=clean[i], params=params[i], arrival=base + arrivals[i])
-            for i in range(n)
-        ]
+        reqs = make_requests(prompts, max_new_tokens, sampling, arrival_steps,
+                             first_rid=self._next_rid, now=self.scheduler.clock)
+        self._next_rid += len(reqs)
+        return reqs
 
     def serve(
         self,
@@ -346,7 +342,8 @@ class Engine(ConfigView):
 
             bar = tqdm(total=total, unit="req", desc=f"serving ({self.mode})")
         try:
-            with self._short_switch_interval():
+            overlapped = isinstance(self.loop, OverlapLoop)  # its device thread needs the GIL
+            with short_switch_interval() if overlapped else nullcontext():
                 while (out := self._step(collect=on_token is not None)).record is not None:
                     if on_token is not None:
                         for req, token in out.tokens:
@@ -356,21 +353,6 @@ class Engine(ConfigView):
         finally:
             if bar is not None:
                 bar.close()
-
-    @contextmanager
-    def _short_switch_interval(self) -> Iterator[None]:
-        """While the overlapped loop runs, hand the GIL over every ``SWITCH_INTERVAL``: the
-        device thread needs it for a moment to start each step, and Python's default (5 ms)
-        is longer than a whole step."""
-        if not isinstance(self.loop, OverlapLoop):
-            yield
-            return
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
-        try:
-            yield
-        finally:
-            sys.setswitchinterval(old)
 
     def run_workload(self, workload: Workload, progress: bool = False) -> RunResult:
         """Replay ``workload`` (arrivals relative to now); return requests, steps, metrics.

@@ -6,9 +6,10 @@ what the scheduling chapters draw. The alphabet is a constant written here (not 
 from data) so the shipped weights and any future data agree on what every id means.
 
 Both tokenizers also serve the HTTP server (``load_model`` returns one, and so does
-``load_tokenizer`` without the weights): ``chat_prompt`` applies the model's chat template,
-``stop_ids`` are the ids whose text a reply never shows, and ``prefix_stable`` says whether
-decoding one more id only appends text (then a stream decodes each new id alone).
+``minisrv.model.load_tokenizer`` without the weights): ``chat_prompt`` applies the model's
+chat template, ``stop_ids`` are the ids whose text a reply never shows, and
+``prefix_stable`` says whether decoding one more id only appends text (then a stream
+decodes each new id alone).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ALPHABET", "BOS", "EOS", "HFTokenizer", "Tokenizer", "bounded_list",
-           "concatenated_chat", "load_tokenizer"]
+           "concatenated_chat"]
 
 BOS = "<bos>"
 EOS = "<eos>"
@@ -71,7 +72,7 @@ class Tokenizer:
             raise ValueError(
                 "text contains characters outside the CityLM alphabet: "
                 f"{bounded_list(f'{ch!r} at position {pos}' for pos, ch in unknown)} "
-                "(fold accents first, e.g. with minisrv.data.fold_name)"
+                "(fold accents first, e.g. with minisrv.train.data.fold_name)"
             )
         ids = [self._stoi[ch] for ch in text]
         return [self.bos_id, *ids] if bos else ids
@@ -194,16 +195,3 @@ class HFTokenizer:
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
 
-
-def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
-    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
-    encodes and decodes while its workers hold the weights, and imports neither torch's
-    model code nor the weights); its stop ids are those of the folder's configs and of the
-    tokenizer, as the model's."""
-    if str(name_or_path) == "citylm":
-        return Tokenizer()
-    from minisrv.model.hf import folder_eos_ids
-    from minisrv.model.loading import checkpoint_folder
-
-    folder = checkpoint_folder(name_or_path)
-    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

@@ -40,7 +40,7 @@ def serve_checked(engine: Engine, reqs: list[Req], budget: int) -> None:
         record = out.record
         assert record.prefill_tokens + len(record.decode) <= budget
         sched.check_integrity()
-    assert sched.idle and sched.chunked is None and not sched.chunk_ends
+    assert sched.idle and sched.chunked is None and not sched.chunks.ends
     assert sched.kv.used_count == sched.tree.total_size()  # only the tree holds slots
 
 

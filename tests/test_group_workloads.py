@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minisrv.data import country_line
 from minisrv.tokenizer import Tokenizer
+from minisrv.train.data import country_line
 from minisrv.workloads import (
     few_shot_workload,
     group_workload,

@@ -19,9 +19,9 @@ from minisrv.configs import (
     QWEN25_7B,
     T4,
 )
-from minisrv.kvsize import (
+from minisrv.kvsize import kv_bytes_per_token
+from minisrv.sim.sizing import (
     kv_bytes_per_request,
-    kv_bytes_per_token,
     max_concurrent_requests,
     weight_bytes,
 )

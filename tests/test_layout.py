@@ -25,14 +25,14 @@ PACKAGE = Path(minisrv.__file__).parent
 ROOT = PACKAGE.parent
 MAX_LINES = 400
 MAX_TOP_LEVEL = 12
-# The book side: what the chapters use to explain and measure the runtime. ``data`` is the
-# city language the model is trained on and the workloads are written in.
+# The book side: what the chapters use to explain and measure the runtime. ``train`` holds
+# the city language the model is trained on and the workloads are written in.
 BOOK_SIDE = ("minisrv.workloads", "minisrv.experiments", "minisrv.viz", "minisrv.sim",
-             "minisrv.book", "minisrv.train", "minisrv.data")
+             "minisrv.book", "minisrv.train")
 HEAVY = ("pandas", "matplotlib", "ipywidgets", "graphviz")
 # The serving runtime: subpackages and top-level modules that import nothing from the book.
 RUNTIME = ("scheduler", "kv", "model", "runner", "grammar", "router", "server", "engine", "request",
-           "sampling", "tokenizer", "checks", "configs")
+           "sampling", "tokenizer", "checks", "configs", "kvsize", "metrics")
 UNTIL_RUNTIME = "until the runtime branch lands"
 RUNTIME_NOT_YET: dict[str, str] = {}
 # The load generator of ``minisrv bench`` is a client, not part of what serves: it draws its
@@ -211,6 +211,26 @@ def test_no_import_cycle_among_module_level_imports() -> None:
     assert cycles(edges) == []
 
 
+# The runner's own cycle (``speculative`` reads ``model_runner``'s step inputs inside a
+# function) goes with the runner's rework on the request-to-token table (issue #37 part 1).
+CYCLES_NOT_YET = [["minisrv.runner.model_runner", "minisrv.runner.speculative"]]
+
+
+def _cycles_counting_deferred_imports() -> list[list[str]]:
+    """Cycles when an import inside a function counts as much as one at module level: a
+    deferred import hides a cycle from the loader, not from the reader."""
+    return cycles([(i.source, i.target) for i in IMPORTS if i.kind != "type-checking"])
+
+
+def test_no_import_cycle_counting_imports_inside_functions() -> None:
+    assert [c for c in _cycles_counting_deferred_imports() if c not in CYCLES_NOT_YET] == []
+
+
+@pytest.mark.xfail(strict=False, reason="the runner's cycle goes with issue #37 part 1")
+def test_no_import_cycle_at_all() -> None:
+    assert _cycles_counting_deferred_imports() == []
+
+
 def _module_files() -> Iterator[object]:
     for path in MODULES.values():
         rel = path.relative_to(PACKAGE).as_posix()
@@ -247,7 +267,7 @@ def _loads(module: str) -> list[str]:
 @pytest.mark.parametrize("module", [
     "minisrv.engine",
     "minisrv.server.app",
-    "minisrv.overlap",  # the overlapped loop; the chapter's lanes load only when asked for
+    "minisrv.scheduler.overlap",  # the overlapped loop, without the chapter's lanes
 ])
 def test_the_runtime_loads_nothing_of_the_book(module: str) -> None:
     assert _loads(module) == []
@@ -291,12 +311,14 @@ def test_every_experiment_is_importable_from_the_package() -> None:
         experiments.no_such_experiment  # noqa: B018
 
 
-def test_the_overlap_package_still_names_the_chapters_lanes() -> None:
-    from minisrv.experiments import breakdown, lanes
-    from minisrv.overlap import PARTS, throughput_ratio, timeline
+def test_the_package_names_the_overlap_chapters_lanes() -> None:
+    """The overlap model from ``minisrv`` (the design's public names), its parts from
+    ``minisrv.experiments``, where they live: there is no forwarding package."""
+    from minisrv.experiments import PARTS, breakdown, lanes
 
-    assert (timeline, throughput_ratio, PARTS) == (lanes.timeline, lanes.throughput_ratio,
-                                                   breakdown.PARTS)
+    assert (minisrv.timeline, minisrv.throughput_ratio, PARTS) == (
+        lanes.timeline, lanes.throughput_ratio, breakdown.PARTS)
+    assert not (PACKAGE / "overlap").exists()
 
 
 def test_the_public_names_of_the_design_resolve() -> None:

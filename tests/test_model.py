@@ -189,7 +189,7 @@ def test_shipped_model_knows_the_largest_city(citylm, code: str, first_city: str
 
 
 def test_shipped_model_continues_a_line_in_order(citylm) -> None:
-    from minisrv.data import country_line
+    from minisrv.train.data import country_line
 
     model, tok = citylm
     prompt = tok.encode(country_line("FR", 2) + ",")

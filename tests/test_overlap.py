@@ -14,9 +14,8 @@ from minisrv import sampling
 from minisrv.engine import Engine
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
 from minisrv.experiments.lanes import late_stop_waste, throughput_ratio, timeline
-from minisrv.overlap import TimedBackend
 from minisrv.runner import ModelBackend
-from minisrv.sim import SimBackend
+from minisrv.sim import SimBackend, TimedBackend
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 3
@@ -162,7 +161,7 @@ def test_ratio_rejects_bad_input(args: tuple) -> None:
 
 def test_wasted_rows_counted_in_time() -> None:
     from minisrv.configs import H100, LLAMA3_8B
-    from minisrv.roofline import decode_step_time
+    from minisrv.sim.roofline import decode_step_time
 
     step = decode_step_time(LLAMA3_8B, H100, 64, 1024)
     row = decode_step_time(LLAMA3_8B, H100, 65, 1024) - step

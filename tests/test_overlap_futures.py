@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisrv.overlap import FutureMap
+from minisrv.runner.futures import FutureMap
 
 
 def _token(rid: int, position: int) -> int:

@@ -28,7 +28,7 @@ from minisrv.experiments.gpu import (
     write_tiny_llama,
 )
 from minisrv.model import HFTokenizer, load_model  # noqa: E402
-from minisrv.roofline import decode_step_time  # noqa: E402
+from minisrv.sim.roofline import decode_step_time  # noqa: E402
 
 TINY = CITYLM.with_(name="tiny", n_layers=2, max_seq_len=64)
 

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minisrv.configs import CITYLM, DEEPSEEK_V3, GPUS, H100, LLAMA3_8B, MODELS
-from minisrv.kvsize import kv_bytes_per_token, weight_bytes
-from minisrv.roofline import (
+from minisrv.kvsize import kv_bytes_per_token
+from minisrv.sim.roofline import (
     attention_flops_per_pair,
     batch_step_cost,
     batch_step_time,
@@ -18,6 +18,7 @@ from minisrv.roofline import (
     decode_throughput,
     step_cost_from_totals,
 )
+from minisrv.sim.sizing import weight_bytes
 
 
 @pytest.mark.parametrize(("batch", "ms"), [(1, 4.83), (16, 5.44), (64, 7.36)])

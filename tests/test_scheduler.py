@@ -28,6 +28,7 @@ class ScriptedBackend:
     eos_ids = (EOS,)
     max_context = 64
     vocab_size = 10
+    capabilities: frozenset = frozenset()  # whole steps only
 
     def __init__(self, eos_at: dict[int, int] | None = None) -> None:
         self.eos_at = eos_at or {}

@@ -7,10 +7,10 @@ import pytest
 from minisrv.configs import H100, LLAMA3_8B
 from minisrv.engine import Engine
 from minisrv.request import Req
-from minisrv.roofline import batch_step_time
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Batch
 from minisrv.sim import SimBackend, simulate
+from minisrv.sim.roofline import batch_step_time
 from minisrv.workloads import gpu_scale_workload
 
 GPU = {"max_running": 64, "admission": "reserve"}  # the scheduler-loop chapter's setting

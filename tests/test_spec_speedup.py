@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minisrv.configs import H100, LLAMA3_8B, LLAMA32_1B
-from minisrv.roofline import batch_step_cost, decode_step_cost
+from minisrv.sim.roofline import batch_step_cost, decode_step_cost
 from minisrv.spec.speedup import (
     breakeven_batch,
     check_step_cost,

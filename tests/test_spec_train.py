@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from minisrv.spec import CITYDRAFT, DRAFT_META_FILE, DRAFT_WEIGHTS_FILE
-from minisrv.spec.train_draft import save_draft, train_draft
 from minisrv.train import TrainConfig
+from minisrv.train.draft import save_draft, train_draft
 
 
 def test_a_few_steps_lower_the_loss_and_save_writes_the_draft_files(tmp_path) -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from minisrv.configs import CITYLM
-from minisrv.data import load_cities
 from minisrv.model import CityLM
 from minisrv.tokenizer import Tokenizer
 from minisrv.train import IGNORE, TrainConfig, batch_logits, lr_at, make_batch, train
+from minisrv.train.data import load_cities
 
 
 def test_batched_training_forward_equals_model_forward() -> None:

@@ -86,8 +86,8 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
 
 
 def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> None:
-    from minisrv.kvsize import max_concurrent_requests
-    from minisrv.roofline import decode_step_cost
+    from minisrv.sim.roofline import decode_step_cost
+    from minisrv.sim.sizing import max_concurrent_requests
 
     ex = viz.roofline_explorer(contexts=(128, 8192), batches=(1, 64))
     assert ex.default == {"context_len": 1024, "batch": 16}  # the chapter's static figures
@@ -111,7 +111,7 @@ def test_roofline_explorer_refuses_an_unknown_choice_before_drawing() -> None:
 def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None:
     from minisrv.configs import H200, SMOLLM2_135M, T4
     from minisrv.experiments.gpu import recorded_gpu_run
-    from minisrv.roofline import decode_step_cost
+    from minisrv.sim.roofline import decode_step_cost
     from minisrv.viz.gpu import gpu_roofline_explorer
 
     steps, _ = recorded_gpu_run("h200")

@@ -27,9 +27,9 @@ from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.model.hf import save_hf_folder
-from minisrv.roofline import decode_step_cost, decode_step_time
 from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
+from minisrv.sim.roofline import decode_step_cost, decode_step_time
 from minisrv.sim.steptime import decode_step_seconds
 
 __all__ = [

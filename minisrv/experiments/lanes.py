@@ -178,7 +178,7 @@ def late_stop_waste(cfg: Any, gpu: Any, batch_size: int, context_len: int,
     LLaMA-3-8B on an H100, 64 requests at context 1024, L = 8: 8 rows of about 40 us, a
     few percent of the 7.36 ms step, where counting tokens says 1/9 of the work.
     """
-    from minisrv.roofline import decode_step_time
+    from minisrv.sim.roofline import decode_step_time
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -20,10 +20,10 @@ import torch
 from minisrv.checks import check_int, check_number
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.engine import Engine
-from minisrv.kvsize import max_concurrent_requests
 from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
+from minisrv.sim.sizing import max_concurrent_requests
 from minisrv.spec import (
     Draft,
     Drafter,

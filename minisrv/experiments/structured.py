@@ -338,7 +338,7 @@ def decode_step_ms(batch: int, context: int = 1000) -> float:
     """A decode step's time on the simulated H100 (roofline) for LLaMA-3-8B in bf16:
     ``batch`` requests each at ``context`` tokens."""
     from minisrv.configs import H100, LLAMA3_8B
-    from minisrv.roofline import step_cost_from_totals
+    from minisrv.sim.roofline import step_cost_from_totals
 
     cost = step_cost_from_totals(LLAMA3_8B, H100, batch, batch * (context + 1),
                                  batch * context, 2)

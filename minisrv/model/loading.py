@@ -15,8 +15,8 @@ import torch
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.citylm import CityLM
 from minisrv.model.device import available_devices, default_dtype, resolve_device
-from minisrv.model.hf import from_hf_llama
-from minisrv.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from minisrv.model.hf import folder_eos_ids, from_hf_llama
+from minisrv.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = ["CITYLM_NAME", "META_FILE", "WEIGHTS_FILE", "available_devices", "default_dtype",
            "load_citylm", "load_model", "load_shipped", "load_tokenizer", "resolve_device"]
@@ -103,3 +103,13 @@ def checkpoint_folder(name_or_path: str | Path) -> Path:
         )
     return folder
 
+
+def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
+    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
+    encodes and decodes while its workers hold the weights); its stop ids are those of the
+    folder's configs and of the tokenizer, as the model's. It lives beside the loader, not
+    in ``minisrv.tokenizer``, so the tokenizer module imports nothing of the model's."""
+    if str(name_or_path) == "citylm":
+        return Tokenizer()
+    folder = checkpoint_folder(name_or_path)
+    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

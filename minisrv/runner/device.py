@@ -18,11 +18,12 @@ caller's thread, and ``wait`` is called before its result is used.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from minisrv.runner.futures import FutureMap
+from minisrv.scheduler.capabilities import Capability, SelfTimedBackend, SplitBackend, require
 from minisrv.scheduler.records import Batch, BatchResult
 
 __all__ = ["DeviceWorker", "Handed"]
@@ -31,24 +32,21 @@ __all__ = ["DeviceWorker", "Handed"]
 class DeviceWorker:
     """Runs ``backend``'s steps off the scheduler's thread, one after the other.
 
-    The backend must split ``run`` into ``prepare(batch)`` and ``compute(prepared, resolve,
-    store)``, as ``ModelRunner``, ``SimBackend`` and ``TimedBackend`` do; its ``device``
-    attribute (``None``: no GPU) says whether steps get a CUDA stream of their own.
+    The backend must declare ``SPLITS_STEP``: ``run`` as ``prepare(batch)`` and
+    ``compute(prepared, resolve, store)``, as ``ModelRunner``, ``SimBackend`` and
+    ``TimedBackend`` do; its ``device`` (``None``: no GPU) says whether steps get a CUDA
+    stream of their own. One that declares ``ENDS_OWN_STEPS`` gets no thread.
     """
 
-    def __init__(self, backend: Any, futures: int) -> None:
-        if not (callable(getattr(backend, "prepare", None))
-                and callable(getattr(backend, "compute", None))):
-            raise ValueError(
-                f"overlap=True needs a backend with prepare() and compute() (ModelBackend, "
-                f"SimBackend, TimedBackend), got {type(backend).__name__}"
-            )
+    def __init__(self, backend: SplitBackend, futures: int) -> None:
+        require(backend, {Capability.SPLITS_STEP}, "overlap=True")
         self.backend = backend
         self.futures = FutureMap(futures)
-        self._wait = getattr(backend, "wait", None)
+        self._wait = (cast(SelfTimedBackend, backend).wait
+                      if Capability.ENDS_OWN_STEPS in backend.capabilities else None)
         self._thread = None if self._wait is not None else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="minisrv-device")
-        self.stream = step_stream(getattr(backend, "device", None))
+        self.stream = step_stream(backend.device)
 
     def submit(self, batch: Batch) -> tuple[Future[BatchResult] | Handed, list[int]]:
         """Start ``batch`` on the device; return its answer-to-be and one future id per

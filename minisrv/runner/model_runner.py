@@ -35,6 +35,7 @@ from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
 from minisrv.runner.speculative import compute_checks, jump_forward, prepare_checks
 from minisrv.sampling import SamplingParams, TokenLogprobs
+from minisrv.scheduler.capabilities import Capability
 from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class ModelRunner:
 
     time_unit = "step"
     cost_unit = "tokens"
-    verifies_drafts = True  # speculative checks: minisrv.runner.speculative
+    # all but ENDS_OWN_STEPS (the device thread ends its steps); checks: runner.speculative
+    capabilities = frozenset(Capability) - {Capability.ENDS_OWN_STEPS}
 
     def __init__(self, model: CityLM, attention: str = "auto", *,
                  device: str | torch.device | None = None,
@@ -106,6 +108,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Jump-forward: the engine's GrammarSampling, whose ``jump`` appends forced tokens.
         self.jump: Any = None
+
+    def set_jump(self, jump: Any) -> None:
+        """Jump-forward: after sampling, ``jump.jump`` (the engine's GrammarSampling)
+        appends the tokens each request's grammar forces."""
+        self.jump = jump
 
     @property
     def logprobs(self) -> dict[Req, deque[TokenLogprobs]]:

@@ -13,6 +13,7 @@ import torch
 
 from minisrv.request import Req
 from minisrv.sampling import make_generator, sample_next
+from minisrv.scheduler.capabilities import Capability
 from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class PerRequestBackend:
 
     time_unit = "step"
     cost_unit = "tokens"
-    computes_chunks = False  # each prefill is one forward over the whole prompt
+    capabilities: frozenset[Capability] = frozenset()  # a prefill: one forward, whole prompt
 
     def __init__(self, model: CityLM) -> None:
         self.model = model

@@ -4,7 +4,12 @@
 * ``loop.py``: ``Scheduler``, the step path (form, launch, complete, one finish path) and
   the blocking loop;
 * ``overlap.py``: ``OverlapLoop``, the overlapped loop over the same step path;
-* ``state.py``: ``SchedulerState``, the queues, submission, abort, integrity, records;
+* ``state.py``: ``SchedulerState``, the queues, submission, abort, retraction, integrity,
+  records;
+* ``chunked.py``: forming a step under a token budget (chunked prefill);
+* ``wide.py``: decode entries of several tokens, ``JumpForward``'s or ``speculative.py``'s
+  checks (``Speculation``);
+* ``capabilities.py``: what a backend declares it can do, checked once;
 * ``config.py``: ``EngineConfig``, the one frozen set of options;
 * ``admission.py``: how much memory a request must find (reserve, or SGLang's budget);
 * ``records.py``: ``Batch`` (of ``Entry``), ``BatchResult``, ``StepRecord``,

@@ -23,90 +23,63 @@ at the first chunk (SGLang counts the whole prompt in its admission budget but a
 chunk by chunk), so a started prefill can always finish and decode-time retraction never
 has to consider the chunked request; and the budget must be at least ``max_running``, so
 a step of decodes alone never exceeds it either.
+
+``ChunkedPrefill`` holds the chunking state (the request mid-prefill, where its next chunk
+starts, the chunks launched and not completed) and cuts chunks; the scheduler forms the
+budgeted step with it (``Scheduler.get_next_budgeted_batch``).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
+from minisrv.kv.manager import KVManager
 from minisrv.request import Req
-from minisrv.scheduler.records import Batch, Entry
+from minisrv.scheduler.records import Entry
 
 __all__ = ["ChunkedPrefill"]
 
 
 class ChunkedPrefill:
-    """The step-forming half of ``Scheduler`` under a token budget (mixed into it)."""
+    """The one request mid-prefill (``req``, SGLang's ``chunked_req``), where its next chunk
+    starts (``pos``), and the ends of its chunks launched but not completed (``ends``: the
+    overlapped loop forms the next chunk before the previous one completes)."""
 
-    def get_next_budgeted_batch(self) -> Batch:
-        """This step's work under ``chunked_prefill_size`` (see the module docstring)."""
-        budget = self.config.chunked_prefill_size
-        if self.mode == "mixed":
-            decoding, retracted = self.prepare_decode() if self.running else ([], ())
-            left = budget - len(decoding)
-            prefill = self.continue_chunk(left)
-            if self.chunked is None and not retracted:
-                prefill += self.admit_chunks(left - sum(e.n_tokens for e in prefill))
-            return Batch.with_chunks(prefill, decoding, retracted)
-        prefill = self.continue_chunk(budget)
-        if self.chunked is None:
-            prefill += self.admit_chunks(budget - sum(e.n_tokens for e in prefill))
-        if prefill or not self.running:
-            return Batch.with_chunks(prefill, [])
-        return Batch.of([], *self.prepare_decode())
+    def __init__(self) -> None:
+        self.req: Req | None = None
+        self.pos = 0
+        self.ends: deque[tuple[Req, int]] = deque()
 
-    def continue_chunk(self, budget: int) -> list[Entry]:
-        """The next chunk of the request mid-prefill, at most ``budget`` tokens (none if
-        there is no such request)."""
-        req = self.chunked
-        if req is None or budget <= 0:
-            return []
-        return [self._chunk(req, self.chunk_pos, budget)]
-
-    def admit_chunks(self, budget: int) -> list[Entry]:
-        """Admit waiting requests in queue order while a seat, KV memory and ``budget``
-        tokens are left; the first that does not fit in the budget starts as a chunk.
-
-        As ``admit``, but each request is admitted with the KV of its whole prompt (so it
-        can finish its prefill), and admission ends at the request that is chunked.
-        """
-        adder = self.admission.adder(self.running, self.memory, self.max_running)
-        if self.waiting and adder.has_place and budget > 0:
-            self.prioritize()
-        entries: list[Entry] = []
-        while self.waiting and adder.has_place and budget > 0:
-            req = self.waiting[0]
-            match = self.memory.match(req)
-            fill = req.seq_len - match.length
-            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
-                self.memory.drop_match(req, match)
-                break
-            adder.add(req, fill)
-            self.waiting.popleft()
-            self._start(req, match.length)
-            entries.append(self._chunk(req, match.length, budget))
-            budget -= entries[-1].n_tokens
-            if self.chunked is not None:
-                break
-        return entries
-
-    def _chunk(self, req: Req, start: int, budget: int) -> Entry:
+    def cut(self, req: Req, start: int, budget: int) -> Entry:
         """``req``'s prefill from ``start``, cut at ``budget`` tokens. The last piece samples
-        and seats ``req`` in ``running``; an earlier one leaves it as ``chunked``, its end
-        queued for ``finish`` (``chunk_ends``: the overlapped loop forms the next chunk
-        before the previous one completes)."""
+        (the caller seats ``req`` in ``running``); an earlier one leaves ``req`` mid-prefill,
+        its end queued for ``completed``."""
         n = min(req.seq_len - start, budget)
         if start + n == req.seq_len:
-            self.chunked = None
-            self.running.append(req)
+            self.req = None
             return Entry(req, start, n)
-        self.chunked, self.chunk_pos = req, start + n
-        self.chunk_ends.append((req, start + n))
+        self.req, self.pos = req, start + n
+        self.ends.append((req, start + n))
         return Entry(req, start, n, False)
 
-    def cache_chunk_of(self, req: Req) -> bool:
+    def next_chunk(self, budget: int) -> list[Entry]:
+        """The next chunk of the request mid-prefill, at most ``budget`` tokens (none if
+        there is no such request)."""
+        if self.req is None or budget <= 0:
+            return []
+        return [self.cut(self.req, self.pos, budget)]
+
+    def completed(self, req: Req, memory: KVManager) -> bool:
         """If the oldest chunk still to complete is ``req``'s, put its KV in the prefix
-        cache (``finish`` calls this for each prefill entry of a completed step)."""
-        ends = self.chunk_ends
+        cache and say so (``finish`` asks for each prefill entry of a completed step)."""
+        ends = self.ends
         if not ends or ends[0][0] is not req:
             return False
-        self.memory.cache_unfinished(req, ends.popleft()[1])
+        memory.cache_unfinished(req, ends.popleft()[1])
         return True
+
+    def drop(self, req: Req) -> None:
+        """``req`` leaves (aborted, retracted): if it was mid-prefill, nothing is any more."""
+        if self.req is req:
+            self.req = None
+            self.ends.clear()

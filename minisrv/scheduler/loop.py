@@ -25,7 +25,6 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from minisrv.request import Req, ReqState
-from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.policy import calc_priority, default_in_batch_check
 from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
 from minisrv.scheduler.state import SchedulerState
@@ -41,14 +40,15 @@ class Launched(NamedTuple):
     result: BatchResult
 
 
-class Scheduler(ChunkedPrefill, SchedulerState):
+class Scheduler(SchedulerState):
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
     ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
-    With ``chunked_prefill_size`` its steps are formed under a token budget
-    (``minisrv.scheduler.chunked``).
+    With ``chunked_prefill_size`` its steps are formed under a token budget, the request
+    mid-prefill held by its ``ChunkedPrefill`` (``chunks``); decode entries of several
+    tokens come from its ``WideDecode`` (``wide``: speculative checks or jump-forward).
     """
 
     # ----------------------------------------------------------------- the loop
@@ -92,16 +92,17 @@ class Scheduler(ChunkedPrefill, SchedulerState):
 
     def next_batch(self) -> Batch:
         """``get_next_batch_to_run``, or its budgeted form under chunked prefill; with
-        speculative decoding each decode entry becomes a check (``speculative.py``)."""
+        speculative decoding each decode entry becomes a check, with jump-forward it computes
+        the tokens a grammar forced (``wide.py``)."""
         if self.config.chunked_prefill_size is None:
             batch = self.get_next_batch_to_run()
         else:
             batch = self.get_next_budgeted_batch()
-        return batch if self.spec is None else self.spec.expand(batch)
+        return batch if self.wide is None else self.wide.expand(batch)
 
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
-        before = self._snapshot(batch)
+        before = self.trace_fields(batch)
         return Launched(batch, before, self.backend.run(batch))
 
     def complete(self, step: Launched) -> StepRecord:
@@ -164,6 +165,56 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         self.running.extend(new)
         return new
 
+    def get_next_budgeted_batch(self) -> Batch:
+        """This step's work under ``chunked_prefill_size`` (``minisrv.scheduler.chunked``):
+        mixed, decodes first and chunks in what is left; prefill-first, prefills and chunks
+        up to the budget, decodes only in a step without them."""
+        budget = self.config.chunked_prefill_size
+        if self.mode == "mixed":
+            decoding, retracted = self.prepare_decode() if self.running else ([], ())
+            left = budget - len(decoding)
+            prefill = self.continue_chunk(left)
+            if self.chunked is None and not retracted:
+                prefill += self.admit_chunks(left - sum(e.n_tokens for e in prefill))
+            return Batch.with_chunks(prefill, decoding, retracted)
+        prefill = self.continue_chunk(budget)
+        if self.chunked is None:
+            prefill += self.admit_chunks(budget - sum(e.n_tokens for e in prefill))
+        if prefill or not self.running:
+            return Batch.with_chunks(prefill, [])
+        return Batch.of([], *self.prepare_decode())
+
+    def continue_chunk(self, budget: int) -> list[Entry]:
+        """The next chunk of the request mid-prefill (seated in ``running`` by its last)."""
+        entries = self.chunks.next_chunk(budget)
+        self.running.extend(e.req for e in entries if e.sample)
+        return entries
+
+    def admit_chunks(self, budget: int) -> list[Entry]:
+        """``admit`` under a token budget: each request with the KV of its whole prompt (so
+        it can finish its prefill), the first that does not fit in ``budget`` as a chunk,
+        which ends admission."""
+        adder = self.admission.adder(self.running, self.memory, self.max_running)
+        if self.waiting and adder.has_place and budget > 0:
+            self.prioritize()
+        entries: list[Entry] = []
+        while self.waiting and adder.has_place and budget > 0:
+            req = self.waiting[0]
+            match = self.memory.match(req)
+            fill = req.seq_len - match.length
+            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
+                self.memory.drop_match(req, match)
+                break
+            adder.add(req, fill)
+            self.waiting.popleft()
+            self._start(req, match.length)
+            entries.append(entry := self.chunks.cut(req, match.length, budget))
+            budget -= entry.n_tokens
+            if not entry.sample:
+                break
+            self.running.append(req)
+        return entries
+
     def prioritize(self) -> None:
         """Reorder the waiting queue by the policy (``policy.calc_priority``, as SGLang sorts
         its queue each round); FCFS without the in-batch check keeps arrival order."""
@@ -198,31 +249,21 @@ class Scheduler(ChunkedPrefill, SchedulerState):
             retracted.append(victim)
         self.waiting.extendleft(reversed(retracted))
         self.admission.after_decode_prepared(self.running, retracted)
-        if self.spec is None:
+        if self.wide is None:
             self.memory.alloc_decode(self.running)
-        else:  # drafts, and the slots of every check
-            self.spec.alloc(self.running, self.memory)
+        else:  # each wide entry's slots (a check's drafts included)
+            self.wide.alloc(self.running, self.memory)
         return list(self.running), tuple(retracted)
 
     def decode_tokens(self, running: list[Req]) -> int:
         """KV slots the running requests' decodes take this step: one token each, or with
-        speculative decoding each one's token plus its guesses (at most k each)."""
-        return len(running) if self.spec is None else self.spec.room(running)
+        wider entries (``wide.py``) each one's tokens without KV plus its guesses."""
+        return len(running) if self.wide is None else self.wide.room(running)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:
         """The request to retract first: fewest generated tokens, then the longest prompt."""
         return min(running, key=lambda r: (len(r.output), -r.prompt_len))
-
-    def retract(self, req: Req) -> None:
-        """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
-        self.stats.retractions += 1
-        self.stats.wasted_tokens += self.memory.release(req)
-        self.admission.released(req)
-        if self.spec is not None:
-            self.spec.release(req)
-        req.retractions += 1
-        req.state = ReqState.WAITING
 
     def set_aside_finishing(self) -> None:
         """Move the running requests whose pending token is their last to ``finishing``: they
@@ -290,7 +331,7 @@ class Scheduler(ChunkedPrefill, SchedulerState):
         done = {id(req) for req in finished}
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING and (
-                    not self.cache_chunk_of(req)):
+                    not self.chunks.completed(req, self.memory)):
                 self.memory.cache_unfinished(req)
         requeued = False  # a request retracted while its last token was computed
         for req in finished:

@@ -22,8 +22,9 @@ are the runner's (``minisrv.runner.device``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,22 @@ from minisrv.runner.device import DeviceWorker, Handed
 from minisrv.scheduler.loop import Scheduler
 from minisrv.scheduler.records import Batch, BatchResult, StepRecord
 
-__all__ = ["SWITCH_INTERVAL", "FutureStep", "InFlight", "OverlapLoop"]
+__all__ = ["SWITCH_INTERVAL", "FutureStep", "InFlight", "OverlapLoop", "short_switch_interval"]
 
 SWITCH_INTERVAL = 1e-4
 """Seconds between GIL hand-overs while the overlapped loop runs (Python's default: 5 ms)."""
+
+
+@contextmanager
+def short_switch_interval() -> Iterator[None]:
+    """Hand the GIL over every ``SWITCH_INTERVAL`` meanwhile: the device thread needs it for
+    a moment to start each step, and Python's default (5 ms) is longer than a whole step."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(min(old, SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 @dataclass(frozen=True)
@@ -89,16 +102,10 @@ class OverlapLoop:
         return self.scheduler.idle and self.inflight is None
 
     def run(self, progress: bool = False) -> None:
-        """Step until every request has finished, with a short GIL switch interval (the
-        device thread needs the GIL for a moment to start each step; by default Python
-        hands it over only every 5 ms, longer than a whole step)."""
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(min(old, SWITCH_INTERVAL))
-        try:
+        """Step until every request has finished, with a short GIL switch interval."""
+        with short_switch_interval():
             while self.step() is not None:
                 pass
-        finally:
-            sys.setswitchinterval(old)
 
     def step(self) -> StepRecord | None:
         """Launch the next step, then complete the previous one; its record (``None``: done)."""
@@ -116,7 +123,7 @@ class OverlapLoop:
     def launch(self, batch: Batch) -> InFlight:
         """Copy the batch's inputs, start the device, give each request its placeholder."""
         sched = self.scheduler
-        before = sched._snapshot(batch)
+        before = sched.trace_fields(batch)
         reqs = batch.sampling  # a prefill chunk's entry gets no token, so no placeholder
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in reqs) if sched.config.record_trace else ()

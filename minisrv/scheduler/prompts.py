@@ -13,9 +13,25 @@ from dataclasses import replace
 from typing import Any
 
 from minisrv.checks import check_int, check_number, is_int
+from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 
-__all__ = ["check_prompt", "per_request", "per_request_arrivals", "per_request_params"]
+__all__ = ["check_prompt", "make_requests", "per_request", "per_request_arrivals",
+           "per_request_params"]
+
+
+def make_requests(prompts: Sequence[Sequence[int]], max_new_tokens: Any, sampling: Any,
+                  arrival_steps: Sequence[float] | None, first_rid: int, now: float
+                  ) -> list[Req]:
+    """One checked ``Req`` per prompt (ids from ``first_rid``, arrivals from ``now``)."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts)}")
+    n = len(prompts)
+    clean = [check_prompt(i, p) for i, p in enumerate(prompts)]
+    params = per_request_params(n, max_new_tokens, sampling)
+    arrivals = per_request_arrivals(n, arrival_steps)
+    return [Req(rid=first_rid + i, prompt=clean[i], params=params[i], arrival=now + arrivals[i])
+            for i in range(n)]
 
 
 def check_prompt(i: int, prompt: object) -> list[int]:

@@ -19,6 +19,7 @@ from minisrv.request import Req
 
 if TYPE_CHECKING:
     from minisrv.kv import SlotAllocator
+    from minisrv.scheduler.capabilities import Capability
 
 __all__ = [
     "Backend", "Batch", "BatchResult", "EngineSnapshot", "Entry", "SchedulerStats", "StepOutput",
@@ -153,6 +154,8 @@ class Backend(Protocol):
     eos_ids: tuple[int, ...]  # tokens that end a request (empty: outputs have fixed lengths)
     max_context: int | None  # longest sequence (prompt + output) the model takes (None: any)
     vocab_size: int | None  # prompts must hold ids below this (None: any id)
+    # what it can do beyond ``run`` (``minisrv.scheduler.capabilities``), checked once
+    capabilities: frozenset[Capability]
 
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """Build the KV store for ``capacity`` token slots and return its allocator, so the

@@ -16,9 +16,9 @@ i+1's draft. So its tokens depend only on its seed, and equal ``speculative_gene
 A request whose logits are processed (penalties, bias, ``min_tokens``, a grammar) or that
 asks for logprobs drafts nothing: its entry is an ordinary decode, sampled by the sampler.
 
-Jump-forward (``EngineConfig(jump_forward=True)``) uses the same entries without a drafter:
-the tokens a grammar forced were appended without KV, so a request's next entry computes
-every token from its first without KV (its newest sampled one) through its newest.
+A check's entry also starts at the request's first token without KV, so it carries the
+tokens a grammar forced (jump-forward) too; jump-forward alone has its own entries
+(``wide.py``'s ``JumpForward``), which guess nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Speculation:
     """One engine's drafter and draft length, and the drafts of the step being formed.
 
     ``generators`` gives the requests' random generators (the runner's ``Sampler``): a
-    sampled draft draws from them. ``drafter`` is the object ``make_drafter`` returns.
+    sampled draft draws from them. ``drafter`` is the object ``make_drafter`` returns. It is
+    one ``WideDecode`` (``wide.py``): the scheduler calls it as it calls ``JumpForward``.
     """
 
     def __init__(self, drafter: Any, k: int, generators: Generators,
@@ -72,7 +73,7 @@ class Speculation:
 
     def guesses(self, req: Req) -> int:
         """The most guesses ``req`` may draft now (0 for its last token, or no drafting)."""
-        if self.drafter is None or not drafts_for(req.params):
+        if not drafts_for(req.params):
             return 0
         return max(0, min(self.k, req.remaining_new_tokens - 1))
 
@@ -91,10 +92,9 @@ class Speculation:
         planned = self._planned
         planned.clear()
         vocab, drafter = self.vocab_size, self.drafter
-        generators = self.generators(running) if drafter is not None else [None] * len(running)
-        for req, generator in zip(running, generators, strict=True):
+        for req, generator in zip(running, self.generators(running), strict=True):
             draft = None
-            if drafter is not None and drafts_for(req.params):
+            if drafts_for(req.params):
                 k = self.guesses(req)
                 draft = drafter.draft([*req.prompt, *req.output], k, req.params, generator,
                                       key=req.rid)
@@ -122,8 +122,7 @@ class Speculation:
             entries.append(Entry(req, start, req.seq_len - start + (len(draft) if draft else 0)))
             drafts.append(draft)
         planned.clear()
-        return Batch(tuple(entries), n_prefill, batch.retracted,
-                     tuple(drafts) if self.drafter is not None else None)
+        return Batch(tuple(entries), n_prefill, batch.retracted, tuple(drafts))
 
     def count(self, batch: Batch, result: BatchResult, stats: SchedulerStats,
               before: dict[str, Any]) -> None:
@@ -149,5 +148,4 @@ class Speculation:
 
     def release(self, req: Req) -> None:
         """Forget the drafter's state of ``req`` (finished, aborted or retracted)."""
-        if self.drafter is not None:
-            self.drafter.release(req.rid)
+        self.drafter.release(req.rid)

@@ -19,9 +19,11 @@ from minisrv.kv import PrefixCache, SlotAllocator
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
+from minisrv.scheduler.capabilities import needs, require
+from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
-from minisrv.scheduler.speculative import Speculation, make_drafter
+from minisrv.scheduler.wide import WideDecode, make_wide
 
 __all__ = ["SchedulerState"]
 
@@ -37,15 +39,13 @@ class SchedulerState(ConfigView):
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
         self.config = config = EngineConfig.from_options(config, **options)
+        require(backend, needs(config))  # once: the step path asks the backend nothing more
         self.backend = backend
-        if config.chunked_prefill_size is not None and not getattr(
-                backend, "computes_chunks", True):
-            raise ValueError(f"chunked_prefill_size needs a backend that computes prefill "
-                             f"chunks (ModelRunner, SimBackend), not {type(backend).__name__}")
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
         self.memory = KVManager(allocator, config.cache)
         self.admission = make_admission(config)
-        self.spec: Speculation | None = make_speculation(config, backend)
+        # speculative checks or jump-forward's entries: decodes of several tokens
+        self.wide: WideDecode | None = make_wide(config, backend)
         self.clock = 0.0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -54,9 +54,7 @@ class SchedulerState(ConfigView):
         self.finishing: list[Req] = []
         # Chunked prefill: the one request mid-prefill (SGLang's chunked_req). It holds a seat
         # and the KV slots of its whole prompt but is not in ``running`` until its last chunk.
-        self.chunked: Req | None = None
-        self.chunk_pos = 0  # where its next chunk starts
-        self.chunk_ends: deque[tuple[Req, int]] = deque()  # chunks launched, not completed
+        self.chunks = ChunkedPrefill()
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
         self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
@@ -74,6 +72,11 @@ class SchedulerState(ConfigView):
     def tree(self) -> PrefixCache:
         """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
         return self.memory.tree
+
+    @property
+    def chunked(self) -> Req | None:
+        """The request mid-prefill under chunked prefill (``None``: none)."""
+        return self.chunks.req
 
     @property
     def kv_reserved(self) -> int:
@@ -160,8 +163,8 @@ class SchedulerState(ConfigView):
         """
         stats = self.stats
         stats.count_step(batch, result, before["prefill_tokens"])
-        if self.spec is not None:  # the checks' guesses and kept ones, into the trace too
-            self.spec.count(batch, result, stats, before)
+        if self.wide is not None:  # the checks' guesses and kept ones, into the trace too
+            self.wide.count(batch, result, stats, before)
         stats.generated_tokens -= extra
         stats.wasted_tokens += extra
         stats.late_stop_tokens += extra
@@ -175,8 +178,8 @@ class SchedulerState(ConfigView):
             self.check_integrity()
         return record
 
-    def _snapshot(self, batch: Batch) -> dict[str, Any]:
-        """The trace fields known before the backend runs the step."""
+    def trace_fields(self, batch: Batch) -> dict[str, Any]:
+        """The trace fields known before the backend runs the step (both loops' launch)."""
         computing = {id(req) for req in batch.reqs}
         return {
             "start": self.clock,
@@ -216,9 +219,8 @@ class SchedulerState(ConfigView):
                 if req.retractions:  # retracted while running: may still hold a generator
                     self.backend.release(req)
         self.running = [req for req in self.running if req.state == ReqState.RUNNING]
-        if self.chunked is not None and self.chunked.state == ReqState.ABORTED:
-            self.chunked = None
-            self.chunk_ends.clear()
+        for req in doomed:
+            self.chunks.drop(req)
 
     def requeue(self, reqs: Iterable[Req]) -> None:
         """Retract running ``reqs`` at once: their KV freed, their output and generator kept,
@@ -230,11 +232,9 @@ class SchedulerState(ConfigView):
         ids = {id(req) for req in back}
         self.running, self.finishing = [*self.finishing, *self.running], []
         self.running = [req for req in self.running if id(req) not in ids]
-        if self.chunked is not None and id(self.chunked) in ids:
-            self.chunked = None
-            self.chunk_ends.clear()
         for req in back:
-            self.retract(req)  # type: ignore[attr-defined]  # the Scheduler's
+            self.chunks.drop(req)
+            self.retract(req)
         self.waiting.extendleft(reversed(back))
 
     def check_integrity(self) -> None:
@@ -254,7 +254,17 @@ class SchedulerState(ConfigView):
         if self.chunked is not None:
             req = self.chunked
             assert len(req.kv_slots) == req.seq_len, "a chunked request lacks its prompt's KV"
-            assert req.cached_len <= self.chunk_pos < req.seq_len, "chunk position off"
+            assert req.cached_len <= self.chunks.pos < req.seq_len, "chunk position off"
+
+    def retract(self, req: Req) -> None:
+        """Free ``req``'s KV and mark it waiting; it keeps its output (and its generator)."""
+        self.stats.retractions += 1
+        self.stats.wasted_tokens += self.memory.release(req)
+        self.admission.released(req)
+        if self.wide is not None:
+            self.wide.release(req)
+        req.retractions += 1
+        req.state = ReqState.WAITING
 
     def _leave(self, req: Req, state: ReqState, release: bool = True) -> None:
         """A running request ends (its KV already handed over or freed); ``release=False``
@@ -263,24 +273,6 @@ class SchedulerState(ConfigView):
         req.state = state
         if release:
             self.backend.release(req)
-        if self.spec is not None:
-            self.spec.release(req)
+        if self.wide is not None:
+            self.wide.release(req)
 
-
-def make_speculation(config: EngineConfig, backend: Backend) -> Speculation | None:
-    """The engine's speculative decoding (``config.speculative``), or None when off; a
-    backend must verify drafts (``ModelRunner``), a simulated GPU does not. Jump-forward
-    alone needs its multi-token decode entries, without a drafter."""
-    if config.speculative is None:
-        if config.jump_forward:  # multi-token decode entries only, no drafts
-            return Speculation(None, 0, lambda reqs: [None] * len(reqs))
-        return None
-    sampler = getattr(backend, "sampler", None)
-    if not getattr(backend, "verifies_drafts", False) or sampler is None:
-        raise ValueError(f"speculative decoding needs a model to check the drafts "
-                         f"(ModelRunner), not a {type(backend).__name__}")
-    if sampler.logits_processors:
-        raise ValueError("speculative decoding checks its rows without the runner's logits "
-                         "processors: give the ModelRunner none")
-    return Speculation(make_drafter(config.speculative), config.num_draft_tokens,
-                       sampler.generators, backend.vocab_size)

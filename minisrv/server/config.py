@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisrv.kvsize import kv_bytes_per_token
 from minisrv.scheduler import EngineConfig
 
 __all__ = [
@@ -137,7 +138,7 @@ def auto_kv_capacity(model: Any, max_running: int, free_bytes: int | None) -> in
     """KV slots for ``max_running`` requests at the full context, capped by
     ``MEM_FRACTION`` of ``free_bytes`` (None: no cap)."""
     cfg = model.config
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
+    per_token = kv_bytes_per_token(cfg, model.dtype.itemsize)
     want = max_running * cfg.max_seq_len
     if free_bytes is None:
         return want

@@ -6,7 +6,10 @@
   the inner backend's own time for it (a ``SimBackend``'s roofline time) in wall-clock time;
 * ``served.py``: the simulated H100 behind the real server (``python -m minisrv.sim.served``);
 * ``steptime.py``: ``decode_step_seconds``, one real decode step timed;
-* ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``.
+* ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``;
+* ``roofline.py``: the roofline time of a step on a GPU (``batch_step_cost``, ...);
+* ``sizing.py``: a request's KV, the weights, how many requests a GPU holds (built on the
+  runtime's ``minisrv.kvsize.kv_bytes_per_token``).
 
 ``simulate`` is imported on first use, so the backends load without the engine.
 """

@@ -15,10 +15,12 @@ from typing import NamedTuple
 import torch
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
-from minisrv.kvsize import kv_budget_bytes, kv_bytes_per_token
+from minisrv.kvsize import kv_bytes_per_token
 from minisrv.request import Req
-from minisrv.roofline import step_cost_from_totals
+from minisrv.scheduler.capabilities import Capability
 from minisrv.scheduler.records import Batch, BatchResult
+from minisrv.sim.roofline import step_cost_from_totals
+from minisrv.sim.sizing import kv_budget_bytes
 
 __all__ = ["SimBackend", "SimStep"]
 
@@ -46,6 +48,7 @@ class SimBackend:
     cost_unit = "s"
     eos_ids: tuple[int, ...] = ()
     device = None  # no GPU: the overlapped loop gives its steps no CUDA stream
+    capabilities = frozenset({Capability.SPLITS_STEP, Capability.COMPUTES_CHUNKS})
 
     def __init__(
         self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minisrv.request import Req
-from minisrv.scheduler import Batch, BatchResult
+from minisrv.scheduler import Backend, Batch, BatchResult
+from minisrv.scheduler.capabilities import Capability
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +55,9 @@ class TimedBackend:
     """
 
     def __init__(self, inner: Any, step_time: float, spin: float = SPIN) -> None:
-        if not callable(getattr(inner, "run", None)) or not callable(
-            getattr(inner, "release", None)
-        ):
-            raise ValueError(f"inner must be a backend with run() and release(), got {inner!r}")
+        if not isinstance(inner, Backend) or Capability.SPLITS_STEP not in inner.capabilities:
+            raise ValueError(f"inner must be a backend that splits its steps into prepare() "
+                             f"and compute(), got {inner!r}")
         if (
             isinstance(step_time, bool)
             or not isinstance(step_time, numbers.Real)
@@ -73,7 +73,10 @@ class TimedBackend:
         self.cost_unit: str = inner.cost_unit
         self.eos_ids: tuple[int, ...] = inner.eos_ids
         self.max_context: int | None = inner.max_context
-        self.vocab_size: int | None = getattr(inner, "vocab_size", None)
+        self.vocab_size: int | None = inner.vocab_size
+        # it times the inner backend's halves and ends each step itself; nothing else
+        self.capabilities = frozenset({Capability.SPLITS_STEP, Capability.ENDS_OWN_STEPS,
+                                       *inner.capabilities & {Capability.COMPUTES_CHUNKS}})
         self.steps = 0
         self.overruns = 0
         self.busy = 0.0  # seconds the device spent on steps
@@ -83,12 +86,11 @@ class TimedBackend:
     @property
     def device(self) -> Any:
         """Where the inner backend computes (``None``: no device of its own)."""
-        return getattr(self.inner, "device", None)
+        return self.inner.device
 
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
-        attach = getattr(self.inner, "attach_kv", None)
-        return attach(capacity) if callable(attach) else None
+        return self.inner.attach_kv(capacity)
 
     def run(self, batch: Batch) -> BatchResult:
         """The inner backend's answer, once the device has spent ``step_time`` on it."""
@@ -138,7 +140,7 @@ class TimedBackend:
         ``waited`` adds up the time spent here.
         """
         start = time.perf_counter()
-        done_at = getattr(result, "done_at", 0.0)
+        done_at = result.done_at if isinstance(result, TimedResult) else 0.0
         if done_at - start > self.spin:
             time.sleep(done_at - start - self.spin)
         while (now := time.perf_counter()) < done_at:

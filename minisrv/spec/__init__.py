@@ -7,8 +7,9 @@
 - ``verify``: ``verify_batch`` (greedy prefix match, or the rejection rule of Leviathan et
   al. / Chen et al. for sampled rows), ``greedy_accept``, ``rejection_accept``;
 - ``reference``: ``speculative_generate``, one request alone, the oracle;
-- ``speedup``: expected tokens per check, and the roofline speed-up against k and batch;
-- ``train_draft``: ``python -m minisrv.spec.train_draft`` retrains the shipped draft.
+- ``speedup``: expected tokens per check, and the roofline speed-up against k and batch.
+
+The draft's weights are trained on the book side: ``python -m minisrv.train --draft``.
 """
 
 from __future__ import annotations

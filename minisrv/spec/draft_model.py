@@ -6,7 +6,7 @@ holds and the request's current tokens (the drafted tokens the target rejected f
 here: that is the draft's roll-back), feeds the rest, then drafts k tokens one forward at
 a time. So the draft is exact by construction: its cache always equals what a fresh
 prefill of the same tokens would hold, and nobody has to tell it what was accepted.
-``load_draft`` reads the shipped weights (``python -m minisrv.spec.train_draft``).
+``load_draft`` reads the shipped weights (``python -m minisrv.train --draft``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ If each guess is accepted with probability ``a`` independently, a check of k gue
 2023): the accepted run plus the target's own token. A check feeds k + 1 tokens per request.
 When decoding is memory-bound (small batches), a step's time is mostly the weight read, so
 k + 1 tokens cost little more than one and the expected tokens are almost pure gain. As the
-batch grows, the step turns compute-bound (``minisrv.roofline``): then k + 1 tokens cost
+batch grows, the step turns compute-bound (``minisrv.sim.roofline``): then k + 1 tokens cost
 k + 1 times as much, the rejected guesses are wasted arithmetic, and speculation loses.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from minisrv.checks import check_int, check_number
 from minisrv.configs import GPUSpec, ModelConfig
-from minisrv.roofline import StepCost, decode_step_time, step_cost_from_totals
+from minisrv.sim.roofline import StepCost, decode_step_time, step_cost_from_totals
 
 
 def expected_tokens_per_check(acceptance: float, k: int) -> float:

@@ -1,7 +1,7 @@
 """Figures, tables and a widget for the overlap chapter: the two-lane timeline as a Gantt
 chart, blocking above overlapped, and where the real engine's step time goes.
 
-The numbers come from ``minisrv.overlap`` (``timeline``, ``throughput_ratio``,
+The numbers come from ``minisrv.experiments`` (``timeline``, ``throughput_ratio``,
 ``time_steps``); nothing is computed here twice. Figures are ``BookFigure`` objects.
 """
 
@@ -46,7 +46,7 @@ PART_COLORS: dict[str, str] = {
     "cache insert": "#756bb1",
     "loop other": "#969696",
 }
-"""One colour per part of a step (``minisrv.overlap.PARTS``): the device's blue for the
+"""One colour per part of a step (``minisrv.experiments.PARTS``): the device's blue for the
 forward, oranges for scheduling, greens around the forward, purples for the results."""
 
 _LANES = ("device", "CPU")  # bottom to top

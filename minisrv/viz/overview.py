@@ -23,10 +23,10 @@ class Chapter(NamedTuple):
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter("00_overview", "The server at a glance",
             "What does an inference server do, and what model do we serve?",
-            ("model/", "tokenizer.py", "train.py")),
+            ("model/", "tokenizer.py", "train/")),
     Chapter("01_kv_cache", "KV cache and batching",
             "How big is the KV cache, and why must a server batch?",
-            ("configs.py", "kvsize.py", "roofline.py")),
+            ("configs.py", "kvsize.py", "sim/sizing.py", "sim/roofline.py")),
     Chapter("02_scheduler", "The scheduler loop",
             "How does continuous batching keep the GPU busy?",
             ("scheduler/", "runner/", "sim/", "engine.py", "workloads/")),
@@ -220,7 +220,7 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
     """
     import pandas as pd
 
-    from minisrv.data import load_cities
+    from minisrv.train.data import load_cities
 
     cities = load_cities()
     rows = []

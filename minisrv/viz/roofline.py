@@ -1,6 +1,6 @@
 """Tables, plots and widgets for the KV-cache and roofline chapter.
 
-Everything here is drawn from ``minisrv.kvsize`` and ``minisrv.roofline``; no number is
+Everything here is drawn from ``minisrv.kvsize`` and ``minisrv.sim.roofline``; no number is
 computed twice. Figures are ``BookFigure`` objects built without pyplot's global state, so
 a cell that returns one shows it exactly once, and a widget can redraw it freely. Sizes,
 fonts and legends follow the house style of ``minisrv.viz.style``.
@@ -17,14 +17,13 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
-from minisrv.kvsize import (
+from minisrv.kvsize import kv_bytes_per_token, kv_numbers_per_token_per_layer
+from minisrv.sim.roofline import decode_step_cost
+from minisrv.sim.sizing import (
     kv_bytes_per_request,
-    kv_bytes_per_token,
-    kv_numbers_per_token_per_layer,
     max_concurrent_requests,
     weight_bytes,
 )
-from minisrv.roofline import decode_step_cost
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 
 # BookFigure lives in style.py; it is imported here too because the other viz modules
@@ -248,7 +247,7 @@ def plot_intensity_roofline(
     Decode steps (one point per batch size) sit on the slanted memory roof; a long prefill
     lands on the flat compute roof. The ridge is where the two roofs meet.
     """
-    from minisrv.roofline import batch_step_cost
+    from minisrv.sim.roofline import batch_step_cost
 
     fig, ax = page_figure(height_in=5.0)
     intensity = np.geomspace(0.1, 1e4, 200)

@@ -16,8 +16,8 @@ from matplotlib.patches import Patch, Rectangle
 
 from minisrv.configs import H100, LLAMA3_8B
 from minisrv.experiments.speculative import CONTEXTS, CheckRow, SamplingCheck, speedup_frame
-from minisrv.kvsize import max_concurrent_requests
 from minisrv.scheduler import StepRecord
+from minisrv.sim.sizing import max_concurrent_requests
 from minisrv.spec.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html

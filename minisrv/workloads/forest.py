@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minisrv.data import country_line, load_cities
+from minisrv.train.data import country_line, load_cities
 from minisrv.workloads.mixes import Workload, check_workload_args
 
 if TYPE_CHECKING:

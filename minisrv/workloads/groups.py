@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minisrv.checks import check_int
-from minisrv.data import SHOWCASE_COUNTRIES, country_line, load_cities
+from minisrv.train.data import SHOWCASE_COUNTRIES, country_line, load_cities
 from minisrv.workloads.mixes import (
     Workload,
     arrival_times,

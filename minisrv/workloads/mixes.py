@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minisrv.checks import check_int, check_number
-from minisrv.data import SHOWCASE_COUNTRIES, country_line
+from minisrv.train.data import SHOWCASE_COUNTRIES, country_line
 
 if TYPE_CHECKING:
     from minisrv.tokenizer import Tokenizer

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from minisrv.data import SHOWCASE_COUNTRIES, country_line
 from minisrv.tokenizer import Tokenizer
+from minisrv.train.data import SHOWCASE_COUNTRIES, country_line
 from minisrv.workloads.mixes import Workload, check_workload_args
 
 SYSTEM_COUNTRIES: tuple[str, ...] = ("FR", "DE", "IT")  # the shared "system prompt"

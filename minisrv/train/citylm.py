@@ -5,7 +5,7 @@ for bit only on the same torch build and thread count). It runs on a laptop CPU 
 ten minutes, so readers can retrain or change the model. The serving chapters never need
 it: they load the shipped weights with ``minisrv.load_citylm``.
 
-Training documents (``minisrv.data.sample_document``) are 1-6 random country lines, all
+Training documents (``minisrv.train.data.sample_document``) are 1-6 random country lines, all
 but the last cut short like few-shot examples, wrapped in <bos> ... <eos>. Each batch
 holds documents with the same number of lines, which keeps right-padding small. Padding
 positions carry no loss, and causal attention keeps them from influencing the real tokens
@@ -32,15 +32,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minisrv.configs import CITYLM, ModelConfig
-from minisrv.data import (
+from minisrv.model import META_FILE, WEIGHTS_FILE, CityLM, split_fused_weights
+from minisrv.tokenizer import Tokenizer
+from minisrv.train.data import (
     GEONAMES_ATTRIBUTION,
     MAX_DOC_LINES,
     load_cities,
     sample_document,
     split_countries,
 )
-from minisrv.model import META_FILE, WEIGHTS_FILE, CityLM, split_fused_weights
-from minisrv.tokenizer import Tokenizer
 
 IGNORE = -100  # target id that cross_entropy skips (padding)
 
@@ -144,7 +144,7 @@ def train(cfg: TrainConfig, progress: bool = True, model_config: ModelConfig | N
     """Train a fresh CityLM; returns it (eval mode) and a record of the run.
 
     ``model_config`` gives another shape on the same documents, schedule and optimiser (the
-    speculative-decoding draft, ``minisrv.spec.train_draft``); its vocabulary must be the
+    speculative-decoding draft, ``minisrv.train.draft``); its vocabulary must be the
     tokenizer's. ``name`` labels the progress bar.
     """
     torch.manual_seed(cfg.seed)
@@ -229,17 +229,9 @@ def save(model: CityLM, record: dict, out_dir: str | Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: train with the shipped settings and write the weights.
-
-    ``--draft`` trains the speculative-decoding draft instead (``minisrv.spec.train_draft``,
-    which takes the rest of the arguments).
-    """
+    """Command line: train with the shipped settings and write the weights (``python -m
+    minisrv.train``; with ``--draft`` that trains the draft, ``minisrv.train.draft``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--draft" in argv:
-        from minisrv.spec.train_draft import main as train_draft_main
-
-        argv.remove("--draft")
-        return train_draft_main(argv)
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description="Train CityLM on the city language.")
     parser.add_argument("--steps", type=int, default=defaults.steps)
@@ -249,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "weights", help="output folder"
+        "--out", type=Path, default=Path(__file__).parents[1] / "weights", help="output folder"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
-"""Train the draft model for speculative decoding: ``python -m minisrv.spec.train_draft``.
+"""Train the draft model for speculative decoding: ``python -m minisrv.train --draft``.
 
 The draft learns the city language from the same documents, schedule and optimiser as
-CityLM (``minisrv.train``'s batches, loss, learning-rate schedule and evaluation are reused
+CityLM (``minisrv.train.citylm``'s batches, loss, learning-rate schedule and evaluation are reused
 as they are); only the model is smaller (``CITYDRAFT``: one layer, d_model 64), so a check
 of its guesses by CityLM is cheap to prepare. Same seed, same steps: the same weights on
 the same torch build and thread count. It writes ``citydraft.safetensors`` and
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from minisrv.data import GEONAMES_ATTRIBUTION
 from minisrv.model import CityLM
 from minisrv.spec.config import DRAFT_META_FILE, DRAFT_WEIGHTS_FILE, draft_config
 from minisrv.tokenizer import Tokenizer
-from minisrv.train import TrainConfig, train
+from minisrv.train.citylm import TrainConfig, train
+from minisrv.train.data import GEONAMES_ATTRIBUTION
 
 # The draft is ~20x smaller than CityLM, so more steps fit in the same minutes.
 DRAFT_TRAIN = TrainConfig(steps=1000, batch_size=32, lr=5e-3, warmup_steps=60, eval_every=200)

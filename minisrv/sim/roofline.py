@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from minisrv.configs import GPUSpec, ModelConfig
-from minisrv.kvsize import check_dtype_bytes, check_positive_int, kv_bytes_per_token, weight_bytes
+from minisrv.kvsize import check_dtype_bytes, kv_bytes_per_token
+from minisrv.sim.sizing import check_positive_int, weight_bytes
 
 
 class StepCost(NamedTuple):
