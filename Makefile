@@ -44,7 +44,11 @@ test: setup
 	$(BIN)/ruff check .
 	@# One torch thread per worker: two workers of two threads each on two cores run slower
 	@# than one worker alone (threads spin while they wait for each other).
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile tests $(OTHER_CHAPTERS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile tests $(OTHER_CHAPTERS) \
+	  --ignore=tests/test_triton_ops.py
+	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
+	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen).
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/test_triton_ops.py
 	$(BIN)/python -m pytest $(TIMED_CHAPTERS)
 
 colab-check: setup
