@@ -30,6 +30,8 @@ decode throughput for both.
     python benchmarks/bench_gpu.py [--quick] [--context 512] [--repeats 20] [--out DIR]
 
 ``--quick`` (a minute or two): fewer batches and repeats, 32 sequences of 100..256 tokens.
+On a lent GPU machine without network, ``benchmarks/gpu_run.sh`` runs the GPU tests, then
+``--quick``, then the full run if time remains.
 ``make gpu-bench`` runs ``--quick`` first, then the full script (within 8 minutes on an
 H200 is the aim). Nothing here has run on a GPU yet: the first run is the test of the
 CUDA graph path (``minisrv.runner.graph``), and ``cuda_graph`` stays off by default until

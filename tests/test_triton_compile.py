@@ -72,3 +72,13 @@ def test_every_kernel_compiles_to_a_cubin(capability, dtype) -> None:
         source = ASTSource(fn, signature(fn, constants, dtype), constants)
         compiled = triton.compile(source, target=target, options={"num_warps": 4})
         assert len(compiled.asm["cubin"]) > 1000, fn.__name__
+
+
+def test_the_backend_refuses_the_cpu_without_the_interpreter() -> None:
+    """Compiled kernels cannot take CPU tensors: asking for them there says what to do."""
+    import torch
+
+    from minisrv.runner.attention import make_attention
+
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        make_attention("triton", torch.device("cpu"), torch.float32, 32)
