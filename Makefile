@@ -23,7 +23,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
 GPU_TESTS := tests/test_flex_attention.py tests/test_device.py tests/test_backends.py \
 	tests/test_engine.py tests/test_engine_radix.py tests/test_admission.py \
-	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py
+	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py \
+	tests/test_triton_ops.py tests/test_triton_compile.py
 
 # The chapters without wall-clock verdicts are executed first, one kernel per core with one
 # torch thread each, into the execution cache (_ext/execute_chapters.py); the build then finds

@@ -14,7 +14,10 @@ interpreter: at most 9.4e-7 at these shapes); float16 within 4e-3 (measured: at 
 1.1e-3; float16's step at 1 is 1e-3, and the probabilities are rounded to it before the
 second product). bfloat16 runs only on a GPU: Triton 3.9's
 interpreter multiplies bfloat16 operands of ``tl.dot`` wrongly (a 16 x 16 product off by
-1e10), so on the CPU the bfloat16 case is skipped.
+1e10), so on the CPU the bfloat16 case is skipped. The interpreter of Triton 3.6 (the GPU
+machine's) cannot run these tests on the CPU at all: with numpy 2 it fails on any loop
+bounded by a loaded scalar ("only 0-dimensional arrays can be converted"), as every kernel
+of this kind has; compiled, 3.6 builds every kernel (``tests/test_triton_compile.py``).
 """
 
 from __future__ import annotations
