@@ -23,7 +23,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # conftest `model` fixture and DEVICES lists): cpu, and cuda where a GPU is visible.
 GPU_TESTS := tests/test_flex_attention.py tests/test_device.py tests/test_backends.py \
 	tests/test_engine.py tests/test_engine_radix.py tests/test_admission.py \
-	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py
+	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py \
+	tests/test_triton_ops.py tests/test_triton_compile.py
 
 # The chapters without wall-clock verdicts are executed first, one kernel per core with one
 # torch thread each, into the execution cache (_ext/execute_chapters.py); the build then finds
@@ -44,7 +45,11 @@ test: setup
 	$(BIN)/ruff check .
 	@# One torch thread per worker: two workers of two threads each on two cores run slower
 	@# than one worker alone (threads spin while they wait for each other).
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile tests $(OTHER_CHAPTERS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile tests $(OTHER_CHAPTERS) \
+	  --ignore=tests/test_triton_ops.py
+	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
+	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen).
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/test_triton_ops.py
 	$(BIN)/python -m pytest $(TIMED_CHAPTERS)
 
 colab-check: setup

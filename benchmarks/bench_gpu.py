@@ -5,14 +5,19 @@ Needs a CUDA GPU: without one it says so and exits 1 (a CPU run would measure no
 models are random (timing does not depend on weight values; nothing is downloaded), in
 bf16, built on the GPU. Four tables, each written as CSV to ``--out`` (default
 ``minisrv/measured/``, file names prefixed by the GPU's short name) with the GPU and the
-torch version in every row:
+torch and Triton versions in every row:
 
 1. ``decode_steps_graphs.csv``: a SmolLM2-135M-shaped decode step (``ModelRunner.prepare``
-   + ``compute``, every request at ``--context``) against batch 1..256, eager and with
-   CUDA graphs (``cuda_graph=True``), median of ``--repeats``;
+   + ``compute``, every request at ``--context``) against batch 1..256: the padded
+   attention eager and with CUDA graphs (``cuda_graph=True``), and the Triton backend
+   (``attention="triton"``, reading the pool in place; eager: the graph buffers of
+   ``minisrv.runner.graph`` attend with the padded call), median of ``--repeats``;
 2. ``nanovllm_workload.csv``: nano-vllm's benchmark (256 sequences, prompt and output
    lengths uniform in 100..1024, ``ignore_eos``, random prompts) on a Llama-3.2-1B-shaped
-   model: output tokens per second of the whole run, graphs off and on;
+   model: output tokens per second of the whole run, padded with graphs off and on, Triton,
+   and beside them Hugging Face ``generate`` in static batches of ``HF_BATCH`` on random
+   weights of the same shape (at most ``HF_SEQS`` sequences of the workload: a rate, so
+   comparable; each sequence credited with its own output length only);
 3. ``overlap_gain.csv``: the blocking against the overlapped loop at the first batch whose
    host share of a step is >= 30% (``time_steps``), with ``throughput_ratio``'s prediction;
 4. ``graph_tokens.csv``: greedy tokens with graphs against without, request by request;
@@ -25,6 +30,8 @@ decode throughput for both.
     python benchmarks/bench_gpu.py [--quick] [--context 512] [--repeats 20] [--out DIR]
 
 ``--quick`` (a minute or two): fewer batches and repeats, 32 sequences of 100..256 tokens.
+On a lent GPU machine without network, ``benchmarks/gpu_run.sh`` runs the GPU tests, then
+``--quick``, then the full run if time remains.
 ``make gpu-bench`` runs ``--quick`` first, then the full script (within 8 minutes on an
 H200 is the aim). Nothing here has run on a GPU yet: the first run is the test of the
 CUDA graph path (``minisrv.runner.graph``), and ``cuda_graph`` stays off by default until
@@ -62,6 +69,10 @@ STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUICK_BATCHES = (1, 8, 64, 256)
 OVERLAP_BATCHES = (1, 4, 16, 64)
 HOST_SHARE = 0.3  # the overlap comparison's batch: the first whose host share reaches this
+HF_BATCH = 32  # Hugging Face generate's static batch in the workload table
+HF_SEQS = 64  # the most workload sequences HF generate runs (at ~1 batch a minute)
+STEP_VARIANTS = (("padded", False), ("padded", True), ("triton", False))
+"""(attention, CUDA graphs) of the step table; Triton graphs wait for the backends' hooks."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -91,10 +102,19 @@ def require_cuda() -> str | None:
             f"(torch.cuda.is_available() is False); nothing was measured.")
 
 
+def triton_version() -> str:
+    """The installed Triton's version, or "none" (the Triton rows then fail to build)."""
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
 def gpu_label() -> dict[str, str]:
-    """What every row records: the GPU's name and the torch (and CUDA) version."""
+    """What every row records: the GPU's name, the torch (and CUDA) and Triton versions."""
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cuda": str(torch.version.cuda)}
+            "cuda": str(torch.version.cuda), "triton": triton_version()}
 
 
 def gpu_prefix() -> str:
@@ -111,9 +131,10 @@ def random_bf16(cfg: ModelConfig, seed: int = 0):
     return random_model(cfg, "cuda", torch.bfloat16, seed)
 
 
-def runner_for(model, graphs: bool, max_running: int, context: int) -> ModelRunner:
-    """A padded-attention runner, with or without CUDA graphs (the same static buffers)."""
-    return ModelRunner(model, "padded", cuda_graph=graphs, max_running=max_running,
+def runner_for(model, graphs: bool, max_running: int, context: int,
+               attention: str = "padded") -> ModelRunner:
+    """A runner of ``attention``, with or without CUDA graphs (the same static buffers)."""
+    return ModelRunner(model, attention, cuda_graph=graphs, max_running=max_running,
                        graph_context=min(context, model.config.max_seq_len))
 
 
@@ -150,19 +171,20 @@ def step_ms(runner: ModelRunner, batch: Batch, repeats: int) -> float:
 
 
 def step_table(batches: Sequence[int], context: int, repeats: int) -> pd.DataFrame:
-    """Table 1: SmolLM2-135M decode step time against batch, graphs off and on."""
+    """Table 1: SmolLM2-135M decode step time against batch, for each ``STEP_VARIANTS``."""
     model, rows = random_bf16(SMOLLM2_135M), []
-    for graphs in (False, True):
-        runner = runner_for(model, graphs, max(batches), context)
+    for attention, graphs in STEP_VARIANTS:
+        runner = runner_for(model, graphs, max(batches), context, attention)
         runner.attach_kv(max(batches) * (context + 1))
         for batch in batches:
             step = decode_batch(runner, batch, context)
             ms = step_ms(runner, step, repeats)
             runner.pool.free([s for entry in step.entries for s in entry.req.kv_slots])
             rows.append({"model": SMOLLM2_135M.name, "dtype": "bfloat16", "context": context,
-                         "batch": batch, "cuda_graph": graphs, "step_ms": ms,
-                         "tok_per_s": batch / ms * 1e3})
-            print(f"  batch {batch:4d} graphs {'on ' if graphs else 'off'}  {ms:8.3f} ms")
+                         "batch": batch, "attention": attention, "cuda_graph": graphs,
+                         "step_ms": ms, "tok_per_s": batch / ms * 1e3})
+            print(f"  batch {batch:4d} {attention:6s} graphs {'on ' if graphs else 'off'}  "
+                  f"{ms:8.3f} ms")
         del runner
         torch.cuda.empty_cache()
     return pd.DataFrame(rows)
@@ -179,12 +201,13 @@ def nanovllm_workload(n: int, low: int, high: int, vocab: int, seed: int = 0):
 
 
 def workload_table(seqs: int, low: int, high: int) -> pd.DataFrame:
-    """Table 2: the nano-vllm workload on a Llama-3.2-1B-shaped model, output tok/s."""
+    """Table 2: the nano-vllm workload on a Llama-3.2-1B-shaped model, output tok/s, for
+    each ``STEP_VARIANTS``, then Hugging Face ``generate`` (``hf_generate_row``)."""
     model, rows = random_bf16(LLAMA32_1B), []
     prompts, params = nanovllm_workload(seqs, low, high, LLAMA32_1B.vocab_size)
     slots = sum(len(p) + s.max_new_tokens for p, s in zip(prompts, params)) + seqs
-    for graphs in (False, True):
-        runner = runner_for(model, graphs, seqs, 2 * high)
+    for attention, graphs in STEP_VARIANTS:
+        runner = runner_for(model, graphs, seqs, 2 * high, attention)
         engine = Engine(runner, kv_capacity=slots, max_running=seqs, record_trace=False)
         engine.generate(prompts[:2], max_new_tokens=4)  # warm-up (kernels, allocator)
         torch.cuda.synchronize()
@@ -194,14 +217,76 @@ def workload_table(seqs: int, low: int, high: int) -> pd.DataFrame:
         seconds = time.perf_counter() - start
         tokens = sum(map(len, out))
         rows.append({"model": LLAMA32_1B.name, "dtype": "bfloat16", "seqs": seqs,
-                     "lengths": f"{low}..{high}", "cuda_graph": graphs,
-                     "output_tokens": tokens, "seconds": seconds,
+                     "lengths": f"{low}..{high}", "engine": "minisrv", "attention": attention,
+                     "cuda_graph": graphs, "output_tokens": tokens, "seconds": seconds,
                      "output_tok_per_s": tokens / seconds})
-        print(f"  graphs {'on ' if graphs else 'off'}: {tokens} tokens in {seconds:.2f} s = "
-              f"{tokens / seconds:,.0f} tok/s")
+        print(f"  {attention:6s} graphs {'on ' if graphs else 'off'}: {tokens} tokens in "
+              f"{seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
         del engine, runner
         torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    rows.append(hf_generate_row(prompts[:HF_SEQS], params[:HF_SEQS], low, high))
     return pd.DataFrame(rows)
+
+
+def hf_llama_config(cfg: ModelConfig):
+    """A ``transformers.LlamaConfig`` of ``cfg``'s shape, no token ending a generation."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def hf_static_batches(prompts: list[list[int]], batch: int):
+    """The prompts in static batches of ``batch``, each left-padded with 0 to its longest:
+    (first index, ids [b, L], attention mask [b, L]) on the CPU."""
+    for lo in range(0, len(prompts), batch):
+        group = prompts[lo:lo + batch]
+        width = max(map(len, group))
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(group):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        yield lo, ids, mask
+
+
+def hf_generate_row(prompts, params, low: int, high: int) -> dict:
+    """Hugging Face ``generate`` on the workload: static batches of ``HF_BATCH``, each run
+    to its longest requested output (``min_new_tokens`` too: nothing ends early), greedy,
+    bf16 random weights of Llama-3.2-1B's shape; credited with the requested outputs only."""
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(hf_llama_config(LLAMA32_1B))
+    hf = hf.to(torch.bfloat16).eval()
+    warm = torch.tensor([prompts[0][:8]], device="cuda")
+    hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for lo, ids, mask in hf_static_batches(prompts, HF_BATCH):
+        new = max(s.max_new_tokens for s in params[lo:lo + HF_BATCH])
+        with torch.inference_mode():
+            hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
+                        min_new_tokens=new, do_sample=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(s.max_new_tokens for s in params)
+    print(f"  HF generate (b={HF_BATCH}, {len(prompts)} seqs): {tokens} tokens in "
+          f"{seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
+    del hf
+    torch.cuda.empty_cache()
+    return {"model": LLAMA32_1B.name, "dtype": "bfloat16", "seqs": len(prompts),
+            "lengths": f"{low}..{high}", "engine": f"hf generate b={HF_BATCH}",
+            "attention": "sdpa", "cuda_graph": False, "output_tokens": tokens,
+            "seconds": seconds, "output_tok_per_s": tokens / seconds}
 
 
 def overlap_table(prompt: int, new: int) -> pd.DataFrame:
@@ -312,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 1
     label = gpu_label()
-    print(f"{label['gpu']}, torch {label['torch']} (CUDA {label['cuda']})"
+    print(f"{label['gpu']}, torch {label['torch']} (CUDA {label['cuda']}), "
+          f"triton {label['triton']}"
           f"{', quick run' if args.quick else ''}")
     high = 256 if args.quick else 1024
     print(f"\n1. {SMOLLM2_135M.name} decode step, context {args.context}")

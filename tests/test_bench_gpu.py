@@ -56,3 +56,35 @@ def test_its_decode_batch_runs_on_a_cpu_runner(bench) -> None:
         assert [e.end for e in batch.entries] == [12, 12, 12]
         assert (runner.prepare(batch).flat is None) == (graphs_context >= 12)
         assert len(runner.compute(runner.prepare(batch)).tokens) == 3
+
+
+def test_hf_static_batches_left_pad_each_batch_to_its_longest(bench) -> None:
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    batches = list(bench.hf_static_batches(prompts, 3))
+    assert [lo for lo, _, _ in batches] == [0, 3]
+    _, ids, mask = batches[0]
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert batches[1][1].tolist() == [[11, 12, 13, 14]]
+
+
+def test_the_hf_model_has_the_workload_models_shape(bench) -> None:
+    """HF's Llama built from Llama-3.2-1B's config (on the meta device: no memory) has
+    minisrv's parameter count for that shape, and no token ends its generations."""
+    import transformers
+
+    from minisrv.configs import LLAMA32_1B
+
+    hf_config = bench.hf_llama_config(LLAMA32_1B)
+    assert hf_config.eos_token_id is None and hf_config.head_dim == 64
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    assert sum(p.numel() for p in hf.parameters()) == 1_235_814_400
+
+
+def test_every_row_names_the_triton_version(bench, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    label = bench.gpu_label()
+    assert label["gpu"] == "NVIDIA H200" and label["triton"] == bench.triton_version()
+    assert label["triton"] == "none" or label["triton"][0].isdigit()
+    assert [attention for attention, _ in bench.STEP_VARIANTS].count("triton") == 1

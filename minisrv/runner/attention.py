@@ -34,6 +34,8 @@ from minisrv.model.flat import (
     resolve_attention,
 )
 from minisrv.model.layers import joint_kv
+from minisrv.runner.attention_choice import auto_attention
+from minisrv.runner.triton_attention import TritonAttention
 
 __all__ = [
     "AttentionBackend",
@@ -232,6 +234,9 @@ def make_attention(kind: str, device: torch.device, dtype: torch.dtype,
                    head_dim: int, n_kv_heads: int = 2) -> AttentionBackend:
     """The backend for ``kind`` (``"auto"``: flex where it compiles, else padded)."""
     kv_elements = n_kv_heads * head_dim
+    if kind == "triton":  # issue 39's in-place kernels (minisrv.runner.triton_attention)
+        return TritonAttention(device)
+    kind = auto_attention(device, dtype, head_dim) if kind == "auto" else kind  # the table
     kind = resolve_attention(kind, device, dtype, head_dim)
     if kind == "padded":
         return PaddedAttention(dtype, kv_elements, device)

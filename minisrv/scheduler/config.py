@@ -47,7 +47,7 @@ MAX_DRAFT_TOKENS = 16
 """The most guesses ``num_draft_tokens`` allows per request and step."""
 
 
-ATTENTIONS: tuple[str, ...] = ("auto", "loop", "padded", "flex")
+ATTENTIONS: tuple[str, ...] = ("auto", "loop", "padded", "flex", "triton")
 """``Engine(model, attention=...)``: the runner's attention backend; auto: flex where it
 compiles (a GPU), padded elsewhere."""
 

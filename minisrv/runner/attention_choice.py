@@ -1,0 +1,83 @@
+"""Which attention backend ``attention="auto"`` runs: a table from what the device declares
+(its type and compute capability), the model's dtype and its head size, not a probe at start.
+
+Each row says why, from a recorded run where there is one:
+
+* CPU: ``padded``. flex_attention runs unfused there (it builds the whole score matrix), so
+  one padded SDPA call per group is as fast and needs no compiler; Triton only interprets.
+* CUDA, compute capability 8.0 and up, 16- or 32-bit weights, heads of at least 16:
+  ``flex``. The one recorded GPU run (``minisrv/measured/h200_engine_throughput.csv``,
+  an H200, SmolLM2-135M's shape in bf16) decoded 2.0x faster with flex than padded at batch
+  64 and 0.89x at batch 256 (geometric mean 1.35x); its step sweep, a host-bound one,
+  favoured padded at large batches. The Triton backend has not been measured on a GPU, so
+  it is chosen nowhere until a recorded run puts it ahead (``tests/test_choice.py`` checks
+  this row against the recorded runs).
+* CUDA below 8.0 (Colab's T4 is 7.5: float16 only, no flex lowering there, and Triton from
+  3.3 on without its tensor-core path): ``padded``, the backend that runs there.
+* Anything else (float64, heads under 16, another device): ``padded``.
+
+``choose_attention`` is the table; ``auto_attention`` reads the device's capability and
+logs the choice once per distinct (device, capability, dtype, head dim).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["AttentionChoice", "auto_attention", "choose_attention"]
+
+log = logging.getLogger(__name__)
+
+FLEX_MIN_CAPABILITY = (8, 0)
+"""The oldest compute capability flex_attention's Triton kernel lowers to (Ampere)."""
+
+FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLEX_MIN_HEAD_DIM = 16  # what the compiled flex kernel takes (minisrv.model.ragged)
+
+
+class AttentionChoice(NamedTuple):
+    """A backend and the reason the table gives for it."""
+
+    backend: str
+    why: str
+
+
+def choose_attention(device_type: str, capability: tuple[int, int] | None,
+                     dtype: torch.dtype, head_dim: int) -> AttentionChoice:
+    """The table: the backend for a device of ``device_type`` ("cpu", "cuda", ...) with
+    compute ``capability`` (CUDA only; None elsewhere), weights of ``dtype`` and heads of
+    ``head_dim``."""
+    if device_type != "cuda":
+        return AttentionChoice("padded", f"{device_type}: padded SDPA (flex runs unfused "
+                                         f"off a GPU)")
+    if capability is None:
+        raise ValueError("a CUDA device's choice needs its compute capability")
+    cc = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) < FLEX_MIN_CAPABILITY:
+        return AttentionChoice("padded", f"{cc}: below 8.0 flex_attention does not lower; "
+                                         f"padded runs everywhere")
+    if dtype not in FLEX_DTYPES or head_dim < FLEX_MIN_HEAD_DIM:
+        return AttentionChoice("padded", f"{cc}: the compiled flex kernel takes 16/32-bit "
+                                         f"heads of >= 16, not {dtype} x {head_dim}")
+    return AttentionChoice("flex", f"{cc}: flex, fastest in the recorded H200 engine run "
+                                   f"(Triton not yet measured on a GPU)")
+
+
+_logged: set[tuple[str, tuple[int, int] | None, torch.dtype, int]] = set()
+
+
+def auto_attention(device: str | torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``choose_attention`` for ``device`` (its capability read from CUDA, which every CUDA
+    device declares), logged the first time each distinct choice is made."""
+    device = torch.device(device)
+    capability = (tuple(torch.cuda.get_device_capability(device))
+                  if device.type == "cuda" else None)
+    choice = choose_attention(device.type, capability, dtype, head_dim)
+    key = (device.type, capability, dtype, head_dim)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("attention='auto' -> %s (%s)", choice.backend, choice.why)
+    return choice.backend

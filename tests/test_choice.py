@@ -1,0 +1,77 @@
+"""``attention="auto"``'s table (``minisrv.runner.attention_choice``): by device type, compute
+capability, dtype and head dim, with mocked capabilities (a T4's 7.5, an A100's 8.0, an
+H100/H200's 9.0), logged once, and its GPU row checked against the recorded runs."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisrv.runner import attention_choice
+from minisrv.runner.attention import make_attention
+from minisrv.runner.attention_choice import auto_attention, choose_attention
+
+MEASURED = Path(attention_choice.__file__).resolve().parents[1] / "measured"
+
+
+@pytest.mark.parametrize("capability,dtype,head_dim,backend", [
+    ((7, 5), torch.float16, 64, "padded"),  # the T4: no flex lowering below 8.0
+    ((7, 5), torch.float32, 32, "padded"),
+    ((8, 0), torch.bfloat16, 64, "flex"),
+    ((8, 0), torch.float16, 128, "flex"),
+    ((9, 0), torch.bfloat16, 64, "flex"),
+    ((9, 0), torch.float32, 32, "flex"),
+    ((9, 0), torch.float64, 64, "padded"),  # no Triton float64 flex kernel
+    ((9, 0), torch.bfloat16, 8, "padded"),  # heads narrower than the compiled kernel takes
+])
+def test_cuda_rows(capability, dtype, head_dim, backend) -> None:
+    choice = choose_attention("cuda", capability, dtype, head_dim)
+    assert choice.backend == backend
+    assert f"{capability[0]}.{capability[1]}" in choice.why
+
+
+def test_the_cpu_stays_padded_and_cuda_needs_a_capability() -> None:
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert choose_attention("cpu", None, dtype, 32).backend == "padded"
+    assert make_attention("auto", torch.device("cpu"), torch.float32, 32).kind == "padded"
+    with pytest.raises(ValueError, match="capability"):
+        choose_attention("cuda", None, torch.float16, 64)
+
+
+@pytest.mark.parametrize("capability,backend", [((7, 5), "padded"), ((8, 0), "flex"),
+                                                ((9, 0), "flex")])
+def test_auto_reads_the_capability_and_logs_once(monkeypatch, caplog, capability,
+                                                 backend) -> None:
+    """What ``make_attention("auto")`` resolves on a mocked GPU (no GPU needed: the table
+    only reads the capability), logged the first time only."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention_choice, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=attention_choice.__name__):
+        for _ in range(3):
+            assert auto_attention("cuda", torch.float16, 64) == backend
+    lines = [r.getMessage() for r in caplog.records if r.name == attention_choice.__name__]
+    assert len(lines) == 1 and lines[0].startswith(f"attention='auto' -> {backend}")
+
+
+def test_the_gpu_row_is_what_the_recorded_runs_measured_fastest() -> None:
+    """Every recorded engine-throughput CSV: the backend with the best geometric mean over
+    its batches is what the table picks for that GPU's capability (the Triton backend
+    joins once a recorded run has measured it, and wins only by measuring ahead)."""
+    runs = sorted(MEASURED.glob("*_engine_throughput.csv"))
+    assert runs, "no recorded GPU run"
+    capabilities = {"NVIDIA H200": (9, 0), "NVIDIA H100": (9, 0), "NVIDIA A100": (8, 0)}
+    for path in runs:
+        speeds: dict[str, list[float]] = defaultdict(list)
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                speeds[row["attention"]].append(float(row["measured tok/s"]))
+                device = row["device"]
+        fastest = max(speeds, key=lambda k: math.fsum(map(math.log, speeds[k])))
+        cc = next(cc for name, cc in capabilities.items() if device.startswith(name))
+        assert choose_attention("cuda", cc, torch.bfloat16, 64).backend == fastest, path.name
