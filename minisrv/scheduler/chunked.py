@@ -81,8 +81,8 @@ class ChunkedPrefill:
                 break
             adder.add(req, fill)
             self.waiting.popleft()
-            self._start(req, match.length)
-            entries.append(self._chunk(req, match.length, budget))
+            self._start(req, req.cached_len)  # the match, plus what the host tier loaded
+            entries.append(self._chunk(req, req.cached_len, budget))
             budget -= entries[-1].n_tokens
             if self.chunked is not None:
                 break

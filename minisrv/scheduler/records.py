@@ -234,6 +234,8 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     cached_prompt_tokens: int = 0  # of those, found in the prefix cache at admission
     evicted_tokens: int = 0  # cached tokens evicted to make room
+    host_hit_tokens: int = 0  # host tier: tokens matched there at admission
+    loaded_tokens: int = 0  # host tier: of those, copied back to the device
     retractions: int = 0
     wasted_tokens: int = 0  # tokens computed and then thrown away
     late_stop_tokens: int = 0  # overlap: tokens computed after a finish (in wasted_tokens too)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv.host import make_host_pool
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
@@ -43,7 +44,8 @@ class SchedulerState(ConfigView):
             raise ValueError(f"chunked_prefill_size needs a backend that computes prefill "
                              f"chunks (ModelRunner, SimBackend), not {type(backend).__name__}")
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
-        self.memory = KVManager(allocator, config.cache)
+        self.memory = KVManager(allocator, config.cache, make_host_pool(config, backend),
+                                config.host_cache_policy)
         self.admission = make_admission(config)
         self.spec: Speculation | None = make_speculation(config, backend)
         self.clock = 0.0
