@@ -222,3 +222,29 @@ def test_the_simulated_gpu_charges_load_backs_at_host_bandwidth() -> None:
             # the loaded step computes one token, after the copy at 55 GB/s
             assert durations[host] > copy
             assert durations[host] - copy < recompute
+
+
+# ------------------------------------------------------------------ the server
+def test_the_server_flags_build_a_host_tier_and_metrics_report_it(citylm) -> None:
+    from minisrv.server.cli import build_parser, server_config
+    from minisrv.server.engine_loop import engine_snapshot
+    from minisrv.server.metrics import ServerMetrics
+
+    args = build_parser().parse_args(["serve", "--host-cache-tokens", "500",
+                                      "--host-cache-policy", "write_back"])
+    config = server_config(args)
+    assert (config.engine.host_cache_tokens, config.engine.host_cache_policy) == (
+        500, "write_back")
+    assert server_config(build_parser().parse_args(["serve"])).engine.host_cache_tokens == 0
+    for bad in (["--host-cache-tokens", "-5"], ["--host-cache-policy", "lru"]):
+        with pytest.raises(ValueError, match="host_cache"):
+            server_config(build_parser().parse_args(["serve", *bad]))
+    model, _ = citylm
+    engine = Engine(model, config.engine, kv_capacity=60, max_running=4)
+    serve_chats(engine, chats(3, 2))
+    snap = engine_snapshot(engine)
+    assert snap["host_tokens"] == 500 and snap["host_used"] > 0
+    assert snap["host_hit_tokens"] == engine.stats.host_hit_tokens > 0
+    text = ServerMetrics(lambda: snap).render().decode()
+    assert "minisrv:host_cache_tokens 500.0" in text
+    assert f"minisrv:host_cache_used_tokens {snap['host_used']:.1f}" in text

@@ -60,6 +60,11 @@ class KVManager:
         self._last_query: tuple[Req | None, int, tuple[int, ...]] = (None, 0, ())
 
     @property
+    def host_used(self) -> int:
+        """Host-tier slots holding a prefix's copy (0 without a host tier)."""
+        return 0 if self.host is None else self.host.used_count
+
+    @property
     def free_count(self) -> int:
         """Slots free right now."""
         return self.kv.free_count

@@ -310,6 +310,9 @@ class EngineSnapshot:
     hit_rate: float  # prefix-cache hit rate so far
     prompt_tokens: int  # prompt tokens admitted so far
     steps: int
+    host_tokens: int = 0  # host tier: its token slots (0: no host tier)
+    host_used: int = 0  # host tier: slots holding a prefix's copy
+    host_hit_tokens: int = 0  # host tier: prompt tokens matched there so far
 
     def as_dict(self) -> dict[str, float]:
         """Every gauge as a float, keyed by its name."""
