@@ -259,7 +259,7 @@ DEEPSEEK_V3 = ModelConfig(
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """The three numbers of an accelerator that a roofline model needs.
+    """The three numbers of an accelerator that a roofline model needs, and its host link.
 
     Units are SI (GB = 1e9 bytes, TB/s = 1e12 bytes/s), the way vendors print them.
     ``flops`` is dense (no 2:4 sparsity) bf16 tensor-core throughput, or fp16 on cards
@@ -270,9 +270,12 @@ class GPUSpec:
     memory_bytes: float  # device memory
     bandwidth: float  # memory bandwidth, bytes/s
     flops: float  # dense bf16 (fp16 where the card has no bf16) FLOP/s
+    # host memory -> device over its PCIe link, bytes/s, as copies reach it (about 85% of
+    # the link's rate): what loading a prefix back from a host tier costs
+    host_bandwidth: float
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "bandwidth", "flops"):
+        for field in ("memory_bytes", "bandwidth", "flops", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{self.name}: {field} must be > 0, got {getattr(self, field)}")
 
@@ -286,18 +289,26 @@ class GPUSpec:
 
 
 # NVIDIA data sheets. H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16.
-H100 = GPUSpec("H100 SXM", memory_bytes=80e9, bandwidth=3.35e12, flops=989e12)
+# Host link: PCIe 5.0 x16, 64 GB/s per direction, about 55 GB/s reached by pinned copies.
+H100 = GPUSpec("H100 SXM", memory_bytes=80e9, bandwidth=3.35e12, flops=989e12,
+               host_bandwidth=55e9)
 # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): 141 GB HBM3e, 4.8 TB/s; 1,979 TFLOP/s
 # BF16 "with sparsity", i.e. 989 dense: the same compute die as the H100 SXM.
-H200 = GPUSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, flops=989e12)
+# Host link: PCIe 5.0 x16, as the H100's.
+H200 = GPUSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, flops=989e12,
+               host_bandwidth=55e9)
 # A100 80GB SXM: 2,039 GB/s, 312 TFLOP/s dense BF16.
-A100_80GB = GPUSpec("A100 80GB", memory_bytes=80e9, bandwidth=2.039e12, flops=312e12)
+# Host link: PCIe 4.0 x16, 32 GB/s per direction, about 26 GB/s reached.
+A100_80GB = GPUSpec("A100 80GB", memory_bytes=80e9, bandwidth=2.039e12, flops=312e12,
+                    host_bandwidth=26e9)
 # L4 (NVIDIA L4 Tensor Core GPU data sheet): 24 GB GDDR6, 300 GB/s, 242 TFLOP/s BF16 with
 # sparsity, so 121 dense. Colab offers it.
-L4 = GPUSpec("L4", memory_bytes=24e9, bandwidth=300e9, flops=121e12)
+# Host link: PCIe 4.0 x16.
+L4 = GPUSpec("L4", memory_bytes=24e9, bandwidth=300e9, flops=121e12, host_bandwidth=26e9)
 # T4 (NVIDIA T4 Tensor Core GPU data sheet): 16 GB GDDR6, 320 GB/s, 65 TFLOP/s FP16 mixed
 # precision on tensor cores (no BF16). Colab's free GPU.
-T4 = GPUSpec("T4", memory_bytes=16e9, bandwidth=320e9, flops=65e12)
+# Host link: PCIe 3.0 x16, 16 GB/s per direction, about 13 GB/s reached.
+T4 = GPUSpec("T4", memory_bytes=16e9, bandwidth=320e9, flops=65e12, host_bandwidth=13e9)
 
 MODELS: dict[str, ModelConfig] = {
     m.name: m

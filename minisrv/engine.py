@@ -263,7 +263,9 @@ class Engine(ConfigView):
             running=len(sched.running) + len(sched.finishing) + (sched.chunked is not None),
             queued=len(sched.waiting) + sched.pending, kv_used=used,
             token_usage=used / self.kv_capacity, hit_rate=stats.hit_rate,
-            prompt_tokens=stats.prompt_tokens, steps=stats.steps)
+            prompt_tokens=stats.prompt_tokens, steps=stats.steps,
+            host_tokens=self.config.host_cache_tokens, host_used=sched.memory.host_used,
+            host_hit_tokens=stats.host_hit_tokens)
 
     # ----------------------------------------------------------------- serving
     def generate(

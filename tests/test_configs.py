@@ -123,9 +123,10 @@ def test_h100_ridge_point() -> None:
     assert H100.ridge_intensity == pytest.approx(295.2, abs=0.1)
 
 
-@pytest.mark.parametrize("field", ["memory_bytes", "bandwidth", "flops"])
+@pytest.mark.parametrize("field", ["memory_bytes", "bandwidth", "flops", "host_bandwidth"])
 def test_gpu_spec_rejects_non_positive_numbers(field) -> None:
-    values = {"memory_bytes": 1e9, "bandwidth": 1e9, "flops": 1e9, field: 0}
+    values = {"memory_bytes": 1e9, "bandwidth": 1e9, "flops": 1e9, "host_bandwidth": 1e9,
+              field: 0}
     with pytest.raises(ValueError, match=field):
         GPUSpec("broken", **values)
 

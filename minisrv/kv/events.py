@@ -29,6 +29,7 @@ class NodeView(NamedTuple):
     key: tuple[int, ...]  # the edge's tokens
     lock_ref: int  # running requests using this node
     last_access: int  # logical clock of the last match or insert that walked here
+    tier: str = "device"  # where its KV lives: "device", "host" or "both" (the host tier)
 
 
 class TreeEvent(NamedTuple):

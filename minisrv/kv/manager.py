@@ -22,15 +22,21 @@ No other code writes a request's ``kv_slots``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from minisrv.kv.allocator import SlotAllocator
 from minisrv.kv.cache import MatchResult, PrefixCache, TreeNode
+from minisrv.kv.hiradix import HiRadixCache
+from minisrv.kv.host import CopyPlan, HostPool
 from minisrv.kv.kinds import Cache, make_cache
 from minisrv.kv.radix import RadixCache
 from minisrv.request import Req
 
 __all__ = ["KVManager"]
+
+
+def _now(work: Callable[[], None]) -> None:
+    work()
 
 
 def _tag(req: Req) -> str:
@@ -40,12 +46,23 @@ def _tag(req: Req) -> str:
 class KVManager:
     """KV slots and the prefix cache, moved together so that no slot is lost or shared."""
 
-    def __init__(self, allocator: SlotAllocator, cache: Cache) -> None:
+    def __init__(self, allocator: SlotAllocator, cache: Cache, host: HostPool | None = None,
+                 host_policy: str = "write_through") -> None:
         self.kv = allocator
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
-        self.tree: PrefixCache = make_cache(cache, on_evict=allocator.free)
+        # With a host tier (``kv/hiradix.py``) the device evicts to host memory instead.
+        self.tree: PrefixCache = (make_cache(cache, on_evict=allocator.free) if host is None
+                                  else HiRadixCache(host, host_policy, on_evict=allocator.free))
+        self.host = host
         self.evicted_tokens = 0
+        self.host_hit_tokens = 0  # matched in the host tier at admission
+        self.loaded_tokens = 0  # of those, copied back (fewer when the host dropped some)
         self._last_query: tuple[Req | None, int, tuple[int, ...]] = (None, 0, ())
+
+    @property
+    def host_used(self) -> int:
+        """Host-tier slots holding a prefix's copy (0 without a host tier)."""
+        return 0 if self.host is None else self.host.used_count
 
     @property
     def free_count(self) -> int:
@@ -84,13 +101,47 @@ class KVManager:
         """Give ``req`` the matched prefix plus fresh slots for the rest; False (changing
         nothing) when even evicting every unused prefix leaves too few slots."""
         fill = req.seq_len - match.length
+        host_hit = (self.tree.host_match_length(match.node, self._query(req), match.length)
+                    if isinstance(self.tree, HiRadixCache) else 0)
         if fill > self.kv.free_count:
             self.evict(fill - self.kv.free_count, _tag(req))
         if fill > self.kv.free_count:
             return False
         req.kv_slots = [*match.values, *self.kv.alloc(fill)]
         req.cached_len, req.cache_node = match.length, match.node
+        if isinstance(self.tree, HiRadixCache):
+            self._load_host_part(req, host_hit)
         return True
+
+    def _load_host_part(self, req: Req, host_hit: int) -> None:
+        """The host tier's part of ``req``'s match: loaded into its first fresh slots (the
+        ones its prefill would have computed), locked as its cached prefix, then counted as
+        a hit. What the host dropped since the match (room for this very allocation) is
+        computed instead: a miss, never a failure."""
+        tree = self.tree
+        assert isinstance(tree, HiRadixCache)
+        found = tree.match_host(req.cache_node, self._query(req), req.cached_len)
+        if found.length:
+            start = req.cached_len
+            node = tree.load(found, req.kv_slots[start:start + found.length])
+            tree.lock(node, tag=_tag(req))
+            tree.unlock(req.cache_node, tag=_tag(req))
+            req.cached_len, req.cache_node = start + found.length, node
+        self.host_hit_tokens += host_hit
+        self.loaded_tokens += found.length
+        tree.count_hit(req.cache_node)
+
+    def transfer(self, where: Callable[[Callable[[], None]], None] | None = None) -> CopyPlan:
+        """Run the host tier's queued copies (one batched copy each way) before the step
+        that reads them; the plan that ran (empty without a host tier). ``where`` runs the
+        tensor copies where the steps run (the overlapped loop's device thread); without
+        it they run here and now."""
+        if self.host is None:
+            return CopyPlan()
+        plan = self.host.take()
+        if plan:
+            (where or _now)(lambda: self.host.copy(plan))
+        return plan
 
     def drop_match(self, req: Req, match: MatchResult) -> None:
         """Undo ``match`` for a request that was not admitted after all."""
@@ -193,7 +244,7 @@ class KVManager:
         assert all(self.kv.is_used(s) for s in cached), "the tree holds a free slot"
         assert set(shared) <= set(cached), "a request reads a prefix slot the tree does not hold"
         info = tree.size_info()
-        held = sum(len(node.key) for node in nodes)
+        held = sum(len(node.value) for node in nodes)  # a host-only node holds no device slot
         assert info.total == held, f"sizes say {info.total} cached tokens, the tree holds {held}"
         expected: dict[int, int] = {}
         for req in running:
@@ -210,3 +261,5 @@ class KVManager:
         assert info.protected == protected, (
             f"protected size {info.protected} != {protected} tokens on locked nodes"
         )
+        if isinstance(tree, HiRadixCache):
+            tree.check_tiers()

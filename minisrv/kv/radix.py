@@ -63,13 +63,15 @@ class RadixCache(PrefixCache):
     removed since, only renews the LRU stamps of the path it found then (O(depth)).
     """
 
+    node_type: type[TreeNode] = TreeNode  # a tree with more per node (the host tier) extends it
+
     def __init__(self, on_evict: EvictCallback | None = None,
                  listener: TreeListener | None = None) -> None:
         self.on_evict = on_evict
         self.listener = listener
         self._ids = itertools.count()
         self.clock = 0
-        self.root = TreeNode(next(self._ids), (), [], None, 0)
+        self.root = self.node_type(next(self._ids), (), [], None, 0)
         self.n_nodes = 1
         self._evictable = 0
         self._protected = 0
@@ -128,7 +130,7 @@ class RadixCache(PrefixCache):
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
         """A new evictable leaf below ``parent`` for the edge ``key``."""
-        leaf = TreeNode(next(self._ids), key, values, parent, self.clock)
+        leaf = self.node_type(next(self._ids), key, values, parent, self.clock)
         parent.children[key[0]] = leaf
         self.n_nodes += 1
         self._shape += 1
@@ -147,7 +149,7 @@ class RadixCache(PrefixCache):
         values: list[Any] = []
         path: list[int] = []
         split: list[int] = []
-        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+        while pos < len(key) and (child := self._next(node, key[pos])) is not None:
             matched = _matched(child.key, key, pos)
             cut = matched < len(child.key)  # the match ends inside this edge
             if cut:
@@ -190,11 +192,14 @@ class RadixCache(PrefixCache):
             values.extend(walker.value)
         return node, length, values, path, ()
 
+    def _next(self, node: TreeNode, token: int) -> TreeNode | None:
+        """The child of ``node`` whose edge starts with ``token``, where a match may go on."""
+        return node.children.get(token)
+
     def _touch(self, node: TreeNode) -> None:
         """``node`` was just used: renew its LRU stamp; a leaf goes back on the heap."""
         node.last_access = self.clock
-        if not node.children:
-            self._push(node)
+        self._push(node)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
@@ -206,8 +211,8 @@ class RadixCache(PrefixCache):
         """
         parent = child.parent
         assert parent is not None  # the root is never split: its edge is empty
-        upper = TreeNode(next(self._ids), child.key[:at], child.value[:at], parent,
-                         child.last_access)
+        upper = self.node_type(next(self._ids), child.key[:at], child.value[:at], parent,
+                               child.last_access)
         upper.lock_ref = child.lock_ref
         child.key = child.key[at:]
         child.value = child.value[at:]
@@ -246,8 +251,7 @@ class RadixCache(PrefixCache):
             if walker.lock_ref == 0:
                 self._protected -= len(walker.key)
                 self._evictable += len(walker.key)
-                if not walker.children:
-                    self._push(walker)
+                self._push(walker)
             walker = walker.parent
 
     def _check_live(self, node: TreeNode) -> None:
@@ -356,7 +360,12 @@ class RadixCache(PrefixCache):
 
     def _view(self, node: TreeNode) -> NodeView:
         parent = None if node.parent is None else node.parent.id
-        return NodeView(node.id, parent, node.key, node.lock_ref, node.last_access)
+        return NodeView(node.id, parent, node.key, node.lock_ref, node.last_access,
+                        self.tier_of(node))
+
+    def tier_of(self, node: TreeNode) -> str:
+        """Where ``node``'s KV lives: ``"device"`` (a one-tier tree keeps nothing else)."""
+        return "device"
 
     def _path_to(self, node: TreeNode) -> tuple[int, ...]:
         ids: list[int] = []

@@ -17,6 +17,7 @@ caller's thread, and ``wait`` is called before its result is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -56,6 +57,14 @@ class DeviceWorker:
         if self._thread is None:
             return handed(self._compute, prepared, future_ids), futures
         return self._thread.submit(self._compute, prepared, future_ids), futures
+
+    def call(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` where the steps run, after the step in flight and before the next
+        submitted one (the host tier's KV copies)."""
+        if self._thread is None:
+            work()
+        else:
+            self._thread.submit(work)
 
     def result(self, handle: Future[BatchResult] | Handed) -> BatchResult:
         """Wait for a submitted step and return its answer (or raise its error)."""

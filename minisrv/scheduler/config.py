@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from minisrv.checks import check_choice, check_int, check_number
 from minisrv.kv import CACHES, Cache
+from minisrv.kv.host import HOST_POLICIES
 from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
 
 __all__ = [
@@ -78,6 +79,8 @@ class EngineConfig:
     speculative: Any = None  # None, "ngram", "draft" or a Drafter: guess, check in one forward
     num_draft_tokens: int = 4  # speculative: most guesses a request drafts per step
     jump_forward: bool = False  # constrained requests append the tokens their grammar forces
+    host_cache_tokens: int = 0  # token slots of the host tier (evicted prefixes kept); 0: none
+    host_cache_policy: str = "write_through"  # when the host tier gets a copy (kv/host.py)
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
@@ -109,6 +112,16 @@ class EngineConfig:
             raise ValueError(f"cuda_graph=True needs a CUDA device, not device={self.device!r}")
         self._check_chunking()
         self._check_multi_token()
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        """A host tier keeps what the radix tree evicts, so it needs the tree."""
+        check_int("host_cache_tokens", self.host_cache_tokens, minimum=0)
+        check_choice("host_cache_policy", self.host_cache_policy, HOST_POLICIES)
+        if self.host_cache_tokens and self.cache != "radix":
+            raise ValueError(f"host_cache_tokens={self.host_cache_tokens} needs cache='radix': "
+                             f"the host tier keeps the prefixes the radix tree evicts, and "
+                             f"cache={self.cache!r} keeps none")
 
     def _check_multi_token(self) -> None:
         """Speculation and jump-forward both need each step's result before the next step

@@ -103,6 +103,7 @@ class Scheduler(SchedulerState):
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
         before = self.trace_fields(batch)
+        self.memory.transfer()  # the host tier's copies, before the step that reads them
         return Launched(batch, before, self.backend.run(batch))
 
     def complete(self, step: Launched) -> StepRecord:
@@ -160,7 +161,7 @@ class Scheduler(SchedulerState):
                 break
             adder.add(req, fill)
             self.waiting.popleft()
-            self._start(req, match.length)
+            self._start(req, req.cached_len)  # the match, plus what the host tier loaded
             new.append(req)
         self.running.extend(new)
         return new
@@ -207,8 +208,8 @@ class Scheduler(SchedulerState):
                 break
             adder.add(req, fill)
             self.waiting.popleft()
-            self._start(req, match.length)
-            entries.append(entry := self.chunks.cut(req, match.length, budget))
+            self._start(req, req.cached_len)  # the match, plus what the host tier loaded
+            entries.append(entry := self.chunks.cut(req, req.cached_len, budget))
             budget -= entry.n_tokens
             if not entry.sample:
                 break
@@ -343,6 +344,8 @@ class Scheduler(SchedulerState):
         if requeued:
             self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
         self.stats.evicted_tokens = self.memory.evicted_tokens
+        self.stats.host_hit_tokens = self.memory.host_hit_tokens
+        self.stats.loaded_tokens = self.memory.loaded_tokens
 
     def _finish_one(self, req: Req, late: bool) -> None:
         """``req`` ends: its KV to the cache (after dropping the token computed past its end,

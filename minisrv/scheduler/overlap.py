@@ -127,6 +127,9 @@ class OverlapLoop:
         reqs = batch.sampling  # a prefill chunk's entry gets no token, so no placeholder
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in reqs) if sched.config.record_trace else ()
+        # the host tier's copies on the device thread: after the step in flight (which may
+        # still write a slot freed since) and before this one, which reads them
+        sched.memory.transfer(self.worker.call)
         result, futures = self.worker.submit(batch)
         positions = [len(req.output) for req in reqs]  # where each placeholder goes
         for req, fid in zip(reqs, futures, strict=True):

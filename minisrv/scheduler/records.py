@@ -237,6 +237,8 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     cached_prompt_tokens: int = 0  # of those, found in the prefix cache at admission
     evicted_tokens: int = 0  # cached tokens evicted to make room
+    host_hit_tokens: int = 0  # host tier: tokens matched there at admission
+    loaded_tokens: int = 0  # host tier: of those, copied back to the device
     retractions: int = 0
     wasted_tokens: int = 0  # tokens computed and then thrown away
     late_stop_tokens: int = 0  # overlap: tokens computed after a finish (in wasted_tokens too)
@@ -311,6 +313,9 @@ class EngineSnapshot:
     hit_rate: float  # prefix-cache hit rate so far
     prompt_tokens: int  # prompt tokens admitted so far
     steps: int
+    host_tokens: int = 0  # host tier: its token slots (0: no host tier)
+    host_used: int = 0  # host tier: slots holding a prefix's copy
+    host_hit_tokens: int = 0  # host tier: prompt tokens matched there so far
 
     def as_dict(self) -> dict[str, float]:
         """Every gauge as a float, keyed by its name."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv.host import make_host_pool
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
@@ -42,7 +43,8 @@ class SchedulerState(ConfigView):
         require(backend, needs(config))  # once: the step path asks the backend nothing more
         self.backend = backend
         allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
-        self.memory = KVManager(allocator, config.cache)
+        self.memory = KVManager(allocator, config.cache, make_host_pool(config, backend),
+                                config.host_cache_policy)
         self.admission = make_admission(config)
         # speculative checks or jump-forward's entries: decodes of several tokens
         self.wide: WideDecode | None = make_wide(config, backend)

@@ -147,6 +147,8 @@ class DataParallelEngines:
             "hit_rate": (sum(s["hit_rate"] * s["prompt_tokens"] for s in snaps) / prompt
                          if prompt else 0.0),
             "prompt_tokens": prompt,
+            **{key: sum(s.get(key, 0.0) for s in snaps)  # each worker's own host tier
+               for key in ("host_tokens", "host_used", "host_hit_tokens")},
         })
         return out
 

@@ -33,6 +33,12 @@ class ServerMetrics:
             "cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens",
                                "hit_rate"),
             "num_workers_up": ("engine workers serving now", "workers_up"),
+            "host_cache_tokens": ("token slots of the KV host tier (all workers)",
+                                  "host_tokens"),
+            "host_cache_used_tokens": ("host-tier slots holding a prefix's copy",
+                                       "host_used"),
+            "host_cache_hit_tokens": ("prompt tokens matched in the host tier so far",
+                                      "host_hit_tokens"),
         }
         for name, (doc, key) in gauges.items():
             gauge = Gauge(f"minisrv:{name}", doc, registry=reg)

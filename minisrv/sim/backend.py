@@ -32,6 +32,7 @@ class SimStep(NamedTuple):
     new: int  # tokens computed
     attended: int  # (query, key) pairs attended
     cached: int  # KV tokens read from the cache
+    loaded: int = 0  # KV tokens copied back from the host tier before the step
 
 
 class SimBackend:
@@ -66,6 +67,17 @@ class SimBackend:
             raise ValueError("token_ids must hold at least one id")
         if token_ids is not None:
             self.vocab_size = token_ids.stop
+        self._loaded = 0  # host-tier tokens the next step copies back first
+
+    def charge_host_copies(self, loaded: int, backed_up: int) -> None:
+        """The host tier's copies before the next step: the ``loaded`` tokens' KV crosses
+        the host link (``gpu.host_bandwidth``) before the step may read it. Backups go the
+        other way on a full-duplex link, behind the steps, and cost the step nothing."""
+        self._loaded += loaded
+
+    def host_copy_seconds(self, tokens: int) -> float:
+        """How long ``tokens`` tokens' KV takes from host memory to the device."""
+        return tokens * kv_bytes_per_token(self.cfg, self.dtype_bytes) / self.gpu.host_bandwidth
 
     def attach_kv(self, capacity: int) -> None:
         """No KV is stored: the scheduler's slot counts are the whole simulation of memory."""
@@ -102,7 +114,8 @@ class SimBackend:
             attended += n * start + n * (n + 1) // 2  # the prefix, then causal
             tokens.append([ids[(entry.req.rid * 7919 + start + n) % vocab]] if entry.sample
                           else [])
-        return SimStep(tokens, new, attended, cached)
+        loaded, self._loaded = self._loaded, 0
+        return SimStep(tokens, new, attended, cached, loaded)
 
     def compute(
         self,
@@ -110,7 +123,8 @@ class SimBackend:
         resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
         store: Callable[[list[int]], None] | None = None,
     ) -> BatchResult:
-        """The device half of ``run``: the roofline time.
+        """The device half of ``run``: the roofline time, after the host tier's load-backs
+        (``charge_host_copies``) at the host link's bandwidth.
 
         The simulator reads no input ids (``prepare`` fixed its tokens), so no future id of
         an overlapped loop ever needs resolving from its steps: ``resolve`` and ``store`` are
@@ -121,7 +135,8 @@ class SimBackend:
         cost = step_cost_from_totals(
             self.cfg, self.gpu, step.new, step.attended, step.cached, self.dtype_bytes
         )
-        return BatchResult([list(t) for t in step.tokens], cost=cost.time_s, elapsed=cost.time_s)
+        time_s = cost.time_s + self.host_copy_seconds(step.loaded)
+        return BatchResult([list(t) for t in step.tokens], cost=time_s, elapsed=time_s)
 
     def release(self, req: Req) -> None:
         """Nothing to free: the simulator keeps no per-request state."""

@@ -1,0 +1,373 @@
+"""The radix tree over two tiers: each node's KV on the device, in host memory, or both.
+
+RadixAttention drops what it evicts. With a host tier (SGLang's HiCache,
+``mem_cache/hiradix_cache.py``) eviction from the device *moves* a node's KV to host memory
+when the node has a host copy, so a later request that matches it copies it back instead of
+recomputing it. The tree's shape stays the same; each node records where its KV lives:
+
+* ``value``, its device slots (empty once the device evicted it), and
+* ``host_value``, its host slots (``None`` until it is backed up).
+
+The device part is closed upwards: a node on the device has its parent on the device, so a
+match walks device nodes first (``match_prefix``, what the scheduler may use at once) and
+may go on through host-only nodes (``match_host``: what a load-back would bring back). A
+device *leaf* is a device node with no child on the device; device eviction takes those,
+least recently used first, and a host-only *leaf* (no child at all) is what host eviction
+takes, in its own LRU order. A locked node is always on the device and never evicted from
+either tier; a node loaded back is locked by the request it was loaded for.
+
+When a node gets its host copy is the write policy (``HOST_POLICIES``):
+
+* ``write_through``: as soon as it is cached (every prefix is backed up, PCIe traffic for
+  all of them, and an eviction costs nothing);
+* ``write_through_selective``: once requests have hit it twice (only prefixes that proved
+  popular are copied);
+* ``write_back``: only when the device evicts it (the least traffic; the eviction waits for
+  its copy).
+
+A device eviction of a node without a host copy drops it, and with it its host-only
+subtree (which no match could reach any more). Copies are queued in the host pool's plan
+(``minisrv.kv.host``) and run right before the next step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from minisrv.checks import check_choice, check_int
+from minisrv.kv.cache import EvictCallback, TreeNode
+from minisrv.kv.events import TreeListener, reports_evicted
+from minisrv.kv.host import HOST_POLICIES, HostPool
+from minisrv.kv.radix import RadixCache, _matched
+
+__all__ = ["HiRadixCache", "HiTreeNode", "HostMatch"]
+
+SELECTIVE_HITS = 2
+"""``write_through_selective`` backs a node up once it has been hit this many times."""
+
+
+class HiTreeNode(TreeNode):
+    """A tree node that also knows its host copy and how often requests hit it."""
+
+    __slots__ = ("host_value", "hits")
+
+    def __init__(self, node_id: int, key: tuple[int, ...], value: list[Any],
+                 parent: TreeNode | None, last_access: int) -> None:
+        super().__init__(node_id, key, value, parent, last_access)
+        self.host_value: list[int] | None = None  # host slots, one per token, once backed up
+        self.hits = 0  # admissions whose cached prefix ran through this node
+
+
+class HostMatch(NamedTuple):
+    """The host-only nodes that continue a device match, and the tokens they hold."""
+
+    nodes: tuple[HiTreeNode, ...]
+    length: int
+
+
+class HiRadixCache(RadixCache):
+    """A ``RadixCache`` whose evicted nodes may live on in a ``HostPool``.
+
+    Args:
+        host: the host tier's pool (its slots; its tensors when the device pool has some).
+        policy: one of ``HOST_POLICIES``.
+        on_evict: frees device slots (the engine's allocator), as for ``RadixCache``.
+        listener: told about every operation, as for ``RadixCache``.
+
+    ``size_info`` counts device tokens only (what device eviction could free);
+    ``host_size`` the tokens with a host copy. ``backups`` and ``backed_up_tokens`` count
+    the copies to the host, ``host_evicted_tokens`` the host copies dropped for room.
+    """
+
+    node_type = HiTreeNode
+
+    def __init__(self, host: HostPool, policy: str = "write_through",
+                 on_evict: EvictCallback | None = None,
+                 listener: TreeListener | None = None) -> None:
+        super().__init__(on_evict, listener)
+        self.host = host
+        self.policy = check_choice("host_cache_policy", policy, HOST_POLICIES)
+        self.backups = 0
+        self.backed_up_tokens = 0
+        self.host_evicted_tokens = 0
+        self._host_heap: list[tuple[int, int, HiTreeNode]] = []
+
+    # ----------------------------------------------------------------- where KV lives
+    def on_device(self, node: TreeNode) -> bool:
+        """True when ``node``'s KV is in device slots (the root always is)."""
+        return node is self.root or bool(node.value)
+
+    def tier_of(self, node: TreeNode) -> str:
+        """``"device"``, ``"host"`` or ``"both"``."""
+        host = getattr(node, "host_value", None) is not None
+        if not self.on_device(node):
+            return "host"
+        return "both" if host else "device"
+
+    def host_size(self) -> int:
+        """Tokens with a host copy (host slots in use)."""
+        return self.host.used_count
+
+    def _next(self, node: TreeNode, token: int) -> TreeNode | None:
+        """A device match goes on only through children on the device."""
+        child = node.children.get(token)
+        return child if child is not None and child.value else None
+
+    # ----------------------------------------------------------------- insert
+    def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
+               tag: str = "") -> int:
+        """``RadixCache.insert``, where host-only nodes on the path take the new device
+        slots (their KV is on the device again, and on the host as before).
+
+        Returns the tokens already cached *on the device*: the caller keeps and frees
+        ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
+        """
+        key = tuple(tokens)
+        if values is not None and len(values) != len(key):
+            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
+                             "give one value (KV slot) per token")
+        self.clock += 1
+        node, length, _, path, split = self._walk(key, collect=False)
+        vals = [None] * len(key) if values is None else list(values)
+        pos, path_ids, split_ids = length, list(path), list(split)
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            matched = _matched(child.key, key, pos)
+            cut = matched < len(child.key)
+            if cut:
+                child = self._split(child, matched)
+                split_ids.append(child.id)
+            self._to_device(child, vals[pos:pos + matched])
+            path_ids.append(child.id)
+            pos, node = pos + matched, child
+            if cut:
+                break
+        inserted: tuple[int, ...] = ()
+        if pos < len(key):
+            leaf = self._add_leaf(node, key[pos:], vals[pos:])
+            inserted = (leaf.id,)
+            path_ids.append(leaf.id)
+            if self.policy == "write_through":
+                self._backup(leaf)
+        self._report("insert", tag, length, tuple(path_ids), tuple(split_ids), inserted=inserted)
+        return length
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """``RadixCache._split``, the host copy and the hit count split along with it."""
+        upper = super()._split(child, at)
+        assert isinstance(child, HiTreeNode) and isinstance(upper, HiTreeNode)
+        upper.hits = child.hits
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:at], child.host_value[at:]
+        return upper
+
+    # ----------------------------------------------------------------- the host part of a match
+    def match_host(self, node: TreeNode, tokens: Sequence[int], start: int) -> HostMatch:
+        """The host-only nodes that continue ``tokens`` below ``node`` (where a device match
+        of ``start`` tokens ended), splitting the last edge if the match ends inside it."""
+        key = tuple(tokens)
+        found: list[HiTreeNode] = []
+        pos = start
+        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
+            matched = _matched(child.key, key, pos)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            assert isinstance(child, HiTreeNode)
+            child.last_access = self.clock
+            found.append(child)
+            pos, node = pos + matched, child
+            if matched < len(child.key):
+                break
+        return HostMatch(tuple(found), pos - start)
+
+    def host_match_length(self, node: TreeNode, tokens: Sequence[int], start: int) -> int:
+        """How many tokens ``match_host`` would find, without splitting or touching a node."""
+        pos = start
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
+            matched = _matched(child.key, tuple(tokens), pos)
+            pos, node = pos + matched, child
+            if matched < len(child.key):
+                break
+        return pos - start
+
+    def load(self, found: HostMatch, device_slots: Sequence[int]) -> TreeNode:
+        """Put ``found``'s nodes back on the device, in ``device_slots`` (one per token, in
+        order), queueing the copies from their host slots; return the last node (lock it)."""
+        if len(device_slots) != found.length:
+            raise ValueError(f"load of {found.length} tokens got {len(device_slots)} slots")
+        offset = 0
+        for node in found.nodes:
+            assert node.host_value is not None and not self.on_device(node)
+            slots = list(device_slots[offset:offset + len(node.key)])
+            self.host.load(node.host_value, slots)
+            self._to_device(node, slots)
+            offset += len(node.key)
+        return found.nodes[-1]
+
+    def _to_device(self, node: TreeNode, slots: list[Any]) -> None:
+        """A host-only node gets device slots again (its host copy stays)."""
+        node.value = slots
+        self._evictable += len(node.key)
+        self._shape += 1
+        self._touch(node)
+
+    # ----------------------------------------------------------------- hits and backups
+    def count_hit(self, node: TreeNode) -> None:
+        """An admitted request's cached prefix ends at ``node``: every node on the path was
+        hit once more; under ``write_through_selective`` the second hit backs a node up."""
+        walker: TreeNode | None = node
+        while walker is not None and walker is not self.root:
+            assert isinstance(walker, HiTreeNode)
+            walker.hits += 1
+            if (self.policy == "write_through_selective" and walker.host_value is None
+                    and walker.hits >= SELECTIVE_HITS):
+                self._backup(walker)
+            walker = walker.parent
+
+    def _backup(self, node: HiTreeNode) -> bool:
+        """Give ``node`` a host copy (host LRU eviction first if the host is short); False,
+        changing nothing, when even that leaves too little room."""
+        n = len(node.key)
+        if n > self.host.capacity:
+            return False
+        if n > self.host.free_count:
+            self.evict_host(n - self.host.free_count)
+        if n > self.host.free_count:
+            return False
+        node.host_value = self.host.allocator.alloc(n)
+        self.host.backup(node.value, node.host_value)
+        self.backups += 1
+        self.backed_up_tokens += n
+        return True
+
+    # ----------------------------------------------------------------- device eviction
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        """A device leaf: on the device, unlocked, no child on the device."""
+        return (not node.removed and node is not self.root and bool(node.value)
+                and node.lock_ref == 0
+                and not any(child.value for child in node.children.values()))
+
+    @reports_evicted
+    def evict(self, n_tokens: int, *, tag: str = "") -> int:
+        """Free at least ``n_tokens`` device slots, least recently used device leaves
+        first: a node with a host copy (``write_back`` makes one now) moves to the host,
+        one without is dropped with its host-only subtree. Returns the slots freed."""
+        n_tokens = check_int("evict's token count", n_tokens, minimum=0)
+        freed = 0
+        while freed < n_tokens and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not self._evictable_leaf(node) or stamp != node.last_access:
+                continue  # stale entry
+            assert isinstance(node, HiTreeNode)
+            parent = node.parent
+            slots = node.value
+            if node.host_value is None and self.policy == "write_back":
+                self._backup(node)
+            if node.host_value is not None:
+                node.value = []
+                self._evictable -= len(node.key)
+                self._shape += 1
+                self._push_host(node)
+            else:
+                self._drop_subtree(node)
+                self._remove_leaf(node)
+            freed += len(slots)
+            if self.on_evict is not None:
+                self.on_evict(slots)
+            if parent is not None:
+                self._push(parent)
+        return freed
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Free the host copies of ``node``'s descendants (all host-only) and cut them off."""
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            assert isinstance(child, HiTreeNode) and not child.value
+            stack.extend(child.children.values())
+            self._free_host(child)
+            child.removed, child.parent = True, None
+            self.n_nodes -= 1
+        node.children = {}
+        self._shape += 1
+
+    # ----------------------------------------------------------------- host eviction
+    def evict_host(self, n_tokens: int) -> int:
+        """Drop least recently used host-only leaves until ``n_tokens`` host slots are
+        free; a parent left a host-only leaf becomes a candidate. Returns the slots freed."""
+        freed = 0
+        while freed < n_tokens and self._host_heap:
+            stamp, _, node = heapq.heappop(self._host_heap)
+            if not self._host_leaf(node) or stamp != node.last_access:
+                continue
+            parent = node.parent
+            assert parent is not None
+            freed += self._free_host(node)
+            del parent.children[node.key[0]]
+            node.removed, node.parent = True, None
+            self.n_nodes -= 1
+            self._shape += 1
+            self._push_host(parent)
+            self._push(parent)
+        self.host_evicted_tokens += freed
+        return freed
+
+    def _free_host(self, node: HiTreeNode) -> int:
+        if node.host_value is None:
+            return 0
+        self.host.allocator.free(node.host_value)
+        n, node.host_value = len(node.host_value), None
+        return n
+
+    def _host_leaf(self, node: TreeNode) -> bool:
+        return (not node.removed and node is not self.root and not node.value
+                and not node.children and node.lock_ref == 0)
+
+    def _push_host(self, node: TreeNode) -> None:
+        if not self._host_leaf(node):
+            return
+        heapq.heappush(self._host_heap, (node.last_access, next(self._seq), node))
+        if len(self._host_heap) > 2 * self.n_nodes + 64:
+            self._host_heap = [e for e in self._host_heap
+                               if self._host_leaf(e[2]) and e[0] == e[2].last_access]
+            heapq.heapify(self._host_heap)
+
+    def _touch(self, node: TreeNode) -> None:
+        super()._touch(node)
+        self._push_host(node)
+
+    # ----------------------------------------------------------------- invariants
+    def check_tiers(self) -> None:
+        """Raise ``AssertionError`` naming the broken rule if the two tiers disagree.
+
+        * every node but the root holds its KV somewhere: device slots, host slots, or both,
+          one slot per token in each;
+        * the device part is closed upwards (a device node's parent is on the device);
+        * a locked node is on the device;
+        * the host slots in use are exactly the nodes' host slots, none held twice.
+        """
+        nodes = self.nodes()
+        held: list[int] = []
+        for node in nodes[1:]:
+            assert isinstance(node, HiTreeNode)
+            host = node.host_value
+            assert node.value or host is not None, f"node {node.id} has its KV nowhere"
+            assert not node.value or len(node.value) == len(node.key), (
+                f"node {node.id}: {len(node.value)} device slots for {len(node.key)} tokens")
+            assert host is None or len(host) == len(node.key), (
+                f"node {node.id}: {len(host or ())} host slots for {len(node.key)} tokens")
+            assert not node.value or self.on_device(node.parent), (
+                f"node {node.id} is on the device below a node that is not")
+            assert node.lock_ref == 0 or node.value, f"locked node {node.id} is not on the device"
+            held.extend(host or ())
+        assert len(set(held)) == len(held), "a host slot belongs to two nodes"
+        assert len(held) == self.host.used_count, (
+            f"{len(held)} host slots held by nodes, {self.host.used_count} in use")
+        assert all(self.host.allocator.is_used(s) for s in held), "a node holds a free host slot"
+
+    def __repr__(self) -> str:
+        info = self.size_info()
+        return (f"HiRadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
+                f"protected={info.protected}, host={self.host_size()}/{self.host.capacity}, "
+                f"policy={self.policy!r})")

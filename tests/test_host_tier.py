@@ -1,0 +1,250 @@
+"""The host tier: evicted prefixes kept in host memory and loaded back.
+
+Tokens equal each request generated alone in every loop, policy and with chunked prefill;
+the two pools never leak or share a slot; the policies back up what they promise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minisrv.engine import Engine
+from minisrv.kv import SlotAllocator
+from minisrv.kv.hiradix import HiRadixCache
+from minisrv.kv.host import HOST_POLICIES, HostPool
+from minisrv.kv.manager import KVManager
+from minisrv.request import FINISHED, Req
+from minisrv.sampling import SamplingParams
+from minisrv.scheduler import EngineConfig
+from minisrv.sim import SimBackend
+
+
+def chats(sessions: int = 4, turns: int = 3, seed: int = 0) -> list[list[list[int]]]:
+    """Per session, each turn's new message (random ids); a turn's prompt is the history."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(3, 60) for _ in range(rng.randrange(8, 16))] for _ in range(turns)]
+            for _ in range(sessions)]
+
+
+def serve_chats(engine: Engine, messages: list[list[list[int]]], new: int = 6
+                ) -> list[tuple[list[int], list[int]]]:
+    """Every session's turns, a turn's prompt its history plus its message; all sessions of
+    one turn served together. Returns (prompt, output) of every request."""
+    history = [[0] for _ in messages]
+    served = []
+    for turn in range(len(messages[0])):
+        prompts = [history[s] + messages[s][turn] for s in range(len(messages))]
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        reqs = engine.make_requests(prompts, None, params)
+        engine.serve(reqs)
+        engine.scheduler.check_integrity()
+        for s, req in enumerate(reqs):
+            assert req.state == FINISHED
+            history[s] = prompts[s] + list(req.output)
+            served.append((prompts[s], list(req.output)))
+    return served
+
+
+@pytest.mark.parametrize("policy", HOST_POLICIES)
+@pytest.mark.parametrize("loop", ["blocking", "overlap", "chunked", "chunked-overlap"])
+def test_outputs_equal_each_request_alone_with_the_host_tier(model, policy, loop) -> None:
+    options = {"overlap": "overlap" in loop,
+               "chunked_prefill_size": 16 if "chunked" in loop else None}
+    engine = Engine(model, kv_capacity=90, max_running=4, cache="radix", debug=True,
+                    host_cache_tokens=400, host_cache_policy=policy, **options)
+    served = serve_chats(engine, chats())
+    for prompt, output in served:
+        assert output == model.reference_generate(prompt, 6, ignore_eos=True)
+    stats = engine.stats
+    assert stats.evicted_tokens > 0  # the device pool was too small for the chats
+    if policy != "write_through_selective":  # a chat's turns hit each node once: no backups
+        assert stats.loaded_tokens > 0
+    assert stats.loaded_tokens <= stats.host_hit_tokens
+    assert stats.cached_prompt_tokens >= stats.loaded_tokens
+
+
+def test_the_host_tier_raises_the_hit_rate_and_prefills_less(model) -> None:
+    runs = {}
+    for host in (0, 400):
+        engine = Engine(model, kv_capacity=90, max_running=4, cache="radix",
+                        host_cache_tokens=host)
+        runs[host] = (serve_chats(engine, chats()), engine.stats)
+    assert runs[0][0] == runs[400][0]  # the same tokens
+    assert runs[400][1].hit_rate > runs[0][1].hit_rate
+    assert runs[400][1].prefill_tokens < runs[0][1].prefill_tokens
+    assert runs[0][1].loaded_tokens == runs[0][1].host_hit_tokens == 0
+
+
+def test_retraction_and_abort_with_the_host_tier(model) -> None:
+    engine = Engine(model, kv_capacity=60, max_running=4, cache="radix", debug=True,
+                    host_cache_tokens=200, host_cache_policy="write_back")
+    serve_chats(engine, chats(3, 2, seed=1))  # the tier holds the chats' prefixes
+    prompts = [[0, *range(3, 20)], [0, *range(3, 14), 50], [0, *range(3, 25)]]
+    reqs = engine.make_requests(prompts, 14)
+    for req in reqs:
+        engine.add_request(req, checked=True)
+    engine.step()
+    engine.retract(reqs[:1])
+    engine.step()
+    engine.abort(reqs[1:2])
+    engine.run()
+    engine.scheduler.check_integrity()
+    assert reqs[2].output == model.reference_generate(prompts[2], 14)
+    assert reqs[0].output == model.reference_generate(prompts[0], 14)
+
+
+def test_speculative_truncation_with_the_host_tier(model) -> None:
+    engine = Engine(model, kv_capacity=90, max_running=4, cache="radix", debug=True,
+                    host_cache_tokens=300, speculative="ngram", num_draft_tokens=3)
+    for prompt, output in serve_chats(engine, chats(3, 3, seed=2)):
+        assert output == model.reference_generate(prompt, 6, ignore_eos=True)
+
+
+# ------------------------------------------------------------------ the tree, both pools
+def scripted(policy: str) -> HiRadixCache:
+    """Two chats of three turns (4 tokens each) through a device pool of 20 slots and a host
+    of 100: turn 2 hits turn 1's node once, turn 3 a second time; the last turn needs the
+    device to evict the least recently used leaf (chat 0's third turn)."""
+    device = SlotAllocator(20)
+    tree = HiRadixCache(HostPool(100), policy, on_evict=device.free)
+    for turn in range(3):
+        for chat in (0, 1):
+            tokens = [chat * 100 + t for t in range(4 * (turn + 1))]
+            match = tree.match_prefix(tokens[:-1])
+            tree.lock(match.node)
+            need = len(tokens) - match.length
+            if need > device.free_count:
+                tree.evict(need - device.free_count)
+            found = tree.match_host(match.node, tokens[:-1], match.length)
+            fresh = device.alloc(need)
+            node = match.node
+            if found.length:
+                node = tree.load(found, fresh[:found.length])
+                tree.lock(node)
+                tree.unlock(match.node)
+            tree.count_hit(node)
+            values = [*match.values, *fresh]
+            already = tree.insert(tokens, values)
+            device.free(values[match.length + found.length:already])
+            tree.unlock(node)
+            tree.check_tiers()
+    return tree
+
+
+def test_the_three_policies_back_up_what_they_promise() -> None:
+    through, selective, back = (scripted(p) for p in HOST_POLICIES)
+    # write_through: every node, when cached: 6 inserts of 4 new tokens each
+    assert (through.backups, through.backed_up_tokens) == (6, 24)
+    # selective: only the turn-1 nodes, at their second hit (turn 3)
+    assert (selective.backups, selective.backed_up_tokens) == (2, 8)
+    # write_back: only the node the device evicted, which now lives on the host alone
+    assert (back.backups, back.backed_up_tokens) == (1, 4)
+    assert [back.tier_of(n) for n in back.nodes()[1:]].count("host") == 1
+    assert [through.tier_of(n) for n in through.nodes()[1:]].count("both") == 5
+
+
+ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "evict", "evict_host"]),
+                         st.integers(0, 5), st.integers(1, 12)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, policy=st.sampled_from(HOST_POLICIES), host=st.integers(4, 60))
+def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host) -> None:
+    """Requests admitted (match, evict-to-host, load back), finished (cached) and evicted
+    in any order: no slot of either pool leaked or shared, no locked node evicted."""
+    memory = KVManager(SlotAllocator(48), "radix", HostPool(host), policy)
+    running: list[Req] = []
+    rid = 0
+    for op, seed, size in ops:
+        if op == "admit":
+            rng = random.Random(seed)
+            prompt = [0, *(rng.randrange(1, 4) for _ in range(size))]
+            req = Req(rid=rid, prompt=prompt, params=SamplingParams(max_new_tokens=2))
+            rid += 1
+            match = memory.match(req)
+            if memory.allocate(req, match):
+                running.append(req)
+            else:
+                memory.drop_match(req, match)
+        elif op == "finish" and running:
+            req = running.pop(seed % len(running))
+            req.output.append(size % 4)
+            memory.alloc_tokens(req, 1)
+            memory.cache_finished(req)
+        elif op == "evict":
+            locked = [n for n in memory.tree.nodes()[1:] if n.lock_ref]
+            memory.evict(size, "test")
+            assert all(n.value and not n.removed for n in locked)
+        elif op == "evict_host":
+            memory.tree.evict_host(size)
+        memory.check_integrity(running)
+        memory.transfer()
+    for req in running:
+        memory.release(req)
+    memory.check_integrity([])
+    memory.tree.evict(memory.tree.total_size())
+    memory.tree.evict_host(host)
+    assert memory.kv.used_count == 0 and memory.host.used_count == 0
+
+
+# ------------------------------------------------------------------ options
+@pytest.mark.parametrize("options, message", [
+    ({"host_cache_tokens": -1}, "host_cache_tokens"),
+    ({"host_cache_tokens": 1.5}, "host_cache_tokens"),
+    ({"host_cache_policy": "lru"}, "host_cache_policy"),
+    ({"host_cache_tokens": 100, "cache": "none"}, "cache='radix'"),
+])
+def test_bad_host_tier_options_are_a_clear_value_error(options, message) -> None:
+    options = {"cache": "radix", **options}
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_the_simulated_gpu_charges_load_backs_at_host_bandwidth() -> None:
+    from minisrv.configs import H100, LLAMA3_8B
+    from minisrv.kvsize import kv_bytes_per_token
+
+    prompt = list(range(1, 2001))
+    durations = {}
+    for host in (0, 20000):
+        engine = Engine(SimBackend(), kv_capacity=3000, cache="radix", host_cache_tokens=host)
+        engine.generate([prompt], 2)
+        engine.scheduler.memory.evict(3000, "test")  # dropped, or moved to the host
+        engine.generate([prompt], 1)
+        durations[host] = engine.trace[-1].duration
+        if host:
+            assert engine.stats.loaded_tokens == engine.stats.host_hit_tokens == 1999
+            copy = 1999 * kv_bytes_per_token(LLAMA3_8B, 2) / H100.host_bandwidth
+            recompute = durations[0]
+            # the loaded step computes one token, after the copy at 55 GB/s
+            assert durations[host] > copy
+            assert durations[host] - copy < recompute
+
+
+# ------------------------------------------------------------------ the server
+def test_the_server_flags_build_a_host_tier_and_metrics_report_it(citylm) -> None:
+    from minisrv.server.cli import build_parser, server_config
+    from minisrv.server.engine_loop import engine_snapshot
+    from minisrv.server.metrics import ServerMetrics
+
+    args = build_parser().parse_args(["serve", "--host-cache-tokens", "500",
+                                      "--host-cache-policy", "write_back"])
+    config = server_config(args)
+    assert (config.engine.host_cache_tokens, config.engine.host_cache_policy) == (
+        500, "write_back")
+    assert server_config(build_parser().parse_args(["serve"])).engine.host_cache_tokens == 0
+    for bad in (["--host-cache-tokens", "-5"], ["--host-cache-policy", "lru"]):
+        with pytest.raises(ValueError, match="host_cache"):
+            server_config(build_parser().parse_args(["serve", *bad]))
+    model, _ = citylm
+    engine = Engine(model, config.engine, kv_capacity=60, max_running=4)
+    serve_chats(engine, chats(3, 2))
+    snap = engine_snapshot(engine)
+    assert snap["host_tokens"] == 500 and snap["host_used"] > 0
+    assert snap["host_hit_tokens"] == engine.stats.host_hit_tokens > 0
+    text = ServerMetrics(lambda: snap).render().decode()
+    assert "minisrv:host_cache_tokens 500.0" in text
+    assert f"minisrv:host_cache_used_tokens {snap['host_used']:.1f}" in text
