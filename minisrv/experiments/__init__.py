@@ -10,6 +10,8 @@ larger than the chapter does by passing other arguments.
 * ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
   each request alone, KV pool sweeps;
+* ``host_tier`` (the host tier): chats with and without it, the simulated H100's long chats,
+  the load-back break-even;
 * ``radix`` (RadixAttention): serving with and without the cache, hit rates per chat turn;
 * ``cache_aware`` (cache-aware scheduling): policies, capacities, rounds, scheduling cost;
 * ``routing`` (routing across workers): ``simulate_cluster`` and ``serve_cluster``;
@@ -62,6 +64,19 @@ _PUBLIC = {
     "pool_sweep": "batching",
     "run_pool": "batching",
     "ServedRequest": "radix",
+    "LONG_CONTEXT_8B": "host_tier",
+    "TierRun": "host_tier",
+    "TierWalk": "host_tier",
+    "break_even": "host_tier",
+    "break_even_length": "host_tier",
+    "chat_tier_run": "host_tier",
+    "chat_tier_table": "host_tier",
+    "load_seconds": "host_tier",
+    "long_chats": "host_tier",
+    "prefill_seconds": "host_tier",
+    "sim_tier_run": "host_tier",
+    "sim_tier_table": "host_tier",
+    "tier_walk": "host_tier",
     "cache_comparison": "radix",
     "capacity_sweep": "radix",
     "chat_capacity_report": "radix",

@@ -1,0 +1,99 @@
+"""Drawings of the host-tier chapter: the tree coloured by where each node's KV lives, the
+simulated H100's TTFT and throughput per host tier, and the explorer over the tier's size."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import graphviz
+import pandas as pd
+
+from minisrv.experiments.host_tier import TierRun, sim_tier_run
+from minisrv.kv import NodeView
+from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.radix import edge_text
+from minisrv.viz.style import BookFigure, graph_attrs, label_axes, page_figure, styled
+from minisrv.viz.widgets import panel, slider
+
+__all__ = ["TIER_COLORS", "host_size_explorer", "host_size_widget", "plot_sim_tiers",
+           "tier_graphviz"]
+
+TIER_COLORS = {
+    "device": "white",  # on the device only
+    "both": "#d3f9d8",  # on the device, with a host copy
+    "host": "#e5dbff",  # in host memory only: a match must load it back
+}
+
+
+def tier_graphviz(views: Sequence[NodeView], tokenizer: Any = None,
+                  title: str | None = None) -> graphviz.Digraph:
+    """A tree snapshot (``HiRadixCache.snapshot()``), each node filled by its tier: white on
+    the device only, green on the device with a host copy, violet (dashed) on the host only."""
+    dot = graphviz.Digraph(**graph_attrs(rankdir="LR", nodesep="0.15", ranksep="0.3"))
+    dot.attr("node", shape="box", style="rounded,filled", fillcolor="white")
+    dot.attr("edge", arrowsize="0.6")
+    if title:
+        dot.attr(label=title, labelloc="b")
+    for view in views:
+        if view.parent is None:
+            dot.node(f"n{view.id}", "root")
+            continue
+        style = "rounded,filled,dashed" if view.tier == "host" else "rounded,filled"
+        dot.node(f"n{view.id}", f"{edge_text(view.key, tokenizer)}\n{len(view.key)} tok · "
+                 f"{view.tier}", fillcolor=TIER_COLORS[view.tier], style=style)
+        dot.edge(f"n{view.parent}", f"n{view.id}")
+    return dot
+
+
+@styled
+def plot_sim_tiers(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """Mean TTFT and throughput of each (host tier, policy) row of ``sim_tier_table``."""
+    fig, (left, right) = page_figure(2.8, 1, 2)
+    labels = [size if policy == "-" else f"{size}\n{policy.replace('write_through', 'wt')}"
+              for size, policy in table.index]
+    left.bar(labels, table["mean TTFT (s)"], color="#4c6ef5")
+    right.bar(labels, table["throughput (tok/s)"], color="#37b24d")
+    label_axes(left, title or None, None, "mean TTFT (s)")
+    label_axes(right, None, None, "output tokens / s")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+def _frame(size: int, run: TierRun) -> Frame:
+    numbers = {"host tier (tokens)": size, "hit rate": run.hit_rate,
+               "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput}
+    table = pd.DataFrame({k: [f"{v:.1%}" if k == "hit rate" else round(v, 2)]
+                          for k, v in numbers.items()})
+    return Frame([table], numbers,
+                 caption=f"host tier of {size:,} tokens: {run.hit_rate:.1%} of prompt tokens "
+                         f"hit, mean TTFT {run.mean_ttft:.2f} s")
+
+
+def host_size_explorer(workload: Any, sizes: Sequence[int], runs: Mapping[int, TierRun] | None
+                       = None, start: int = 0, **options: Any) -> Explorer:
+    """The simulated chats (``sim_tier_run``, write-through) for every host tier size of
+    ``sizes``: hit rate, TTFT and throughput. ``runs``: sizes already served (reused)."""
+    done = dict(runs or {})
+
+    def draw(size: int) -> Frame:
+        if size not in done:
+            done[size] = sim_tier_run(workload, size, **options)
+        return _frame(size, done[size])
+
+    return explorer(draw, [("size", "host tier (tokens)", list(sizes), start)],
+                    live=lambda: host_size_widget(workload, start, **options))
+
+
+def host_size_widget(workload: Any, size: int = 0, **options: Any) -> Any:
+    """A slider over the host tier's size; each change serves the chats again (a kernel)."""
+    from IPython.display import display
+
+    def redraw(size: int) -> None:
+        frame = _frame(size, sim_tier_run(workload, size, **options))
+        display(frame.parts[0])
+        print(frame.caption)
+
+    return panel(redraw, {"size": slider(size, 0, 4_000_000, "host tier (tokens)",
+                                         step=250_000)})
