@@ -22,8 +22,8 @@ from minisrv.experiments.radix import chat_workload
 from minisrv.kv import NodeView
 from minisrv.kv.host import HOST_POLICIES
 from minisrv.kvsize import kv_bytes_per_token
-from minisrv.roofline import step_cost_from_totals
 from minisrv.sim import SimBackend
+from minisrv.sim.roofline import step_cost_from_totals
 from minisrv.workloads import Workload
 
 LONG_CONTEXT_8B = dataclasses.replace(LLAMA3_8B, name="LLaMA-3-8B, 128K context",
