@@ -325,13 +325,7 @@ class HiRadixCache(RadixCache):
                 and not node.children and node.lock_ref == 0)
 
     def _push_host(self, node: TreeNode) -> None:
-        if not self._host_leaf(node):
-            return
-        heapq.heappush(self._host_heap, (node.last_access, next(self._seq), node))
-        if len(self._host_heap) > 2 * self.n_nodes + 64:
-            self._host_heap = [e for e in self._host_heap
-                               if self._host_leaf(e[2]) and e[0] == e[2].last_access]
-            heapq.heapify(self._host_heap)
+        self._offer(self._host_heap, self._host_leaf, node)
 
     def _touch(self, node: TreeNode) -> None:
         super()._touch(node)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from minisrv.checks import check_int
@@ -309,13 +309,19 @@ class RadixCache(PrefixCache):
 
     def _push(self, node: TreeNode) -> None:
         """Offer ``node`` to the eviction heap (checked again when popped)."""
-        if not self._evictable_leaf(node):
+        self._offer(self._heap, self._evictable_leaf, node)
+
+    def _offer(self, heap: list, evictable: Callable[[TreeNode], bool], node: TreeNode) -> None:
+        """Push ``node`` onto an LRU ``heap`` if ``evictable``; stale entries are skipped when
+        popped, and dropped here once the heap outgrows the tree twice over (in place, so
+        every tier's heap shares this)."""
+        if not evictable(node):
             return
-        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 2 * self.n_nodes + 64:
-            self._heap = [entry for entry in self._heap
-                          if self._evictable_leaf(entry[2]) and entry[0] == entry[2].last_access]
-            heapq.heapify(self._heap)
+        heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        if len(heap) > 2 * self.n_nodes + 64:
+            heap[:] = [entry for entry in heap
+                       if evictable(entry[2]) and entry[0] == entry[2].last_access]
+            heapq.heapify(heap)
 
     # --------------------------------------------------------------------- sizes
     def size_info(self) -> SizeInfo:
