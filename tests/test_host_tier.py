@@ -171,9 +171,12 @@ def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host) 
                 memory.drop_match(req, match)
         elif op == "finish" and running:
             req = running.pop(seed % len(running))
-            req.output.append(size % 4)
-            memory.alloc_tokens(req, 1)
-            memory.cache_finished(req)
+            if not memory.free_count and not memory.evict(1, "test"):
+                memory.release(req)  # no room for its last token: retracted, as the engine would
+            else:
+                req.output.append(size % 4)
+                memory.alloc_tokens(req, 1)
+                memory.cache_finished(req)
         elif op == "evict":
             locked = [n for n in memory.tree.nodes()[1:] if n.lock_ref]
             memory.evict(size, "test")

@@ -345,11 +345,7 @@ class RadixCache(PrefixCache):
 
     def cached_sequences(self) -> list[tuple[int, ...]]:
         """The token sequence spelled by every leaf: what the cache can serve in full."""
-        out: list[tuple[int, ...]] = []
-        for node in self.nodes():
-            if node is not self.root and not node.children:
-                out.append(self.prefix_of(node))
-        return out
+        return [self.prefix_of(n) for n in self.nodes() if n is not self.root and not n.children]
 
     def prefix_of(self, node: TreeNode) -> tuple[int, ...]:
         """The tokens on the path from the root to ``node``."""
@@ -375,10 +371,9 @@ class RadixCache(PrefixCache):
 
     def _path_to(self, node: TreeNode) -> tuple[int, ...]:
         ids: list[int] = []
-        walker: TreeNode | None = node
-        while walker is not None and walker is not self.root:
-            ids.append(walker.id)
-            walker = walker.parent
+        while node is not None and node is not self.root:
+            ids.append(node.id)
+            node = node.parent
         return tuple(reversed(ids))
 
     def _report(self, op: str, tag: str, length: int, path: tuple[int, ...],
