@@ -75,6 +75,7 @@ _PUBLIC = {
     "long_chats": "host_tier",
     "prefill_seconds": "host_tier",
     "sim_tier_run": "host_tier",
+    "sim_tier_runs": "host_tier",
     "sim_tier_table": "host_tier",
     "tier_walk": "host_tier",
     "cache_comparison": "radix",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import pandas as pd
@@ -43,6 +43,7 @@ __all__ = [
     "long_chats",
     "prefill_seconds",
     "sim_tier_run",
+    "sim_tier_runs",
     "sim_tier_table",
     "tier_walk",
 ]
@@ -148,19 +149,24 @@ def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_thro
     return _run(engine, workload)[0]
 
 
-def sim_tier_table(workload: Workload, host_sizes: Sequence[int] = (0, 1_000_000, 4_000_000),
-                   policies: Sequence[str] = HOST_POLICIES, **options: Any) -> pd.DataFrame:
-    """TTFT, throughput and hit rate of ``workload`` per host tier size and write policy
-    (the policy means nothing without a tier: one row for size 0)."""
-    rows = {}
-    for size in host_sizes:
-        for policy in (policies if size else policies[:1]):
-            run = sim_tier_run(workload, size, policy, **options)
-            rows[(f"{size / 1e6:g}M" if size else "none", policy if size else "-")] = {
-                "hit rate": run.hit_rate, "mean TTFT (s)": run.mean_ttft,
-                "throughput (tok/s)": run.throughput,
-                "loaded (M tokens)": run.loaded_tokens / 1e6,
-                "backed up (M tokens)": run.backed_up_tokens / 1e6}
+def sim_tier_runs(workload: Workload, host_sizes: Sequence[int] = (0, 1_000_000, 4_000_000),
+                  policies: Sequence[str] = HOST_POLICIES, **options: Any
+                  ) -> dict[tuple[int, str], TierRun]:
+    """``sim_tier_run`` per (host tier size, write policy); the policy means nothing without a
+    tier, so size 0 is run once, under the first policy. Kept apart from the table so that the
+    chapter's explorer reuses the runs rather than serving the chats again."""
+    return {(size, policy): sim_tier_run(workload, size, policy, **options)
+            for size in host_sizes for policy in (policies if size else policies[:1])}
+
+
+def sim_tier_table(runs: Mapping[tuple[int, str], TierRun]) -> pd.DataFrame:
+    """TTFT, throughput and hit rate of each run of ``sim_tier_runs``, one row per (host tier
+    size, policy)."""
+    rows = {(f"{size / 1e6:g}M" if size else "none", policy if size else "-"): {
+        "hit rate": run.hit_rate, "mean TTFT (s)": run.mean_ttft,
+        "throughput (tok/s)": run.throughput,
+        "loaded (M tokens)": run.loaded_tokens / 1e6,
+        "backed up (M tokens)": run.backed_up_tokens / 1e6} for (size, policy), run in runs.items()}
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.names = ["host tier", "policy"]
     return table
