@@ -80,6 +80,16 @@ class SizeInfo(NamedTuple):
         return self.evictable + self.protected
 
 
+def insert_key(tokens: Sequence[int], values: Sequence[Any] | None) -> tuple[int, ...]:
+    """``tokens`` as a tree key, after checking that ``values`` (if any) gives one KV slot per
+    token: a tree told otherwise would hand out slots that belong to other tokens."""
+    key = tuple(tokens)
+    if values is not None and len(values) != len(key):
+        raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
+                         "give one value (KV slot) per token")
+    return key
+
+
 class PrefixCache(ABC):
     """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
 

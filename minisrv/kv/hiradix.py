@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from minisrv.checks import check_choice, check_int
-from minisrv.kv.cache import EvictCallback, TreeNode
+from minisrv.kv.cache import EvictCallback, TreeNode, insert_key
 from minisrv.kv.events import TreeListener, reports_evicted
 from minisrv.kv.host import HOST_POLICIES, HostPool
 from minisrv.kv.radix import RadixCache, _matched
@@ -124,10 +124,7 @@ class HiRadixCache(RadixCache):
         Returns the tokens already cached *on the device*: the caller keeps and frees
         ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
         """
-        key = tuple(tokens)
-        if values is not None and len(values) != len(key):
-            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
-                             "give one value (KV slot) per token")
+        key = insert_key(tokens, values)
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         vals = [None] * len(key) if values is None else list(values)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from minisrv.checks import check_int
-from minisrv.kv.cache import EvictCallback, MatchResult, PrefixCache, SizeInfo, TreeNode
+from minisrv.kv.cache import EvictCallback, MatchResult, PrefixCache, SizeInfo, TreeNode, insert_key
 from minisrv.kv.events import NodeView, TreeEvent, TreeListener, reports_evicted, reports_path
 
 __all__ = ["RadixCache"]
@@ -114,10 +114,7 @@ class RadixCache(PrefixCache):
             How many leading tokens were already cached. The tree keeps the values of the
             rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
         """
-        key = tuple(tokens)
-        if values is not None and len(values) != len(key):
-            raise ValueError(f"insert got {len(key)} tokens but {len(values)} values; "
-                             "give one value (KV slot) per token")
+        key = insert_key(tokens, values)
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         inserted: tuple[int, ...] = ()
