@@ -44,8 +44,10 @@ OTHER_CHAPTERS := $(filter-out $(TIMED_CHAPTERS),$(wildcard chapters/*.ipynb))
 test: setup
 	$(BIN)/ruff check .
 	@# One torch thread per worker: two workers of two threads each on two cores run slower
-	@# than one worker alone (threads spin while they wait for each other).
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile tests $(OTHER_CHAPTERS) \
+	@# than one worker alone (threads spin while they wait for each other). The chapters go
+	@# first: each is one unit of a minute or more, and the short test files then fill the
+	@# workers' ends, where a chapter drawn last would leave the other worker idle.
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile $(OTHER_CHAPTERS) tests \
 	  --ignore=tests/test_triton_ops.py
 	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
 	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen).
