@@ -96,6 +96,19 @@ def test_graph_attrs_apply_the_graph_font_sizes() -> None:
     assert f'fontsize={style.GRAPH_FONTS["edge"]}' in source
 
 
+def test_architecture_labels_read_at_10_points_or_more_on_the_page() -> None:
+    """The book shows an SVG at its own width or shrunk to the column (7.5 in = 540 pt),
+    its text shrunk with it: the smallest label, after that shrinking, must stay >= 10 pt
+    (issue 38: the first drawing was 1040 pt wide, its labels about 7 pt on the page)."""
+    import re
+
+    svg = overview.architecture_diagram().pipe(format="svg").decode()
+    width_pt = float(re.search(r'<svg width="([0-9.]+)pt"', svg).group(1))
+    sizes = [float(size) for size in re.findall(r'font-size="([0-9.]+)"', svg)]
+    shrink = min(1.0, style.PAGE_WIDTH_IN * 72 / width_pt)
+    assert sizes and min(sizes) * shrink >= 10, (width_pt, min(sizes))
+
+
 def test_bookfigure_is_still_importable_from_roofline() -> None:
     from minisrv.viz.roofline import BookFigure
 

@@ -75,23 +75,23 @@ class Component(NamedTuple):
 
 COMPONENTS: dict[str, Component] = {
     "api": Component("HTTP server\n(OpenAI API, SSE)", "server/", "08_server"),
-    "router": Component("Router\n(cache-aware, load balance)", "router/", "06_routing"),
+    "router": Component("Router\n(cache-aware,\nload balance)", "router/", "06_routing"),
     "tokenizer": Component("Tokenizer", "tokenizer.py", "00_overview"),
-    "scheduler": Component("Scheduler\n(main loop, batching)", "scheduler/", "02_scheduler"),
-    "policy": Component("Scheduling policy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
+    "scheduler": Component("Scheduler\n(main loop,\nbatching)", "scheduler/", "02_scheduler"),
+    "policy": Component("Scheduling\npolicy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
                         "05_cache_aware"),
     "overlap": Component("Overlap loop\n(future tokens)", "scheduler/overlap.py", "07_overlap"),
     "chunked": Component("Chunked prefill\n(token budget)", "scheduler/chunked.py",
                          "03a_chunked_prefill"),
-    "spec": Component("Speculative decoding\n(drafts, checks)", "spec/",
+    "spec": Component("Speculative\ndecoding\n(drafts, checks)", "spec/",
                       "07a_speculative_decoding"),
     "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
     "kvpool": Component("KV pool\n(K and V tensors)", "kv/pool.py", "03_selective_batching"),
-    "slots": Component("Slot allocator,\nrequest-to-token rows", "kv/manager.py",
+    "slots": Component("Slot allocator,\nrequest-to-token\nrows", "kv/manager.py",
                        "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "kv/radix.py", "04_radix_attention"),
     "attention": Component("Attention backend", "runner/attention.py", "03_selective_batching"),
-    "grammar": Component("Grammar masks\n(structured output)", "grammar/",
+    "grammar": Component("Grammar masks\n(structured\noutput)", "grammar/",
                          "08a_structured_output"),
     "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),
 }
@@ -119,16 +119,17 @@ def architecture_diagram() -> graphviz.Digraph:
     """The serving stack of the lecture's architecture slide, as minisrv builds it.
 
     Requests flow down from the client to the model worker and answers flow back up. As in
-    SGLang, the scheduler's side owns the KV bookkeeping (the radix cache, which slots each
+    SGLang, the scheduler owns the KV bookkeeping (the radix cache, which slots each
     request's tokens occupy, the free slots) and the model worker holds the KV tensors and
-    the attention backend. The policy and the overlap loop sit beside the scheduler, the
-    worker's parts side by side and the scheduler's two stacked, so that the drawing is narrow
-    (about 6 in) and its labels keep their size on the page. Solid boxes exist in the package
+    the attention backend: the two are drawn as two frames, the scheduler's above the
+    worker's, joined by the batch going down and the new tokens coming back. No row is more
+    than three boxes wide, so the drawing fits the page column with every label at 10 pt or
+    more (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package
     today; dashed grey boxes are what later chapters add.
     """
-    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.25",
-                                                       ranksep="0.4"))
-    g.attr("node", shape="box", style="rounded,filled")
+    g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.2",
+                                                       ranksep="0.3", compound="true"))
+    g.attr("node", shape="box", style="rounded,filled", margin="0.08,0.04")
     g.attr("edge", color="#374151")
     for key, comp in COMPONENTS.items():
         built = comp.chapter is not None
@@ -137,40 +138,42 @@ def architecture_diagram() -> graphviz.Digraph:
                color="#1d4ed8" if built else "#9ca3af",
                fontcolor="black" if built else "#6b7280",
                style="rounded,filled" if built else "rounded,filled,dashed")
-    for same in (("tokenizer", "detokenizer"), ("policy", "scheduler", "overlap"),
-                 ("chunked", "spec")):
-        with g.subgraph() as row:
-            row.attr(rank="same")
-            for key in same:
-                row.node(key)
-    with g.subgraph(name="cluster_memory") as m:
-        m.attr(label="scheduler: KV bookkeeping", labeljust="l", style="dashed",
-               color="#6b7280")
-        m.node("radix")
-        m.node("slots")
-        m.edge("radix", "slots", style="invis")  # stacked: the drawing stays four boxes wide
-    with g.subgraph(name="cluster_worker") as w:
-        w.attr(label="model worker (GPU or CPU)", labeljust="l", style="dashed", color="#6b7280")
-        w.node("worker")
-        with w.subgraph() as row:
-            row.attr(rank="same")
-            for key in ("kvpool", "attention", "grammar"):
-                row.node(key)
-    g.edge("api", "router", label=" request")
-    g.edge("router", "tokenizer", label=" one replica")
-    g.edge("tokenizer", "scheduler", label=" token ids")
-    g.edge("policy", "scheduler", arrowhead="none", style="dotted")
-    g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
-    for key in ("chunked", "spec"):
-        g.edge("scheduler", key, arrowhead="none", style="dotted")
-    g.edge("scheduler", "worker", label=" next batch")
-    g.edge("worker", "scheduler", label=" new tokens", constraint="false")
-    g.edge("scheduler", "radix", arrowhead="none", style="dotted")
-    g.edge("scheduler", "slots", arrowhead="none", style="dotted", constraint="false")
-    for key in ("kvpool", "attention", "grammar"):
-        g.edge("worker", key, arrowhead="none", style="dotted")
+    with g.subgraph() as row:
+        row.attr(rank="same")
+        row.node("tokenizer")
+        row.node("detokenizer")
+    frames = {
+        "cluster_scheduler": ("scheduler: picks each step, owns the KV bookkeeping",
+                              (("policy", "scheduler", "overlap"), ("chunked", "spec"),
+                               ("radix", "slots"))),
+        "cluster_worker": ("model worker (GPU or CPU): runs the forward, holds the KV",
+                           (("worker",), ("kvpool", "attention", "grammar"))),
+    }
+    for name, (label, rows) in frames.items():
+        with g.subgraph(name=name) as frame:
+            frame.attr(label=label, labeljust="l", labelloc="b", style="dashed",
+                       color="#6b7280")
+            for keys in rows:
+                with frame.subgraph() as row:
+                    row.attr(rank="same")
+                    for key in keys:
+                        row.node(key)
+                    for left, right in zip(keys, keys[1:]):  # in this order, left to right
+                        row.edge(left, right, style="invis")
+            for upper, lower in zip(rows, rows[1:]):  # and the rows top to bottom
+                frame.edge(upper[len(upper) // 2], lower[len(lower) // 2], style="invis")
+    g.edge("api", "router", label=" request", weight="8")
+    g.edge("router", "tokenizer", label=" one replica", weight="8")
+    g.edge("tokenizer", "scheduler", label=" token ids", weight="8")
     g.edge("scheduler", "detokenizer", label=" streamed tokens")
     g.edge("detokenizer", "api", label=" text", constraint="false")
+    g.edge("policy", "scheduler", arrowhead="none", style="dotted")
+    g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
+    g.edge("radix", "worker", label=" next batch", ltail="cluster_scheduler",
+           lhead="cluster_worker")
+    g.edge("worker", "slots", label=" new tokens", ltail="cluster_worker",
+           lhead="cluster_scheduler")
+    g.edge("worker", "attention", arrowhead="none", style="dotted")
     return g
 
 

@@ -120,19 +120,27 @@ def plot_acceptance(sweep: pd.DataFrame, title: str = "") -> BookFigure:
 def plot_sampling(check: SamplingCheck, tok: Tokenizer, top: int = 16,
                   title: str = "") -> BookFigure:
     """The ``top`` most likely tokens under p: the target's p (bars), the draft's q
-    (outlined bars) and the frequencies the check produced (dots)."""
-    fig, ax = page_figure(height_in=3.4)
+    (outlined bars) and how often each token came out of the check (dots): a kept guess or,
+    after a rejection, the residual's replacement, so the dots are every draw's token.
+
+    The legend sits under the axes, in the order p, q, dots, one entry a line: the dots'
+    entry says what they count, which a short label on the data could not."""
+    fig, ax = page_figure(height_in=3.8)
     order = np.argsort(-check.p.numpy())[:top]
     x = np.arange(len(order))
-    ax.bar(x - 0.2, check.p.numpy()[order], 0.4, color="#1f77b4", label="target p")
-    ax.bar(x + 0.2, check.q.numpy()[order], 0.4, fill=False, ec="#ff7f0e", lw=1.5,
-           label="draft q (where the guesses come from)")
-    ax.plot(x - 0.2, check.frequencies.numpy()[order], "o", color="black", ms=5,
-            label=f"kept tokens, {int(check.counts.sum()):,} draws")
+    handles = [
+        ax.bar(x - 0.2, check.p.numpy()[order], 0.4, color="#1f77b4",
+               label="target p"),
+        ax.bar(x + 0.2, check.q.numpy()[order], 0.4, fill=False, ec="#ff7f0e", lw=1.5,
+               label="draft q (where the guesses come from)"),
+        *ax.plot(x - 0.2, check.frequencies.numpy()[order], "o", color="black", ms=5,
+                 label=f"share of the {int(check.counts.sum()):,} draws that emitted the "
+                       "token (guess kept or replaced)"),
+    ]
     ax.set_xticks(x, [_show(tok, int(i)) for i in order])
-    label_axes(ax, title or "First letter of a new country line: what the check keeps",
+    label_axes(ax, title or "First letter of a new country line: what the check emits",
                "token", "probability")
-    legend_below(fig, ncol=3)
+    legend_below(fig, handles=handles, ncol=1)
     return fig
 
 
