@@ -83,6 +83,32 @@ def test_bad_controls_are_refused_before_any_run(controls, message) -> None:
         explorer(lambda **_: pytest.fail("ran an experiment"), controls)
 
 
+def test_every_frame_takes_the_layout_of_the_default_state() -> None:
+    from minisrv.viz.style import label_axes, page_figure
+
+    figures = {}
+
+    def draw(a: int) -> Frame:
+        fig, ax = page_figure(height_in=2.0)
+        ax.plot([0, 1], [0, 10 ** a])  # a longer tick label each state: another layout
+        label_axes(ax, f"state {a}", "x", "y")
+        figures[a] = fig
+        return Frame([fig], {"a": a})
+
+    explorer(draw, [("a", "a", [1, 4, 7], 4)])
+    places = {a: fig.axes[0].get_position().bounds for a, fig in figures.items()}
+    assert places[1] == places[4] == places[7]
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    assert not any(isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
+                   for fig in figures.values())  # no solve left for savefig
+    alone, ax = page_figure(height_in=2.0)  # the default's layout is the one it has alone
+    ax.plot([0, 1], [0, 10 ** 4])
+    label_axes(ax, "state 4", "x", "y")
+    alone.draw_without_rendering()
+    assert ax.get_position().bounds == pytest.approx(places[4])
+
+
 def test_a_draw_that_returns_no_frame_is_refused() -> None:
     with pytest.raises(TypeError, match="must return a Frame"):
         explorer(lambda a: "a figure", [("a", "a", [1], 1)])

@@ -44,18 +44,21 @@ def test_threshold_sweep_rows() -> None:
     assert [ax.get_ylabel() for ax in fig.axes] == ["output tokens/s", "prefix-cache hit rate (%)"]
 
 
-def test_the_routing_explorer_states_are_the_report_of_each_hot_share() -> None:
-    ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6))
-    assert ex.default == {"hot_share": 0.0}  # the widget's default: uniform groups
+def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_workers() -> None:
+    given = rv.routing_report(60, n_workers=3)
+    ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6), workers=(2, 3), n_workers=3,
+                             reports={(0.0, 3): given})
+    assert ex.default == {"hot_share": 0.0, "n_workers": 3}  # uniform groups
     for hot_share in (0.0, 0.6):
-        table, _ = rv.routing_report(60, hot_share=hot_share or None)
-        state = ex.metrics(hot_share=hot_share)
-        for run in ("round robin", "cache-aware"):
-            assert state[f"{run} hit rate"] == table.loc[run, "hit rate"]
-            assert state[f"{run} throughput"] == table.loc[run, "throughput (tok/s)"]
-            assert state[f"{run} load ratio"] == table.loc[run, "load ratio"]
+        for workers in (2, 3):
+            table, _ = rv.routing_report(60, n_workers=workers, hot_share=hot_share or None)
+            state = ex.metrics(hot_share=hot_share, n_workers=workers)
+            for run in ("round robin", "cache-aware"):
+                assert state[f"{run} hit rate"] == table.loc[run, "hit rate"]
+                assert state[f"{run} throughput"] == table.loc[run, "throughput (tok/s)"]
+                assert state[f"{run} load ratio"] == table.loc[run, "load ratio"]
     # a hot group keeps its prefix in every worker's cache, even under round robin
-    assert ex.metrics(hot_share=0.6)["round robin hit rate"] > ex.metrics(
-        hot_share=0.0)["round robin hit rate"]
+    assert ex.metrics(hot_share=0.6, n_workers=3)["round robin hit rate"] > ex.metrics(
+        hot_share=0.0, n_workers=3)["round robin hit rate"]
     with pytest.raises(ValueError, match="default 0.0 is not one of"):
         rv.routing_explorer(n=60, hot_shares=(0.4, 0.8))

@@ -189,22 +189,33 @@ def routing_widget(n: int = 1000, seed: int = 0):
     return panel(redraw, controls, per_row=4)
 
 
-ROUTING_HOT_SHARES = (0.0, 0.4, 0.8)
-"""Hot shares of the explorer (0: uniform groups). One state simulates 1,000 requests twice, a
-few seconds of CPU, so the page holds three: sixteen equal groups, where following the cache
-nearly doubles throughput; one group drawing 40%, the skew of the chapter's section on hot
-prefixes; and 80%, where round robin keeps the hot prefix in every worker's cache and nearly
-catches up."""
+ROUTING_HOT_SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)
+"""Hot shares of the explorer (0: uniform groups): from sixteen equal groups, where following
+the cache nearly doubles throughput, through the 40% of the chapter's section on hot prefixes,
+to 80%, where round robin keeps the hot prefix in every worker's cache and nearly catches up."""
+ROUTING_WORKERS = (2, 3, 4, 6, 8)
+"""Workers of the explorer: round robin spreads each group over all of them, so its hit rate
+falls as they multiply, while cache-aware routing keeps each group on one."""
 
 
-def routing_explorer(n: int = 1000, seed: int = 0,
-                     hot_shares: Sequence[float] = ROUTING_HOT_SHARES) -> Explorer:
+def routing_explorer(n: int = 300, seed: int = 0,
+                     hot_shares: Sequence[float] = ROUTING_HOT_SHARES,
+                     workers: Sequence[int] = ROUTING_WORKERS, n_workers: int = 4,
+                     reports: Mapping[tuple[float, int], tuple[pd.DataFrame, Any]] | None = None,
+                     ) -> Explorer:
     """``routing_widget`` for the page: ``routing_report`` (round robin against cache-aware
-    routing with the widget's default workers, cache and thresholds) for each hot group's
-    share of ``hot_shares`` (0: uniform groups, the default state)."""
+    routing with the widget's default cache and thresholds) for each hot group's share of
+    ``hot_shares`` (0: uniform groups, the default state) and each number of ``workers``.
 
-    def draw(hot_share: float) -> Frame:
-        table, figure = routing_report(n, hot_share=hot_share or None, seed=seed)
+    A state simulates ``n`` requests twice; 300 keep 25 states within seconds of CPU and still
+    show every effect of the chapter's 1,000 or 2,000. ``reports``: reports the chapter has
+    already made, by ``(hot_share, n_workers)``, drawn instead of simulated again."""
+    reports = {} if reports is None else reports
+
+    def draw(hot_share: float, n_workers: int) -> Frame:
+        key = (hot_share, n_workers)
+        table, figure = reports[key] if key in reports else routing_report(
+            n, n_workers=n_workers, hot_share=hot_share or None, seed=seed)
         tput = next(c for c in table.columns if c.startswith("throughput"))
         numbers = {f"{run} {name}": float(table.loc[run, column])
                    for run in table.index
@@ -216,5 +227,6 @@ def routing_explorer(n: int = 1000, seed: int = 0,
                              f"throughput.")
 
     return explorer(draw, [("hot_share", "hot group's share (0: uniform)", sorted(hot_shares),
-                            0.0)],
+                            0.0),
+                           ("n_workers", "workers", sorted(workers), n_workers)],
                     live=lambda: routing_widget(n, seed))
