@@ -311,3 +311,16 @@ def test_prepare_copies_grow_with_new_tokens_not_with_the_context() -> None:
     old_short, old_long = decode_copies(24, table=False), decode_copies(448, table=False)
     assert old_long > 16 * 448 > old_short  # the slot lists: every request's whole context
     assert np.isclose(old_long / old_short, 448 / 24, rtol=0.2)
+
+
+def test_the_prepare_benchmark_computes_the_same_tokens_both_ways() -> None:
+    from bench_scripts import load
+
+    from minisrv.configs import CITYLM
+    bench = load("bench_prepare")
+    torch.manual_seed(0)
+    model = CityLM(CITYLM.with_(n_layers=1)).eval()
+    runner, batch, table = bench.decode_batch(model, 4, 30)
+    old, new, same = bench.both_ways(runner, batch, table, repeat=1, runs=1)
+    assert same and old > 0 and new > 0
+    assert runner.table is table and table.used == 4

@@ -79,6 +79,8 @@ class ReqToTokenTable:
     def place(self, device: str | torch.device) -> None:
         """Move the table to ``device`` (the backend that reads it does, before any row is
         taken: the scheduler builds it without knowing where the model is)."""
+        if torch.device(device) == self.device:
+            return
         if self._row:
             raise ValueError("a table moves before any row is taken")
         self.tensor = self.tensor.to(device)
