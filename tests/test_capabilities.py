@@ -36,6 +36,9 @@ class Plain:
     def attach_kv(self, capacity: int) -> None:
         return None
 
+    def attach_table(self, table: object) -> None:
+        pass
+
     def run(self, batch):  # pragma: no cover - never reached: refused first
         raise AssertionError("a refused backend ran a step")
 

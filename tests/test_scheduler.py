@@ -48,6 +48,9 @@ class ScriptedBackend:
     def attach_kv(self, capacity: int) -> None:
         return None
 
+    def attach_table(self, table: object) -> None:
+        pass
+
     def release(self, req: Req) -> None:
         self.released.append(req.rid)
 

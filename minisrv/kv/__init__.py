@@ -5,6 +5,7 @@
 * ``cache.py``: ``PrefixCache``, the interface, its result types and ``NoCache``;
 * ``radix.py``: ``RadixCache``, RadixAttention's tree; ``events.py``: what it reports;
 * ``kinds.py``: ``CACHES`` and ``make_cache`` for ``Engine(cache=...)``;
+* ``table.py``: ``ReqToTokenTable``, each running request's slots on the device;
 * ``manager.py``: ``KVManager``, the only code that moves a request's slots.
 """
 
@@ -15,6 +16,7 @@ from minisrv.kv.kinds import CACHES, Cache, make_cache
 from minisrv.kv.manager import KVManager
 from minisrv.kv.pool import KVPool
 from minisrv.kv.radix import RadixCache
+from minisrv.kv.table import ReqToTokenTable
 
 __all__ = [
     "CACHES",
@@ -27,6 +29,7 @@ __all__ = [
     "NodeView",
     "PrefixCache",
     "RadixCache",
+    "ReqToTokenTable",
     "SizeInfo",
     "SlotAllocator",
     "TreeEvent",

@@ -14,7 +14,11 @@ SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
 * **rejected tokens** (a speculative check, a late stop): ``truncate`` frees the KV of a
   request's last tokens.
 
-No other code writes a request's ``kv_slots``.
+No other code writes a request's ``kv_slots``, nor the request-to-token table
+(``kv/table.py``) that mirrors them on the device for the attention backends: a row is taken
+at admission, written with every allocation, cut by ``truncate``, given back when the
+request leaves (reused once the steps that read it have completed: ``launched`` and
+``completed`` are told by the loops).
 
 ``check_integrity`` verifies the bookkeeping; the tests call it after every run, and
 ``EngineConfig(debug=True)`` after every step.
@@ -30,6 +34,7 @@ from minisrv.kv.hiradix import HiRadixCache
 from minisrv.kv.host import CopyPlan, HostPool
 from minisrv.kv.kinds import Cache, make_cache
 from minisrv.kv.radix import RadixCache
+from minisrv.kv.table import ReqToTokenTable
 from minisrv.request import Req
 
 __all__ = ["KVManager"]
@@ -47,8 +52,10 @@ class KVManager:
     """KV slots and the prefix cache, moved together so that no slot is lost or shared."""
 
     def __init__(self, allocator: SlotAllocator, cache: Cache, host: HostPool | None = None,
-                 host_policy: str = "write_through") -> None:
+                 host_policy: str = "write_through",
+                 table: ReqToTokenTable | None = None) -> None:
         self.kv = allocator
+        self.table = table  # None: no pool to index (the simulated GPU)
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
         # With a host tier (``kv/hiradix.py``) the device evicts to host memory instead.
         self.tree: PrefixCache = (make_cache(cache, on_evict=allocator.free) if host is None
@@ -109,6 +116,8 @@ class KVManager:
             return False
         req.kv_slots = [*match.values, *self.kv.alloc(fill)]
         req.cached_len, req.cache_node = match.length, match.node
+        if self.table is not None:
+            self.table.take(req, req.kv_slots)
         if isinstance(self.tree, HiRadixCache):
             self._load_host_part(req, host_hit)
         return True
@@ -150,13 +159,27 @@ class KVManager:
     def alloc_decode(self, reqs: Sequence[Req]) -> None:
         """A slot each for the newest token of ``reqs``, in one allocation (the caller made
         room); ``alloc_tokens`` gives one request several (a speculative check)."""
-        for req, slot in zip(reqs, self.kv.alloc(len(reqs)), strict=True):
+        slots = self.kv.alloc(len(reqs))
+        for req, slot in zip(reqs, slots, strict=True):
             req.kv_slots.append(slot)
+        if self.table is not None:
+            self.table.append(reqs, slots)
 
     def alloc_tokens(self, req: Req, n: int) -> None:
         """``n`` slots for ``req``'s next ``n`` tokens (a speculative check's k+1, a chunk);
         the caller made room."""
+        start = len(req.kv_slots)
         req.kv_slots.extend(self.kv.alloc(n))
+        if self.table is not None:
+            self.table.write(req, start, req.kv_slots[start:])
+
+    def cache_prefilled(self, req: Req, end: int | None = None) -> None:
+        """``cache_unfinished``, then ``req``'s table row follows the slots it swapped for
+        the cache's copy (where another request had prefilled the same text meanwhile)."""
+        before = req.cached_len
+        self.cache_unfinished(req, end)
+        if self.table is not None and req.cached_len > before:
+            self.table.write(req, before, req.kv_slots[before:req.cached_len])
 
     # ------------------------------------------------------------------ handing KV over
     def cache_unfinished(self, req: Req, end: int | None = None) -> None:
@@ -213,11 +236,32 @@ class KVManager:
         if n:
             self.kv.free(req.kv_slots[-n:])
             del req.kv_slots[-n:]
+            if self.table is not None:
+                self.table.cut(req, len(req.kv_slots))
 
     def _unlock(self, req: Req) -> None:
+        if self.table is not None:
+            self.table.give_back(req)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node, tag=_tag(req))
         req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
+    # ------------------------------------------------------------------ steps
+    def launched(self, reqs: Sequence[Req]) -> None:
+        """A step reading the KV of ``reqs`` went to the device (their rows stay theirs,
+        given back or not, until it completes)."""
+        if self.table is not None:
+            self.table.launched(reqs)
+
+    def completed(self) -> None:
+        """The oldest launched step has completed."""
+        if self.table is not None:
+            self.table.completed()
+
+    def settle(self) -> None:
+        """No launched step runs any more (after a device error)."""
+        if self.table is not None:
+            self.table.settle()
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self, running: Sequence[Req]) -> None:
@@ -263,3 +307,5 @@ class KVManager:
         )
         if isinstance(tree, HiRadixCache):
             tree.check_tiers()
+        if self.table is not None:
+            self.table.check(running)

@@ -7,10 +7,12 @@ operator for both). The padded backend gathers the history of every request with
 ``index_select`` of that layer (keys and values together); the others read ``kv[:, 0]``
 and ``kv[:, 1]``, views of the keys and the values.
 
-What differs between the strategies is what each builds from the step's ``FlatBatch``
-before the first layer runs (the index tensors and the mask) and which call it makes per
-layer; the math is that of ``minisrv.model.flat`` (``flat_attention_loop``,
-``flat_attention_padded``, ``flat_attention_flex``), so every backend gives the tokens of
+What differs between the strategies is what each builds from the step's batch (the
+engine's ``TableBatch``, whose slots are rows of the request-to-token table, or a
+hand-built ``FlatBatch`` of slot lists) before the first layer runs (the index tensors and
+the mask) and which call it makes per layer; the math is that of ``minisrv.model.flat``
+(``flat_attention_loop``, ``flat_attention_padded``, ``flat_attention_flex``), so every
+backend gives the tokens of
 ``CityLM.forward_flat``. A new kernel (an in-place decode kernel, FlashInfer) is one more
 class here.
 """
@@ -35,7 +37,11 @@ from minisrv.model.flat import (
 )
 from minisrv.model.layers import joint_kv
 from minisrv.runner.attention_choice import auto_attention
+from minisrv.runner.table_batch import TableBatch
 from minisrv.runner.triton_attention import TritonAttention
+
+StepBatch = FlatBatch | TableBatch
+"""A step's batch as the backends read it: slot lists (the teaching form) or table rows."""
 
 __all__ = [
     "AttentionBackend",
@@ -43,6 +49,7 @@ __all__ = [
     "LoopAttention",
     "PaddedAttention",
     "PaddedStep",
+    "StepBatch",
     "length_cuts",
     "make_attention",
     "padded_pool_attention",
@@ -90,7 +97,7 @@ class AttentionBackend(Protocol):
 
     kind: str  # "loop", "padded" or "flex"
 
-    def prepare(self, batch: FlatBatch) -> Any:
+    def prepare(self, batch: StepBatch) -> Any:
         """Everything the layers' calls share, built once per step before layer 0."""
         ...
 
@@ -106,11 +113,11 @@ class LoopAttention:
 
     kind = "loop"
 
-    def prepare(self, batch: FlatBatch) -> FlatBatch:
+    def prepare(self, batch: StepBatch) -> StepBatch:
         batch.slots  # noqa: B018 - builds each request's slot tensor now, not in layer 0
         return batch
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: FlatBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: StepBatch) -> torch.Tensor:
         return flat_attention_loop(q, metadata, kv[:, 0], kv[:, 1])
 
 
@@ -142,26 +149,32 @@ class PaddedAttention:
         cpu = torch.device(device).type == "cpu"
         self.split_cost = SPLIT_ELEMENTS / kv_elements if cpu else math.inf
 
-    def prepare(self, batch: FlatBatch) -> PaddedStep:
+    def prepare(self, batch: StepBatch) -> PaddedStep:
         groups = batch.padded_groups(self.dtype)
         last = groups[-1]
         few = last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4  # no run of decodes
         if few or math.isinf(self.split_cost):
             return PaddedStep(groups, None, None)
         first = len(batch) - last.key_slots.shape[0]  # the first decode request
-        contexts = np.fromiter((len(s) for s in batch.slot_lists[first:]), dtype=np.int64)
+        contexts = np.asarray(_contexts(batch)[first:], dtype=np.int64)
         order = np.argsort(contexts, kind="stable")
         cuts = length_cuts(contexts[order], self.split_cost)
         if not cuts:
             return PaddedStep(groups, None, None)
         row0 = last.tokens.start
-        decodes = [decode_group([batch.slot_lists[first + r] for r in part], row0 + lo,
-                                self.dtype, batch.device)
+        decodes = [self._decode_group(batch, first + part, row0 + lo)
                    for lo, part in zip([0, *cuts], np.split(order, cuts))]
         rows = np.concatenate([np.arange(row0), row0 + order])
         return PaddedStep((*groups[:-1], *decodes),
                           torch.from_numpy(rows).to(batch.device),
                           torch.from_numpy(np.argsort(rows)).to(batch.device))
+
+    def _decode_group(self, batch: StepBatch, members: np.ndarray, start: int) -> PaddedGroup:
+        """The decodes ``members`` of ``batch`` as one padded group, queries from ``start``."""
+        if isinstance(batch, TableBatch):
+            return batch.decode_group(members, start, self.dtype)
+        return decode_group([batch.slot_lists[r] for r in members.tolist()], start,
+                            self.dtype, batch.device)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: PaddedStep) -> torch.Tensor:
         if metadata.order is not None:
@@ -222,12 +235,19 @@ class FlexAttention:
 
     kind = "flex"
 
-    def prepare(self, batch: FlatBatch) -> FlatBatch:
+    def prepare(self, batch: StepBatch) -> StepBatch:
         batch.flex_index()  # the key slots and the block mask, once per step
         return batch
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: FlatBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: StepBatch) -> torch.Tensor:
         return flat_attention_flex(q, metadata, kv[:, 0], kv[:, 1])
+
+
+def _contexts(batch: StepBatch) -> list[int]:
+    """Each request's context (its slots, new ones included), known on the host."""
+    if isinstance(batch, TableBatch):
+        return batch.contexts
+    return [len(s) for s in batch.slot_lists]
 
 
 def make_attention(kind: str, device: torch.device, dtype: torch.dtype,

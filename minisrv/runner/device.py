@@ -37,11 +37,15 @@ class DeviceWorker:
     ``compute(prepared, resolve, store)``, as ``ModelRunner``, ``SimBackend`` and
     ``TimedBackend`` do; its ``device`` (``None``: no GPU) says whether steps get a CUDA
     stream of their own. One that declares ``ENDS_OWN_STEPS`` gets no thread.
+    ``on_launch(batch)`` is told of each step as it goes to the device (the KV owner keeps
+    the table rows it reads until it completes).
     """
 
-    def __init__(self, backend: SplitBackend, futures: int) -> None:
+    def __init__(self, backend: SplitBackend, futures: int,
+                 on_launch: Callable[[Batch], None] | None = None) -> None:
         require(backend, {Capability.SPLITS_STEP}, "overlap=True")
         self.backend = backend
+        self.on_launch = on_launch
         self.futures = FutureMap(futures)
         self._wait = (cast(SelfTimedBackend, backend).wait
                       if Capability.ENDS_OWN_STEPS in backend.capabilities else None)
@@ -52,6 +56,8 @@ class DeviceWorker:
     def submit(self, batch: Batch) -> tuple[Future[BatchResult] | Handed, list[int]]:
         """Start ``batch`` on the device; return its answer-to-be and one future id per
         sampling entry (the placeholders of the tokens it is about to sample)."""
+        if self.on_launch is not None:
+            self.on_launch(batch)
         prepared = self.backend.prepare(batch)
         future_ids, futures = self.futures.reserve_ids(sum(e.sample for e in batch.entries))
         if self._thread is None:

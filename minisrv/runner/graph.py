@@ -8,10 +8,12 @@ runner owns and never reallocates, padded to one of a few batch sizes, the *buck
 mini-sglang's ``engine/graph.py`` do). ``DecodeGraphs`` holds those buffers for the largest
 bucket; a step uses their first ``bucket`` rows.
 
-* ``prepare`` (the scheduler's thread) turns a decode batch into a ``PaddedDecode``: host
-  arrays padded to the bucket, moved to the device in two copies. It must not touch the
-  static buffers: in the overlapped loop the previous step may be reading them.
-* ``run`` (the device's thread) copies the step into the static buffers, in stream order,
+* ``prepare`` (the scheduler's thread) turns a decode batch into a ``PaddedDecode``: each
+  request's token, row of the request-to-token table (``minisrv.kv.table``) and context,
+  padded to the bucket and moved to the device in one copy. It must not touch the static
+  buffers: in the overlapped loop the previous step may be reading them.
+* ``run`` (the device's thread) copies the step into the static buffers, in stream order
+  (the key slots gathered from the table, the mask built from the contexts, on the device),
   resolves future ids there, and runs the forward over them: eagerly, or on CUDA by
   replaying the bucket's graph (``capture``, at start, largest bucket first, one memory
   pool). Prefill and mixed steps never come here; they run eagerly on the flat batch.
@@ -62,10 +64,9 @@ class PaddedDecode(NamedTuple):
     n: int  # the live rows (requests); rows n .. bucket - 1 are padding
     bucket: int
     ids: torch.Tensor  # [bucket] long; a future id is < 0
-    positions: torch.Tensor  # [bucket] long
-    write_slots: torch.Tensor  # [bucket] long: the new K/V's slots (padding: scratch)
-    key_slots: torch.Tensor  # [bucket, context] long: each row's slots (padding: scratch)
-    bias: torch.Tensor  # [bucket, 1, 1, context]: 0 where a row sees a key, -inf elsewhere
+    rows: torch.Tensor  # [bucket] long: each request's row of ``table`` (padding: scratch row)
+    lens: torch.Tensor  # [bucket] long: each request's context, its new token included
+    table: torch.Tensor  # int32 [rows, >= context]: (row, position) -> pool slot
     has_futures: bool
 
 
@@ -98,6 +99,7 @@ class DecodeGraphs:
                                     device=device)
         self.bias = torch.from_numpy(_bias(np.zeros(0, np.int64), rows, self.context)).to(
             device, model.dtype)
+        self.columns = torch.arange(self.context, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bucket, vocab]
         if cuda_graph:
@@ -120,35 +122,42 @@ class DecodeGraphs:
         return (0 < len(new_lens) <= self.max_batch and all(n == 1 for n in new_lens)
                 and max(contexts) <= self.context)
 
-    def prepare(self, new_ids: Sequence[int], slots: Sequence[Sequence[int]]) -> PaddedDecode:
-        """Request r decodes token ``new_ids[r]`` into the last of its ``slots[r]`` (all of
-        its slots in position order): the step padded to its bucket, on the device.
+    def prepare(self, new_ids: Sequence[int], rows: Sequence[int], lens: Sequence[int],
+                table: torch.Tensor) -> PaddedDecode:
+        """Request r decodes token ``new_ids[r]`` at position ``lens[r] - 1`` of its row
+        ``rows[r]`` of the request-to-token ``table``: the step padded to its bucket, on
+        the device, in one copy of 3 x bucket integers (padding rows read the table's
+        last row, its scratch row). The static buffers are left alone (``run`` fills
+        them on the device's thread, gathering the key slots from the table there)."""
+        n = len(new_ids)
+        if len(rows) != n or len(lens) != n:
+            raise ValueError(f"{n} requests' ids, {len(rows)} rows, {len(lens)} lengths")
+        b = self.bucket(n)
+        ints = np.zeros((3, b), dtype=np.int64)  # ids, rows, lengths
+        ints[0, :n], ints[1, :n], ints[2, :n] = new_ids, rows, lens
+        ints[1, n:], ints[2, n:] = table.shape[0] - 1, 1
+        if ints[2].min() < 1 or ints[2].max() > min(self.context, table.shape[1]):
+            raise ValueError(f"every request needs 1..{self.context} slots, got {list(lens)}")
+        moved = torch.from_numpy(ints).to(self.model.device)
+        return PaddedDecode(n, b, moved[0], moved[1], moved[2], table,
+                            bool((ints[0, :n] < 0).any()))
 
-        Built with numpy on the host and moved in two copies (the integers, the mask);
-        the static buffers are left alone (``run`` fills them on the device's thread).
-        """
+    def prepare_slots(self, new_ids: Sequence[int],
+                      slots: Sequence[Sequence[int]]) -> PaddedDecode:
+        """``prepare`` for requests given by their slot lists (no engine table): a table of
+        their own, one row each plus a scratch row, built on the host and copied over (work
+        that grows with the context, which the engine's table avoids)."""
         n = len(new_ids)
         if len(slots) != n:
             raise ValueError(f"{n} requests' ids but {len(slots)} slot lists")
-        b = self.bucket(n)
         lens = np.fromiter(map(len, slots), dtype=np.int64, count=n)
         if lens.min() < 1 or lens.max() > self.context:
             raise ValueError(f"every request needs 1..{self.context} slots, got {lens.tolist()}")
-        ints = np.zeros((3 + self.context, b), dtype=np.int64)  # ids, positions, write, keys
-        ints[0, :n] = new_ids
-        ints[1, :n] = lens - 1
-        ints[2:] = self.scratch
-        keys = np.fromiter(itertools.chain.from_iterable(slots), dtype=np.int64,
-                           count=int(lens.sum()))
-        ends = np.cumsum(lens)
-        ints[2, :n] = keys[ends - 1]
-        key_slots = ints[3:].T  # [b, context], a view into the same array
-        key_slots[:n][np.arange(self.context)[None, :] < lens[:, None]] = keys
-        device = self.model.device
-        moved = torch.from_numpy(ints).to(device)
-        bias = torch.from_numpy(_bias(lens, b, self.context)).to(device, self.model.dtype)
-        return PaddedDecode(n, b, moved[0], moved[1], moved[2], moved[3:].T, bias,
-                            bool((ints[0, :n] < 0).any()))
+        table = np.full((n + 1, self.context), self.scratch, dtype=np.int32)
+        table[:n][np.arange(self.context)[None, :] < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(slots), dtype=np.int32, count=int(lens.sum()))
+        return self.prepare(new_ids, range(n), lens.tolist(),
+                            torch.from_numpy(table).to(self.model.device))
 
     def run(self, step: PaddedDecode,
             resolve: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
@@ -159,10 +168,14 @@ class DecodeGraphs:
         ids.copy_(step.ids)
         if resolve is not None and step.has_futures:
             ids.copy_(resolve(ids))
-        self.positions[:b].copy_(step.positions)
-        self.write_slots[:b].copy_(step.write_slots)
-        self.key_slots[:b].copy_(step.key_slots)
-        self.bias[:b].copy_(step.bias)
+        last = step.lens - 1
+        self.positions[:b].copy_(last)
+        self.write_slots[:b].copy_(step.table[step.rows, last])
+        width = min(self.context, step.table.shape[1])  # columns past it: masked
+        self.key_slots[:b, :width].copy_(step.table[:, :width].index_select(0, step.rows))
+        visible = self.columns[None, :] < step.lens[:, None]
+        self.bias[:b].copy_(torch.zeros_like(self.bias[:b, 0, 0]).masked_fill_(
+            ~visible, float("-inf"))[:, None, None])
         graph = self.graphs.get(b)
         if graph is None:
             return self.forward(b)[: step.n]

@@ -6,7 +6,9 @@ backend and the sampler. A step is two halves, so the overlapped loop can run th
 threads:
 
 * ``prepare(batch)`` (the scheduler's thread): the batch's entries become device tensors
-  once (input ids, positions, the slots the new K/V go to, the attention's metadata), and
+  once (input ids, positions, each request's row of the request-to-token table and its
+  length; the slots the new K/V go to and the attention's metadata gathered from the
+  table on the device), and
   the requests' sampling parameters and generators are copied out, so the requests may
   change while the step runs;
 * ``compute(inputs, resolve, store)`` (the device's thread): future ids resolved, one flat
@@ -28,15 +30,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from minisrv.kv import KVPool, SlotAllocator
+from minisrv.kv.table import ReqToTokenTable
 from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
 from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
 from minisrv.runner.speculative import compute_checks, jump_forward, prepare_checks
+from minisrv.runner.table_batch import TableBatch
 from minisrv.sampling import SamplingParams, TokenLogprobs
 from minisrv.scheduler.capabilities import Capability
-from minisrv.scheduler.records import Batch, BatchResult
+from minisrv.scheduler.records import Batch, BatchResult, Entry
 
 if TYPE_CHECKING:
     from minisrv.model import CityLM
@@ -47,7 +51,7 @@ __all__ = ["ModelBackend", "ModelRunner", "StepInputs"]
 class StepInputs(NamedTuple):
     """One step as the device reads it (``ModelRunner.prepare``)."""
 
-    flat: FlatBatch | None  # ids (a future id is < 0), positions, write slots; None: padded
+    flat: FlatBatch | TableBatch | None  # ids (futures < 0), positions, write slots; None: padded
     metadata: Any  # the attention backend's, built before layer 0 (padded: a PaddedDecode)
     has_futures: bool  # some input id is a future id, to resolve on the device
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
@@ -63,7 +67,10 @@ class ModelRunner:
     """Runs each step on a real CityLM: one flat forward over every entry of the batch.
 
     The KV of all requests lives in one ``KVPool`` built by ``attach_kv`` (the scheduler
-    calls it with its ``kv_capacity``) and indexed by each request's ``kv_slots``.
+    calls it with its ``kv_capacity``); each step finds a request's slots through its row of
+    the scheduler's request-to-token table (``attach_table``), so ``prepare`` copies the new
+    tokens, a row and a length per request, nothing that grows with the context. A runner
+    driven by hand, without a table, reads each request's ``kv_slots`` (``FlatBatch``).
     ``attention`` is ``"padded"`` (one masked attention call per layer), ``"flex"`` (one
     ragged flex_attention call per layer, no padding), ``"loop"`` (one call per request) or
     ``"auto"``, resolved once here to flex on a GPU and padded on the CPU. ``device`` moves
@@ -106,6 +113,7 @@ class ModelRunner:
         self.graph_options = (static_decode or cuda_graph, cuda_graph, max_running,
                               graph_context)
         self.graphs: DecodeGraphs | None = None
+        self.table: ReqToTokenTable | None = None  # the scheduler's (attach_table)
         # Jump-forward: the engine's GrammarSampling, whose ``jump`` appends forced tokens.
         self.jump: Any = None
 
@@ -136,6 +144,13 @@ class ModelRunner:
                                        cuda_graph=cuda_graph)
         return self.pool.allocator
 
+    def attach_table(self, table: ReqToTokenTable | None) -> None:
+        """The scheduler's request-to-token table (``minisrv.kv.table``), put on the model's
+        device: every step then finds its requests' KV slots through their rows."""
+        if table is not None:
+            table.place(self.model.device)
+        self.table = table
+
     def run(self, batch: Batch) -> BatchResult:
         """Compute every entry of ``batch`` in ONE forward pass; cost = tokens computed."""
         return self.compute(self.prepare(batch))
@@ -151,12 +166,10 @@ class ModelRunner:
             raise ValueError("ModelRunner has no KV pool: the scheduler calls attach_kv first")
         if batch.drafts is not None:
             return prepare_checks(self, batch)
-        new_ids, slots, rows = [], [], []
+        new_ids, rows = [], []
         row = -1
         for entry in batch.entries:
-            req = entry.req
-            new_ids.append(_tokens(req, entry.start, entry.end))
-            slots.append(req.kv_slots[:entry.end])
+            new_ids.append(_tokens(entry.req, entry.start, entry.end))
             row += entry.n_tokens
             if entry.sample:
                 rows.append(row)
@@ -167,15 +180,38 @@ class ModelRunner:
         graphs, entries = self.graphs, batch.entries
         if (graphs is not None and all(samples)
                 and graphs.fits([e.n_tokens for e in entries], [e.end for e in entries])):
-            padded = graphs.prepare([ids[0] for ids in new_ids], slots)
+            padded = self.padded_decode(new_ids, entries)
             every_row = torch.arange(padded.n, device=self.model.device)
             return StepInputs(None, padded, padded.has_futures, every_row,
                               samples, sampling, params, generators, histories)
-        flat = FlatBatch(new_ids, slots, self.model.device)
+        flat = self.flat_batch(new_ids, entries)
         return StepInputs(
             flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
             samples, sampling, params, generators, histories)
+
+    def flat_batch(self, new_ids: list[list[int]],
+                   entries: Sequence[Entry]) -> FlatBatch | TableBatch:
+        """The step's flat batch: each entry's KV found through its request's row of the
+        table (a ``TableBatch``: new tokens, rows and lengths copied, nothing per context);
+        without a table (a runner driven by hand) through its slot list (``FlatBatch``)."""
+        if self.table is None:
+            return FlatBatch(new_ids, [e.req.kv_slots[:e.end] for e in entries],
+                             self.model.device)
+        table = self.table
+        return TableBatch(new_ids, [table.row(e.req) for e in entries],
+                          [e.end for e in entries], table.tensor)
+
+    def padded_decode(self, new_ids: list[list[int]], entries: Sequence[Entry]) -> PaddedDecode:
+        """A decode step over the static buffers, its key slots read from the table (or,
+        without one, from the requests' slot lists)."""
+        assert self.graphs is not None
+        tokens = [ids[0] for ids in new_ids]
+        if self.table is None:
+            return self.graphs.prepare_slots(tokens, [e.req.kv_slots[:e.end] for e in entries])
+        table = self.table
+        return self.graphs.prepare(tokens, [table.row(e.req) for e in entries],
+                                   [e.end for e in entries], table.tensor)
 
     def compute(
         self,

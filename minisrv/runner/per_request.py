@@ -47,6 +47,9 @@ class PerRequestBackend:
         """No shared pool: each request grows its own cache, so slots are bookkeeping only."""
         return None
 
+    def attach_table(self, table: object) -> None:
+        """No shared pool, so no table: each request's own cache is in position order."""
+
     def run(self, batch: Batch) -> BatchResult:
         """Prefill the new requests, decode the running ones; cost = tokens computed."""
         tokens: list[int] = []

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler.records import Batch, BatchResult
@@ -54,7 +53,7 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
     from minisrv.runner.model_runner import StepInputs, _tokens
 
     assert batch.drafts is not None
-    new_ids, slots, plain_rows, check_rows = [], [], [], []
+    new_ids, plain_rows, check_rows = [], [], []
     plain: list[Req] = []
     checks = Checks([], [], [], [], ())
     kinds = []
@@ -66,7 +65,6 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
         else:
             ids = [*_tokens(req, entry.start, req.seq_len), *draft.tokens]
         new_ids.append(ids)
-        slots.append(req.kv_slots[:entry.end])
         row += entry.n_tokens
         if draft is not None:
             check_rows.extend(range(row - len(draft) - 1, row))
@@ -83,7 +81,7 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
     checks.params.extend(req.params for req in checks.reqs)
     checks.generators.extend(sampler.generators(checks.reqs))
     device = runner.model.device
-    flat = FlatBatch(new_ids, slots, device)
+    flat = runner.flat_batch(new_ids, batch.entries)
     return StepInputs(
         flat, runner.attn.prepare(flat), False,
         torch.tensor([*plain_rows, *check_rows], dtype=torch.long, device=device),

@@ -7,9 +7,9 @@ context], row b holding request b's slots in position order) and, per request, i
 its context, its new tokens and where they start among the step's rows. A step of decodes
 only runs the split decode kernel; any other step runs the extend kernel for all of its
 requests (a decode beside a prefill is an extend of one token), one call per layer either
-way. The table is built from the batch's slot lists here; once the engine keeps one table
-for all running requests (``minisrv.kv.table``), ``TritonStep`` takes its tensor and rows
-as they are and nothing per step is built but the four small vectors.
+way. The engine's request-to-token table (``minisrv.kv.table``, a ``TableBatch``) is taken
+as it is and nothing per step is built but the four small vectors; a ``FlatBatch`` (the
+teaching form, tests) gets a table built from its slot lists.
 
 Triton is optional: without the package, or on the CPU without its interpreter
 (``TRITON_INTERPRET=1`` before triton is imported), asking for this backend is a clear
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from minisrv.model.flat import FlatBatch
+from minisrv.runner.table_batch import TableBatch
 
 TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
 """Whether the triton package is installed (it comes with CUDA builds of torch)."""
@@ -115,8 +116,12 @@ class TritonAttention:
         self.max_splits = max_splits
         self.ops = kernels()
 
-    def prepare(self, batch: FlatBatch) -> TritonStep:
-        """The table, rows, contexts and new-token counts of the step, built once."""
+    def prepare(self, batch: FlatBatch | TableBatch) -> TritonStep:
+        """The table, rows, contexts and new-token counts of the step: the engine's table
+        as it is (a ``TableBatch``), or one built from a flat batch's slot lists."""
+        if isinstance(batch, TableBatch):
+            return TritonStep.of(batch.table, batch.rows.int(), batch.ends.int(),
+                                 batch.news.int(), max(batch.new_lens), self.max_splits)
         return TritonStep.from_batch(batch, self.max_splits)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: TritonStep) -> torch.Tensor:

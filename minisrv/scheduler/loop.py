@@ -104,7 +104,11 @@ class Scheduler(SchedulerState):
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
         before = self.trace_fields(batch)
         self.memory.transfer()  # the host tier's copies, before the step that reads them
-        return Launched(batch, before, self.backend.run(batch))
+        self.memory.launched(batch.reqs)  # the table's rows it reads stay theirs until done
+        try:
+            return Launched(batch, before, self.backend.run(batch))
+        finally:
+            self.memory.completed()
 
     def complete(self, step: Launched) -> StepRecord:
         """The step's tokens into the requests (``process_batch_result``), then its record."""
@@ -333,7 +337,7 @@ class Scheduler(SchedulerState):
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING and (
                     not self.chunks.completed(req, self.memory)):
-                self.memory.cache_unfinished(req)
+                self.memory.cache_prefilled(req)
         requeued = False  # a request retracted while its last token was computed
         for req in finished:
             requeued |= req.state == ReqState.WAITING

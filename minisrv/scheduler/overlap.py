@@ -91,7 +91,8 @@ class OverlapLoop:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         # Futures are resolved one step after they are handed out: two batches suffice.
-        self.worker = DeviceWorker(scheduler.backend, 4 * scheduler.config.max_running)
+        self.worker = DeviceWorker(scheduler.backend, 4 * scheduler.config.max_running,
+                                   on_launch=lambda batch: scheduler.memory.launched(batch.reqs))
         self.inflight: InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
         self.future_trace: list[FutureStep] = []  # one per step when config.record_trace
@@ -140,6 +141,7 @@ class OverlapLoop:
         """Wait for ``step``; put its tokens in place, finish, record, then stream."""
         sched, batch = self.scheduler, step.batch
         result = self._wait(step)
+        sched.memory.completed()  # the table rows only it read may be reused
         step.before["start"] = sched.clock  # the device's steps follow each other
         sched.clock += result.elapsed
         for req in self._release_later:  # the step that still read them is done
@@ -178,6 +180,7 @@ class OverlapLoop:
         except BaseException:
             self._drop_placeholders(step)
             self._abandon_later_step(step)
+            self.scheduler.memory.settle()  # no step runs any more
             raise
         if len(result.tokens) != len(step.batch):
             raise ValueError(f"backend returned tokens for {len(result.tokens)} entries, the "

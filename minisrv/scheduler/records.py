@@ -19,6 +19,7 @@ from minisrv.request import Req
 
 if TYPE_CHECKING:
     from minisrv.kv import SlotAllocator
+    from minisrv.kv.table import ReqToTokenTable
     from minisrv.scheduler.capabilities import Capability
 
 __all__ = [
@@ -161,6 +162,12 @@ class Backend(Protocol):
         """Build the KV store for ``capacity`` token slots and return its allocator, so the
         slots the scheduler hands out index the backend's tensors; ``None`` when the backend
         stores no KV (the scheduler then counts slots alone)."""
+        ...
+
+    def attach_table(self, table: ReqToTokenTable | None) -> None:
+        """The request-to-token table over the pool of ``attach_kv`` (``kv/table.py``):
+        a backend whose attention reads KV through it keeps it (and puts it on its
+        device); ``None``, or a backend that stores no KV, ignores it."""
         ...
 
     def run(self, batch: Batch) -> BatchResult:

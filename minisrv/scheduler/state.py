@@ -18,6 +18,7 @@ from typing import Any
 from minisrv.kv import PrefixCache, SlotAllocator
 from minisrv.kv.host import make_host_pool
 from minisrv.kv.manager import KVManager
+from minisrv.kv.table import ReqToTokenTable, table_rows
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.capabilities import needs, require
@@ -42,9 +43,18 @@ class SchedulerState(ConfigView):
         self.config = config = EngineConfig.from_options(config, **options)
         require(backend, needs(config))  # once: the step path asks the backend nothing more
         self.backend = backend
-        allocator = backend.attach_kv(config.kv_capacity) or SlotAllocator(config.kv_capacity)
+        pool = backend.attach_kv(config.kv_capacity)
+        allocator = pool or SlotAllocator(config.kv_capacity)
+        # A backend with a pool reads it through the request-to-token table (kv/table.py),
+        # as wide as the longest context fits: the pool's padding slot (the one past its
+        # last) fills what nobody wrote. Without a pool there is nothing to index.
+        table = None if pool is None else ReqToTokenTable(
+            table_rows(config.max_running, config.overlap),
+            min(backend.max_context or config.kv_capacity, config.kv_capacity),
+            scratch_slot=pool.capacity)
+        backend.attach_table(table)
         self.memory = KVManager(allocator, config.cache, make_host_pool(config, backend),
-                                config.host_cache_policy)
+                                config.host_cache_policy, table)
         self.admission = make_admission(config)
         # speculative checks or jump-forward's entries: decodes of several tokens
         self.wide: WideDecode | None = make_wide(config, backend)

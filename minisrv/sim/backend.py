@@ -83,6 +83,9 @@ class SimBackend:
         """No KV is stored: the scheduler's slot counts are the whole simulation of memory."""
         return None
 
+    def attach_table(self, table: object) -> None:
+        """No pool, so no table to read (the scheduler passes ``None``)."""
+
     def kv_capacity(self) -> int:
         """KV tokens that fit in the GPU memory left after the weights (an upper bound)."""
         budget = kv_budget_bytes(self.cfg, self.gpu, self.dtype_bytes)

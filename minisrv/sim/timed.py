@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from minisrv.kv import SlotAllocator
+    from minisrv.kv.table import ReqToTokenTable
 
 __all__ = ["SPIN", "PacedBackend", "TimedBackend", "TimedResult"]
 
@@ -91,6 +92,10 @@ class TimedBackend:
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
         return self.inner.attach_kv(capacity)
+
+    def attach_table(self, table: ReqToTokenTable | None) -> None:
+        """The request-to-token table, for the inner backend."""
+        self.inner.attach_table(table)
 
     def run(self, batch: Batch) -> BatchResult:
         """The inner backend's answer, once the device has spent ``step_time`` on it."""
