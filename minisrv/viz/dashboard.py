@@ -25,7 +25,8 @@ from minisrv.viz.timeline import MODE_COLORS, MODE_LABELS
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS
 
-__all__ = ["EXPLORER_CAPS", "EXPLORER_RATES", "EXPLORER_REQUESTS", "plot_sim_run", "sim_dashboard", "sim_explorer", "sim_widget"]
+__all__ = ["EXPLORER_CAPS", "EXPLORER_RATES", "EXPLORER_REQUESTS", "plot_sim_run", "sim_dashboard",
+           "sim_explorer", "sim_widget"]
 
 
 @styled
