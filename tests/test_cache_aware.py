@@ -146,9 +146,13 @@ def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> No
     from minisrv.viz import policy as pv
 
     tok = Tokenizer()
-    reference = ca.reference_outputs(model, ca.interleaved_groups(tok, n_groups=2))
+    work = ca.interleaved_groups(tok, n_groups=2)
+    reference = ca.reference_outputs(model, work)
+    kept: dict = {}  # the chapter's capacity sweep keeps its runs; the explorer draws them
+    ca.capacity_table(model, work, [120], reference=reference, runs=kept)
+    assert sorted(kept) == [("fcfs", 120), ("lpm", 120)]
     ex = pv.policy_explorer(model, tok, policies=("lpm",), kv_capacity=120, n_groups=2,
-                            capacities=(120, 400), reference=reference)
+                            capacities=(120, 400), reference=reference, runs=kept)
     assert ex.default == {"policy": "lpm", "capacity": 120}
     for capacity in (120, 400):
         table = ca.few_shot_experiment(model, tok, ("fcfs", "lpm"), kv_capacity=capacity,
@@ -169,3 +173,7 @@ def test_the_policy_explorer_refuses_fcfs_and_a_reference_of_another_workload(mo
         pv.policy_explorer(model, tok, policies=("fcfs", "lpm"))
     with pytest.raises(ValueError, match="reference holds 3 outputs for 16 requests"):
         pv.policy_explorer(model, tok, n_groups=2, reference=[[1], [2], [3]])
+    other = ca.interleaved_groups(tok, n_groups=3)
+    unchecked = ca.run_policy(model, other, "lpm", kv_capacity=400)
+    with pytest.raises(ValueError, match="did not serve interleaved_groups"):
+        pv.policy_explorer(model, tok, n_groups=2, runs={("lpm", 400): unchecked})

@@ -54,3 +54,21 @@ def test_widgets_share_one_panel_with_the_book_conventions() -> None:
     assert len(box.children) == 3  # two rows of controls, then the output
     controls["a"].value = 4
     assert drawn[-1] == (4, 0.5, 64.0)
+
+
+def test_both_log_axes_of_the_step_time_plot_carry_numbers() -> None:
+    from minisrv.sim import simulate
+    from minisrv.workloads import gpu_scale_workload
+
+    work = gpu_scale_workload(n=200, rate=64.0, seed=0)
+    runs = {m: simulate(work, mode=m, max_running=64, admission="reserve")
+            for m in ("prefill-first", "mixed")}
+    fig = tl.plot_step_times(runs, window=(1.0, 1.5))
+    fig.draw_without_rendering()
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        shown = [t.get_text() for t in ax.yaxis.get_ticklabels()
+                 if low <= t.get_position()[1] <= high and t.get_text()]
+        # a gap axis spans about one decade: powers of ten alone would label one tick or none
+        assert len(shown) >= 3, (ax.get_title(), shown, (low, high))
+        assert "log scale" in ax.get_ylabel()

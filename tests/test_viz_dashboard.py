@@ -10,16 +10,38 @@ from minisrv.viz import dashboard
 
 
 def test_the_sim_explorer_shows_each_setting_s_own_run_and_starts_at_the_chapter_s() -> None:
-    made = rate_runs(rates=(8, 64), modes=("static",), n=40)  # reused; prefill-first is not
-    ex = dashboard.sim_explorer(made, rates=(8, 64), modes=("static", "prefill-first"), n=40)
-    assert ex.default == {"rate": 64.0, "mode": "prefill-first"}  # the chapter's figure
+    first = SimSetting(64.0, n=40)
+    made = {first: first.run()}  # reused; the other states are simulated
+    ex = dashboard.sim_explorer(made, rates=(8, 64), caps=(16, 64), n=40)
+    assert ex.default == {"rate": 64.0, "max_running": 64}  # the chapter's figure
     for rate in (8.0, 64.0):
-        for mode in ("static", "prefill-first"):
-            m = SimSetting(rate, mode, n=40).run().metrics
-            state = ex.metrics(rate=rate, mode=mode)
+        for cap in (16, 64):
+            m = SimSetting(rate, max_running=cap, n=40).run().metrics
+            state = ex.metrics(rate=rate, max_running=cap)
             assert (state["throughput"], state["mean_latency"], state["steps"]) == (
                 m.throughput, m.mean_latency, m.steps)
-    assert ex.metrics(rate=64.0, mode="static") != ex.metrics(rate=64.0, mode="prefill-first")
+    # the cap binds at the higher rate: a quarter of the slots serves fewer tokens per second
+    assert ex.metrics(rate=64.0, max_running=16)["throughput"] < ex.metrics(
+        rate=64.0, max_running=64)["throughput"]
+
+
+def test_the_sim_explorer_takes_the_mode_as_a_third_control() -> None:
+    ex = dashboard.sim_explorer(rates=(64,), caps=(64,), modes=("static", "prefill-first"),
+                                n=40)
+    assert ex.default == {"rate": 64.0, "max_running": 64, "mode": "prefill-first"}
+    assert ex.metrics(rate=64.0, max_running=64, mode="static") != ex.metrics(
+        rate=64.0, max_running=64, mode="prefill-first")
+
+
+def test_two_dashboards_drawn_beside_each_other_share_their_axes() -> None:
+    static, first = (SimSetting(64.0, mode, n=60) for mode in ("static", "prefill-first"))
+    runs = {s: s.run() for s in (static, first)}
+    figures = [dashboard.plot_sim_run(runs[s], s, same_axes_as=list(runs.values()))
+               for s in (static, first)]
+    limits = [[(ax.get_xlim(), ax.get_ylim()) for ax in fig.axes] for fig in figures]
+    assert limits[0] == limits[1]
+    alone = dashboard.plot_sim_run(runs[first], first)  # static batching takes longer
+    assert alone.axes[0].get_xlim()[1] < figures[1].axes[0].get_xlim()[1]
 
 
 def test_the_sweep_table_reads_one_row_from_each_kept_run() -> None:
@@ -33,6 +55,8 @@ def test_the_sweep_table_reads_one_row_from_each_kept_run() -> None:
 def test_the_explorer_s_fixed_values_are_those_of_the_dashboard() -> None:
     page = inspect.signature(dashboard.sim_explorer).parameters
     figure = inspect.signature(dashboard.sim_dashboard).parameters
-    for name in ("rate", "mode", "max_running", "output_cv", "n", "seed"):
+    for name in ("rate", "mode", "max_running", "output_cv", "seed"):
         assert page[name].default == figure[name].default
     assert page["rate"].default in dashboard.EXPLORER_RATES
+    assert page["max_running"].default in dashboard.EXPLORER_CAPS
+    assert page["n"].default == dashboard.EXPLORER_REQUESTS

@@ -92,6 +92,7 @@ _PUBLIC = {
     "forest_sweep": "cache_aware",
     "gpu_policy_table": "cache_aware",
     "group_table": "cache_aware",
+    "policy_row": "cache_aware",
     "policy_table": "cache_aware",
     "prefix_stream_workload": "cache_aware",
     "reference_outputs": "cache_aware",

@@ -27,6 +27,7 @@ from minisrv.workloads import Workload, arrival_times, check_workload_args, few_
 
 __all__ = [
     "PolicyRun",
+    "policy_row",
     "reference_outputs",
     "run_policy",
     "policy_table",
@@ -95,10 +96,13 @@ def policy_table(model: Any, workload: Workload, runs: Mapping[str, Mapping[str,
 
 def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
                    policies: Sequence[str] = ("fcfs", "lpm"),
-                   reference: Sequence[Sequence[int]] | None = None, **options: Any
+                   reference: Sequence[Sequence[int]] | None = None,
+                   runs: dict[tuple[str, int], PolicyRun] | None = None, **options: Any
                    ) -> pd.DataFrame:
     """Hit rate, prefill tokens and longest wait per (capacity, policy): one row per
-    capacity, columns ``(quantity, policy)``."""
+    capacity, columns ``(quantity, policy)``. ``runs``: a dict that keeps every run by
+    ``(policy, capacity)``, for a figure or explorer that draws them again (a CityLM run
+    takes a fraction of a second; a sweep of them, tens)."""
     rows = {}
     for capacity in capacities:
         row = {}
@@ -107,6 +111,8 @@ def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
                              kv_capacity=capacity, **options)
             if reference is not None and run.identical != len(workload):
                 raise AssertionError(f"{policy} at {capacity}: outputs differ from the reference")
+            if runs is not None:
+                runs[policy, capacity] = run
             row |= {("hit rate", policy): run.stats.hit_rate,
                     ("prefill tokens", policy): run.stats.prefill_tokens,
                     ("max wait", policy): run.result.metrics.max_wait}
@@ -114,6 +120,12 @@ def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "KV capacity"
     return table
+
+
+def policy_row(run: PolicyRun, label: str) -> pd.DataFrame:
+    """``policy_table``'s row of one run, labelled ``label``: what a table of kept runs
+    (``capacity_table``'s ``runs``) shows without serving them again."""
+    return pd.DataFrame.from_dict({label: _row(run)}, orient="index")
 
 
 def admission_rounds(prompts: Sequence[Sequence[int]], labels: Sequence[str], policy: str, *,

@@ -3,7 +3,10 @@
 it for any rate, cap, spread and mode, and the explorer that carries its states into the page.
 
 The runs are ``SimSetting.run`` (``minisrv.experiments.scheduler``), the same ones the
-chapter's rate sweep makes, so the explorer can draw those instead of simulating again.
+chapter's rate sweep makes. The explorer's states serve 300 of the requests rather than 2,000
+(a run then takes a fraction of a second, not seconds), so its 25 rates and caps fit the
+page's budget; the queue's growth past the knee and the cap's diminishing returns show as
+well at that size.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from minisrv.engine import RunResult
 from minisrv.experiments.scheduler import SimSetting
@@ -21,18 +25,29 @@ from minisrv.viz.timeline import MODE_COLORS, MODE_LABELS
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS
 
-__all__ = ["EXPLORER_RATES", "plot_sim_run", "sim_dashboard", "sim_explorer", "sim_widget"]
+__all__ = ["EXPLORER_CAPS", "EXPLORER_RATES", "EXPLORER_REQUESTS", "plot_sim_run", "sim_dashboard",
+           "sim_explorer", "sim_widget"]
 
 
 @styled
-def plot_sim_run(run: RunResult, setting: SimSetting) -> BookFigure:
+def plot_sim_run(run: RunResult, setting: SimSetting,
+                 same_axes_as: Sequence[RunResult] = ()) -> BookFigure:
     """One GPU-scale run: requests holding a slot and requests waiting over time (left), the
-    latencies (right); ``setting`` is what produced ``run`` (its rate and spread label it)."""
+    latencies (right); ``setting`` is what produced ``run`` (its rate and spread label it).
+
+    ``same_axes_as``: other runs to be set beside this one; every axis then spans what all of
+    them need, so two modes' figures compare at a glance instead of by their tick labels.
+    """
     m, mode, cap = run.metrics, run.mode, run.max_running
+    every = [run, *same_axes_as]
     fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
     times = [s.start for s in run.trace]
     holding = [s.batch_size + len(s.paused) for s in run.trace]
-    left.plot(times, holding, lw=0.8, color=MODE_COLORS.get(mode), label="running")
+    color = MODE_COLORS.get(mode)
+    # Filled, so static batching's thousands of teeth (each batch starts full and drains to
+    # its last straggler) read as a sawtooth of slots in use, not as a comb of lines.
+    left.fill_between(times, holding, step="post", color=color, alpha=0.35, lw=0)
+    left.step(times, holding, where="post", lw=0.6, color=color, label="running")
     left.axhline(cap, color="black", ls="--", lw=1, label=f"batch cap {cap}")
     label_axes(left, f"{setting.rate:g} req/s, output cv {setting.output_cv:g}",
                "simulated time (s)", "running requests")
@@ -42,12 +57,20 @@ def plot_sim_run(run: RunResult, setting: SimSetting) -> BookFigure:
     queue.grid(False)
     # Both counts start at zero with headroom above their peaks, so neither curve runs into
     # the frame (a twin axis otherwise autoscales its peak onto the top edge).
-    left.set_ylim(0, max([cap, *holding]) * 1.1)
-    queue.set_ylim(0, max(1, *(s.queued for s in run.trace)) * 1.1)
+    left.set_ylim(0, max(max([r.max_running, *(s.batch_size + len(s.paused) for s in r.trace)])
+                         for r in every) * 1.1)
+    queue.set_ylim(0, max(1, *(s.queued for r in every for s in r.trace)) * 1.1)
+    left.set_xlim(0, max(r.trace[-1].start + r.trace[-1].duration for r in every) * 1.02)
     latency = np.array([r.latency for r in run.requests])
-    right.hist(latency, bins=40, color=MODE_COLORS.get(mode))
+    longest = max(q.latency for r in every for q in r.requests)
+    right.hist(latency, bins=40, range=(0, longest), color=color)
     right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
     right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
+    right.set_xlim(0, longest * 1.02)
+    tallest = max(np.histogram([q.latency for q in r.requests], bins=40, range=(0, longest))[0]
+                  .max() for r in every)
+    right.set_ylim(0, tallest * 1.05)
+    right.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
     label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
     handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
                *right.get_legend_handles_labels()[0]]
@@ -75,9 +98,10 @@ def sim_widget(
     max_running: int = GPU_SCALE_BATCH_CAP,
     output_cv: float = 1.0,
     mode: str = "prefill-first",
+    n: int = GPU_SCALE_REQUESTS,
 ):
     """Sliders for arrival rate, batch cap, output-length spread and mode; each change
-    re-simulates the 2000 requests (some seconds) and redraws. Needs a live kernel."""
+    re-simulates the ``n`` requests (2,000: some seconds) and redraws. Needs a live kernel."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -89,13 +113,20 @@ def sim_widget(
     }
 
     def redraw(rate: float, max_running: int, output_cv: float, mode: str) -> None:
-        display(sim_dashboard(rate, max_running, output_cv, mode))
+        display(sim_dashboard(rate, max_running, output_cv, mode, n))
 
     return panel(redraw, controls)
 
 
 EXPLORER_RATES: tuple[float, ...] = (8.0, 16.0, 32.0, 64.0, 128.0)
-"""Arrival rates of the explorer: from a load both modes keep up with to one that swamps both."""
+"""Arrival rates of the explorer: from a load continuous batching keeps up with at any cap to
+one that swamps it at every cap."""
+EXPLORER_CAPS: tuple[int, ...] = (16, 32, 64, 128, 256)
+"""Batch caps of the explorer: from a quarter of the chapter's 64, where the cap is the
+bottleneck at every rate but the lowest, to four times it, where throughput stops growing."""
+EXPLORER_REQUESTS = 300
+"""Requests per state of the explorer: a state then simulates in a fraction of a second, so
+the page holds 25 (the 2,000 of the chapter's runs take seconds each)."""
 
 
 def sim_explorer(
@@ -106,21 +137,24 @@ def sim_explorer(
     max_running: int = GPU_SCALE_BATCH_CAP,
     output_cv: float = 1.0,
     rates: Sequence[float] = EXPLORER_RATES,
-    modes: Sequence[str] = ("static", "prefill-first"),
-    n: int = GPU_SCALE_REQUESTS,
+    caps: Sequence[int] = EXPLORER_CAPS,
+    modes: Sequence[str] | None = None,
+    n: int = EXPLORER_REQUESTS,
     seed: int = 0,
 ) -> Explorer:
-    """``sim_dashboard`` over arrival rate and batching mode, for the page.
+    """``sim_dashboard`` over arrival rate and batch cap (and, given ``modes``, the batching
+    mode), for the page.
 
-    Each state is one GPU-scale run (``SimSetting.run``, the code of the dashboard and of
-    ``sim_widget``) at the batch cap and output spread given. A run takes seconds, so
-    ``runs`` takes those the chapter has already made (``rate_runs``), found by their
-    setting; any other state is simulated here. The kernel face is ``sim_widget``, which
-    also moves the cap and the spread.
+    Each state is one run of ``n`` requests (``SimSetting.run``, the code of the dashboard
+    and of ``sim_widget``) at the output spread given. ``runs``: runs already made (the
+    chapter's figure of the default state), found by their setting; any other state is
+    simulated here. The kernel face is ``sim_widget``, which also moves the spread and the
+    mode and serves the chapter's 2,000 requests.
     """
     runs = {} if runs is None else runs
+    modes = [mode] if modes is None else list(modes)
 
-    def draw(rate: float, mode: str) -> Frame:
+    def draw(rate: float, max_running: int, mode: str = mode) -> Frame:
         setting = SimSetting(rate, mode, max_running, output_cv, n, seed)
         run = runs[setting] if setting in runs else setting.run()
         m, label = run.metrics, MODE_LABELS.get(mode, mode)
@@ -128,11 +162,14 @@ def sim_explorer(
                      {"throughput": m.throughput, "mean_batch": m.mean_batch,
                       "mean_latency": m.mean_latency, "p99_latency": m.p99_latency,
                       "mean_ttft": m.mean_ttft, "steps": m.steps},
-                     caption=f"{label[0].upper()}{label[1:]} at {rate:g} requests/s: "
-                             f"{m.throughput:,.0f} tokens/s, mean latency "
+                     caption=f"{label[0].upper()}{label[1:]} at {rate:g} requests/s, batch cap "
+                             f"{max_running}: {m.throughput:,.0f} tokens/s, mean latency "
                              f"{m.mean_latency:.1f} s.")
 
-    return explorer(draw, [("rate", "arrival rate (req/s)", [float(r) for r in rates],
-                            float(rate)),
-                           ("mode", "batching", list(modes), mode)],
-                    live=lambda: sim_widget(rate, max_running, output_cv, mode))
+    controls = [("rate", "arrival rate (req/s)", [float(r) for r in rates], float(rate)),
+                ("max_running", "batch cap", [int(c) for c in caps], int(max_running))]
+    if len(modes) > 1:  # one mode needs no control
+        controls.append(("mode", "batching", modes, mode))
+    elif modes != [mode]:
+        raise ValueError(f"the only mode {modes} must be mode={mode!r}")
+    return explorer(draw, controls, live=lambda: sim_widget(rate, max_running, output_cv, mode, n))

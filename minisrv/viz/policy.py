@@ -7,15 +7,17 @@ Figures follow the house style of ``minisrv.viz.style``: page width, legends bel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 from matplotlib.patches import Patch
 
 from minisrv.experiments.cache_aware import (
+    PolicyRun,
     few_shot_experiment,
     interleaved_groups,
+    policy_row,
     reference_outputs,
 )
 from minisrv.scheduler.policy import WAITING_QUEUE_PREFIX_MATCH_MAX
@@ -166,17 +168,19 @@ def policy_widget(model: Any, tok: Any, policies: Sequence[str] = WIDGET_POLICIE
     return panel(redraw, controls)
 
 
-POLICY_CAPACITIES = (180, 300)
-"""Pools of the explorer: the tight one where LPM wins and the middling one where it loses."""
+POLICY_CAPACITIES = (180, 220, 250, 300, 400)
+"""Pools of the explorer: the tight ones where LPM wins (180, 220), the middling ones where it
+loses (250, 300) and one that holds every header, where the order no longer matters."""
 PAGE_POLICIES = ("lpm", "dfs-weight", "random")
 """The policies the explorer's page holds. LOF is left to the live widget: these requests all
-ask for 16 tokens, so its order is FCFS's, and each state costs a second of CPU time."""
+ask for 16 tokens, so its order is FCFS's, and each state costs half a second of CPU time."""
 
 
 def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIES,
                     kv_capacity: int = 180, arrival_every: float = 1.0, n_groups: int = 4,
                     capacities: Sequence[int] = POLICY_CAPACITIES,
-                    reference: Sequence[Sequence[int]] | None = None) -> Explorer:
+                    reference: Sequence[Sequence[int]] | None = None,
+                    runs: Mapping[tuple[str, int], PolicyRun] | None = None) -> Explorer:
     """``policy_widget`` for the page: each policy of ``policies`` against FCFS
     (``few_shot_experiment``, drawn by ``plot_policy_comparison``) in each pool of
     ``capacities``, with the arrival gap and groups fixed; the first state is
@@ -186,7 +190,9 @@ def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIE
     difference stops the build. ``reference``: those outputs when the caller has them (the
     ``reference_outputs`` of ``interleaved_groups`` with the same arguments); FCFS runs once
     per pool, since its row is the same beside every policy. The kernel face is
-    ``policy_widget`` with all of ``WIDGET_POLICIES``.
+    ``policy_widget`` with all of ``WIDGET_POLICIES``. ``runs``: runs the chapter has
+    already made of this workload, by ``(policy, capacity)`` (``capacity_table``'s), drawn
+    instead of served again; each must hold every request as it was generated alone.
     """
     if not policies or "fcfs" in policies:
         raise ValueError(f"name the policies to compare with FCFS (not FCFS itself), got "
@@ -194,6 +200,13 @@ def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIE
     work = interleaved_groups(tok, n_groups, arrival_every=arrival_every)
     reference = reference_outputs(model, work) if reference is None else reference
     rows: dict[tuple[str, int], pd.DataFrame] = {}
+    prompts = [list(p) for p in work.prompts]
+    for (policy, capacity), run in (runs or {}).items():
+        if [list(r.prompt) for r in run.result.requests] != prompts or run.identical != len(work):
+            raise ValueError(f"the run of {policy} at {capacity} given to policy_explorer did "
+                             f"not serve interleaved_groups({n_groups}, arrival_every="
+                             f"{arrival_every:g}) with every output as alone")
+        rows[policy, capacity] = policy_row(run, policy)
 
     def row(policy: str, capacity: int) -> pd.DataFrame:
         if (policy, capacity) not in rows:

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from minisrv.engine import RunResult
 from minisrv.metrics import RunMetrics
@@ -301,14 +301,17 @@ def plot_step_times(
         p99 = np.percentile(gap[keep], 99) * 1e3
         bottom.plot(t[keep], gap[keep] * 1e3, "o", color=color, ms=3, alpha=0.6)
         counts.append(f"{label}: {len(steps)} steps, p99 gap in this window {p99:.1f} ms")
-    label_axes(top, "Step durations (triangles: steps that prefill)", None, "step duration (ms)")
+    label_axes(top, "Step durations (triangles: steps that prefill)", None,
+               "step duration (ms, log scale)")
     label_axes(bottom, "Gap before each decoded token", "simulated time (s)",
-               "inter-token gap (ms)")
+               "inter-token gap (ms, log scale)")
     for ax in (top, bottom):
+        # a log axis labelled at 1, 1.5, 2, 3, 5 and 7 of every decade: the times span about
+        # one decade, so ticks at the powers of ten alone would leave a panel unlabelled
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in (5, 20, 50)
-                                                   else ""))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     handles = [Line2D([], [], color=MODE_COLORS.get(run.mode), marker="o", label=text)
                for run, text in zip(runs.values(), counts, strict=True)]
     legend_below(fig, handles, ncol=1)
