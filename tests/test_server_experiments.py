@@ -216,3 +216,25 @@ def test_the_comparison_widget_builds():
     metric, configuration = comparison_widget(single, repeated).children[0].children
     assert metric.value == "ttft median (ms)" and "out tok/s" in metric.options
     assert configuration.value == "simulated H100: LPM, radix"
+
+
+def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
+    """Issue 38: the spread table had three sub-columns per metric and ran off the page; one
+    cell per metric now holds the median and [min, max], and the figure draws the same."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import spread_summary
+    from minisrv.viz.server import plot_spread
+
+    _, repeated = _comparison_runs()
+    table = spread_summary(repeated, {"ttft median (ms)": "{:,.0f}", "hit rate": "{:.2f}"})
+    assert list(table.columns) == ["ttft median (ms)", "hit rate"]
+    assert table.columns.name == "configuration" and table.index.name is None
+    assert table.loc["LPM, radix", "ttft median (ms)"] == "300 [250, 600]"
+    assert table.loc["FCFS, radix", "hit rate"] == "0.00 [0.00, 0.00]"
+    fig = plot_spread(repeated, {"ttft median (ms)": "TTFT (ms)", "hit rate": "hit rate"},
+                      "title")
+    ttft, hit = fig.axes
+    assert [p.get_height() for p in ttft.patches] == [805.0, 300.0]  # FCFS, LPM medians
+    assert hit.get_ylim() == (0, 1)
+    with pytest.raises(ValueError, match="missing"):
+        plot_spread(repeated, {"req/s": "requests"}, "title")

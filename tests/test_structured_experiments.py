@@ -134,6 +134,13 @@ def test_the_drawings_show_the_mask_and_the_automaton(citylm, vocab) -> None:
     image = fig.axes[0].images[0].get_array()
     assert image.shape == (len(tokens), tok.vocab_size)
     assert (image == 2).sum() == len(tokens)  # one chosen token per step
+    # issue 38: the columns' labels were 7 pt and rotated; now one character each, at the
+    # house size, every token of the vocabulary labelled once
+    ax = fig.axes[0]
+    ticks = [*ax.get_xticklabels(), *ax.get_xticklabels(minor=True)]
+    assert len(ticks) == tok.vocab_size
+    assert all(len(t.get_text()) == 1 and t.get_fontsize() >= 10 for t in ticks)
+    assert len({t.get_text() for t in ticks}) == tok.vocab_size
     machine = st.automaton(grammar)
     dot = vg.draw_automaton(machine.compressed()).source
     assert dot.count("doublecircle") == len(machine.compressed().accepting)

@@ -153,6 +153,7 @@ _PUBLIC = {
     "prefix_heavy_requests": "server",
     "sim_server_runs": "server",
     "spread": "server",
+    "spread_summary": "server",
     "CITY_SCHEMA": "structured",
     "FULL_STOP": "structured",
     "PICK": "structured",

@@ -31,7 +31,7 @@ from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
            "open_server", "prefix_heavy_requests", "read_metrics", "run_sync",
-           "sim_server_runs", "slot_ranges", "spread", "stream_completion"]
+           "sim_server_runs", "slot_ranges", "spread", "spread_summary", "stream_completion"]
 
 T = TypeVar("T")
 
@@ -228,3 +228,20 @@ def beyond_spread(runs: pd.DataFrame, column: str, a: str, b: str) -> bool:
     their ranges (min..max over the runs) do not overlap."""
     x, y = runs.xs(a, level=0)[column], runs.xs(b, level=0)[column]
     return bool(x.max() < y.min() or y.max() < x.min())
+
+
+def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFrame:
+    """Per configuration, one cell per column: its median over the runs and, in brackets,
+    its min and max, formatted with ``columns[column]`` (``"{:,.0f}"``).
+
+    One header row and one column per metric, so the table fits the page where ``spread``'s
+    three sub-columns per metric did not."""
+    stats = spread(runs, list(columns))
+    cells = {}
+    for column, fmt in columns.items():
+        median, low, high = (stats[(column, s)] for s in ("median", "min", "max"))
+        cells[column] = [f"{fmt.format(m)} [{fmt.format(a)}, {fmt.format(b)}]"
+                         for m, a, b in zip(median, low, high, strict=True)]
+    out = pd.DataFrame(cells, index=stats.index)
+    out.columns.name, out.index.name = out.index.name, None  # one header row
+    return out

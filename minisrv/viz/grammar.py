@@ -26,6 +26,7 @@ from minisrv.experiments.structured import (
 )
 from minisrv.viz.explorer import FRAME_DPI, WEBP, Explorer, Frame, explorer
 from minisrv.viz.style import (
+    FONT_SIZES,
     SCREEN_DPI,
     BookFigure,
     book_style,
@@ -47,6 +48,18 @@ def _show(text: str) -> str:
     return {"\n": "\\n", " ": "␣", "<bos>": "bos", "<eos>": "eos"}.get(text, text)
 
 
+_GLYPHS = {"\n": "↵", " ": "␣", "<bos>": "^", "<eos>": "$"}
+"""One character for each token whose text is not one visible character: the mask's columns
+are one token wide, so a column label must be one character to stay at the book's 10 pt."""
+GLYPH_KEY = "^ <bos>, $ <eos>, ↵ newline, ␣ space"
+
+
+def _glyphs(token_text: Sequence[str]) -> list[str]:
+    taken = set(token_text)
+    return [g if (g := _GLYPHS.get(t, t)) == t or g not in taken else _show(t)
+            for t in token_text]
+
+
 @styled
 def plot_masks(steps: Sequence[MaskStep], token_text: Sequence[str],
                title: str = "The mask, step by step", shown: int | None = None) -> BookFigure:
@@ -64,19 +77,22 @@ def plot_masks(steps: Sequence[MaskStep], token_text: Sequence[str],
         grid[r] = 0
         grid[r, step.allowed.numpy()] = 1
         grid[r, step.token] = 2
-    fig, ax = page_figure(height_in=0.9 + 0.24 * len(steps))
+    fig, ax = page_figure(height_in=1.4 + 0.24 * len(steps))
     ax.imshow(grid, cmap=ListedColormap([FORBIDDEN, ALLOWED, CHOSEN, NOT_YET]), vmin=0,
               vmax=3, aspect="auto", interpolation="nearest")
-    ax.set_xticks(range(len(token_text)), [_show(t) for t in token_text], fontsize=7,
-                  rotation=90)
+    # One character per column at the house size, the columns' labels on two staggered rows
+    # (even ids above, odd ids below) so that neighbours never touch.
+    glyphs = _glyphs(token_text)
+    ax.set_xticks(range(0, len(glyphs), 2), glyphs[::2])
+    ax.set_xticks(range(1, len(glyphs), 2), glyphs[1::2], minor=True)
+    ax.tick_params(axis="x", which="minor", pad=FONT_SIZES["ticks"] * 1.6)
     ax.set_yticks(range(len(steps)),
-                  [f"{r + 1}: {_show(token_text[s.token])}" for r, s in enumerate(steps)],
-                  fontsize=8)
+                  [f"{r + 1}: {_show(token_text[s.token])}" for r, s in enumerate(steps)])
     for label in ax.get_yticklabels()[shown:]:
         label.set_color("none")
     ax.grid(False)
-    ax.tick_params(length=0)
-    label_axes(ax, title, "token of the vocabulary", "step: token chosen")
+    ax.tick_params(which="both", length=0)
+    label_axes(ax, title, f"token of the vocabulary ({GLYPH_KEY})", "step: token chosen")
     legend_below(fig, [Patch(color=ALLOWED, label="allowed by the grammar"),
                        Patch(color=CHOSEN, label="chosen (greedy)"),
                        Patch(color=FORBIDDEN, label="masked out")], ncol=3)

@@ -19,7 +19,7 @@ from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
 __all__ = ["COMPARED_METRICS", "comparison_explorer", "comparison_widget",
-           "plot_bench_comparisons", "plot_metric_per_configuration"]
+           "plot_bench_comparisons", "plot_metric_per_configuration", "plot_spread"]
 
 _LATENCIES = (("ttft", "TTFT"), ("e2e", "end to end"))
 _COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
@@ -55,7 +55,7 @@ def plot_bench_comparisons(frame: pd.DataFrame,
         names = dict(_LATENCIES)
         right.set_xticks(x, [f"{names[k]}\n{s}" for k, s in groups])
         label_axes(right, None, None, "latency (ms)")
-        right.legend(loc="upper left", fontsize="small")
+        right.legend(loc="upper left")
     return fig
 
 
@@ -94,13 +94,7 @@ def plot_metric_per_configuration(single: pd.DataFrame, repeated: pd.DataFrame,
     left.bar(range(len(single)), single[metric], color=_HIGHLIGHT)
     left.set_xticks(range(len(single)), list(single.index))
     label_axes(left, f"{CPU_SIDE}, one run each", None, metric)
-    medians = [repeated.xs(n, level=0)[metric].median() for n in names]
-    right.bar(range(len(names)), medians, color=_HIGHLIGHT)
-    for x, name in enumerate(names):
-        values = repeated.xs(name, level=0)[metric]
-        right.plot([x, x], [values.min(), values.max()], color="black", lw=1.5)
-        right.plot([x] * len(values), values, "o", color="black", ms=4)
-    right.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names])
+    _spread_bars(right, repeated, metric)
     runs = repeated.groupby(level=0).size().max()
     label_axes(right, f"{SIM_SIDE}, {runs} runs each", None, None)
     if metric == "hit rate":
@@ -108,6 +102,40 @@ def plot_metric_per_configuration(single: pd.DataFrame, repeated: pd.DataFrame,
             ax.set_ylim(0, 1)
     if title:
         fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def _spread_bars(ax: Any, repeated: pd.DataFrame, metric: str) -> None:
+    """Bars at each configuration's median of ``metric``, every run a dot, min to max a
+    whisker: the spread a reader needs to judge a difference."""
+    names = list(repeated.index.unique(level=0))
+    medians = [repeated.xs(n, level=0)[metric].median() for n in names]
+    ax.bar(range(len(names)), medians, color=_HIGHLIGHT)
+    for x, name in enumerate(names):
+        values = repeated.xs(name, level=0)[metric]
+        ax.plot([x, x], [values.min(), values.max()], color="black", lw=1.5)
+        ax.plot([x] * len(values), values, "o", color="black", ms=4)
+    ax.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names])
+
+
+@styled
+def plot_spread(repeated: pd.DataFrame, metrics: Mapping[str, str], title: str) -> BookFigure:
+    """One panel per metric (column -> axis label) of the repeated runs of
+    ``sim_server_runs``: each configuration's median as a bar, every run as a dot and the
+    spread (min to max) as a whisker, so a difference can be read against the noise."""
+    missing = [m for m in metrics if m not in repeated.columns]
+    if missing or repeated.index.nlevels != 2:
+        raise ValueError(f"need runs indexed by (configuration, repeat) with columns "
+                         f"{list(metrics)}; missing {missing}")
+    fig, axes = page_figure(3.3, cols=len(metrics))
+    for ax, (metric, label) in zip(np.atleast_1d(axes), metrics.items(), strict=True):
+        _spread_bars(ax, repeated, metric)
+        label_axes(ax, None, None, label)
+        if metric == "hit rate":
+            ax.set_ylim(0, 1)
+    runs = repeated.groupby(level=0).size().max()
+    fig.suptitle(f"{title}\nbars: median of {runs} runs; dots: each run; whiskers: min to max",
+                 x=0.02, ha="left")
     return fig
 
 
