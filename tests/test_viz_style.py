@@ -147,3 +147,16 @@ def test_one_kv_head_refuses_mla_and_keeps_the_query_heads() -> None:
         kvlayout.one_kv_head(DEEPSEEK_V3)
     with pytest.raises(ValueError, match="at least one model"):
         kvlayout.plot_kv_layouts(())
+
+
+def test_one_header_row_moves_the_index_name_into_the_corner() -> None:
+    """A named index draws a second, half-empty header row (issue 38's doubled headers)."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"a": [1, 2]}, index=pd.Index(["x", "y"], name="step"))
+    once = style.one_header_row(frame)
+    assert once.columns.name == "step" and once.index.name is None
+    assert once.to_html().count("<tr") == frame.to_html().count("<tr") - 1
+    assert once.loc["y", "a"] == 2 and frame.index.name == "step"  # a copy; rows unchanged
+    plain = pd.DataFrame({"a": [1]})
+    assert style.one_header_row(plain) is plain

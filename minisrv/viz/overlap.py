@@ -17,7 +17,14 @@ from matplotlib.patches import Patch
 from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
 from minisrv.experiments.lanes import Timeline, throughput_ratio, timeline
 from minisrv.viz.explorer import Explorer, Frame, explorer
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    one_header_row,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 
 __all__ = [
@@ -241,7 +248,7 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
             "discarded": cells((rid, show(sampled[rid])) for rid in step.discarded),
         })
         previous = dict(zip(step.futures, step.tokens))
-    return pd.DataFrame(rows).set_index("step")
+    return one_header_row(pd.DataFrame(rows).set_index("step"))
 
 
 CPU_STEPS_MS = (0.5, 3.0, 5.0, 10.0, 15.0)

@@ -10,7 +10,15 @@ from typing import NamedTuple
 
 import graphviz
 
-from minisrv.viz.style import BookFigure, graph_attrs, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    graph_attrs,
+    label_axes,
+    legend_below,
+    one_header_row,
+    page_figure,
+    styled,
+)
 
 
 class Chapter(NamedTuple):
@@ -242,7 +250,7 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
             correct += 1
         rows.append({"country": code, "CityLM continues": text,
                      "correct in order": f"{correct} of {len(truth)}"})
-    return pd.DataFrame(rows).set_index("country")
+    return one_header_row(pd.DataFrame(rows).set_index("country"))
 
 
 def write_readme_picture(path: str = "images/chapters.svg") -> None:

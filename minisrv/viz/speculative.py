@@ -21,7 +21,14 @@ from minisrv.sim.sizing import max_concurrent_requests
 from minisrv.spec.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    one_header_row,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 
 __all__ = ["TOKEN_COLORS", "check_table", "plot_acceptance", "plot_sampling", "plot_speedup",
@@ -86,7 +93,7 @@ def check_table(record: StepRecord, names: dict[int, str] | None = None) -> pd.D
     rows = [{"request": names.get(rid, str(rid)), "guesses": drafted, "kept": accepted,
              "tokens gained": accepted + 1, "KV written": drafted + 1,
              "KV freed": drafted - accepted} for rid, drafted, accepted in record.checks]
-    return pd.DataFrame(rows).set_index("request")
+    return one_header_row(pd.DataFrame(rows).set_index("request"))
 
 
 @styled

@@ -23,7 +23,14 @@ from minisrv.experiments.overview import (
     step_by_step,
 )
 from minisrv.viz.explorer import Explorer, Frame, explorer
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    one_header_row,
+    page_figure,
+    styled,
+)
 
 __all__ = ["plot_kv_pool", "step_explorer", "step_frame", "step_table", "step_widget",
            "trace_summary"]
@@ -132,7 +139,7 @@ def step_table(run: StepByStep, step: int, tok: Any) -> pd.DataFrame:
              "in this step": _did(req, tok), "output so far": repr(tok.decode(list(req.output))),
              "KV slots": slot_ranges(req.slots) or "-"}
             for req in _step(run, step).requests]
-    return pd.DataFrame(rows).set_index("request")
+    return one_header_row(pd.DataFrame(rows).set_index("request"))
 
 
 def trace_summary(run: StepByStep) -> pd.DataFrame:
@@ -148,7 +155,7 @@ def trace_summary(run: StepByStep) -> pd.DataFrame:
                      "decode": names(record.decode), "paused": names(record.paused),
                      "waiting": names([r.rid for r in view.requests if r.role == "waiting"]),
                      "finished": names(record.finished), "slots held": view.slots_held})
-    return pd.DataFrame(rows).set_index("step")
+    return one_header_row(pd.DataFrame(rows).set_index("step"))
 
 
 def _caption(run: StepByStep, step: int) -> str:

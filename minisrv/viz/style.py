@@ -194,6 +194,19 @@ def legend_below(fig: Figure, handles: Sequence[Any] | None = None, ncol: int = 
                       fontsize=FONT_SIZES["legend"], **kwargs)
 
 
+def one_header_row(frame: Any) -> Any:
+    """``frame`` with its index's name moved to the columns' name.
+
+    pandas draws a named index as a second header row under the column names, half empty,
+    which reads as a doubled header; as the columns' name it sits in the corner cell of the
+    one header row instead. The rows are unchanged (``frame.loc[...]`` works as before)."""
+    if frame.index.nlevels != 1 or frame.index.name is None:
+        return frame
+    out = frame.copy()
+    out.columns.name, out.index.name = frame.index.name, None
+    return out
+
+
 def graph_attrs(**graph: str) -> dict[str, dict[str, str]]:
     """Keyword arguments for ``graphviz.Digraph`` in the house style: font and sizes for
     nodes and edges, plus any graph attributes given (``rankdir="TB"`` ...)."""
