@@ -51,7 +51,7 @@ test: setup
 	  --ignore=tests/test_triton_ops.py
 	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
 	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen).
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests/test_triton_ops.py
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto tests/test_triton_ops.py
 	$(BIN)/python -m pytest $(TIMED_CHAPTERS)
 
 colab-check: setup
