@@ -151,9 +151,11 @@ def pool_widget(
     return panel(redraw, controls)
 
 
-POOL_CAPACITIES: tuple[int, ...] = (120, 240, 400)
-"""Pools of the explorer, in tokens: the chapter's tiny one, twice and more than three times
-as large, where retraction has all but stopped."""
+POOL_CAPACITIES: tuple[int, ...] = (120, 160, 200, 300, 400)
+"""Pools of the explorer, in tokens: from the chapter's tiny one, where the largest requests
+serve alone, to more than three times as large, where retraction has all but stopped. A
+state is a CityLM run of about a second, so the page holds these five pools at two ratios
+(25 states would take half a minute to serve)."""
 
 POOL_RATIOS: tuple[float, ...] = (0.1, 0.7)
 """Initial ``new_token_ratio`` of the explorer: SGLang's floor and its starting value."""

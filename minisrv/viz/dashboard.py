@@ -60,6 +60,8 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
     left.set_ylim(0, max(max([r.max_running, *(s.batch_size + len(s.paused) for s in r.trace)])
                          for r in every) * 1.1)
     queue.set_ylim(0, max(1, *(s.queued for r in every for s in r.trace)) * 1.1)
+    for axis in (left.yaxis, queue.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
     left.set_xlim(0, max(r.trace[-1].start + r.trace[-1].duration for r in every) * 1.02)
     latency = np.array([r.latency for r in run.requests])
     longest = max(q.latency for r in every for q in r.requests)
