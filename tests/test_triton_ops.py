@@ -1,5 +1,5 @@
 """The Triton kernels that read the KV pool in place (``minisrv.runner.triton_ops``) and their
-backend (``minisrv.runner.triton_attention``), against plain torch and the padded backend.
+backend (``minisrv.runner.attention.triton``), against plain torch and the padded backend.
 
 Without CUDA the kernels run under Triton's interpreter, which must be switched on before
 triton is first imported, and this file's conftest already imports it (``minisrv.model``
@@ -35,7 +35,7 @@ if importlib.util.find_spec("triton") is None:
 from minisrv.engine import Engine  # noqa: E402
 from minisrv.model.flat import FlatBatch  # noqa: E402
 from minisrv.runner.attention import LoopAttention, PaddedAttention, write_kv  # noqa: E402
-from minisrv.runner.triton_attention import TritonAttention, TritonStep, kernels  # noqa: E402
+from minisrv.runner.attention.triton import TritonAttention, TritonStep, kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 ops = kernels()

@@ -141,7 +141,7 @@ class ModelRunner:
             if context is None:
                 context = min(self.model.config.max_seq_len, capacity)
             self.graphs = DecodeGraphs(self.model, self.pool, max_running, context=context,
-                                       cuda_graph=cuda_graph)
+                                       cuda_graph=cuda_graph, attention=self.attn)
         return self.pool.allocator
 
     def attach_table(self, table: ReqToTokenTable | None) -> None:

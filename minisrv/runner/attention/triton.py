@@ -106,6 +106,7 @@ class TritonAttention:
     """
 
     kind = "triton"
+    graphs = None  # static decode runs the padded backend's hooks (no GPU run of its own yet)
 
     def __init__(self, device: str | torch.device = "cpu", max_splits: int = 8) -> None:
         reason = triton_unavailable(device)

@@ -1,20 +1,9 @@
-"""The attention backends behind one interface: ``prepare(batch) -> metadata`` once per
-step, ``forward(q, kv, metadata)`` in every layer.
+"""The padded backend: one masked SDPA call per group of requests, over the pool's joint
+K/V layer; and its hooks for the static decode buffers of a CUDA graph.
 
-``kv`` is one layer of the ``KVPool`` as it is laid out, [slots, 2, kv_heads, head_dim]
-(each slot's key, then its value), already holding the step's new K/V (``write_kv``: one
-operator for both). The padded backend gathers the history of every request with one
-``index_select`` of that layer (keys and values together); the others read ``kv[:, 0]``
-and ``kv[:, 1]``, views of the keys and the values.
-
-What differs between the strategies is what each builds from the step's batch (the
-engine's ``TableBatch``, whose slots are rows of the request-to-token table, or a
-hand-built ``FlatBatch`` of slot lists) before the first layer runs (the index tensors and
-the mask) and which call it makes per layer; the math is that of ``minisrv.model.flat``
-(``flat_attention_loop``, ``flat_attention_padded``, ``flat_attention_flex``), so every
-backend gives the tokens of
-``CityLM.forward_flat``. A new kernel (an in-place decode kernel, FlashInfer) is one more
-class here.
+``padded_pool_attention`` is ``minisrv.model.flat.padded_attention`` (the form chapter 03
+shows, over separate K and V layers) with keys and values gathered by ONE ``index_select``
+of the joint layer.
 """
 
 from __future__ import annotations
@@ -22,46 +11,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisrv.model.flat import (
-    FlatBatch,
-    PaddedGroup,
-    flat_attention_flex,
-    flat_attention_loop,
-    resolve_attention,
-)
-from minisrv.model.layers import joint_kv
-from minisrv.runner.attention_choice import auto_attention
+from minisrv.model.flat import PaddedGroup
+from minisrv.runner.attention.base import StepBatch, contexts
 from minisrv.runner.table_batch import TableBatch
-from minisrv.runner.triton_attention import TritonAttention
 
-StepBatch = FlatBatch | TableBatch
-"""A step's batch as the backends read it: slot lists (the teaching form) or table rows."""
-
-__all__ = [
-    "AttentionBackend",
-    "FlexAttention",
-    "LoopAttention",
-    "PaddedAttention",
-    "PaddedStep",
-    "StepBatch",
-    "length_cuts",
-    "make_attention",
-    "padded_pool_attention",
-    "write_kv",
-]
-
-
-def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The new tokens' keys and values into their ``slots`` of one pool layer ``kv``, in
-    one operator: ``k`` and ``v`` [T, kv_heads, head_dim] are adjacent views of the fused
-    projection's output (``joint_kv``), so [T, 2, kv_heads, head_dim] needs no copy."""
-    kv.index_put_((slots,), joint_kv(k, v))
+__all__ = ["SPLIT_ELEMENTS", "PaddedAttention", "PaddedBuffers", "PaddedGraphs", "PaddedStep",
+           "decode_group", "length_cuts", "padded_pool_attention"]
 
 
 def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor) -> torch.Tensor:
@@ -92,35 +53,6 @@ def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor)
     return out if group.rows is None else out.index_select(0, group.rows)
 
 
-class AttentionBackend(Protocol):
-    """One way to attend over a flat batch whose K/V sit in the pool."""
-
-    kind: str  # "loop", "padded" or "flex"
-
-    def prepare(self, batch: StepBatch) -> Any:
-        """Everything the layers' calls share, built once per step before layer 0."""
-        ...
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """Attention output [T, n_heads * head_dim] for queries ``q`` [T, heads, head_dim];
-        ``kv`` [slots, 2, kv_heads, head_dim] is one layer of the pool, already holding the
-        step's new K/V."""
-        ...
-
-
-class LoopAttention:
-    """One attention call per request: the plain, obviously right version."""
-
-    kind = "loop"
-
-    def prepare(self, batch: StepBatch) -> StepBatch:
-        batch.slots  # noqa: B018 - builds each request's slot tensor now, not in layer 0
-        return batch
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: StepBatch) -> torch.Tensor:
-        return flat_attention_loop(q, metadata, kv[:, 0], kv[:, 1])
-
-
 class PaddedStep(NamedTuple):
     """The padded attention's plan for one step (``PaddedAttention.prepare``)."""
 
@@ -148,6 +80,7 @@ class PaddedAttention:
         self.dtype = dtype  # the queries' dtype, which the mask's bias must share
         cpu = torch.device(device).type == "cpu"
         self.split_cost = SPLIT_ELEMENTS / kv_elements if cpu else math.inf
+        self.graphs = PaddedGraphs(dtype)
 
     def prepare(self, batch: StepBatch) -> PaddedStep:
         groups = batch.padded_groups(self.dtype)
@@ -156,9 +89,9 @@ class PaddedAttention:
         if few or math.isinf(self.split_cost):
             return PaddedStep(groups, None, None)
         first = len(batch) - last.key_slots.shape[0]  # the first decode request
-        contexts = np.asarray(_contexts(batch)[first:], dtype=np.int64)
-        order = np.argsort(contexts, kind="stable")
-        cuts = length_cuts(contexts[order], self.split_cost)
+        lens = np.asarray(contexts(batch)[first:], dtype=np.int64)
+        order = np.argsort(lens, kind="stable")
+        cuts = length_cuts(lens[order], self.split_cost)
         if not cuts:
             return PaddedStep(groups, None, None)
         row0 = last.tokens.start
@@ -230,34 +163,47 @@ def decode_group(slot_lists: Sequence[Sequence[int]], start: int, dtype: torch.d
                        torch.from_numpy(bias).to(device, dtype))
 
 
-class FlexAttention:
-    """One ragged ``flex_attention`` call for all requests, its block mask from lengths."""
-
-    kind = "flex"
-
-    def prepare(self, batch: StepBatch) -> StepBatch:
-        batch.flex_index()  # the key slots and the block mask, once per step
-        return batch
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: StepBatch) -> torch.Tensor:
-        return flat_attention_flex(q, metadata, kv[:, 0], kv[:, 1])
 
 
-def _contexts(batch: StepBatch) -> list[int]:
-    """Each request's context (its slots, new ones included), known on the host."""
-    if isinstance(batch, TableBatch):
-        return batch.contexts
-    return [len(s) for s in batch.slot_lists]
+class PaddedBuffers(NamedTuple):
+    """The padded attention's static decode buffers (``PaddedGraphs.buffers``)."""
+
+    key_slots: torch.Tensor  # [rows, context] long: each row's slots (padding: scratch)
+    bias: torch.Tensor  # [rows, 1, 1, context]: 0 where a row sees a key, -inf elsewhere
+    columns: torch.Tensor  # [context]: 0 .. context - 1, for the mask
 
 
-def make_attention(kind: str, device: torch.device, dtype: torch.dtype,
-                   head_dim: int, n_kv_heads: int = 2) -> AttentionBackend:
-    """The backend for ``kind`` (``"auto"``: flex where it compiles, else padded)."""
-    kv_elements = n_kv_heads * head_dim
-    if kind == "triton":  # issue 39's in-place kernels (minisrv.runner.triton_attention)
-        return TritonAttention(device)
-    kind = auto_attention(device, dtype, head_dim) if kind == "auto" else kind  # the table
-    kind = resolve_attention(kind, device, dtype, head_dim)
-    if kind == "padded":
-        return PaddedAttention(dtype, kv_elements, device)
-    return LoopAttention() if kind == "loop" else FlexAttention()
+class PaddedGraphs:
+    """``GraphHooks`` of the padded backend: key slots and mask for every bucket row."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def buffers(self, rows: int, context: int, scratch: int,
+                device: torch.device) -> PaddedBuffers:
+        bias = torch.from_numpy(_bias(np.zeros(0, np.int64), rows, context))
+        return PaddedBuffers(
+            torch.full((rows, context), scratch, dtype=torch.long, device=device),
+            bias.to(device, self.dtype), torch.arange(context, device=device))
+
+    def fill(self, buffers: PaddedBuffers, b: int, table: torch.Tensor, rows: torch.Tensor,
+             lens: torch.Tensor) -> None:
+        width = min(buffers.columns.shape[0], table.shape[1])  # columns past it: masked
+        buffers.key_slots[:b, :width].copy_(table[:, :width].index_select(0, rows))
+        visible = buffers.columns[None, :] < lens[:, None]
+        buffers.bias[:b].copy_(torch.zeros_like(buffers.bias[:b, 0, 0]).masked_fill_(
+            ~visible, float("-inf"))[:, None, None])
+
+    def metadata(self, buffers: PaddedBuffers, b: int) -> PaddedStep:
+        group = PaddedGroup(slice(0, b), None, buffers.key_slots[:b], buffers.bias[:b])
+        return PaddedStep((group,), None, None)
+
+
+def _bias(lens: np.ndarray, rows: int, context: int) -> np.ndarray:
+    """The additive mask [rows, 1, 1, context] (float32): row r < len(lens) sees its first
+    ``lens[r]`` key columns; a padding row sees column 0 only (its scratch slot: never an
+    empty row, so softmax gives no NaN)."""
+    visible = np.zeros((rows, context), dtype=bool)
+    visible[: len(lens)] = np.arange(context)[None, :] < lens[:, None]
+    visible[len(lens):, 0] = True
+    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
