@@ -1,9 +1,9 @@
 """The padded backend: one masked SDPA call per group of requests, over the pool's joint
 K/V layer; and its hooks for the static decode buffers of a CUDA graph.
 
-``padded_pool_attention`` is ``minisrv.model.flat.padded_attention`` (the form chapter 03
-shows, over separate K and V layers) with keys and values gathered by ONE ``index_select``
-of the joint layer.
+``padded_pool_attention`` gathers keys and values with ONE ``index_select`` of the pool's
+joint layer, then makes the one padded call (``minisrv.model.flat.padded_sdpa``), which
+``padded_attention``, the form chapter 03 shows over separate K and V layers, makes too.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from minisrv.model.flat import PaddedGroup
+from minisrv.model.flat import PaddedGroup, padded_sdpa
 from minisrv.runner.attention.base import StepBatch, contexts
 from minisrv.runner.table_batch import TableBatch
 
@@ -27,30 +26,13 @@ __all__ = ["SPLIT_ELEMENTS", "PaddedAttention", "PaddedBuffers", "PaddedGraphs",
 
 def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor) -> torch.Tensor:
     """``minisrv.model.flat.padded_attention`` over a joint pool layer ``kv``: the same
-    numbers, with keys and values of every request gathered by ONE ``index_select``.
-
-    Padding slots (slot 0, or the pool's scratch slot in a padded decode) are hidden by
-    ``group.bias``. A group of decodes (one query per request) hands SDPA each KV head's
-    query heads as that head's rows: [B, kv_heads, heads per KV head, head_dim] against
-    [B, kv_heads, S_max, head_dim], so nothing is broadcast (on the CPU 1.1x faster than
-    ``enable_gqa`` at CityLM's shapes, 1.8x at 12 x 512's); a group of prefills shares each
-    KV head among its query heads with ``enable_gqa``.
-    """
-    key_slots, bias = group.key_slots, group.bias
-    n_b, s_max = key_slots.shape
-    t_max, n_heads, head_dim = bias.shape[2], q.shape[1], q.shape[2]
-    n_kv = kv.shape[2]
-    both = kv.index_select(0, key_slots.reshape(-1)).view(n_b, s_max, 2, n_kv, head_dim)
-    k, v = both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)  # views
-    if t_max == 1:  # [B, 1, 1, S_max] bias: the same for every head and row
-        rows = q.reshape(n_b, n_kv, n_heads // n_kv, head_dim)
-        return F.scaled_dot_product_attention(rows, k, v, attn_mask=bias).reshape(n_b, -1)
-    if group.rows is not None:  # each flat token to its row of the padded [B * T_max] block
-        q = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, group.rows, q)
-    q_pad = q.reshape(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
-    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=bias, enable_gqa=n_heads > n_kv)
-    out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
-    return out if group.rows is None else out.index_select(0, group.rows)
+    call (``padded_sdpa``), with keys and values of every request gathered by ONE
+    ``index_select`` of the layer instead of two. Padding slots (slot 0, or the pool's
+    scratch slot in a padded decode) are hidden by ``group.bias``."""
+    n_b, s_max = group.key_slots.shape
+    n_kv, head_dim = kv.shape[2], kv.shape[3]
+    both = kv.index_select(0, group.key_slots.reshape(-1)).view(n_b, s_max, 2, n_kv, head_dim)
+    return padded_sdpa(q, group, both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2))
 
 
 class PaddedStep(NamedTuple):
