@@ -2,8 +2,9 @@
 
 A CUDA graph replays the kernels it recorded on the very tensors it recorded them on, with
 the very shapes. So a decode step that is to be replayed must find its inputs (token ids,
-positions, the slots its new K/V go to, the attention's key slots and mask) in buffers the
-runner owns and never reallocates, padded to one of a few batch sizes, the *buckets*
+positions, the slots its new K/V go to, and the attention's own: the padded backend's key
+slots and mask, through the hooks every backend may give, ``AttentionBackend.graphs``) in
+buffers the runner owns and never reallocates, padded to one of a few batch sizes, the *buckets*
 1, 2, 4, 8, 16, 24, ... up to ``max_running`` (as nano-vllm's ``model_runner.py`` and
 mini-sglang's ``engine/graph.py`` do). ``DecodeGraphs`` holds those buffers for the largest
 bucket; a step uses their first ``bucket`` rows.
@@ -13,7 +14,7 @@ bucket; a step uses their first ``bucket`` rows.
   padded to the bucket and moved to the device in one copy. It must not touch the static
   buffers: in the overlapped loop the previous step may be reading them.
 * ``run`` (the device's thread) copies the step into the static buffers, in stream order
-  (the key slots gathered from the table, the mask built from the contexts, on the device),
+  (the attention's hooks gather its buffers from the table on the device),
   resolves future ids there, and runs the forward over them: eagerly, or on CUDA by
   replaying the bucket's graph (``capture``, at start, largest bucket first, one memory
   pool). Prefill and mixed steps never come here; they run eagerly on the flat batch.
