@@ -3,7 +3,7 @@
 * ``model_runner.py``: ``ModelRunner`` (alias ``ModelBackend``): the KV pool on the device,
   a batch's entries as device tensors once per step, one flat forward, sampling;
 * ``attention/``: the attention backends (padded, loop, flex, triton), a registry, each
-  with its metadata, its per-layer call and (padded) its CUDA-graph hooks;
+  with its metadata, its per-layer call and (padded, triton) its CUDA-graph hooks;
 * ``table_batch.py``: ``TableBatch``, a step's batch read through the request-to-token table;
 * ``graph.py``: ``DecodeGraphs``: decode steps over static buffers padded to a batch
   bucket, replayed as CUDA graphs on a GPU;

@@ -10,7 +10,9 @@ Every backend gives the tokens of ``CityLM.forward_flat`` (``minisrv.model.flat`
 * ``base.py``: the interface, ``write_kv``, ``StepBatch``;
 * ``padded.py``: masked SDPA per group of requests, and the static decode hooks;
 * ``loop.py``: one call per request; ``flex.py``: one ragged flex_attention call;
-* ``triton.py``: the Triton kernels of ``minisrv.runner.triton_ops``, over the pool in place.
+* ``triton.py``: the Triton kernels of ``minisrv.runner.triton_ops``, over the pool in place,
+  and their static decode hooks (the loop and flex backends have none: static decode runs
+  the padded backend's beside them).
 
 Adding a kernel is one file here and one line in ``BACKENDS``.
 """
