@@ -100,6 +100,11 @@ class ReqToTokenTable:
         return len(self._row)
 
     @property
+    def free_count(self) -> int:
+        """Rows a request could take now."""
+        return len(self._free)
+
+    @property
     def deferred(self) -> tuple[int, ...]:
         """Rows given back and waiting for the steps that read them."""
         return tuple(self._deferred)
