@@ -24,7 +24,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 GPU_TESTS := tests/test_flex_attention.py tests/test_device.py tests/test_backends.py \
 	tests/test_engine.py tests/test_engine_radix.py tests/test_admission.py \
 	tests/test_overlap.py tests/test_overlap_loop.py tests/test_overlap_viz.py \
-	tests/test_triton_ops.py tests/test_triton_compile.py
+	tests/test_triton_ops.py tests/test_triton_compile.py tests/test_table.py
 
 # The chapters without wall-clock verdicts are executed first, one kernel per core with one
 # torch thread each, into the execution cache (_ext/execute_chapters.py); the build then finds

@@ -13,6 +13,7 @@ from minisrv.engine import Engine, EngineConfig
 from minisrv.model import FlatBatch
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
+from minisrv.runner.attention import BACKENDS, PaddedAttention, make_attention
 from minisrv.runner.graph import DecodeGraphs, batch_buckets
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import Batch
@@ -160,3 +161,24 @@ def test_the_padded_decode_reads_nothing_back() -> None:
     assert step.flat is None and step.has_futures and step.metadata.bucket == 4
     logits = runner.graphs.run(step.metadata, resolve=lambda ids: ids.abs())
     assert logits.device.type == "meta" and logits.shape == (3, CITYLM.vocab_size)
+
+
+def test_static_decode_goes_through_the_attention_backends_hooks(model) -> None:
+    """The padded backend's own hooks fill and read the static buffers; a backend without
+    hooks (the loop) gets the padded backend's."""
+    padded = ModelRunner(model, "padded", static_decode=True, max_running=4)
+    padded.attach_kv(64)
+    assert padded.graphs is not None and padded.graphs.attention is padded.attn
+    assert padded.graphs.hooks is padded.attn.graphs
+    loop = ModelRunner(model, "loop", static_decode=True, max_running=4)
+    loop.attach_kv(64)
+    assert loop.attn.graphs is None and loop.graphs is not None
+    assert isinstance(loop.graphs.attention, PaddedAttention)
+
+
+def test_the_registry_builds_each_backend_by_its_name() -> None:
+    for kind in ("loop", "padded", "flex"):
+        backend = make_attention(kind, torch.device("cpu"), torch.float32, 32, 2)
+        assert backend.kind == kind and BACKENDS[kind] is not None
+    with pytest.raises(ValueError, match="unknown attention"):
+        make_attention("flash", torch.device("cpu"), torch.float32, 32, 2)

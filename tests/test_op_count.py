@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minisrv.configs import CITYLM
-from minisrv.kv import KVPool
+from minisrv.kv import KVPool, ReqToTokenTable
 from minisrv.model import CityLM, FlatBatch, load_citylm
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
@@ -105,21 +105,28 @@ def count_ops(call: Callable[[], Any]) -> OpCounter:
     return counter
 
 
-def decode_step(model: CityLM) -> Callable[[], Any]:
-    """One decode step of ``BATCH`` requests at context ``CONTEXT`` as the engine runs it:
-    ``ModelRunner.prepare`` on the scheduler's batch, then ``compute`` (the flat forward
-    with padded attention over the pool, greedy sampling, the tokens back as one list)."""
+def decode_step(model: CityLM, table: bool = False) -> Callable[[], Any]:
+    """One decode step of ``BATCH`` requests at context ``CONTEXT``: ``ModelRunner.prepare``
+    on the scheduler's batch, then ``compute`` (the flat forward with padded attention over
+    the pool, greedy sampling, the tokens back as one list); with ``table`` as the engine
+    runs it, each request's slots read through its row of the request-to-token table."""
     runner = ModelRunner(model, "padded")
-    runner.attach_kv(BATCH * (CONTEXT + 1))
+    allocator = runner.attach_kv(BATCH * (CONTEXT + 1))
+    kv_table = ReqToTokenTable(BATCH + 1, CONTEXT, allocator.capacity) if table else None
+    runner.attach_table(kv_table)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT - 1), generator=gen)
     reqs = [Req(rid=i, prompt=p, params=SamplingParams(max_new_tokens=4, ignore_eos=True))
             for i, p in enumerate(prompts.tolist())]
     for req in reqs:
         req.kv_slots = runner.pool.alloc(CONTEXT - 1)
+        if kv_table is not None:
+            kv_table.take(req, req.kv_slots)
     for req, tokens in zip(reqs, runner.run(Batch.of(reqs, [])).tokens, strict=True):
         req.output.extend(tokens)
         req.kv_slots += runner.pool.alloc(1)
+    if kv_table is not None:
+        kv_table.append(reqs, [req.kv_slots[-1] for req in reqs])
     batch = Batch.of([], reqs)
     return lambda: runner.compute(runner.prepare(batch))
 
@@ -147,6 +154,16 @@ def test_a_citylm_decode_step_stays_within_its_operator_budget(citylm: CityLM) -
     products = full.ops["linear"] + full.ops["_linear_pointwise"]  # F.linear or oneDNN's
     assert products == 4 * CITYLM.n_layers + 1
     assert "item" not in full.ops  # no read-back
+
+
+def test_the_tables_decode_step_adds_four_operators_per_step(citylm: CityLM) -> None:
+    """Through the table the device gathers what the host no longer copies: the new K/V's
+    slots and the key slots (one indexing each), and the mask from the lengths (a compare
+    and a select); the layers are the same."""
+    plain, tabled = count_ops(decode_step(citylm)), count_ops(decode_step(citylm, True))
+    assert tabled.total - plain.total <= 4, (dict(plain.ops), dict(tabled.ops))
+    assert tabled.ops["scaled_dot_product_attention"] == CITYLM.n_layers
+    assert "item" not in tabled.ops  # no read-back
 
 
 def test_the_counter_counts_copies_and_skips_views() -> None:

@@ -130,7 +130,7 @@ def test_the_table_mirrors_the_slots_and_reuses_no_row_in_flight(ops, max_runnin
     driver.check()
     table = driver.table
     assert table.used == 0 and table.deferred == ()  # no row leaked
-    assert len(table._free) == table.rows - 1
+    assert table.free_count == table.rows - 1
 
 
 def test_a_row_given_back_in_flight_waits_for_the_step() -> None:

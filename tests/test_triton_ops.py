@@ -1,5 +1,5 @@
 """The Triton kernels that read the KV pool in place (``minisrv.runner.triton_ops``) and their
-backend (``minisrv.runner.triton_attention``), against plain torch and the padded backend.
+backend (``minisrv.runner.attention.triton``), against plain torch and the padded backend.
 
 Without CUDA the kernels run under Triton's interpreter, which must be switched on before
 triton is first imported, and this file's conftest already imports it (``minisrv.model``
@@ -34,8 +34,9 @@ if importlib.util.find_spec("triton") is None:
 
 from minisrv.engine import Engine  # noqa: E402
 from minisrv.model.flat import FlatBatch  # noqa: E402
+from minisrv.runner import ModelRunner  # noqa: E402
 from minisrv.runner.attention import LoopAttention, PaddedAttention, write_kv  # noqa: E402
-from minisrv.runner.triton_attention import TritonAttention, TritonStep, kernels  # noqa: E402
+from minisrv.runner.attention.triton import TritonAttention, TritonStep, kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 ops = kernels()
@@ -231,3 +232,18 @@ def test_engine_tokens_equal_each_request_alone(citylm) -> None:
     assert engine.generate(later, max_new_tokens=8) == [
         model.reference_generate(p, 8) for p in later]
     assert engine.stats.cached_tokens >= 2 * len("FR:Paris, ")  # two later prompts hit
+
+
+def test_static_decode_through_the_triton_hooks_equals_each_request_alone(citylm) -> None:
+    """Decode steps over the static buffers the Triton backend's hooks own (its table of the
+    bucket, rows, contexts, pieces), beside the flat path's prefills: the tokens of each
+    request generated alone."""
+    model, tok = citylm
+    model = copy.deepcopy(model).to(DEVICE)
+    runner = ModelRunner(model, "triton", static_decode=True, max_running=3)
+    engine = Engine(runner, kv_capacity=300, max_running=3, mode="mixed")
+    assert runner.graphs is not None and runner.graphs.hooks is runner.attn.graphs
+    prompts = [tok.encode(text) for text in ("FR:Paris", "DE:Berlin, FR:", "IT:")]
+    assert engine.generate(prompts, max_new_tokens=6) == [
+        model.reference_generate(p, 6) for p in prompts]
+    assert any(not record.prefill and record.decode for record in engine.trace)

@@ -58,6 +58,7 @@ class ReqToTokenTable:
             raise ValueError(f"a table needs >= 2 rows and >= 1 column, got {rows} x {width}")
         self.width, self.scratch_slot = width, scratch_slot
         self.tensor = torch.full((rows, width), scratch_slot, dtype=torch.int32, device=device)
+        self.columns = torch.arange(width, device=device)  # for the masks built from lengths
         self.scratch_row = rows - 1
         self._free = list(range(rows - 2, -1, -1))  # a stack: the lowest row first
         self._row: dict[Req, int] = {}  # each holder (by identity: Req has eq=False) -> row
@@ -83,7 +84,7 @@ class ReqToTokenTable:
             return
         if self._row:
             raise ValueError("a table moves before any row is taken")
-        self.tensor = self.tensor.to(device)
+        self.tensor, self.columns = self.tensor.to(device), self.columns.to(device)
 
     # ------------------------------------------------------------------ rows
     def row(self, req: Req) -> int:
@@ -97,6 +98,11 @@ class ReqToTokenTable:
     def used(self) -> int:
         """Rows held by requests (deferred ones not counted)."""
         return len(self._row)
+
+    @property
+    def free_count(self) -> int:
+        """Rows a request could take now."""
+        return len(self._free)
 
     @property
     def deferred(self) -> tuple[int, ...]:

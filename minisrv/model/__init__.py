@@ -31,6 +31,7 @@ from minisrv.model.flat import (
     flat_attention_loop,
     flat_attention_padded,
     padded_attention,
+    padded_sdpa,
     pool_attention,
     resolve_attention,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "load_tokenizer",
     "merge_eos_ids",
     "padded_attention",
+    "padded_sdpa",
     "pool_attention",
     "ragged_block_mask",
     "ragged_tiles",

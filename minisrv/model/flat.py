@@ -261,22 +261,48 @@ def padded_attention(
     q: torch.Tensor, group: PaddedGroup, k_layer: torch.Tensor, v_layer: torch.Tensor
 ) -> torch.Tensor:
     """One padded SDPA call for the queries ``q`` [T, n_heads, head_dim] of ``group``."""
-    key_slots, bias = group.key_slots, group.bias
-    n_b, s_max = key_slots.shape
-    t_max, n_heads, head_dim = bias.shape[2], q.shape[1], q.shape[2]
-    n_kv = k_layer.shape[1]
-    if group.rows is not None:  # each flat token to its row of the padded [B * T_max] block
-        q = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, group.rows, q)
-    q_pad = q.reshape(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
+    n_b, s_max = group.key_slots.shape
+    n_kv, head_dim = k_layer.shape[1], k_layer.shape[2]
     # The pool's K/V are gathered once per KV head (index_select: one call for all B x S_max
     # slots, several times faster than k_layer[key_slots]); SDPA shares each KV head among
     # its group of query heads (enable_gqa) instead of copying it for each.
-    flat_slots = key_slots.reshape(-1)
+    flat_slots = group.key_slots.reshape(-1)
     k = k_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
     v = v_layer.index_select(0, flat_slots).view(n_b, s_max, n_kv, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=bias, enable_gqa=n_heads > n_kv)
+    return padded_sdpa(q, group, k, v)
+
+
+def padded_sdpa(
+    q: torch.Tensor, group: PaddedGroup, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """The padded call itself, over ``group``'s gathered keys and values ``k``, ``v``
+    [B, n_kv_heads, S_max, head_dim]: the queries padded to [B, heads, T_max, head_dim],
+    one SDPA under the group's bias, the outputs back to the flat rows [T, heads * dim].
+    The one home of the padded attention: ``padded_attention`` gathers from separate K and
+    V layers, the runner's backend from the pool's joint layer (``runner.attention``)."""
+    n_b, n_kv, _, head_dim = k.shape
+    t_max, n_heads = group.bias.shape[2], q.shape[1]
+    if t_max == 1:  # decodes only (one query each, so no padded rows)
+        return decode_sdpa(q, k, v, group.bias)
+    if group.rows is not None:  # each flat token to its row of the padded [B * T_max] block
+        q = q.new_zeros(n_b * t_max, n_heads, head_dim).index_copy_(0, group.rows, q)
+    q_pad = q.reshape(n_b, t_max, n_heads, head_dim).transpose(1, 2)  # [B, heads, T_max, d]
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=group.bias,
+                                         enable_gqa=n_heads > n_kv)
     out = out.transpose(1, 2).reshape(n_b * t_max, n_heads * head_dim)
     return out if group.rows is None else out.index_select(0, group.rows)
+
+
+def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:
+    """``padded_sdpa``'s shortcut for a group of decodes (one query per request, a bias
+    [B, 1, 1, S_max] the same for every head): each KV head's query heads become that
+    head's rows, [B, kv_heads, heads per KV head, head_dim] against [B, kv_heads, S_max,
+    head_dim], so nothing is broadcast (on the CPU 1.1x faster than ``enable_gqa`` at
+    CityLM's shapes, 1.8x at 12 x 512's)."""
+    n_b, n_kv, _, head_dim = k.shape
+    rows = q.reshape(n_b, n_kv, q.shape[1] // n_kv, head_dim)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=bias).reshape(n_b, -1)
 
 
 def flat_attention_flex(

@@ -2,7 +2,9 @@
 
 * ``model_runner.py``: ``ModelRunner`` (alias ``ModelBackend``): the KV pool on the device,
   a batch's entries as device tensors once per step, one flat forward, sampling;
-* ``attention.py``: the attention backends (loop, padded, flex) behind one interface;
+* ``attention/``: the attention backends (padded, loop, flex, triton), a registry, each
+  with its metadata, its per-layer call and (padded, triton) its CUDA-graph hooks;
+* ``table_batch.py``: ``TableBatch``, a step's batch read through the request-to-token table;
 * ``graph.py``: ``DecodeGraphs``: decode steps over static buffers padded to a batch
   bucket, replayed as CUDA graphs on a GPU;
 * ``sampler.py``: ``Sampler``: per-request generators and the logits-processor hook;
@@ -20,6 +22,10 @@ from typing import Any
 # over the simulated GPU never load the model's modules (flex_attention pulls in dynamo).
 _HOMES = {
     "AttentionBackend": "attention",
+    "BACKENDS": "attention",
+    "GraphHooks": "attention",
+    "TritonAttention": "attention",
+    "TableBatch": "table_batch",
     "FlexAttention": "attention",
     "LoopAttention": "attention",
     "PaddedAttention": "attention",

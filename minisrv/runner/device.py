@@ -56,9 +56,9 @@ class DeviceWorker:
     def submit(self, batch: Batch) -> tuple[Future[BatchResult] | Handed, list[int]]:
         """Start ``batch`` on the device; return its answer-to-be and one future id per
         sampling entry (the placeholders of the tokens it is about to sample)."""
-        if self.on_launch is not None:
-            self.on_launch(batch)
         prepared = self.backend.prepare(batch)
+        if self.on_launch is not None:  # prepared: it will run (a failed prepare will not)
+            self.on_launch(batch)
         future_ids, futures = self.futures.reserve_ids(sum(e.sample for e in batch.entries))
         if self._thread is None:
             return handed(self._compute, prepared, future_ids), futures

@@ -2,8 +2,9 @@
 
 A CUDA graph replays the kernels it recorded on the very tensors it recorded them on, with
 the very shapes. So a decode step that is to be replayed must find its inputs (token ids,
-positions, the slots its new K/V go to, the attention's key slots and mask) in buffers the
-runner owns and never reallocates, padded to one of a few batch sizes, the *buckets*
+positions, the slots its new K/V go to, and the attention's own: the padded backend's key
+slots and mask, through the hooks every backend may give, ``AttentionBackend.graphs``) in
+buffers the runner owns and never reallocates, padded to one of a few batch sizes, the *buckets*
 1, 2, 4, 8, 16, 24, ... up to ``max_running`` (as nano-vllm's ``model_runner.py`` and
 mini-sglang's ``engine/graph.py`` do). ``DecodeGraphs`` holds those buffers for the largest
 bucket; a step uses their first ``bucket`` rows.
@@ -13,7 +14,7 @@ bucket; a step uses their first ``bucket`` rows.
   padded to the bucket and moved to the device in one copy. It must not touch the static
   buffers: in the overlapped loop the previous step may be reading them.
 * ``run`` (the device's thread) copies the step into the static buffers, in stream order
-  (the key slots gathered from the table, the mask built from the contexts, on the device),
+  (the attention's hooks gather its buffers from the table on the device),
   resolves future ids there, and runs the forward over them: eagerly, or on CUDA by
   replaying the bucket's graph (``capture``, at start, largest bucket first, one memory
   pool). Prefill and mixed steps never come here; they run eagerly on the flat batch.
@@ -39,8 +40,7 @@ import numpy as np
 import torch
 
 from minisrv.checks import check_int
-from minisrv.model.flat import PaddedGroup
-from minisrv.runner.attention import padded_pool_attention, write_kv
+from minisrv.runner.attention import AttentionBackend, PaddedAttention, write_kv
 
 if TYPE_CHECKING:
     from minisrv.kv import KVPool
@@ -80,7 +80,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: CityLM, pool: KVPool, max_running: int, *,
-                 context: int | None = None, cuda_graph: bool = False) -> None:
+                 context: int | None = None, cuda_graph: bool = False,
+                 attention: AttentionBackend | None = None) -> None:
         limit = model.config.max_seq_len
         self.context = limit if context is None else check_int("context", context, minimum=1)
         if self.context > limit:
@@ -95,11 +96,14 @@ class DecodeGraphs:
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.write_slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
-        self.key_slots = torch.full((rows, self.context), self.scratch, dtype=torch.long,
-                                    device=device)
-        self.bias = torch.from_numpy(_bias(np.zeros(0, np.int64), rows, self.context)).to(
-            device, model.dtype)
-        self.columns = torch.arange(self.context, device=device)
+        # the attention's own static buffers, through its hooks (the padded backend's for a
+        # backend without them)
+        if attention is None or attention.graphs is None:
+            attention = PaddedAttention(model.dtype, device=device)
+        self.attention = attention
+        self.hooks = attention.graphs
+        assert self.hooks is not None
+        self.buffers = self.hooks.buffers(rows, self.context, self.scratch, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bucket, vocab]
         if cuda_graph:
@@ -171,11 +175,7 @@ class DecodeGraphs:
         last = step.lens - 1
         self.positions[:b].copy_(last)
         self.write_slots[:b].copy_(step.table[step.rows, last])
-        width = min(self.context, step.table.shape[1])  # columns past it: masked
-        self.key_slots[:b, :width].copy_(step.table[:, :width].index_select(0, step.rows))
-        visible = self.columns[None, :] < step.lens[:, None]
-        self.bias[:b].copy_(torch.zeros_like(self.bias[:b, 0, 0]).masked_fill_(
-            ~visible, float("-inf"))[:, None, None])
+        self.hooks.fill(self.buffers, b, step.table, step.rows, step.lens)
         graph = self.graphs.get(b)
         if graph is None:
             return self.forward(b)[: step.n]
@@ -186,13 +186,13 @@ class DecodeGraphs:
     def forward(self, b: int) -> torch.Tensor:
         """Logits [b, vocab] of the first ``b`` rows of the static buffers: every tensor the
         forward reads is a view of a buffer, so a graph captured here replays on new data."""
-        pool, write = self.pool, self.write_slots[:b]
-        group = PaddedGroup(slice(0, b), None, self.key_slots[:b], self.bias[:b])
+        pool, write, attention = self.pool, self.write_slots[:b], self.attention
+        metadata = self.hooks.metadata(self.buffers, b)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = pool.kv[layer]
             write_kv(kv, write, k, v)
-            return padded_pool_attention(q, group, kv)
+            return attention.forward(q, kv, metadata)
 
         x = self.model.run_layers(self.ids[:b], self.positions[:b], attend)
         return self.model.lm_head(self.model.norm(x))
@@ -218,13 +218,3 @@ class DecodeGraphs:
                 self.outputs[b] = self.forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize(self.model.device)
-
-
-def _bias(lens: np.ndarray, rows: int, context: int) -> np.ndarray:
-    """The additive mask [rows, 1, 1, context] (float32): row r < len(lens) sees its first
-    ``lens[r]`` key columns; a padding row sees column 0 only (its scratch slot: never an
-    empty row, so softmax gives no NaN)."""
-    visible = np.zeros((rows, context), dtype=bool)
-    visible[: len(lens)] = np.arange(context)[None, :] < lens[:, None]
-    visible[len(lens):, 0] = True
-    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]

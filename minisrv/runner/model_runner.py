@@ -141,7 +141,7 @@ class ModelRunner:
             if context is None:
                 context = min(self.model.config.max_seq_len, capacity)
             self.graphs = DecodeGraphs(self.model, self.pool, max_running, context=context,
-                                       cuda_graph=cuda_graph)
+                                       cuda_graph=cuda_graph, attention=self.attn)
         return self.pool.allocator
 
     def attach_table(self, table: ReqToTokenTable | None) -> None:
@@ -200,7 +200,7 @@ class ModelRunner:
                              self.model.device)
         table = self.table
         return TableBatch(new_ids, [table.row(e.req) for e in entries],
-                          [e.end for e in entries], table.tensor)
+                          [e.end for e in entries], table.tensor, table.columns)
 
     def padded_decode(self, new_ids: list[list[int]], entries: Sequence[Entry]) -> PaddedDecode:
         """A decode step over the static buffers, its key slots read from the table (or,

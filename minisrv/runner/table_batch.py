@@ -34,11 +34,15 @@ class TableBatch:
     ``ends[r]`` (its last ``len(new_ids[r])`` positions receive the new tokens' K/V)."""
 
     def __init__(self, new_ids: Sequence[Sequence[int]], rows: Sequence[int],
-                 ends: Sequence[int], table: torch.Tensor) -> None:
+                 ends: Sequence[int], table: torch.Tensor,
+                 columns: torch.Tensor | None = None) -> None:
         n_req = len(new_ids)
         if not n_req or len(rows) != n_req or len(ends) != n_req:
             raise ValueError(f"{n_req} requests' ids, {len(rows)} rows, {len(ends)} ends")
         self.table, self.device = table, table.device
+        # 0 .. width - 1 on the device, for the masks (the engine's table keeps one)
+        self.columns = (torch.arange(table.shape[1], device=table.device) if columns is None
+                        else columns)
         news = np.fromiter(map(len, new_ids), dtype=np.int64, count=n_req)
         ends_np = np.asarray(ends, dtype=np.int64)
         if news.min() < 1 or (ends_np < news).any() or ends_np.max() > table.shape[1]:
@@ -57,7 +61,8 @@ class TableBatch:
         moved = torch.from_numpy(packed).to(self.device)  # the step's one copy
         self.ids = moved[:n_tok]
         self.positions = moved[n_tok:2 * n_tok]
-        self.write_slots = table[moved[2 * n_tok:3 * n_tok], self.positions].long()
+        # int32 as the table holds them: indexing takes int32 as it takes int64
+        self.write_slots = table[moved[2 * n_tok:3 * n_tok], self.positions]
         self.rows, self.ends, self.news = moved[3 * n_tok:].view(3, n_req).unbind()
         self.row_list = [int(r) for r in rows]
         self.contexts: list[int] = ends_np.tolist()
@@ -102,11 +107,13 @@ class TableBatch:
         query t of request b sees positions <= its own (``FlatBatch._padded_group``)."""
         new = np.asarray(self.new_lens[lo:hi], dtype=np.int64)
         n_b, t_max, s_max = len(new), int(new.max()), max(self.contexts[lo:hi])
-        news, ends = self.news[lo:hi], self.ends[lo:hi]
-        steps = torch.arange(t_max, device=self.device)
-        query_pos = (ends - news)[:, None] + torch.minimum(steps[None, :], news[:, None] - 1)
-        keys = torch.arange(s_max, device=self.device)
-        visible = keys[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
+        news, ends, keys = self.news[lo:hi], self.ends[lo:hi], self.columns[:s_max]
+        if t_max == 1:  # decodes: each query sees its whole context
+            visible = (keys[None, :] < ends[:, None])[:, None]
+        else:
+            steps = self.columns[:t_max]
+            query_pos = (ends - news)[:, None] + torch.minimum(steps[None, :], news[:, None] - 1)
+            visible = keys[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
         bias = _bias(visible, dtype)[:, None]
         rows = None
         if (new < t_max).any():  # some requests are padded: each token's padded row
@@ -122,8 +129,7 @@ class TableBatch:
         are rows ``start`` on (``runner.attention``'s split of decodes by context)."""
         index = torch.from_numpy(np.ascontiguousarray(members)).to(self.device)
         s_max = max(self.contexts[i] for i in members.tolist())
-        keys = torch.arange(s_max, device=self.device)
-        visible = keys[None, :] < self.ends[index][:, None]
+        visible = self.columns[None, :s_max] < self.ends[index][:, None]
         return PaddedGroup(slice(start, start + len(members)), None,
                            self.key_slots(index, s_max), _bias(visible, dtype)[:, None, None])
 
@@ -137,14 +143,23 @@ class TableBatch:
             key_rows = self.rows.repeat_interleave(self.ends, output_size=total)
             cols = (torch.arange(total, device=self.device)
                     - offsets.repeat_interleave(self.ends, output_size=total))
-            self._flex = (self.table[key_rows, cols].long(), block_mask)
+            self._flex = (self.table[key_rows, cols], block_mask)
         return self._flex
 
     def __repr__(self) -> str:
         return f"TableBatch(requests={len(self)}, tokens={self.num_tokens})"
 
 
+_LIMITS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+"""0 and -inf as 0-d tensors per (device, dtype), made once: ``torch.where`` over them is one
+operator (over Python numbers it would make both first, every step)."""
+
+
 def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``visible``, -inf elsewhere, in the queries' ``dtype``."""
-    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return bias.masked_fill_(~visible, float("-inf"))
+    key = (visible.device, dtype)
+    if key not in _LIMITS:
+        _LIMITS[key] = (torch.zeros((), dtype=dtype, device=visible.device),
+                        torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+    zero, minus_inf = _LIMITS[key]
+    return torch.where(visible, zero, minus_inf)

@@ -98,7 +98,7 @@ COMPONENTS: dict[str, Component] = {
     "slots": Component("Slot allocator,\nrequest-to-token\nrows", "kv/manager.py",
                        "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", "kv/radix.py", "04_radix_attention"),
-    "attention": Component("Attention backend", "runner/attention.py", "03_selective_batching"),
+    "attention": Component("Attention backend", "runner/attention/", "03_selective_batching"),
     "grammar": Component("Grammar masks\n(structured\noutput)", "grammar/",
                          "08a_structured_output"),
     "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),

@@ -41,7 +41,8 @@ def kernels() -> ModuleType:
 
     return triton_ops
 
-__all__ = ["TRITON_AVAILABLE", "TritonAttention", "TritonStep", "triton_unavailable"]
+__all__ = ["TRITON_AVAILABLE", "TritonAttention", "TritonBuffers", "TritonGraphs", "TritonStep",
+           "triton_unavailable"]
 
 
 def triton_unavailable(device: str | torch.device) -> str | None:
@@ -115,6 +116,7 @@ class TritonAttention:
             raise ValueError(f"max_splits must be 1..64, got {max_splits}")
         self.max_splits = max_splits
         self.ops = kernels()
+        self.graphs = TritonGraphs(max_splits)
 
     def prepare(self, batch: FlatBatch | TableBatch) -> TritonStep:
         """The table, rows, contexts and new-token counts of the step: the engine's table
@@ -144,3 +146,48 @@ class TritonAttention:
         m = metadata
         self.ops.write_kv_table(kv[:, 0], kv[:, 1], k, v, m.table, m.rows, m.contexts,
                                   m.news, m.starts, m.max_new)
+
+
+class TritonBuffers(NamedTuple):
+    """The Triton decode's static buffers (``TritonGraphs.buffers``): a table of the bucket's
+    own, row b holding bucket row b's slots, and the kernel's per-row vectors."""
+
+    table: torch.Tensor  # int32 [rows, context] (padding rows: the scratch slot)
+    rows: torch.Tensor  # int32 [rows]: 0 .. rows - 1
+    contexts: torch.Tensor  # int32 [rows]
+    news: torch.Tensor  # int32 [rows]: ones
+    starts: torch.Tensor  # int32 [rows]: 0 .. rows - 1 (one query per row)
+    splits: torch.Tensor  # int32 [rows]: pieces of each context (``kv_splits``)
+
+
+class TritonGraphs:
+    """``GraphHooks`` of the Triton backend: the decode kernel's grid depends on the batch
+    and ``max_splits`` only, so one capture per bucket replays for any contexts; its table,
+    rows, contexts and pieces are buffers filled before each replay. UNTESTED on a GPU
+    (the eager path runs under the interpreter)."""
+
+    def __init__(self, max_splits: int) -> None:
+        self.max_splits = max_splits
+
+    def buffers(self, rows: int, context: int, scratch: int,
+                device: torch.device) -> TritonBuffers:
+        def ints(values: torch.Tensor) -> torch.Tensor:
+            return values.to(device, torch.int32)
+
+        every = torch.arange(rows)
+        return TritonBuffers(torch.full((rows, context), scratch, dtype=torch.int32,
+                                        device=device),
+                             ints(every), ints(torch.ones(rows)), ints(torch.ones(rows)),
+                             ints(every), ints(torch.ones(rows)))
+
+    def fill(self, buffers: TritonBuffers, b: int, table: torch.Tensor, rows: torch.Tensor,
+             lens: torch.Tensor) -> None:
+        width = min(buffers.table.shape[1], table.shape[1])  # columns past it: never read
+        buffers.table[:b, :width].copy_(table[:, :width].index_select(0, rows))
+        buffers.contexts[:b].copy_(lens)
+        buffers.splits[:b].copy_(kernels().kv_splits(buffers.contexts[:b], self.max_splits))
+
+    def metadata(self, buffers: TritonBuffers, b: int) -> TritonStep:
+        return TritonStep(buffers.table, buffers.rows[:b], buffers.contexts[:b],
+                          buffers.news[:b], buffers.starts[:b], buffers.splits[:b], 1, True)
+

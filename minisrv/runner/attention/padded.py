@@ -1,0 +1,191 @@
+"""The padded backend: one masked SDPA call per group of requests, over the pool's joint
+K/V layer; and its hooks for the static decode buffers of a CUDA graph.
+
+``padded_pool_attention`` gathers keys and values with ONE ``index_select`` of the pool's
+joint layer, then makes the one padded call (``minisrv.model.flat.padded_sdpa``), which
+``padded_attention``, the form chapter 03 shows over separate K and V layers, makes too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from minisrv.model.flat import PaddedGroup, padded_sdpa
+from minisrv.runner.attention.base import StepBatch, contexts
+from minisrv.runner.table_batch import TableBatch
+
+__all__ = ["SPLIT_ELEMENTS", "PaddedAttention", "PaddedBuffers", "PaddedGraphs", "PaddedStep",
+           "decode_group", "length_cuts", "padded_pool_attention"]
+
+
+def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor) -> torch.Tensor:
+    """``minisrv.model.flat.padded_attention`` over a joint pool layer ``kv``: the same
+    call (``padded_sdpa``), with keys and values of every request gathered by ONE
+    ``index_select`` of the layer instead of two. Padding slots (slot 0, or the pool's
+    scratch slot in a padded decode) are hidden by ``group.bias``."""
+    n_b, s_max = group.key_slots.shape
+    n_kv, head_dim = kv.shape[2], kv.shape[3]
+    both = kv.index_select(0, group.key_slots.reshape(-1)).view(n_b, s_max, 2, n_kv, head_dim)
+    return padded_sdpa(q, group, both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2))
+
+
+class PaddedStep(NamedTuple):
+    """The padded attention's plan for one step (``PaddedAttention.prepare``)."""
+
+    groups: tuple[PaddedGroup, ...]  # each ``tokens`` a slice of the reordered rows
+    order: torch.Tensor | None  # the flat rows in the groups' order; None: flat order
+    restore: torch.Tensor | None  # the inverse of ``order``: outputs back to flat order
+
+
+class PaddedAttention:
+    """One masked SDPA call per group of requests (decodes and prefills padded apart).
+
+    Decodes are padded to the longest context of their group. Where their contexts differ
+    widely, sorting them by context and cutting the sorted run into up to four groups
+    (``length_cuts``) gathers and attends over fewer padding slots, at the price of one
+    more call per group and one reordering of the queries and outputs per layer.
+    ``split_cost`` is what one more group costs, in padding slots (``SPLIT_ELEMENTS``
+    spread over the key elements of one slot). The cost was measured on the CPU; on a GPU,
+    where each call is a kernel launch the host pays for, decodes are not cut.
+    """
+
+    kind = "padded"
+
+    def __init__(self, dtype: torch.dtype, kv_elements: int = 64,
+                 device: str | torch.device = "cpu") -> None:
+        self.dtype = dtype  # the queries' dtype, which the mask's bias must share
+        cpu = torch.device(device).type == "cpu"
+        self.split_cost = SPLIT_ELEMENTS / kv_elements if cpu else math.inf
+        self.graphs = PaddedGraphs(dtype)
+
+    def prepare(self, batch: StepBatch) -> PaddedStep:
+        groups = batch.padded_groups(self.dtype)
+        last = groups[-1]
+        few = last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4  # no run of decodes
+        if few or math.isinf(self.split_cost):
+            return PaddedStep(groups, None, None)
+        first = len(batch) - last.key_slots.shape[0]  # the first decode request
+        lens = np.asarray(contexts(batch)[first:], dtype=np.int64)
+        order = np.argsort(lens, kind="stable")
+        cuts = length_cuts(lens[order], self.split_cost)
+        if not cuts:
+            return PaddedStep(groups, None, None)
+        row0 = last.tokens.start
+        decodes = [self._decode_group(batch, first + part, row0 + lo)
+                   for lo, part in zip([0, *cuts], np.split(order, cuts))]
+        rows = np.concatenate([np.arange(row0), row0 + order])
+        return PaddedStep((*groups[:-1], *decodes),
+                          torch.from_numpy(rows).to(batch.device),
+                          torch.from_numpy(np.argsort(rows)).to(batch.device))
+
+    def _decode_group(self, batch: StepBatch, members: np.ndarray, start: int) -> PaddedGroup:
+        """The decodes ``members`` of ``batch`` as one padded group, queries from ``start``."""
+        if isinstance(batch, TableBatch):
+            return batch.decode_group(members, start, self.dtype)
+        return decode_group([batch.slot_lists[r] for r in members.tolist()], start,
+                            self.dtype, batch.device)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: PaddedStep) -> torch.Tensor:
+        if metadata.order is not None:
+            q = q.index_select(0, metadata.order)
+        outs = [padded_pool_attention(q[group.tokens], group, kv) for group in metadata.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if metadata.restore is None else out.index_select(0, metadata.restore)
+
+
+SPLIT_ELEMENTS = 1 << 17
+"""What one more padded call per layer costs, in key elements (slots x KV heads x head dim)
+gathered and attended instead. Set on the CPU (one thread, float32), where at 12 layers x
+512 cutting 64 decodes of contexts 8-96 into 2-4 groups takes their attention from about
+2.7 to 1.1 ms a layer, while at CityLM's size (fewer, smaller heads, where each call's
+fixed cost dominates) no cut pays and none is made."""
+
+
+def length_cuts(lengths: np.ndarray, split_cost: float, depth: int = 2) -> list[int]:
+    """Where to cut ascending ``lengths`` into runs, each padded to its last (longest)
+    length, so that padded slots plus ``split_cost`` per extra run are fewest: the best
+    single cut, then the best cut of each side, ``depth`` times (at most 2 ** depth runs).
+    The first cut must also pay for reordering the queries and outputs (one more
+    ``split_cost``); none is made if it does not."""
+    def best(lo: int, hi: int, level: int, price: float) -> list[int]:
+        if level == 0 or hi - lo < 2:
+            return []
+        cut = np.arange(lo + 1, hi)
+        cost = (cut - lo) * lengths[cut - 1] + (hi - cut) * lengths[hi - 1]
+        at = int(cost.argmin())
+        if cost[at] + price >= (hi - lo) * lengths[hi - 1]:
+            return []
+        mid = int(cut[at])
+        return [*best(lo, mid, level - 1, split_cost), mid,
+                *best(mid, hi, level - 1, split_cost)]
+
+    return best(0, len(lengths), depth, 2 * split_cost)
+
+
+def decode_group(slot_lists: Sequence[Sequence[int]], start: int, dtype: torch.dtype,
+                 device: torch.device) -> PaddedGroup:
+    """A padded group of decodes (one new token each) whose queries are rows ``start`` on:
+    every request's slots padded with slot 0 to the longest, and a bias that shows each
+    query its own slots."""
+    lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(slot_lists))
+    s_max = int(lens.max())
+    visible = np.arange(s_max)[None, :] < lens[:, None]
+    key_slots = np.zeros((len(lens), s_max), dtype=np.int64)
+    key_slots[visible] = np.fromiter(itertools.chain.from_iterable(slot_lists),
+                                     dtype=np.int64, count=int(lens.sum()))
+    bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
+    return PaddedGroup(slice(start, start + len(lens)), None,
+                       torch.from_numpy(key_slots).to(device),
+                       torch.from_numpy(bias).to(device, dtype))
+
+
+
+
+class PaddedBuffers(NamedTuple):
+    """The padded attention's static decode buffers (``PaddedGraphs.buffers``)."""
+
+    key_slots: torch.Tensor  # [rows, context] long: each row's slots (padding: scratch)
+    bias: torch.Tensor  # [rows, 1, 1, context]: 0 where a row sees a key, -inf elsewhere
+    columns: torch.Tensor  # [context]: 0 .. context - 1, for the mask
+
+
+class PaddedGraphs:
+    """``GraphHooks`` of the padded backend: key slots and mask for every bucket row."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def buffers(self, rows: int, context: int, scratch: int,
+                device: torch.device) -> PaddedBuffers:
+        bias = torch.from_numpy(_bias(np.zeros(0, np.int64), rows, context))
+        return PaddedBuffers(
+            torch.full((rows, context), scratch, dtype=torch.long, device=device),
+            bias.to(device, self.dtype), torch.arange(context, device=device))
+
+    def fill(self, buffers: PaddedBuffers, b: int, table: torch.Tensor, rows: torch.Tensor,
+             lens: torch.Tensor) -> None:
+        width = min(buffers.columns.shape[0], table.shape[1])  # columns past it: masked
+        buffers.key_slots[:b, :width].copy_(table[:, :width].index_select(0, rows))
+        visible = buffers.columns[None, :] < lens[:, None]
+        buffers.bias[:b].copy_(torch.zeros_like(buffers.bias[:b, 0, 0]).masked_fill_(
+            ~visible, float("-inf"))[:, None, None])
+
+    def metadata(self, buffers: PaddedBuffers, b: int) -> PaddedStep:
+        group = PaddedGroup(slice(0, b), None, buffers.key_slots[:b], buffers.bias[:b])
+        return PaddedStep((group,), None, None)
+
+
+def _bias(lens: np.ndarray, rows: int, context: int) -> np.ndarray:
+    """The additive mask [rows, 1, 1, context] (float32): row r < len(lens) sees its first
+    ``lens[r]`` key columns; a padding row sees column 0 only (its scratch slot: never an
+    empty row, so softmax gives no NaN)."""
+    visible = np.zeros((rows, context), dtype=bool)
+    visible[: len(lens)] = np.arange(context)[None, :] < lens[:, None]
+    visible[len(lens):, 0] = True
+    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
