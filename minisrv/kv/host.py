@@ -132,7 +132,10 @@ class HostPool:
                 rows = host_kv[:, torch.from_numpy(src)]
                 if stream is None:
                     device_kv[:, torch.from_numpy(dst).to(device_kv.device)] = rows
-                else:  # on the copy stream; the step's stream waits for it below
+                else:  # on the copy stream, after the steps queued so far: a slot freed
+                    # at once (the overlapped loop) may still be read by the step in flight;
+                    # the next step's stream waits for the copy below
+                    stream.wait_stream(torch.cuda.current_stream(device_kv.device))
                     with torch.cuda.stream(stream):
                         index = torch.from_numpy(dst).to(device_kv.device, non_blocking=True)
                         device_kv[:, index] = rows.pin_memory().to(device_kv.device,
