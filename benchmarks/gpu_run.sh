@@ -42,7 +42,7 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 #    their compilation, the graph buffers, and the engine/model tests on cuda. The project's
 #    pytest addopts name nbval, which this machine need not have: replaced here.
 tests="tests/test_triton_ops.py tests/test_triton_compile.py tests/test_choice.py \
-tests/test_graph.py tests/test_device.py tests/test_backends.py tests/test_engine.py"
+tests/test_graph.py tests/test_table.py tests/test_device.py tests/test_backends.py tests/test_engine.py"
 timeout $(( $(quick_end) - 200 )) python3 -m pytest -q -o addopts="" -p no:cacheprovider \
   $tests 2>&1 | tee "$out/tests.log" | tail -20
 echo "tests exit ${PIPESTATUS[0]}" | tee -a "$out/tests.log"
