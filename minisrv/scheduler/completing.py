@@ -80,7 +80,7 @@ class BatchCompleter:
         ``late`` holds the ids of finished requests found so one step late (the overlapped
         loop): the step in flight computed one more token for those, whose KV goes first.
         """
-        queues, memory, stats = self.queues, self.memory, self.recorder.stats
+        queues, memory = self.queues, self.memory
         done = {id(req) for req in finished}
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING and (
@@ -95,9 +95,7 @@ class BatchCompleter:
         if requeued:
             queues.waiting = deque(req for req in queues.waiting
                                    if req.state == ReqState.WAITING)
-        stats.evicted_tokens = memory.evicted_tokens
-        stats.host_hit_tokens = memory.host_hit_tokens
-        stats.loaded_tokens = memory.loaded_tokens
+        self.recorder.count_memory()
 
     def _finish_one(self, req: Req, late: bool) -> None:
         """``req`` ends: its KV to the cache (after dropping the token computed past its end,

@@ -80,7 +80,9 @@ class Scheduler:
         # speculative checks or jump-forward's entries: decodes of several tokens
         self.wide = wide = make_wide(config, backend)
         self.queues = queues = RequestQueues()
-        self.recorder = recorder = StepRecorder(config, queues, memory, admission, wide)
+        # the debug check looked up at each step, so a wrapped check_integrity is the one run
+        self.recorder = recorder = StepRecorder(config, queues, memory, admission, wide,
+                                                lambda: self.check_integrity())
         self.lifecycle = Lifecycle(queues, memory, admission, wide, backend, recorder)
         self.former = BatchFormer(config, queues, memory, admission, wide, self.lifecycle)
         self.completer = BatchCompleter(queues, memory, self.lifecycle, recorder, backend)
@@ -178,6 +180,8 @@ class Scheduler:
         no request is in two places or lost between the queues (``RequestQueues``).
         """
         self.queues.check_integrity(self.memory, self.max_running)
+
+    retraction_victim = staticmethod(BatchFormer.retraction_victim)
 
     def get_next_batch_to_run(self) -> Batch:
         """This step's batch by ``mode`` (``BatchFormer.get_next_batch_to_run``)."""
@@ -282,22 +286,27 @@ class Scheduler:
 
     @property
     def mode(self) -> str:
+        """The batching mode (``config.mode``)."""
         return self.config.mode
 
     @property
     def max_running(self) -> int:
+        """Seats in the running batch (``config.max_running``)."""
         return self.config.max_running
 
     @property
     def kv_capacity(self) -> int:
+        """KV token slots (``config.kv_capacity``)."""
         return self.config.kv_capacity
 
     @property
     def policy(self) -> str:
+        """The waiting queue's order (``config.policy``)."""
         return self.config.policy
 
     @property
     def cache(self) -> str:
+        """The prefix cache's kind (``config.cache``)."""
         return self.config.cache
 
 

@@ -9,6 +9,7 @@ clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from minisrv.kv.manager import KVManager
@@ -24,12 +25,13 @@ __all__ = ["StepRecorder"]
 
 class StepRecorder:
     """``clock``, ``trace`` (when ``config.record_trace``) and ``stats`` of a scheduler; with
-    ``config.debug`` every recorded step also checks the books (``check_integrity``)."""
+    ``config.debug`` every recorded step ends in ``check_integrity`` (the scheduler's)."""
 
     def __init__(self, config: EngineConfig, queues: RequestQueues, memory: KVManager,
-                 admission: AdmissionRule, wide: WideDecode | None) -> None:
+                 admission: AdmissionRule, wide: WideDecode | None,
+                 check_integrity: Callable[[], None]) -> None:
         self.config, self.queues, self.memory = config, queues, memory
-        self.admission, self.wide = admission, wide
+        self.admission, self.wide, self.check_integrity = admission, wide, check_integrity
         self.clock = 0.0
         self.trace: list[StepRecord] = []
         self.stats = SchedulerStats()
@@ -57,6 +59,13 @@ class StepRecorder:
         before["start"] = self.clock
         self.clock += result.elapsed
 
+    def count_memory(self) -> None:
+        """The KV manager's running totals (evicted, host hits, loaded) into ``stats``."""
+        stats, memory = self.stats, self.memory
+        stats.evicted_tokens = memory.evicted_tokens
+        stats.host_hit_tokens = memory.host_hit_tokens
+        stats.loaded_tokens = memory.loaded_tokens
+
     def record(self, batch: Batch, before: dict[str, Any], result: BatchResult,
                finished: list[Req], extra: int = 0) -> StepRecord:
         """Count a completed step, keep its trace line, check the books (``debug``).
@@ -78,5 +87,5 @@ class StepRecorder:
         if config.record_trace:
             self.trace.append(record)
         if config.debug:
-            self.queues.check_integrity(self.memory, config.max_running)
+            self.check_integrity()
         return record
