@@ -89,16 +89,16 @@ class BatchFormer:
         (no overtaking), which keeps the queue order fair; a caller stops it earlier by
         asking for no more (its token budget spent).
         """
-        queues, memory = self.queues, self.memory
-        adder = self.admission.adder(queues.running, memory, self.max_running)
+        queues = self.queues
+        adder = self.admission.adder(queues.running, self.memory, self.max_running)
         if queues.waiting and adder.has_place:
-            queues.waiting = self.policy.prioritize(queues.waiting, memory.tree)
+            queues.waiting = self.policy.prioritize(queues.waiting, self.memory.tree)
         while queues.waiting and adder.has_place:
             req = queues.waiting[0]
-            match = memory.match(req)
+            match = self.memory.match(req)
             fill = req.seq_len - match.length
-            if not (adder.fits(req, fill) and memory.allocate(req, match)):
-                memory.drop_match(req, match)
+            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
+                self.memory.drop_match(req, match)
                 return
             adder.add(req, fill)
             queues.waiting.popleft()

@@ -66,9 +66,12 @@ class Scheduler:
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
-    ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
-    Every running request holds real slots of a ``SlotAllocator`` (the backend's KV pool
-    when it has one), one per token whose K/V exist; with ``cache="radix"`` its first
+    ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``,
+    over the parts it builds: ``queues`` (``RequestQueues``), ``lifecycle``, ``former``
+    (``BatchFormer``), ``completer`` (``BatchCompleter``), ``recorder`` (``StepRecorder``:
+    clock, trace, stats), ``memory`` (``KVManager``), ``admission`` and ``wide``. Every
+    running request holds real slots of a ``SlotAllocator`` (the backend's KV pool when it
+    has one), one per token whose K/V exist; with ``cache="radix"`` its first
     ``cached_len`` slots are shared prefix slots owned by the tree.
     """
 
