@@ -6,7 +6,7 @@ groups and a small cache, each request evicts the examples the next one needs. S
 therefore lets the scheduler reorder its waiting queue every round by what the radix tree
 holds (``schedule_policy.py`` in SGLang 0.5); this module is that decision, as a pure
 function of the queue and the tree, so the scheduler, the book and a reader call the same
-code:
+code (``QueuePolicy`` is the scheduler's part that applies it, once per admission round):
 
 * ``"fcfs"``: queue order (SGLang's default).
 * ``"lpm"``: longest prefix match first. Each prompt is matched against the tree and the
