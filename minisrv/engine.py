@@ -141,8 +141,8 @@ class Engine(ConfigView):
     @property
     def has_work_now(self) -> bool:
         """True when a request waits or runs (not only ones that arrive later)."""
-        sched = self.scheduler
-        return bool(sched.waiting or sched.running or sched.finishing or sched.chunked)
+        queues = self.scheduler.queues
+        return bool(queues.waiting or queues.held())
 
     # ----------------------------------------------------------------- the driver
     def add_request(self, request: Req | Sequence[int], params: SamplingParams | None = None,
@@ -257,11 +257,10 @@ class Engine(ConfigView):
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges of this moment: requests running and queued, KV held, hit rate."""
-        sched, stats = self.scheduler, self.scheduler.stats
+        sched, stats, queues = self.scheduler, self.scheduler.stats, self.scheduler.queues
         used = sched.kv.used_count - sched.tree.evictable_size()
         return EngineSnapshot(
-            running=len(sched.running) + len(sched.finishing) + (sched.chunked is not None),
-            queued=len(sched.waiting) + sched.pending, kv_used=used,
+            running=len(queues.held()), queued=len(queues.waiting) + queues.pending, kv_used=used,
             token_usage=used / self.kv_capacity, hit_rate=stats.hit_rate,
             prompt_tokens=stats.prompt_tokens, steps=stats.steps,
             host_tokens=self.config.host_cache_tokens, host_used=sched.memory.host_used,

@@ -292,13 +292,15 @@ def test_time_steps_leaves_the_engine_as_it_was(model) -> None:
     prompts, lengths = _prompts()
     engine = Engine(model, kv_capacity=200, cache="radix")
     sample_batch = sampling.sample_batch
-    before = [dict(vars(obj)) for obj in (engine.scheduler, engine.backend, engine.tree)]
+    sched = engine.scheduler
+    parts = (sched, sched.former, sched.completer, engine.backend, engine.tree)
+    before = [dict(vars(obj)) for obj in parts]
     time_steps(engine, prompts, lengths)
     with pytest.raises(ValueError, match="max_new_tokens"):  # an error mid-call restores too
         time_steps(engine, prompts, 0)
     assert "forward_flat" not in vars(model)
     assert sampling.sample_batch is sample_batch
-    for obj, saved in zip((engine.scheduler, engine.backend, engine.tree), before):
+    for obj, saved in zip(parts, before, strict=True):
         assert {"step", "receive_arrivals", "get_next_batch_to_run", "process_batch_result",
                 "run", "match_prefix", "insert"}.isdisjoint(set(vars(obj)) - set(saved))
     assert engine.generate(prompts, lengths) == time_steps(engine, prompts, lengths).outputs

@@ -181,10 +181,10 @@ def time_steps(
     patches = [
         (scheduler, "step", one_step),
         (scheduler, "receive_arrivals", watch.wrap("receive", scheduler.receive_arrivals)),
-        (scheduler, "get_next_batch_to_run",
-         watch.wrap("schedule", scheduler.get_next_batch_to_run)),
-        (scheduler, "process_batch_result",
-         watch.wrap("process results", scheduler.process_batch_result)),
+        (scheduler.former, "get_next_batch_to_run",
+         watch.wrap("schedule", scheduler.former.get_next_batch_to_run)),
+        (scheduler.completer, "process_batch_result",
+         watch.wrap("process results", scheduler.completer.process_batch_result)),
         (scheduler.tree, "match_prefix", watch.wrap("prefix match", scheduler.tree.match_prefix)),
         (scheduler.tree, "insert", watch.wrap("cache insert", scheduler.tree.insert)),
     ]

@@ -26,7 +26,7 @@ a step of decodes alone never exceeds it either.
 
 ``ChunkedPrefill`` holds the chunking state (the request mid-prefill, where its next chunk
 starts, the chunks launched and not completed) and cuts chunks; the scheduler forms the
-budgeted step with it (``Scheduler.get_next_budgeted_batch``).
+budgeted step with it (``BatchFormer.get_next_budgeted_batch``, ``forming.py``).
 """
 
 from __future__ import annotations

@@ -12,22 +12,43 @@ The blocking loop (``step``) runs them one after the other; the overlapped loop
 (``minisrv.scheduler.overlap``) forms and launches step i+1 before completing step i. The
 scheduler never looks at logits or tensors: a *backend* computes the tokens and says how
 long the step took, so the same code drives CityLM on a laptop and a simulated H100 serving
-LLaMA-3-8B. It delegates memory and the prefix cache to ``KVManager`` (``minisrv.kv``),
-how much may be admitted to an ``AdmissionRule`` (``admission.py``), and its queues and
-records to ``SchedulerState`` (``state.py``). Bookkeeping per step touches only the
-requests in the batch (plus the ones admitted or arriving), so simulating thousands stays
-fast.
+LLaMA-3-8B.
+
+``Scheduler`` holds the loop and builds its parts, each an object of its own with no
+inheritance among them, so each can be read, tested and replaced alone (mini-sglang splits
+its scheduler the same way): the places of the requests (``RequestQueues``, ``queues.py``),
+their moves between them (``Lifecycle``, ``lifecycle.py``), forming a batch
+(``BatchFormer``, ``forming.py``: policy, admission, chunking, wide decodes), completing it
+(``BatchCompleter``, ``completing.py``: stops, finish, cache), the clock and the books
+(``StepRecorder``, ``recorder.py``), and KV memory (``KVManager``, ``minisrv.kv``). Its
+other attributes forward to those parts, for callers that name them (``sched.waiting``,
+``sched.clock``). Bookkeeping per step touches only the requests in the batch (plus the
+ones admitted or arriving), so simulating thousands stays fast.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from minisrv.request import Req, ReqState
-from minisrv.scheduler.policy import calc_priority, default_in_batch_check
-from minisrv.scheduler.records import Batch, BatchResult, Entry, StepRecord
-from minisrv.scheduler.state import SchedulerState
+from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv.host import make_host_pool
+from minisrv.kv.manager import KVManager
+from minisrv.kv.table import ReqToTokenTable, table_rows
+from minisrv.request import Req
+from minisrv.scheduler.admission import make_admission
+from minisrv.scheduler.capabilities import needs, require
+from minisrv.scheduler.chunked import ChunkedPrefill
+from minisrv.scheduler.completing import BatchCompleter
+from minisrv.scheduler.config import EngineConfig
+from minisrv.scheduler.forming import BatchFormer
+from minisrv.scheduler.lifecycle import Lifecycle
+from minisrv.scheduler.prompts import check_request
+from minisrv.scheduler.queues import RequestQueues
+from minisrv.scheduler.recorder import StepRecorder
+from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.wide import make_wide
 
 __all__ = ["Launched", "Scheduler"]
 
@@ -40,16 +61,35 @@ class Launched(NamedTuple):
     result: BatchResult
 
 
-class Scheduler(SchedulerState):
+class Scheduler:
     """The main loop of an inference server, independent of what computes the tokens.
 
     ``Scheduler(backend, config)`` or ``Scheduler(backend, **options)`` with the options of
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``mode``, ``admission``, ``cache``,
-    ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``.
-    With ``chunked_prefill_size`` its steps are formed under a token budget, the request
-    mid-prefill held by its ``ChunkedPrefill`` (``chunks``); decode entries of several
-    tokens come from its ``WideDecode`` (``wide``: speculative checks or jump-forward).
+    ...). ``step`` is the blocking loop's iteration: ``form``, ``launch``, ``complete``,
+    over the parts it builds: ``queues`` (``RequestQueues``), ``lifecycle``, ``former``
+    (``BatchFormer``), ``completer`` (``BatchCompleter``), ``recorder`` (``StepRecorder``:
+    clock, trace, stats), ``memory`` (``KVManager``), ``admission`` and ``wide``. Every
+    running request holds real slots of a ``SlotAllocator`` (the backend's KV pool when it
+    has one), one per token whose K/V exist; with ``cache="radix"`` its first
+    ``cached_len`` slots are shared prefix slots owned by the tree.
     """
+
+    def __init__(self, backend: Backend, config: EngineConfig | None = None, **options: Any):
+        self.config = config = EngineConfig.from_options(config, **options)
+        require(backend, needs(config))  # once: the step path asks the backend nothing more
+        self.memory = memory = make_memory(config, backend)
+        self.admission = admission = make_admission(config)
+        # speculative checks or jump-forward's entries: decodes of several tokens
+        self.wide = wide = make_wide(config, backend)
+        self.queues = queues = RequestQueues()
+        # the debug check looked up at each step, so a wrapped check_integrity is the one run
+        self.recorder = recorder = StepRecorder(config, queues, memory, admission, wide,
+                                                lambda: self.check_integrity())
+        self.lifecycle = Lifecycle(queues, memory, admission, wide, backend, recorder)
+        self.former = BatchFormer(config, queues, memory, admission, wide, self.lifecycle)
+        self.completer = BatchCompleter(queues, memory, self.lifecycle, recorder, backend)
+        self._backend = backend
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> StepRecord | None:
@@ -70,7 +110,7 @@ class Scheduler(SchedulerState):
             return
         from tqdm.auto import tqdm
 
-        total = len(self._pending) + len(self.waiting) + len(self.running)
+        total = self.queues.pending + len(self.waiting) + len(self.running)
         with tqdm(total=total, unit="req", desc=f"serving ({self.mode})") as bar:
             while (record := self.step()) is not None:
                 bar.update(len(record.finished))
@@ -83,26 +123,16 @@ class Scheduler(SchedulerState):
         with a step: its end moves the clock).
         """
         self.receive_arrivals()
-        batch = self.next_batch()
-        if not batch and self._pending and not device_busy:
-            self.clock = max(self.clock, self._pending[0][0])
+        batch = self.former.next_batch()
+        if not batch and (arrival := self.queues.next_arrival) is not None and not device_busy:
+            self.clock = max(self.clock, arrival)
             self.receive_arrivals()
-            batch = self.next_batch()
+            batch = self.former.next_batch()
         return batch if batch else None
-
-    def next_batch(self) -> Batch:
-        """``get_next_batch_to_run``, or its budgeted form under chunked prefill; with
-        speculative decoding each decode entry becomes a check, with jump-forward it computes
-        the tokens a grammar forced (``wide.py``)."""
-        if self.config.chunked_prefill_size is None:
-            batch = self.get_next_batch_to_run()
-        else:
-            batch = self.get_next_budgeted_batch()
-        return batch if self.wide is None else self.wide.expand(batch)
 
     def launch(self, batch: Batch) -> Launched:
         """Hand ``batch`` to the backend; the blocking loop waits for its answer here."""
-        before = self.trace_fields(batch)
+        before = self.recorder.trace_fields(batch)
         self.memory.transfer()  # the host tier's copies, before the step that reads them
         self.memory.launched(batch.reqs)  # the table's rows it reads stay theirs until done
         try:
@@ -113,265 +143,189 @@ class Scheduler(SchedulerState):
     def complete(self, step: Launched) -> StepRecord:
         """The step's tokens into the requests (``process_batch_result``), then its record."""
         batch, before, result = step
-        before["start"] = self.clock  # a device's steps follow each other
-        self.clock += result.elapsed
-        finished = self.process_batch_result(batch, result)
-        return self.record(batch, before, result, finished)
+        self.recorder.advance(before, result)  # the clock: the step ends after the last
+        finished = self.completer.process_batch_result(batch, result)
+        return self.recorder.record(batch, before, result, finished)
 
-    # ----------------------------------------------------------------- forming a batch
+    # ----------------------------------------------------------------- outside the step
+    def check(self, req: Req) -> None:
+        """Raise ValueError if ``req`` could never be served; change nothing
+        (``prompts.check_request``)."""
+        check_request(req, self.config, self.backend)
+
+    def submit(self, req: Req) -> None:
+        """Queue ``req`` to arrive at ``req.arrival`` on the scheduler's clock."""
+        self.check(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """``submit`` without ``check``, for a caller that already checked ``req`` (a cluster
+        checks each request once, up front; a second scan of every prompt costs real time)."""
+        self.queues.enqueue(req)
+
+    def receive_arrivals(self) -> list[Req]:
+        """Move every request whose arrival time has come into the waiting queue (FCFS)."""
+        return self.queues.receive_arrivals(self.clock)
+
+    def abort(self, reqs: Iterable[Req]) -> None:
+        """Withdraw ``reqs`` wherever they are and free them (``Lifecycle.abort``)."""
+        self.lifecycle.abort(reqs)
+
+    def requeue(self, reqs: Iterable[Req]) -> None:
+        """Retract running ``reqs`` to the head of the queue (``Lifecycle.requeue``)."""
+        self.lifecycle.requeue(reqs)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if KV memory or the request queues are inconsistent.
+
+        Slots held by requests + slots owned by the tree + free slots == capacity; the
+        tree's sizes add up; every lock belongs to a running request (``KVManager``); and
+        no request is in two places or lost between the queues (``RequestQueues``).
+        """
+        self.queues.check_integrity(self.memory, self.max_running)
+
+    retraction_victim = staticmethod(BatchFormer.retraction_victim)
+
     def get_next_batch_to_run(self) -> Batch:
-        """Choose this step's work according to ``mode``.
+        """This step's batch by ``mode`` (``BatchFormer.get_next_batch_to_run``)."""
+        return self.former.get_next_batch_to_run()
 
-        * ``static``: a new batch is admitted only when nothing is running; it then decodes
-          until its longest request ends (requests that finish early leave idle slots).
-        * ``prefill-first``: if anyone can be admitted, the step prefills only them and the
-          running requests wait; otherwise everyone running decodes.
-        * ``mixed``: newly admitted requests prefill in the same step as the running ones
-          decode.
-
-        Before any step that decodes, every running request gets a slot for its next token
-        (``prepare_decode``), retracting requests if the pool is short. A mixed step that
-        had to retract admits nobody: the memory it just freed is already spoken for.
-        """
-        if self.mode == "static" and self.running:
-            return Batch.of([], *self.prepare_decode())
-        if self.mode == "mixed":
-            decoding, retracted = self.prepare_decode() if self.running else ([], ())
-            return Batch.of([] if retracted else self.admit(), decoding, retracted)
-        new = self.admit()
-        if new or not self.running:
-            return Batch.of(new, [])
-        return Batch.of([], *self.prepare_decode())
-
-    def admit(self) -> list[Req]:
-        """Admit waiting requests in queue order while a batch place and KV memory are free.
-
-        Each request first looks up its longest cached prefix (``KVManager.match``, which
-        locks it); only the rest is allocated and prefilled. The admission rule decides
-        whether its memory need fits what is left this step; a short pool evicts unlocked
-        cached prefixes (LRU) first. Admission stops at the first request that does not fit
-        (no overtaking), which keeps the queue order fair.
-        """
-        adder = self.admission.adder(self.running, self.memory, self.max_running)
-        if self.waiting and adder.has_place:
-            self.prioritize()
-        new: list[Req] = []
-        while self.waiting and adder.has_place:
-            req = self.waiting[0]
-            match = self.memory.match(req)
-            fill = req.seq_len - match.length
-            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
-                self.memory.drop_match(req, match)
-                break
-            adder.add(req, fill)
-            self.waiting.popleft()
-            self._start(req, req.cached_len)  # the match, plus what the host tier loaded
-            new.append(req)
-        self.running.extend(new)
-        return new
-
-    def get_next_budgeted_batch(self) -> Batch:
-        """This step's work under ``chunked_prefill_size`` (``minisrv.scheduler.chunked``):
-        mixed, decodes first and chunks in what is left; prefill-first, prefills and chunks
-        up to the budget, decodes only in a step without them."""
-        budget = self.config.chunked_prefill_size
-        if self.mode == "mixed":
-            decoding, retracted = self.prepare_decode() if self.running else ([], ())
-            left = budget - len(decoding)
-            prefill = self.continue_chunk(left)
-            if self.chunked is None and not retracted:
-                prefill += self.admit_chunks(left - sum(e.n_tokens for e in prefill))
-            return Batch.with_chunks(prefill, decoding, retracted)
-        prefill = self.continue_chunk(budget)
-        if self.chunked is None:
-            prefill += self.admit_chunks(budget - sum(e.n_tokens for e in prefill))
-        if prefill or not self.running:
-            return Batch.with_chunks(prefill, [])
-        return Batch.of([], *self.prepare_decode())
-
-    def continue_chunk(self, budget: int) -> list[Entry]:
-        """The next chunk of the request mid-prefill (seated in ``running`` by its last)."""
-        entries = self.chunks.next_chunk(budget)
-        self.running.extend(e.req for e in entries if e.sample)
-        return entries
-
-    def admit_chunks(self, budget: int) -> list[Entry]:
-        """``admit`` under a token budget: each request with the KV of its whole prompt (so
-        it can finish its prefill), the first that does not fit in ``budget`` as a chunk,
-        which ends admission."""
-        adder = self.admission.adder(self.running, self.memory, self.max_running)
-        if self.waiting and adder.has_place and budget > 0:
-            self.prioritize()
-        entries: list[Entry] = []
-        while self.waiting and adder.has_place and budget > 0:
-            req = self.waiting[0]
-            match = self.memory.match(req)
-            fill = req.seq_len - match.length
-            if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
-                self.memory.drop_match(req, match)
-                break
-            adder.add(req, fill)
-            self.waiting.popleft()
-            self._start(req, req.cached_len)  # the match, plus what the host tier loaded
-            entries.append(entry := self.chunks.cut(req, req.cached_len, budget))
-            budget -= entry.n_tokens
-            if not entry.sample:
-                break
-            self.running.append(req)
-        return entries
-
-    def prioritize(self) -> None:
-        """Reorder the waiting queue by the policy (``policy.calc_priority``, as SGLang sorts
-        its queue each round); FCFS without the in-batch check keeps arrival order."""
-        config = self.config
-        check = config.in_batch_prefix_check
-        if check is None:
-            check = default_in_batch_check(config.policy)
-        if config.policy == "fcfs" and not check:
-            return
-        queue = list(self.waiting)
-        result = calc_priority(config.policy, self.tree, [[*r.prompt, *r.output] for r in queue],
-                               in_batch_prefix_check=check, seed=self._rng,
-                               max_new_tokens=[r.max_new_tokens for r in queue])
-        self.waiting = deque(queue[i] for i in result.order)
-
-    def prepare_decode(self) -> tuple[list[Req], tuple[Req, ...]]:
-        """Give every running request a slot for its next token; retract if there are too few.
-
-        Cached prefixes nobody uses are evicted first. Then retraction frees the request with
-        the fewest generated tokens (the least work lost), the longest prompt breaking ties
-        (the most memory won). It keeps its output and goes back to the head of the queue;
-        on re-admission it prefills prompt plus output and continues exactly where it
-        stopped. Returns the requests that decode this step and those retracted.
-        """
-        retracted: list[Req] = []
-        while (short := self.decode_tokens(self.running) - self.memory.free_count) > 0:
-            if self.memory.evict(short, "decode"):
-                continue
-            victim = self.retraction_victim(self.running)
-            self.running.remove(victim)
-            self.retract(victim)
-            retracted.append(victim)
-        self.waiting.extendleft(reversed(retracted))
-        self.admission.after_decode_prepared(self.running, retracted)
-        if self.wide is None:
-            self.memory.alloc_decode(self.running)
-        else:  # each wide entry's slots (a check's drafts included)
-            self.wide.alloc(self.running, self.memory)
-        return list(self.running), tuple(retracted)
-
-    def decode_tokens(self, running: list[Req]) -> int:
-        """KV slots the running requests' decodes take this step: one token each, or with
-        wider entries (``wide.py``) each one's tokens without KV plus its guesses."""
-        return len(running) if self.wide is None else self.wide.room(running)
-
-    @staticmethod
-    def retraction_victim(running: list[Req]) -> Req:
-        """The request to retract first: fewest generated tokens, then the longest prompt."""
-        return min(running, key=lambda r: (len(r.output), -r.prompt_len))
-
-    def set_aside_finishing(self) -> None:
-        """Move the running requests whose pending token is their last to ``finishing``: they
-        decode no more and their seats are free for admission, while their KV stays counted
-        until that token arrives (the overlapped loop's ``skip_finishing_decode``)."""
-        finishing: list[Req] = []
-        staying: list[Req] = []
-        for req in (*self.finishing, *self.running):
-            if req.state is ReqState.RUNNING:
-                last = len(req.output) >= req.params.max_new_tokens
-                (finishing if last else staying).append(req)
-        self.finishing, self.running = finishing, staying
-
-    # ----------------------------------------------------------------- completing a step
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
-        """Append each entry's tokens, stream them, and stop and free finished requests.
+        """A step's tokens into its requests (``BatchCompleter.process_batch_result``)."""
+        return self.completer.process_batch_result(batch, result)
 
-        A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
-        the model's end-of-sequence ids and does not ignore them. A prefilled request that
-        goes on gives its KV to the prefix cache at once. Returns the requests that finished.
-        """
-        if len(result.tokens) != len(batch):
-            raise ValueError(
-                f"backend returned tokens for {len(result.tokens)} entries, the batch has "
-                f"{len(batch)}"
-            )
-        finished = self.append_tokens(batch.entries, result.tokens)
-        self.finish(batch.prefill, finished)
-        return finished
+    # ----------------------------------------------------------------- the parts' state
+    @property
+    def backend(self) -> Backend:
+        """What computes the steps (replacing it tells every part that calls it)."""
+        return self._backend
 
-    def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
-        """Append each entry's tokens to its request and stream them, up to the first that
-        stops it; return the requests that finished. Tokens computed past the end of a
-        request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
-        now, stops, on_token = self.clock, self.backend.eos_ids, self.on_token
-        finished = []
-        for (req, _, n_new, sample), tokens in zip(entries, results, strict=True):
-            output, params = req.output, req.params
-            for token in tokens:
-                output.append(token)
-                req.token_times.append(now)
-                if on_token is not None:
-                    on_token(req, token)
-                if token in stops and not params.ignore_eos:
-                    req.finish_reason = "eos"
-                elif len(output) >= params.max_new_tokens:
-                    req.finish_reason = "length"
-                else:
-                    continue
-                finished.append(req)
-                break
-            if sample and n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
-                self.memory.truncate(req, extra)  # KV past the newest token
-        return finished
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._backend = self.lifecycle.backend = self.completer.backend = backend
 
-    def finish(self, prefilled: list[Req], finished: list[Req],
-               late: frozenset[int] = frozenset()) -> None:
-        """The one finish path: prefilled requests that go on give their KV to the cache (a
-        chunk's request the KV of that chunk); finished ones give theirs, leave, and are
-        counted.
+    @property
+    def clock(self) -> float:
+        """Steps (a real model) or simulated seconds (a simulated GPU) so far."""
+        return self.recorder.clock
 
-        ``late`` holds the ids of finished requests found so one step late (the overlapped
-        loop): the step in flight computed one more token for those, whose KV goes first.
-        """
-        done = {id(req) for req in finished}
-        for req in prefilled:
-            if id(req) not in done and req.state == ReqState.RUNNING and (
-                    not self.chunks.completed(req, self.memory)):
-                self.memory.cache_prefilled(req)
-        requeued = False  # a request retracted while its last token was computed
-        for req in finished:
-            requeued |= req.state == ReqState.WAITING
-            self._finish_one(req, late=id(req) in late)
-        if finished:
-            self.running = [req for req in self.running if req.state == ReqState.RUNNING]
-            self.finishing = [req for req in self.finishing if req.state == ReqState.RUNNING]
-        if requeued:
-            self.waiting = deque(req for req in self.waiting if req.state == ReqState.WAITING)
-        self.stats.evicted_tokens = self.memory.evicted_tokens
-        self.stats.host_hit_tokens = self.memory.host_hit_tokens
-        self.stats.loaded_tokens = self.memory.loaded_tokens
+    @clock.setter
+    def clock(self, value: float) -> None:
+        self.recorder.clock = value
 
-    def _finish_one(self, req: Req, late: bool) -> None:
-        """``req`` ends: its KV to the cache (after dropping the token computed past its end,
-        if ``late``), its seat freed; a request retracted meanwhile holds no KV any more."""
-        if req.state == ReqState.WAITING:
-            req.state = ReqState.FINISHED
-            self.backend.release(req)
-        else:
-            if late:
-                req.output.pop()
-                self.memory.truncate(req, 1)
-            self.memory.cache_finished(req)
-            self._leave(req, ReqState.FINISHED, release=not late)  # the step in flight samples
-        self.stats.finished += 1
+    @property
+    def on_token(self) -> Callable[[Req, int], None] | None:
+        """The streaming hook: called with each request and token as it is appended."""
+        return self.completer.on_token
 
-    def _start(self, req: Req, cached: int) -> None:
-        """Bookkeeping of an admitted request (its slots are already allocated)."""
-        if not req.output:  # a first admission (a retracted request has output)
-            req.cached_prompt_tokens = cached
-            self.stats.prompt_tokens += len(req.prompt)
-            self.stats.cached_prompt_tokens += cached
-        self.stats.cached_tokens += cached
-        req.state = ReqState.RUNNING
-        if req.admitted_at is None:  # the first admission: queueing delay ends here
-            req.admitted_at = self.clock
+    @on_token.setter
+    def on_token(self, hook: Callable[[Req, int], None] | None) -> None:
+        self.completer.on_token = hook
+
+    @property
+    def trace(self) -> list[StepRecord]:
+        """One record per step (with ``record_trace``), oldest first."""
+        return self.recorder.trace
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Totals over every step run."""
+        return self.recorder.stats
+
+    @property
+    def waiting(self) -> deque[Req]:
+        """Arrived requests not yet admitted, in the order they will be considered."""
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        """Admitted requests holding KV and a seat."""
+        return self.queues.running
+
+    @property
+    def finishing(self) -> list[Req]:
+        """Requests whose last token is being computed (``skip_finishing_decode``)."""
+        return self.queues.finishing
+
+    @property
+    def chunks(self) -> ChunkedPrefill:
+        """The chunking state under chunked prefill."""
+        return self.queues.chunks
+
+    @property
+    def chunked(self) -> Req | None:
+        """The request mid-prefill under chunked prefill (``None``: none)."""
+        return self.queues.chunked
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted whose arrival time has not come yet."""
+        return self.queues.pending
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is pending, waiting or running."""
+        return self.queues.idle
+
+    @property
+    def kv(self) -> SlotAllocator:
+        """The slot allocator (the backend's KV pool when it has one)."""
+        return self.memory.kv
+
+    @property
+    def tree(self) -> PrefixCache:
+        """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
+        return self.memory.tree
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV tokens promised to the running requests (prompt + ``max_new_tokens`` each)."""
+        return self.admission.reserved
+
+    @property
+    def new_token_ratio(self) -> float:
+        """The admission estimate in force (1.0 under ``admission="reserve"``)."""
+        return self.admission.ratio
+
+    @property
+    def mode(self) -> str:
+        """The batching mode (``config.mode``)."""
+        return self.config.mode
+
+    @property
+    def max_running(self) -> int:
+        """Seats in the running batch (``config.max_running``)."""
+        return self.config.max_running
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV token slots (``config.kv_capacity``)."""
+        return self.config.kv_capacity
+
+    @property
+    def policy(self) -> str:
+        """The waiting queue's order (``config.policy``)."""
+        return self.config.policy
+
+    @property
+    def cache(self) -> str:
+        """The prefix cache's kind (``config.cache``)."""
+        return self.config.cache
+
+
+def make_memory(config: EngineConfig, backend: Backend) -> KVManager:
+    """The ``KVManager`` over the backend's KV pool (or a plain ``SlotAllocator``).
+
+    A backend with a pool reads it through the request-to-token table (kv/table.py), as
+    wide as the longest context fits: the pool's padding slot (the one past its last)
+    fills what nobody wrote. Without a pool there is nothing to index.
+    """
+    pool = backend.attach_kv(config.kv_capacity)
+    allocator = pool or SlotAllocator(config.kv_capacity)
+    table = None if pool is None else ReqToTokenTable(
+        table_rows(config.max_running, config.overlap),
+        min(backend.max_context or config.kv_capacity, config.kv_capacity),
+        scratch_slot=pool.capacity)
+    backend.attach_table(table)
+    return KVManager(allocator, config.cache, make_host_pool(config, backend),
+                     config.host_cache_policy, table)

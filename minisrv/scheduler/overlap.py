@@ -14,9 +14,11 @@ admission see exactly what the blocking loop sees. The stop check is therefore o
 late: a request that finished in step i was still running when step i+1 was formed, so (if
 step i+1 decodes it) it computes one extra token, which is discarded and counted in
 ``stats.wasted_tokens``. With ``skip_finishing_decode=True`` a request whose length limit
-ends it in step i is set aside (``Scheduler.set_aside_finishing``) and left out of step
+ends it in step i is set aside (``RequestQueues.set_aside_finishing``) and left out of step
 i+1, so only ``<eos>`` costs a token. The device thread, its CUDA stream and the future map
-are the runner's (``minisrv.runner.device``).
+are the runner's (``minisrv.runner.device``). The loop talks to the scheduler's parts by
+their public calls (``queues``, ``recorder``, ``completer``, ``memory``), as the blocking
+loop does, never to its private state.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class OverlapLoop:
         sched = self.scheduler
         while True:
             if sched.config.skip_finishing_decode:
-                sched.set_aside_finishing()
+                sched.queues.set_aside_finishing()
             batch = sched.form(device_busy=self.inflight is not None)
             previous, self.inflight = self.inflight, self.launch(batch) if batch else None
             if previous is not None:
@@ -124,7 +126,7 @@ class OverlapLoop:
     def launch(self, batch: Batch) -> InFlight:
         """Copy the batch's inputs, start the device, give each request its placeholder."""
         sched = self.scheduler
-        before = sched.trace_fields(batch)
+        before = sched.recorder.trace_fields(batch)
         reqs = batch.sampling  # a prefill chunk's entry gets no token, so no placeholder
         inputs = tuple(req.output[-1] if req.output else req.prompt[-1]
                        for req in reqs) if sched.config.record_trace else ()
@@ -142,15 +144,14 @@ class OverlapLoop:
         sched, batch = self.scheduler, step.batch
         result = self._wait(step)
         sched.memory.completed()  # the table rows only it read may be reused
-        step.before["start"] = sched.clock  # the device's steps follow each other
-        sched.clock += result.elapsed
+        sched.recorder.advance(step.before, result)  # the device's steps follow each other
         for req in self._release_later:  # the step that still read them is done
             sched.backend.release(req)
         self._release_later.clear()
         finished, late, streamed, extra = self._apply(step, result)
-        sched.finish(batch.prefill, finished, late)
+        sched.completer.finish(batch.prefill, finished, late)
         self._release_later.extend(req for req in finished if id(req) in late)
-        record = sched.record(batch, step.before, result, finished, extra)
+        record = sched.recorder.record(batch, step.before, result, finished, extra)
         if sched.config.record_trace:
             self.future_trace.append(self._future_step(record.index, step, result, finished))
         on_token = sched.on_token

@@ -6,7 +6,7 @@ groups and a small cache, each request evicts the examples the next one needs. S
 therefore lets the scheduler reorder its waiting queue every round by what the radix tree
 holds (``schedule_policy.py`` in SGLang 0.5); this module is that decision, as a pure
 function of the queue and the tree, so the scheduler, the book and a reader call the same
-code:
+code (``QueuePolicy`` is the scheduler's part that applies it, once per admission round):
 
 * ``"fcfs"``: queue order (SGLang's default).
 * ``"lpm"``: longest prefix match first. Each prompt is matched against the tree and the
@@ -44,10 +44,12 @@ its scheduler does: prefixes that waiting requests want become the last to be ev
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, get_args
 
 from minisrv.kv import NoCache, PrefixCache, RadixCache, TreeNode
+from minisrv.request import Req
 
 __all__ = [
     "Policy",
@@ -58,6 +60,7 @@ __all__ = [
     "IN_BATCH_CHECK_THRESHOLD",
     "IN_BATCH_DEPRIORITIZE_THRESHOLD",
     "PriorityResult",
+    "QueuePolicy",
     "calc_priority",
     "default_in_batch_check",
     "optimal_hit_rate",
@@ -85,6 +88,29 @@ class PriorityResult(NamedTuple):
     deprioritized: list[int]  # indices the in-batch check deferred, in queue order
     matched: list[int]  # per prompt (input order): cached prefix, capped at len - 1; 0 when
     #                     the round made no match (FCFS/LOF/random, LPM past 128 waiting)
+
+
+class QueuePolicy:
+    """The scheduler's policy: its waiting queue reordered each round by ``calc_priority``
+    (as SGLang sorts its queue each round), the random policy drawing from one generator
+    round after round (seeded by ``seed``, so a run repeats)."""
+
+    def __init__(self, policy: str, in_batch_prefix_check: bool | None,
+                 seed: int | None) -> None:
+        self.policy = policy
+        self.check = (default_in_batch_check(policy) if in_batch_prefix_check is None
+                      else in_batch_prefix_check)
+        self.rng = random.Random(seed)
+
+    def prioritize(self, waiting: deque[Req], tree: PrefixCache) -> deque[Req]:
+        """``waiting`` in the order of this round (FCFS without the in-batch check: as is)."""
+        if self.policy == "fcfs" and not self.check:
+            return waiting
+        queue = list(waiting)
+        result = calc_priority(self.policy, tree, [[*r.prompt, *r.output] for r in queue],
+                               in_batch_prefix_check=self.check, seed=self.rng,
+                               max_new_tokens=[r.max_new_tokens for r in queue])
+        return deque(queue[i] for i in result.order)
 
 
 def default_in_batch_check(policy: str) -> bool:

@@ -1,8 +1,10 @@
-"""The checks of ``Engine.generate``'s per-prompt arguments, at the boundary.
+"""The checks of ``Engine.generate``'s per-prompt arguments and of each request, at the
+boundary.
 
 A prompt is a non-empty list of token ids; ``max_new_tokens``, ``sampling`` and
 ``arrival_steps`` are one value for every prompt or one per prompt. Each bad value is a
-``ValueError`` that names the prompt, before any request is queued.
+``ValueError`` that names the prompt, before any request is queued. ``check_request``
+refuses a request the scheduler could never serve (``Scheduler.check``), at submission.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisrv.checks import check_int, check_number, is_int
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 
-__all__ = ["check_prompt", "make_requests", "per_request", "per_request_arrivals",
+if TYPE_CHECKING:
+    from minisrv.scheduler.config import EngineConfig
+    from minisrv.scheduler.records import Backend
+
+__all__ = ["check_prompt", "check_request", "make_requests", "per_request", "per_request_arrivals",
            "per_request_params"]
 
 
@@ -83,3 +89,36 @@ def per_request_arrivals(n: int, arrival_steps: Sequence[float] | None) -> list[
         raise ValueError("arrival_steps must hold one arrival per prompt")
     arrivals = per_request(n, "arrival_steps", arrival_steps)
     return [check_number(f"arrival_steps[{i}]", a, low=0.0) for i, a in enumerate(arrivals)]
+
+
+def check_request(req: Req, config: EngineConfig, backend: Backend) -> None:
+    """Raise ValueError if ``req`` could never be served under ``config`` by ``backend``.
+
+    Checked at submission rather than at admission: a request that can never fit would
+    otherwise sit at the head of the FCFS queue forever and block everyone behind it.
+    """
+    if not req.prompt:
+        raise ValueError(f"request {req.rid}: the prompt is empty (it needs at least <bos>)")
+    if not req.arrival >= 0:  # also rejects NaN
+        raise ValueError(f"request {req.rid}: arrival must be >= 0, got {req.arrival}")
+    if req.params.processed and config.overlap:
+        raise ValueError(f"request {req.rid}: penalties, logit_bias and min_tokens read the "
+                         "tokens so far, which the overlapped loop forms the next step "
+                         "without; use overlap=False")
+    limit = backend.max_context
+    if limit is not None and req.kv_reservation > limit:
+        raise ValueError(
+            f"request {req.rid}: prompt of {req.prompt_len} tokens + max_new_tokens "
+            f"{req.max_new_tokens} exceeds the model context of {limit} tokens"
+        )
+    vocab = backend.vocab_size
+    if vocab is not None and not 0 <= min(req.prompt) <= max(req.prompt) < vocab:
+        raise ValueError(
+            f"request {req.rid}: prompt holds token ids outside the vocabulary (0..{vocab - 1})"
+        )
+    if req.kv_reservation > config.kv_capacity:
+        raise ValueError(
+            f"request {req.rid} needs {req.prompt_len} prompt + {req.max_new_tokens} new "
+            f"= {req.kv_reservation} KV tokens but kv_capacity is {config.kv_capacity}: "
+            "it could never be admitted"
+        )

@@ -1,0 +1,113 @@
+"""Completing a batch: its tokens into the requests, the stop rules, the one finish path.
+
+``BatchCompleter`` is the third of the step's calls. The blocking loop hands it a step's
+result (``process_batch_result``); the overlapped loop applies the tokens itself, one step
+late, and calls the same ``finish``, so a request leaves, gives its KV to the prefix cache
+and frees its seat the same way in both loops.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from minisrv.kv.manager import KVManager
+from minisrv.request import Req, ReqState
+from minisrv.scheduler.lifecycle import Lifecycle
+from minisrv.scheduler.queues import RequestQueues
+from minisrv.scheduler.recorder import StepRecorder
+from minisrv.scheduler.records import Backend, Batch, BatchResult, Entry
+
+__all__ = ["BatchCompleter"]
+
+
+class BatchCompleter:
+    """Appends, streams (``on_token``), stops and finishes the requests of a step."""
+
+    def __init__(self, queues: RequestQueues, memory: KVManager, lifecycle: Lifecycle,
+                 recorder: StepRecorder, backend: Backend) -> None:
+        self.queues, self.memory, self.lifecycle = queues, memory, lifecycle
+        self.recorder, self.backend = recorder, backend
+        self.on_token: Callable[[Req, int], None] | None = None  # streaming hook
+
+    def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
+        """Append each entry's tokens, stream them, and stop and free finished requests.
+
+        A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
+        the model's end-of-sequence ids and does not ignore them. A prefilled request that
+        goes on gives its KV to the prefix cache at once. Returns the requests that finished.
+        """
+        if len(result.tokens) != len(batch):
+            raise ValueError(
+                f"backend returned tokens for {len(result.tokens)} entries, the batch has "
+                f"{len(batch)}"
+            )
+        finished = self.append_tokens(batch.entries, result.tokens)
+        self.finish(batch.prefill, finished)
+        return finished
+
+    def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
+        """Append each entry's tokens to its request and stream them, up to the first that
+        stops it; return the requests that finished. Tokens computed past the end of a
+        request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
+        now, stops, on_token = self.recorder.clock, self.backend.eos_ids, self.on_token
+        finished = []
+        for (req, _, n_new, sample), tokens in zip(entries, results, strict=True):
+            output, params = req.output, req.params
+            for token in tokens:
+                output.append(token)
+                req.token_times.append(now)
+                if on_token is not None:
+                    on_token(req, token)
+                if token in stops and not params.ignore_eos:
+                    req.finish_reason = "eos"
+                elif len(output) >= params.max_new_tokens:
+                    req.finish_reason = "length"
+                else:
+                    continue
+                finished.append(req)
+                break
+            if sample and n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
+                self.memory.truncate(req, extra)  # KV past the newest token
+        return finished
+
+    def finish(self, prefilled: list[Req], finished: list[Req],
+               late: frozenset[int] = frozenset()) -> None:
+        """The one finish path: prefilled requests that go on give their KV to the cache (a
+        chunk's request the KV of that chunk); finished ones give theirs, leave, and are
+        counted.
+
+        ``late`` holds the ids of finished requests found so one step late (the overlapped
+        loop): the step in flight computed one more token for those, whose KV goes first.
+        """
+        queues, memory = self.queues, self.memory
+        done = {id(req) for req in finished}
+        for req in prefilled:
+            if id(req) not in done and req.state == ReqState.RUNNING and (
+                    not queues.chunks.completed(req, memory)):
+                memory.cache_prefilled(req)
+        requeued = False  # a request retracted while its last token was computed
+        for req in finished:
+            requeued |= req.state == ReqState.WAITING
+            self._finish_one(req, late=id(req) in late)
+        if finished:
+            queues.drop_left()
+        if requeued:
+            queues.waiting = deque(req for req in queues.waiting
+                                   if req.state == ReqState.WAITING)
+        self.recorder.count_memory()
+
+    def _finish_one(self, req: Req, late: bool) -> None:
+        """``req`` ends: its KV to the cache (after dropping the token computed past its end,
+        if ``late``), its seat freed; a request retracted meanwhile holds no KV any more."""
+        if req.state == ReqState.WAITING:
+            req.state = ReqState.FINISHED
+            self.backend.release(req)
+        else:
+            if late:
+                req.output.pop()
+                self.memory.truncate(req, 1)
+            self.memory.cache_finished(req)
+            # the step in flight still samples with a late one's generator
+            self.lifecycle.leave(req, ReqState.FINISHED, release=not late)
+        self.recorder.stats.finished += 1
