@@ -3,6 +3,8 @@ drawings."""
 
 from __future__ import annotations
 
+import itertools
+
 import matplotlib
 import pytest
 
@@ -152,16 +154,24 @@ def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> No
     ca.capacity_table(model, work, [120], reference=reference, runs=kept)
     assert sorted(kept) == [("fcfs", 120), ("lpm", 120)]
     ex = pv.policy_explorer(model, tok, policies=("lpm",), kv_capacity=120, n_groups=2,
-                            capacities=(120, 400), reference=reference, runs=kept)
-    assert ex.default == {"policy": "lpm", "capacity": 120}
-    for capacity in (120, 400):
+                            capacities=(120, 400), gaps=(1.0, 4.0), reference=reference,
+                            runs=kept)
+    assert ex.default == {"capacity": 120, "gap": 1.0}  # one policy: no policy control
+    for capacity, gap in itertools.product((120, 400), (1.0, 4.0)):
         table = ca.few_shot_experiment(model, tok, ("fcfs", "lpm"), kv_capacity=capacity,
-                                       n_groups=2, reference=reference)
-        state = ex.metrics(policy="lpm", capacity=capacity)
+                                       arrival_every=gap, n_groups=2, reference=reference)
+        state = ex.metrics(capacity=capacity, gap=gap)
         for side, row in (("FCFS", "fcfs"), ("policy", "lpm")):
             for name in ("hit rate", "prefill tokens", "mean wait", "max wait"):
                 assert state[f"{side} {name}"] == table.loc[row, name]
         assert state["requests checked"] == 2 * 16
+    # the gap moves the arrivals: the waits of a spaced stream are not those of a dense one
+    assert (ex.metrics(capacity=400, gap=4.0)["FCFS max wait"]
+            != ex.metrics(capacity=400, gap=1.0)["FCFS max wait"])
+    both = pv.policy_explorer(model, tok, policies=("lpm", "random"), kv_capacity=400,
+                              n_groups=2, capacities=(400,), gaps=(1.0,), reference=reference)
+    assert both.default == {"policy": "lpm", "capacity": 400, "gap": 1.0}
+    assert both.metrics(policy="lpm", capacity=400, gap=1.0) == ex.metrics(capacity=400, gap=1.0)
 
 
 def test_the_policy_explorer_refuses_fcfs_and_a_reference_of_another_workload(model) -> None:
@@ -177,3 +187,9 @@ def test_the_policy_explorer_refuses_fcfs_and_a_reference_of_another_workload(mo
     unchecked = ca.run_policy(model, other, "lpm", kv_capacity=400)
     with pytest.raises(ValueError, match="did not serve interleaved_groups"):
         pv.policy_explorer(model, tok, n_groups=2, runs={("lpm", 400): unchecked})
+    spaced = ca.interleaved_groups(tok, n_groups=2, arrival_every=4.0)  # other arrivals
+    checked = ca.run_policy(model, spaced, "lpm", kv_capacity=400,
+                            reference=ca.reference_outputs(model, spaced))
+    assert checked.identical == len(spaced)
+    with pytest.raises(ValueError, match="did not serve interleaved_groups"):
+        pv.policy_explorer(model, tok, n_groups=2, runs={("lpm", 400): checked})

@@ -22,16 +22,31 @@ def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
     model, work, ref = pool_case
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     capacities = (smallest, 3 * smallest)
+    kept = run_pool(model, work, ref, capacity=smallest, max_running=2)  # the chapter's figure
     ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=capacities,
-                          ratios=(0.1, 0.7))
-    assert ex.default == {"capacity": smallest, "ratio": 0.7}
+                          caps=(1, 2, 5), max_running=2, runs=[kept])
+    assert ex.default == {"capacity": smallest, "max_running": 2}
     for capacity in capacities:
-        for ratio in (0.1, 0.7):
-            stats = run_pool(model, work, ref, capacity=capacity, ratio=ratio).engine.stats
-            state = ex.metrics(capacity=capacity, ratio=ratio)
+        for cap in (1, 2, 5):
+            run = run_pool(model, work, ref, capacity=capacity, max_running=cap)
+            stats = run.engine.stats
+            state = ex.metrics(capacity=capacity, max_running=cap)
             assert (state["steps"], state["retractions"], state["recomputed_tokens"]) == (
                 stats.steps, stats.retractions, stats.wasted_tokens)
             assert state["requests_checked"] == len(work.prompts)
+            assert state["peak_running"] <= cap
+    # one at a time takes a step per token; a roomy pool with room for all takes fewer
+    assert (ex.metrics(capacity=3 * smallest, max_running=5)["steps"]
+            < ex.metrics(capacity=3 * smallest, max_running=1)["steps"])
+
+
+def test_a_run_of_another_ratio_is_refused(pool_case) -> None:
+    model, work, ref = pool_case
+    smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
+    other = run_pool(model, work, ref, capacity=smallest, ratio=0.1)
+    with pytest.raises(ValueError, match="initial ratio 0.7 and decay 0.01"):
+        vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
+                         caps=(8,), runs=[other])
 
 
 def test_the_explorer_starts_at_the_chapter_s_figure() -> None:
@@ -42,7 +57,7 @@ def test_the_explorer_starts_at_the_chapter_s_figure() -> None:
     for name in ("capacity", "ratio", "decay", "max_running"):
         assert page[name].default == figure[name].default
     assert figure["capacity"].default in vb.POOL_CAPACITIES
-    assert figure["ratio"].default in vb.POOL_RATIOS
+    assert figure["max_running"].default in vb.POOL_CAPS
 
 
 def test_a_state_whose_tokens_differ_stops_the_build(pool_case) -> None:
@@ -52,7 +67,7 @@ def test_a_state_whose_tokens_differ_stops_the_build(pool_case) -> None:
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     with pytest.raises(AssertionError, match="identical to each request alone: 4 of 5"):
         vb.pool_explorer(model, work, wrong, capacity=smallest, capacities=(smallest,),
-                         ratios=(0.7,))
+                         caps=(8,))
 
 
 def test_a_pool_too_small_for_a_request_is_refused_before_any_run(pool_case) -> None:
@@ -60,4 +75,4 @@ def test_a_pool_too_small_for_a_request_is_refused_before_any_run(pool_case) -> 
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     with pytest.raises(ValueError, match=f"choose capacities >= {smallest}"):
         vb.pool_explorer(model, work, ref, capacity=smallest - 1,
-                         capacities=(smallest - 1, smallest), ratios=(0.7,))
+                         capacities=(smallest - 1, smallest), caps=(8,))

@@ -42,9 +42,20 @@ def test_the_explorer_starts_at_the_chapter_s_mix_and_the_widget_s_size() -> Non
     page = inspect.signature(vc.chunk_explorer).parameters
     assert page["long_share"].default == inspect.signature(
         long_prompt_workload).parameters["long_share"].default
-    assert page["n"].default == inspect.signature(long_prompt_workload).parameters["n"].default
-    assert page["n"].default == inspect.signature(vc.chunk_widget).parameters["n"].default
+    # a smaller mix than the chapter's sweep (whose figure the chapter draws above the page)
+    assert page["n"].default == vc.EXPLORER_REQUESTS
+    assert vc.EXPLORER_REQUESTS < inspect.signature(long_prompt_workload).parameters["n"].default
     assert page["long_share"].default in vc.EXPLORER_SHARES
+    assert len(vc.EXPLORER_SHARES) >= 5
+
+
+def test_the_figure_s_log_axes_read_in_plain_numbers(sweep) -> None:
+    fig = vc.plot_chunk_choice(sweep, 2048)
+    fig.canvas.draw()
+    labels = [t.get_text() for ax in fig.axes for t in (*ax.get_xticklabels(),
+                                                        *ax.get_yticklabels())]
+    assert labels and not any("$" in t for t in labels)  # no mathtext powers of ten
+    assert "2K" in labels  # the chunk sizes keep their own labels
 
 
 def test_one_share_needs_no_control(sweep) -> None:

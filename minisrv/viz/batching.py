@@ -151,14 +151,18 @@ def pool_widget(
     return panel(redraw, controls)
 
 
-POOL_CAPACITIES: tuple[int, ...] = (120, 160, 200, 300, 400)
-"""Pools of the explorer, in tokens: from the chapter's tiny one, where the largest requests
-serve alone, to more than three times as large, where retraction has all but stopped. A
-state is a CityLM run of about a second, so the page holds these five pools at two ratios
-(25 states would take half a minute to serve)."""
+POOL_CAPACITIES: tuple[int, ...] = (100, 120, 160, 240, 400)
+"""Pools of the explorer, in tokens: from one barely above its largest request (92 tokens),
+where memory bounds the batch whatever the cap, to one that holds every request at once."""
 
-POOL_RATIOS: tuple[float, ...] = (0.1, 0.7)
-"""Initial ``new_token_ratio`` of the explorer: SGLang's floor and its starting value."""
+POOL_CAPS: tuple[int, ...] = (1, 2, 3, 4, 8)
+"""Batch caps of the explorer: one request at a time up to all eight of its workload. In the
+tight pools the steps stop falling after two or three and retractions begin; in the roomy
+ones every step of the cap counts."""
+
+POOL_EXPLORER_REQUESTS = 8
+"""Requests per state of the explorer: the chapter's sixteen take about a second a run on a
+CPU, eight a third of that, so the page holds 25 runs within its budget."""
 
 
 def pool_explorer(
@@ -170,48 +174,50 @@ def pool_explorer(
     decay: float = 0.01,
     max_running: int = 8,
     capacities: Sequence[int] = POOL_CAPACITIES,
-    ratios: Sequence[float] = POOL_RATIOS,
+    caps: Sequence[int] = POOL_CAPS,
     runs: Sequence[PoolRun] = (),
 ) -> Explorer:
-    """``plot_pool_run`` over the pool's capacity and the initial ratio, for the page.
+    """``plot_pool_run`` over the pool's capacity and the batch cap, for the page.
 
     Each state serves ``workload`` on CityLM (``run_pool``, the widget's experiment) and
-    checks every request's tokens against ``reference``, each request generated alone; a
-    state with a difference stops the build. ``decay`` and ``max_running`` stay fixed; the
-    kernel face is ``pool_widget``, which also moves them. A run takes seconds, so ``runs``
-    takes those the chapter has already made (``run_pool`` of this workload, decay and batch
-    cap, checked); each serves the state of its pool and initial ratio.
+    checks every request's tokens against ``reference``, each request generated alone (one
+    reference serves every state: the pool and cap change when tokens are computed, never
+    which); a state with a difference stops the build. ``ratio`` and ``decay`` stay fixed;
+    the kernel face is ``pool_widget``, which also moves them. ``runs``: runs the chapter has
+    already made (``run_pool`` of this workload, ratio and decay, checked); each serves the
+    state of its pool and cap.
     """
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
     if min(capacities) < smallest:
         raise ValueError(f"a pool of {min(capacities)} tokens can never hold the largest "
                          f"request ({smallest} tokens): choose capacities >= {smallest}")
 
-    made: dict[tuple[int, float], PoolRun] = {}
+    made: dict[tuple[int, int], PoolRun] = {}
     for run in runs:
         config = run.engine.config
-        if ((config.ratio_decay, config.max_running) != (decay, max_running)
+        if ((config.new_token_ratio, config.ratio_decay) != (ratio, decay)
                 or [list(out) for out in run.outputs] != [list(ref) for ref in reference]):
             raise ValueError("a run given to pool_explorer did not serve this workload with "
-                             f"decay {decay:g} and at most {max_running} running")
-        made[config.kv_capacity, config.new_token_ratio] = run
+                             f"initial ratio {ratio:g} and decay {decay:g}")
+        made[config.kv_capacity, config.max_running] = run
 
-    def draw(capacity: int, ratio: float) -> Frame:
-        run = made[capacity, ratio] if (capacity, ratio) in made else run_pool(
+    def draw(capacity: int, max_running: int) -> Frame:
+        run = made[capacity, max_running] if (capacity, max_running) in made else run_pool(
             model, workload, reference, capacity=capacity, ratio=ratio, decay=decay,
             max_running=max_running)
         if run.identical != run.total:
-            raise AssertionError(f"pool {capacity}, ratio {ratio:g}: {run.check}")
+            raise AssertionError(f"pool {capacity}, cap {max_running}: {run.check}")
         stats = run.engine.stats
         return Frame([plot_pool_run(run)],
                      {"steps": stats.steps, "retractions": stats.retractions,
                       "recomputed_tokens": stats.wasted_tokens,
                       "peak_slots": max(s.kv_used for s in run.engine.trace),
+                      "peak_running": max(s.batch_size + len(s.paused) for s in run.engine.trace),
                       "requests_checked": run.total},
-                     caption=f"{stats.steps} steps, {stats.retractions} retractions; "
-                             f"{run.check}.")
+                     caption=f"{stats.steps} steps, {stats.retractions} retraction"
+                             f"{'s' * (stats.retractions != 1)}; {run.check}.")
 
     return explorer(draw, [("capacity", "pool capacity (tokens)", list(capacities), capacity),
-                           ("ratio", "initial new_token_ratio", list(ratios), ratio)],
+                           ("max_running", "batch cap", list(caps), max_running)],
                     live=lambda: pool_widget(model, workload, reference, capacity, ratio,
                                              decay, max_running))

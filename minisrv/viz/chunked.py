@@ -23,10 +23,11 @@ from minisrv.experiments.chunked import (
 from minisrv.metrics import itl_values
 from minisrv.scheduler import StepRecord
 from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.roofline import plain_log_ticks
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 
-__all__ = ["chunk_explorer", "chunk_widget", "plot_chunk_choice", "plot_spike", "plot_tradeoff",
-           "step_table"]
+__all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
+           "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_title", "step_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -130,9 +131,10 @@ def plot_chunk_choice(runs: Mapping[int | None, RunResult], chunk: int,
         left.plot([chunk], [1e3 * table.loc[chunk, column]], "o", ms=13, mfc="none",
                   mec="black", mew=1.5)
     left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    plain_log_ticks(left)  # before the chunk sizes' own labels, which it would replace
     left.set_xticks(list(sizes["chunk"]), [_size_label(c) for c in sizes["chunk"]])
     left.minorticks_off()
-    left.set_yscale("log")
     label_axes(left, f"Chunks of {chunk}: worst gap {1e3 * table.loc[chunk, 'max_itl']:.0f} ms",
                "chunk size (tokens)", "inter-token gap (ms)")
     for size, color, name in ((None, "#7f7f7f", "no chunking"),
@@ -142,6 +144,7 @@ def plot_chunk_choice(runs: Mapping[int | None, RunResult], chunk: int,
         right.step(gaps, longer, where="post", color=color, lw=1.5, label=name)
     right.set_xscale("log")
     right.set_yscale("log")
+    plain_log_ticks(right)  # plain numbers: mathtext labels cost most of an explorer's frame
     label_axes(right, "The tail of the gaps", "inter-token gap (ms)", "share of gaps this long")
     legend_below(fig, ncol=3)
     if title:
@@ -164,7 +167,7 @@ def chunk_widget(n: int = 300, rate: float = 4.0) -> Any:
             work = long_prompt_workload(n=n, long_share=long_share, rate=rate)
             served[long_share] = chunk_runs((None, *CHUNK_SIZES), work)
         runs, size = served[long_share], 2 ** log2_chunk
-        display(plot_chunk_choice(runs, size, _share_title(long_share, rate)))
+        display(plot_chunk_choice(runs, size, share_title(long_share, rate)))
         rows = chunk_table({None: runs[None], size: runs[size]})
         rows["chunk"] = ["none", str(size)]
         display(rows.set_index("chunk")[["max_itl", "p99_itl", "mean_ttft",
@@ -175,13 +178,21 @@ def chunk_widget(n: int = 300, rate: float = 4.0) -> Any:
                           "long_share": slider(0.1, 0.0, 0.5, "long-prompt share", 0.05)})
 
 
-def _share_title(share: float, rate: float) -> str:
+def share_title(share: float, rate: float) -> str:
+    """The title of ``plot_chunk_choice`` for a mix: the explorer's, and the chapter's figure
+    of its first state."""
     return f"{share:.0%} of the requests bring 4K-32K tokens, arriving at {rate:g} per second"
 
 
-EXPLORER_SHARES: tuple[float, ...] = (0.1,)
-"""Long-prompt shares of the explorer: the chapter's mix, whose sweep the chapter has already
-served (another share serves its mix at every chunk size again: some seconds each)."""
+EXPLORER_SHARES: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.4)
+"""Long-prompt shares of the explorer: from one request in twenty to two in five. The worst
+gap is the chunk's whatever the share; the p99 gap is not: the more long prompts, the more
+steps carry a chunk, and the large chunks that barely touched the p99 at 5% dominate it."""
+
+EXPLORER_REQUESTS = 60
+"""Requests per mix of the explorer: each share serves its mix at every chunk size and
+without chunking, eight simulations; at the chapter's 300 requests they take seconds per
+share, at 60 a fraction of that, with every share's long prompts still arriving among chats."""
 
 
 def chunk_explorer(
@@ -190,17 +201,18 @@ def chunk_explorer(
     chunk: int = 2048,
     long_share: float = 0.1,
     shares: Sequence[float] = EXPLORER_SHARES,
-    n: int = 300,
+    n: int = EXPLORER_REQUESTS,
     rate: float = 4.0,
 ) -> Explorer:
     """``plot_chunk_choice`` over the chunk size (``CHUNK_SIZES``) and, given more than one
     of ``shares``, the share of long prompts, for the page.
 
-    Each share's mix (``long_prompt_workload``) is served once at every chunk size and
-    without chunking (``chunk_runs``, the chapter's sweep); every chunk size of that share is
-    drawn from those runs. ``runs``: the chapter's own sweep at ``long_share``, reused when
-    given (checked to be that workload's). The kernel face is ``chunk_widget``, which takes
-    any share.
+    Each share's mix (``long_prompt_workload`` of ``n`` requests) is served once at every
+    chunk size and without chunking (``chunk_runs``, the chapter's sweep); every chunk size
+    of that share is drawn from those runs. ``runs``: the runs of the mix at ``long_share``
+    already made (the chapter's figure of the default state), reused when given (checked to
+    be that workload's). The kernel face is ``chunk_widget`` on the same ``n`` requests,
+    which takes any share.
     """
     served: dict[float, Mapping[int | None, RunResult]] = {}
     if runs is not None:
@@ -221,7 +233,7 @@ def chunk_explorer(
         share_runs = served[share]
         whole, chunked = (row for _, row in chunk_table(
             {None: share_runs[None], chunk: share_runs[chunk]}).iterrows())
-        return Frame([plot_chunk_choice(share_runs, chunk, _share_title(share, rate))],
+        return Frame([plot_chunk_choice(share_runs, chunk, share_title(share, rate))],
                      {"max_itl": float(chunked["max_itl"]), "p99_itl": float(chunked["p99_itl"]),
                       "mean_ttft_long": float(chunked["mean_ttft_long"]),
                       "throughput": float(chunked["throughput"]),

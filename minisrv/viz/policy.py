@@ -171,69 +171,88 @@ def policy_widget(model: Any, tok: Any, policies: Sequence[str] = WIDGET_POLICIE
 POLICY_CAPACITIES = (180, 220, 250, 300, 400)
 """Pools of the explorer: the tight ones where LPM wins (180, 220), the middling ones where it
 loses (250, 300) and one that holds every header, where the order no longer matters."""
-PAGE_POLICIES = ("lpm", "dfs-weight", "random")
-"""The policies the explorer's page holds. LOF is left to the live widget: these requests all
-ask for 16 tokens, so its order is FCFS's, and each state costs half a second of CPU time."""
+POLICY_GAPS = (0.0, 1.0, 2.0, 4.0, 8.0)
+"""Steps between waves in the explorer: all 32 requests at once, the chapter's one wave a
+step, and waves far enough apart (4, 8) that few requests wait when the next arrive. LPM
+reorders the waiting queue, so its loss in the middling pools fades as the queue shortens,
+while its win in the tight ones stays."""
+PAGE_POLICIES = ("lpm",)
+"""The policies the explorer's page holds against FCFS. DFS-weight, random and LOF are left
+to the live widget: each policy multiplies the page's 25 pools and gaps, and each state costs
+two CityLM runs of a quarter to half a second of CPU time."""
 
 
 def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIES,
                     kv_capacity: int = 180, arrival_every: float = 1.0, n_groups: int = 4,
                     capacities: Sequence[int] = POLICY_CAPACITIES,
+                    gaps: Sequence[float] = POLICY_GAPS,
                     reference: Sequence[Sequence[int]] | None = None,
                     runs: Mapping[tuple[str, int], PolicyRun] | None = None) -> Explorer:
     """``policy_widget`` for the page: each policy of ``policies`` against FCFS
     (``few_shot_experiment``, drawn by ``plot_policy_comparison``) in each pool of
-    ``capacities``, with the arrival gap and groups fixed; the first state is
-    ``policies[0]`` in a pool of ``kv_capacity``.
+    ``capacities`` and with each gap between waves of ``gaps``, the groups fixed; the first
+    state is ``policies[0]`` in a pool of ``kv_capacity`` with waves ``arrival_every`` apart.
+    A single policy needs no control.
 
     Every run checks every request's tokens against it generated alone, and a state with a
     difference stops the build. ``reference``: those outputs when the caller has them (the
-    ``reference_outputs`` of ``interleaved_groups`` with the same arguments); FCFS runs once
-    per pool, since its row is the same beside every policy. The kernel face is
-    ``policy_widget`` with all of ``WIDGET_POLICIES``. ``runs``: runs the chapter has
-    already made of this workload, by ``(policy, capacity)`` (``capacity_table``'s), drawn
+    ``reference_outputs`` of ``interleaved_groups``); the gap moves only the arrivals, so one
+    reference serves every gap. FCFS runs once per pool and gap, since its row is the same
+    beside every policy. The kernel face is ``policy_widget`` with all of
+    ``WIDGET_POLICIES``. ``runs``: runs the chapter has already made of this workload with
+    waves ``arrival_every`` apart, by ``(policy, capacity)`` (``capacity_table``'s), drawn
     instead of served again; each must hold every request as it was generated alone.
     """
     if not policies or "fcfs" in policies:
         raise ValueError(f"name the policies to compare with FCFS (not FCFS itself), got "
                          f"{list(policies)}")
+    gaps = sorted(float(g) for g in gaps)
     work = interleaved_groups(tok, n_groups, arrival_every=arrival_every)
     reference = reference_outputs(model, work) if reference is None else reference
-    rows: dict[tuple[str, int], pd.DataFrame] = {}
+    if len(reference) != len(work):
+        raise ValueError(f"reference holds {len(reference)} outputs for {len(work)} requests")
+    rows: dict[tuple[str, int, float], pd.DataFrame] = {}
     prompts = [list(p) for p in work.prompts]
     for (policy, capacity), run in (runs or {}).items():
-        if [list(r.prompt) for r in run.result.requests] != prompts or run.identical != len(work):
+        served = run.result.requests
+        if ([list(r.prompt) for r in served] != prompts or run.identical != len(work)
+                or [r.arrival for r in served] != list(work.arrivals)):
             raise ValueError(f"the run of {policy} at {capacity} given to policy_explorer did "
                              f"not serve interleaved_groups({n_groups}, arrival_every="
                              f"{arrival_every:g}) with every output as alone")
-        rows[policy, capacity] = policy_row(run, policy)
+        rows[policy, capacity, float(arrival_every)] = policy_row(run, policy)
 
-    def row(policy: str, capacity: int) -> pd.DataFrame:
-        if (policy, capacity) not in rows:
-            rows[policy, capacity] = few_shot_experiment(
-                model, tok, (policy,), kv_capacity=capacity, arrival_every=arrival_every,
+    def row(policy: str, capacity: int, gap: float) -> pd.DataFrame:
+        if (policy, capacity, gap) not in rows:
+            if [list(p) for p in interleaved_groups(tok, n_groups, arrival_every=gap)
+                    .prompts] != prompts:
+                raise AssertionError(f"a gap of {gap:g} changed the prompts, not only arrivals")
+            rows[policy, capacity, gap] = few_shot_experiment(
+                model, tok, (policy,), kv_capacity=capacity, arrival_every=gap,
                 n_groups=n_groups, reference=reference)
-        return rows[policy, capacity]
+        return rows[policy, capacity, gap]
 
-    def draw(policy: str, capacity: int) -> Frame:
-        table = pd.concat([row("fcfs", capacity), row(policy, capacity)])
+    def draw(capacity: int, gap: float, policy: str = policies[0]) -> Frame:
+        table = pd.concat([row("fcfs", capacity, gap), row(policy, capacity, gap)])
         everyone = f"{len(work)}/{len(work)}"
         if (table["outputs identical"] != everyone).any():
-            raise AssertionError(f"{policy} in a pool of {capacity}: outputs differ from the "
-                                 f"requests generated alone ({list(table['outputs identical'])})")
+            raise AssertionError(f"{policy} in a pool of {capacity}, gap {gap:g}: outputs "
+                                 f"differ from the requests generated alone "
+                                 f"({list(table['outputs identical'])})")
         numbers = {f"{side} {name}": float(table.loc[row_name, name])
                    for side, row_name in (("FCFS", "fcfs"), ("policy", policy))
                    for name in ("hit rate", "prefill tokens", "mean wait", "max wait")}
         gain = table.loc[policy, "hit rate"] - table.loc["fcfs", "hit rate"]
-        return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity,
-                                                                      arrival_every)),
+        return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity, gap)),
                       table.round(3)],
                      {**numbers, "requests checked": 2 * len(work)},
                      caption=f"{NAMES.get(policy, policy)} hits {100 * gain:+.1f} points "
                              f"against FCFS; all outputs as each request alone.")
 
-    return explorer(draw, [("policy", "policy vs FCFS", list(policies), policies[0]),
-                           ("capacity", "KV capacity (tokens)", sorted(capacities),
-                            kv_capacity)],
+    controls = [("capacity", "KV capacity (tokens)", sorted(capacities), kv_capacity),
+                ("gap", "steps between waves", gaps, float(arrival_every))]
+    if len(policies) > 1:  # one policy needs no control
+        controls.insert(0, ("policy", "policy vs FCFS", list(policies), policies[0]))
+    return explorer(draw, controls,
                     live=lambda: policy_widget(model, tok, WIDGET_POLICIES, kv_capacity,
                                                arrival_every, n_groups))
