@@ -213,7 +213,7 @@ def test_no_import_cycle_among_module_level_imports() -> None:
 
 # The runner's own cycle (``speculative`` reads ``model_runner``'s step inputs inside a
 # function) goes with the runner's rework on the request-to-token table (issue #37 part 1).
-CYCLES_NOT_YET = [["minisrv.runner.model_runner", "minisrv.runner.speculative"]]
+CYCLES_NOT_YET: list[list[str]] = []
 
 
 def _cycles_counting_deferred_imports() -> list[list[str]]:
@@ -226,7 +226,6 @@ def test_no_import_cycle_counting_imports_inside_functions() -> None:
     assert [c for c in _cycles_counting_deferred_imports() if c not in CYCLES_NOT_YET] == []
 
 
-@pytest.mark.xfail(strict=False, reason="the runner's cycle goes with issue #37 part 1")
 def test_no_import_cycle_at_all() -> None:
     assert _cycles_counting_deferred_imports() == []
 

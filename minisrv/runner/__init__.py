@@ -5,6 +5,7 @@
 * ``attention/``: the attention backends (padded, loop, flex, triton), a registry, each
   with its metadata, its per-layer call and (padded, triton) its CUDA-graph hooks;
 * ``table_batch.py``: ``TableBatch``, a step's batch read through the request-to-token table;
+* ``step_inputs.py``: ``StepInputs``, what a step hands the device, and an entry's tokens;
 * ``graph.py``: ``DecodeGraphs``: decode steps over static buffers padded to a batch
   bucket, replayed as CUDA graphs on a GPU;
 * ``sampler.py``: ``Sampler``: per-request generators and the logits-processor hook;
@@ -41,7 +42,7 @@ _HOMES = {
     "FutureMap": "futures",
     "ModelBackend": "model_runner",
     "ModelRunner": "model_runner",
-    "StepInputs": "model_runner",
+    "StepInputs": "step_inputs",
     "PerRequestBackend": "per_request",
     "LogitsProcessor": "sampler",
     "Sampler": "sampler",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,8 +37,9 @@ from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
 from minisrv.runner.speculative import compute_checks, jump_forward, prepare_checks
+from minisrv.runner.step_inputs import StepInputs, entry_tokens
 from minisrv.runner.table_batch import TableBatch
-from minisrv.sampling import SamplingParams, TokenLogprobs
+from minisrv.sampling import TokenLogprobs
 from minisrv.scheduler.capabilities import Capability
 from minisrv.scheduler.records import Batch, BatchResult, Entry
 
@@ -46,21 +47,6 @@ if TYPE_CHECKING:
     from minisrv.model import CityLM
 
 __all__ = ["ModelBackend", "ModelRunner", "StepInputs"]
-
-
-class StepInputs(NamedTuple):
-    """One step as the device reads it (``ModelRunner.prepare``)."""
-
-    flat: FlatBatch | TableBatch | None  # ids (futures < 0), positions, write slots; None: padded
-    metadata: Any  # the attention backend's, built before layer 0 (padded: a PaddedDecode)
-    has_futures: bool  # some input id is a future id, to resolve on the device
-    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
-    samples: tuple[bool, ...]  # per entry: whether it samples a token
-    reqs: list[Req]  # the sampling entries' requests (for the logits processors)
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
-    histories: list[tuple[list[int], list[int]]] | None  # for penalties (Sampler.histories)
-    checks: Any = None  # speculative checks (runner.speculative.Checks); None: none
 
 
 class ModelRunner:
@@ -169,7 +155,7 @@ class ModelRunner:
         new_ids, rows = [], []
         row = -1
         for entry in batch.entries:
-            new_ids.append(_tokens(entry.req, entry.start, entry.end))
+            new_ids.append(entry_tokens(entry.req, entry.start, entry.end))
             row += entry.n_tokens
             if entry.sample:
                 rows.append(row)
@@ -270,16 +256,6 @@ class ModelRunner:
     def live_requests(self) -> int:
         """Requests admitted and not yet finished (running or retracted)."""
         return self.sampler.live_requests
-
-
-def _tokens(req: Req, start: int, end: int) -> list[int]:
-    """``req``'s tokens ``start .. end - 1`` of prompt + output, without joining the two."""
-    n = req.prompt_len
-    if start >= n:
-        return req.output[start - n:end - n]
-    if end <= n:
-        return req.prompt[start:end]
-    return [*req.prompt[start:], *req.output[:end - n]]
 
 
 ModelBackend = ModelRunner

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from minisrv.request import Req
+from minisrv.runner.step_inputs import StepInputs, entry_tokens
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
-    from minisrv.runner.model_runner import ModelRunner, StepInputs
+    from minisrv.runner.model_runner import ModelRunner
 
 __all__ = ["Checks", "compute_checks", "cut_at_stop", "jump_forward", "prepare_checks"]
 
@@ -50,8 +51,6 @@ def cut_at_stop(tokens: list[int], req: Req, eos_ids: Sequence[int]) -> list[int
 def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
     """``ModelRunner.prepare`` for a batch holding checks: the flat batch, and the rows to
     score ordered plain entries' first, then every check's rows in entry order."""
-    from minisrv.runner.model_runner import StepInputs, _tokens
-
     assert batch.drafts is not None
     new_ids, plain_rows, check_rows = [], [], []
     plain: list[Req] = []
@@ -61,9 +60,9 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
     for entry, draft in zip(batch.entries, batch.drafts, strict=True):
         req = entry.req
         if draft is None:
-            ids = _tokens(req, entry.start, entry.end)
+            ids = entry_tokens(req, entry.start, entry.end)
         else:
-            ids = [*_tokens(req, entry.start, req.seq_len), *draft.tokens]
+            ids = [*entry_tokens(req, entry.start, req.seq_len), *draft.tokens]
         new_ids.append(ids)
         row += entry.n_tokens
         if draft is not None:
