@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from minisrv.configs import CITYLM
 from minisrv.kv import KVPool
-from minisrv.model import CityLM, FlatBatch
+from minisrv.model import CityLM, FlatBatch, padded_groups
 
 SMALL = CITYLM.with_(name="small", n_layers=2, d_model=32, head_dim=8, d_ff=64, max_seq_len=64)
 
@@ -127,7 +127,7 @@ def test_decodes_are_padded_apart_from_the_prefills_before_them() -> None:
         slots.append(list(range(start, start + p + n)))
         start += p + n
     batch = FlatBatch([[2] * n for _, n in lens], slots)
-    prefills, decodes = batch.padded_groups(torch.float64)
+    prefills, decodes = padded_groups(batch, torch.float64)
     assert (prefills.tokens, decodes.tokens) == (slice(0, 16), slice(16, 19))
     assert prefills.bias.shape == (2, 1, 9, 9) and decodes.bias.shape == (3, 1, 1, 13)
     assert prefills.bias.dtype == decodes.bias.dtype == torch.float64
@@ -139,5 +139,5 @@ def test_decodes_are_padded_apart_from_the_prefills_before_them() -> None:
 
 def test_a_batch_whose_kinds_alternate_is_padded_as_one_group() -> None:
     batch = FlatBatch([[2], [2, 3, 4], [2]], [[0, 1], [2, 3, 4], [5, 6, 7]])
-    (group,) = batch.padded_groups()
+    (group,) = padded_groups(batch)
     assert group.tokens == slice(0, 5) and group.bias.shape == (3, 1, 3, 3)

@@ -21,6 +21,7 @@ from minisrv.model import (
     CityLM,
     FlatBatch,
     available_devices,
+    flex_index,
     resolve_attention,
 )
 from minisrv.model.ragged import (
@@ -157,7 +158,7 @@ def test_block_mask_skips_the_tiles_no_request_sees() -> None:
     assert torch.equal(partial | full, tiles) and not (partial & full).any()
     assert full.any() and not tiles.all()  # unmasked tiles, and skipped ones
     batch = FlatBatch([[1] * n for _, n in mix], [list(range(300)), list(range(300, 480))])
-    key_slots, block_mask = batch.flex_index()
+    key_slots, block_mask = flex_index(batch)
     assert key_slots.tolist() == list(range(480))  # no padding of the keys
     assert block_mask.seq_lengths == (440, 480)
 

@@ -58,7 +58,6 @@ class ReqToTokenTable:
             raise ValueError(f"a table needs >= 2 rows and >= 1 column, got {rows} x {width}")
         self.width, self.scratch_slot = width, scratch_slot
         self.tensor = torch.full((rows, width), scratch_slot, dtype=torch.int32, device=device)
-        self.columns = torch.arange(width, device=device)  # for the masks built from lengths
         self.scratch_row = rows - 1
         self._free = list(range(rows - 2, -1, -1))  # a stack: the lowest row first
         self._row: dict[Req, int] = {}  # each holder (by identity: Req has eq=False) -> row
@@ -84,7 +83,7 @@ class ReqToTokenTable:
             return
         if self._row:
             raise ValueError("a table moves before any row is taken")
-        self.tensor, self.columns = self.tensor.to(device), self.columns.to(device)
+        self.tensor = self.tensor.to(device)
 
     # ------------------------------------------------------------------ rows
     def row(self, req: Req) -> int:

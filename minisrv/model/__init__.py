@@ -21,6 +21,7 @@ Every public name is re-exported here, so ``from minisrv.model import X`` is all
 
 from __future__ import annotations
 
+from minisrv.model.attention_metadata import flex_index, padded_groups
 from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.device import available_devices, default_dtype, resolve_device
 from minisrv.model.flat import (
@@ -89,6 +90,8 @@ __all__ = [
     "LayerAttend",
     "Linear",
     "PaddedGroup",
+    "flex_index",
+    "padded_groups",
     "RMSNorm",
     "SwiGLU",
     "UNFUSED_PARTS",

@@ -13,15 +13,16 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minisrv.model import ragged
+from minisrv.model.attention_metadata import PaddedGroup, flex_index, host_key_slots, padded_groups
 from minisrv.model.layers import causal_mask, grouped_attention
-from minisrv.model.ragged import FLEX_AVAILABLE, BlockMask, flex_compiles, ragged_block_mask
+from minisrv.model.ragged import FLEX_AVAILABLE, flex_compiles
 
 if TYPE_CHECKING:
     from minisrv.kv import KVPool
@@ -54,15 +55,6 @@ def resolve_attention(
     return kind
 
 
-class PaddedGroup(NamedTuple):
-    """Consecutive requests of a flat batch that one padded attention call serves."""
-
-    tokens: slice  # their rows of the flat [T] batch
-    rows: torch.Tensor | None  # each token's row in the padded [B * T_max] block; None: no padding
-    key_slots: torch.Tensor  # [B, S_max]: every request's slots, padded with slot 0
-    bias: torch.Tensor  # [B, 1, T_max, S_max]: 0 where a query may see a key, -inf elsewhere
-
-
 class FlatBatch:
     """The new tokens of many requests laid end to end, with where their KV lives.
 
@@ -72,8 +64,9 @@ class FlatBatch:
     already hold its prefix, the last ``len(new_ids[r])`` receive the new tokens' K/V. So a
     token's position is its index in ``slots[r]``, which is what RoPE needs.
 
-    Everything the forward needs (flat ids, positions, write slots, and the index tensors of
-    the padded attention) is computed here once per step and shared by all layers.
+    The forward's inputs (flat ids, positions, write slots) are computed here once per step
+    and shared by all layers; each attention builds its own metadata from the batch
+    (``minisrv.model.attention_metadata``), asking it for requests' key slots.
     """
 
     def __init__(
@@ -116,12 +109,10 @@ class FlatBatch:
         ends = list(itertools.accumulate(self.new_lens))
         self.starts = [end - n for end, n in zip(ends, self.new_lens)]
         self.last_rows = torch.tensor([end - 1 for end in ends], device=self.device)
-        self._padded: tuple[PaddedGroup, ...] | None = None
-        self._flex: tuple[torch.Tensor, BlockMask] | None = None
 
     def to(self, device: str | torch.device) -> FlatBatch:
         """This batch with its tensors on ``device`` (itself when already there), so a batch
-        built for the CPU runs on a model on a GPU; the index tensors are rebuilt there."""
+        built for the CPU runs on a model on a GPU; the attentions' metadata is built there."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -130,7 +121,6 @@ class FlatBatch:
         for name in ("ids", "positions", "write_slots", "last_rows"):
             setattr(moved, name, getattr(self, name).to(device))
         moved._slots = None
-        moved._padded = moved._flex = None
         return moved
 
     @property
@@ -150,68 +140,17 @@ class FlatBatch:
         """New tokens in all (the rows of the flat matrix)."""
         return int(self.ids.shape[0])
 
-    def padded_groups(self, dtype: torch.dtype = torch.float32) -> tuple[PaddedGroup, ...]:
-        """The padded attention's groups of requests and their index tensors, built on first use.
+    def key_slots(self, members: slice | np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """``members``' slots padded with slot 0 to the longest [B, S_max] (from the host
+        lists, in one copy) and their lengths [B] on the host (``attention_metadata``)."""
+        picked = (self.slot_lists[members] if isinstance(members, slice)
+                  else [self.slot_lists[r] for r in members.tolist()])
+        return host_key_slots(picked, self.device)
 
-        Decodes (one new token) and prefills (more) are padded apart, so that one long
-        prefill does not pad every decode of a mixed step to its length: a group per run of
-        consecutive requests of one kind. A mixed step lists its prefills first, which makes
-        two groups; a batch whose kinds alternate more than once is padded as one group
-        (correct, only slower). ``dtype`` is the queries' type, which the bias must share.
-        """
-        if self._padded is None or self._padded[0].bias.dtype != dtype:
-            decode = np.asarray(self.new_lens) == 1
-            cuts = (np.flatnonzero(decode[1:] != decode[:-1]) + 1).tolist()  # kind changes
-            bounds = [0, *cuts, len(decode)] if len(cuts) <= 1 else [0, len(decode)]
-            self._padded = tuple(self._padded_group(lo, hi, dtype)
-                                 for lo, hi in itertools.pairwise(bounds))
-        return self._padded
-
-    def _padded_group(self, lo: int, hi: int, dtype: torch.dtype) -> PaddedGroup:
-        """Requests ``lo .. hi - 1`` padded to their longest new-token run (T_max) and their
-        longest context (S_max).
-
-        Request b's tokens take rows ``b * T_max`` on of the padded block. The bias lets
-        query t of request b see keys at positions <= its own; SDPA adds it to the scores
-        (a boolean mask would be turned into exactly this inside every layer's call, so it
-        is made once per step). Padding rows see the request's last real position (never an
-        empty row, so softmax gives no NaN); their outputs are dropped. Built with numpy on
-        the host (one small array op each, not one torch call per request), then moved to
-        the device in one copy each.
-        """
-        new = np.asarray(self.new_lens[lo:hi], dtype=np.int64)
-        slot_lists = self.slot_lists[lo:hi]
-        lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(new))
-        n_b, t_max, s_max = len(new), int(new.max()), int(lens.max())
-        key_slots = np.zeros((n_b, s_max), dtype=np.int64)  # padded with slot 0
-        key_slots[np.arange(s_max)[None, :] < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(slot_lists), dtype=np.int64, count=int(lens.sum()))
-        cached = np.asarray(self.cached_lens[lo:hi], dtype=np.int64)[:, None]
-        query_pos = cached + np.minimum(np.arange(t_max)[None, :], new[:, None] - 1)
-        visible = np.arange(s_max)[None, None, :] <= query_pos[:, :, None]  # [B, T_max, S_max]
-        bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]
-        rows = None
-        if (new < t_max).any():  # some requests are padded
-            starts = np.arange(n_b) * t_max - np.cumsum(new) + new  # padded minus flat start
-            rows = torch.from_numpy(np.arange(int(new.sum())) + np.repeat(starts, new))
-        start = self.starts[lo]
-        return PaddedGroup(slice(start, start + int(new.sum())),
-                           None if rows is None else rows.to(self.device),
-                           torch.from_numpy(key_slots).to(self.device),
-                           torch.from_numpy(bias).to(self.device, dtype))
-
-    def flex_index(self) -> tuple[torch.Tensor, BlockMask]:
-        """``(key_slots, block_mask)`` of the ragged attention, built on first use.
-
-        ``key_slots`` [S_total] are every request's slots end to end (no padding); the block
-        mask (``ragged.ragged_block_mask``) says which tiles of queries x keys each request
-        occupies. Built once per step and shared by every layer.
-        """
-        if self._flex is None:
-            block_mask = ragged_block_mask(self.new_lens, self.cached_lens, self.device)
-            keys = [slot for s in self.slot_lists for slot in s]
-            self._flex = (torch.tensor(keys, dtype=torch.long, device=self.device), block_mask)
-        return self._flex
+    def ragged_key_slots(self) -> torch.Tensor:
+        """Every request's slots end to end [S_total] (the ragged attention's keys)."""
+        return torch.tensor([slot for s in self.slot_lists for slot in s], dtype=torch.long,
+                            device=self.device)
 
     def __repr__(self) -> str:
         return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
@@ -246,14 +185,14 @@ def flat_attention_padded(
     Requests are padded to the longest new-token run (T_max) and the longest context
     (S_max) and a mask hides what each query must not see; PyTorch's
     ``scaled_dot_product_attention`` then runs once per layer whatever the batch size.
-    Decodes and prefills are padded apart (``FlatBatch.padded_groups``), so a step of both
+    Decodes and prefills are padded apart (``padded_groups``), so a step of both
     makes two calls; otherwise a long prefill would pad every decode beside it to its
     length. What padding remains (prompts of different lengths, contexts of different
     lengths) is wasted work, which ragged kernels (FlashInfer, ``flat_attention_flex``)
     avoid on a GPU.
     """
     outs = [padded_attention(q[group.tokens], group, k_layer, v_layer)
-            for group in batch.padded_groups(q.dtype)]
+            for group in padded_groups(batch, q.dtype)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -311,13 +250,13 @@ def flat_attention_flex(
     """The same attention as ``flat_attention_padded`` in one ragged call, without padding.
 
     Queries stay the flat [T] rows and keys are every request's slots laid end to end
-    [S_total]; the block mask (``FlatBatch.flex_index``) keeps each query to its own request,
+    [S_total]; the block mask (``flex_index``) keeps each query to its own request,
     its prefix and its new tokens causally. Work scales with the tiles requests really
     occupy, not with (requests x longest context), which is what a long prefill beside many
     short decodes wastes in the padded call. Grouped-query heads are shared by the kernel
     (``enable_gqa``), not copied.
     """
-    key_slots, block_mask = batch.flex_index()
+    key_slots, block_mask = flex_index(batch)
     n_heads, head_dim = q.shape[1], q.shape[2]
     k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
     v = v_layer[key_slots].transpose(0, 1)[None]

@@ -186,7 +186,7 @@ class ModelRunner:
                              self.model.device)
         table = self.table
         return TableBatch(new_ids, [table.row(e.req) for e in entries],
-                          [e.end for e in entries], table.tensor, table.columns)
+                          [e.end for e in entries], table.tensor)
 
     def padded_decode(self, new_ids: list[list[int]], entries: Sequence[Entry]) -> PaddedDecode:
         """A decode step over the static buffers, its key slots read from the table (or,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from minisrv.model.attention_metadata import flex_index
 from minisrv.model.flat import flat_attention_flex
 from minisrv.runner.attention.base import StepBatch
 
@@ -18,7 +19,7 @@ class FlexAttention:
     graphs = None  # static decode runs the padded backend's hooks
 
     def prepare(self, batch: StepBatch) -> StepBatch:
-        batch.flex_index()  # the key slots and the block mask, once per step
+        flex_index(batch)  # the key slots and the block mask, once per step
         return batch
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: StepBatch) -> torch.Tensor:

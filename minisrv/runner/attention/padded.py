@@ -8,17 +8,15 @@ joint layer, then makes the one padded call (``minisrv.model.flat.padded_sdpa``)
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from minisrv.model.flat import PaddedGroup, padded_sdpa
+from minisrv.model.attention_metadata import PaddedGroup, decode_group, padded_groups
+from minisrv.model.flat import padded_sdpa
 from minisrv.runner.attention.base import StepBatch, contexts
-from minisrv.runner.table_batch import TableBatch
 
 __all__ = ["SPLIT_ELEMENTS", "PaddedAttention", "PaddedBuffers", "PaddedGraphs", "PaddedStep",
            "decode_group", "length_cuts", "padded_pool_attention"]
@@ -65,7 +63,7 @@ class PaddedAttention:
         self.graphs = PaddedGraphs(dtype)
 
     def prepare(self, batch: StepBatch) -> PaddedStep:
-        groups = batch.padded_groups(self.dtype)
+        groups = padded_groups(batch, self.dtype)
         last = groups[-1]
         few = last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4  # no run of decodes
         if few or math.isinf(self.split_cost):
@@ -77,19 +75,12 @@ class PaddedAttention:
         if not cuts:
             return PaddedStep(groups, None, None)
         row0 = last.tokens.start
-        decodes = [self._decode_group(batch, first + part, row0 + lo)
+        decodes = [decode_group(batch, first + part, row0 + lo, self.dtype)
                    for lo, part in zip([0, *cuts], np.split(order, cuts))]
         rows = np.concatenate([np.arange(row0), row0 + order])
         return PaddedStep((*groups[:-1], *decodes),
                           torch.from_numpy(rows).to(batch.device),
                           torch.from_numpy(np.argsort(rows)).to(batch.device))
-
-    def _decode_group(self, batch: StepBatch, members: np.ndarray, start: int) -> PaddedGroup:
-        """The decodes ``members`` of ``batch`` as one padded group, queries from ``start``."""
-        if isinstance(batch, TableBatch):
-            return batch.decode_group(members, start, self.dtype)
-        return decode_group([batch.slot_lists[r] for r in members.tolist()], start,
-                            self.dtype, batch.device)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: PaddedStep) -> torch.Tensor:
         if metadata.order is not None:
@@ -126,25 +117,6 @@ def length_cuts(lengths: np.ndarray, split_cost: float, depth: int = 2) -> list[
                 *best(mid, hi, level - 1, split_cost)]
 
     return best(0, len(lengths), depth, 2 * split_cost)
-
-
-def decode_group(slot_lists: Sequence[Sequence[int]], start: int, dtype: torch.dtype,
-                 device: torch.device) -> PaddedGroup:
-    """A padded group of decodes (one new token each) whose queries are rows ``start`` on:
-    every request's slots padded with slot 0 to the longest, and a bias that shows each
-    query its own slots."""
-    lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(slot_lists))
-    s_max = int(lens.max())
-    visible = np.arange(s_max)[None, :] < lens[:, None]
-    key_slots = np.zeros((len(lens), s_max), dtype=np.int64)
-    key_slots[visible] = np.fromiter(itertools.chain.from_iterable(slot_lists),
-                                     dtype=np.int64, count=int(lens.sum()))
-    bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-    return PaddedGroup(slice(start, start + len(lens)), None,
-                       torch.from_numpy(key_slots).to(device),
-                       torch.from_numpy(bias).to(device, dtype))
-
-
 
 
 class PaddedBuffers(NamedTuple):
