@@ -141,3 +141,14 @@ def test_a_batch_whose_kinds_alternate_is_padded_as_one_group() -> None:
     batch = FlatBatch([[2], [2, 3, 4], [2]], [[0, 1], [2, 3, 4], [5, 6, 7]])
     (group,) = padded_groups(batch)
     assert group.tokens == slice(0, 5) and group.bias.shape == (3, 1, 3, 3)
+
+
+def test_the_padded_groups_are_built_once_per_batch_and_dtype() -> None:
+    """Every layer asks for the groups; the first ask builds them, an ask in another dtype
+    gets its own."""
+    batch = FlatBatch([[2], [2, 3]], [[0, 1], [2, 3, 4]])
+    first = padded_groups(batch)
+    assert padded_groups(batch) is first
+    doubles = padded_groups(batch, torch.float64)
+    assert doubles is not first and doubles[0].bias.dtype == torch.float64
+    assert torch.equal(doubles[0].bias.float(), first[0].bias)
