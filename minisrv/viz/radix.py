@@ -345,7 +345,7 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
 CHAT_CAPACITIES = (300, 400, 500, 600, 800)
 """Pools of the chat explorer: from one where eight sessions evict each other's history before
 nearly every turn to one that keeps all eight conversations of four turns."""
-CHAT_SESSIONS = (2, 4, 6, 8)
+CHAT_SESSIONS = (1, 2, 4, 6, 8)
 """Sessions of the chat explorer: the pool a conversation needs grows with their number."""
 
 
