@@ -160,3 +160,15 @@ def test_one_header_row_moves_the_index_name_into_the_corner() -> None:
     assert once.loc["y", "a"] == 2 and frame.index.name == "step"  # a copy; rows unchanged
     plain = pd.DataFrame({"a": [1]})
     assert style.one_header_row(plain) is plain
+
+
+def test_one_header_row_joins_a_multiindex_s_names_in_the_corner() -> None:
+    """A (draft, context) index draws its names as a second header row too."""
+    import pandas as pd
+
+    index = pd.MultiIndex.from_tuples([("free", 256), ("1B", 1024)], names=["draft", "context"])
+    frame = pd.DataFrame({"k = 1": [521, 408]}, index=index)
+    once = style.one_header_row(frame)
+    assert once.columns.name == "draft / context" and list(once.index.names) == [None, None]
+    assert once.to_html().count("<tr") == frame.to_html().count("<tr") - 1
+    assert once.loc[("1B", 1024), "k = 1"] == 408

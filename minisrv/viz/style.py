@@ -199,11 +199,14 @@ def one_header_row(frame: Any) -> Any:
 
     pandas draws a named index as a second header row under the column names, half empty,
     which reads as a doubled header; as the columns' name it sits in the corner cell of the
-    one header row instead. The rows are unchanged (``frame.loc[...]`` works as before)."""
-    if frame.index.nlevels != 1 or frame.index.name is None:
+    one header row instead (the levels of a row MultiIndex joined by " / "). The rows are
+    unchanged (``frame.loc[...]`` works as before)."""
+    names = list(frame.index.names)
+    if any(name is None for name in names) or frame.columns.nlevels != 1:
         return frame
     out = frame.copy()
-    out.columns.name, out.index.name = frame.index.name, None
+    out.columns.name = " / ".join(str(name) for name in names)
+    out.index.names = [None] * len(names)
     return out
 
 
