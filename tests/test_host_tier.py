@@ -251,3 +251,16 @@ def test_the_server_flags_build_a_host_tier_and_metrics_report_it(citylm) -> Non
     text = ServerMetrics(lambda: snap).render().decode()
     assert "minisrv:host_cache_tokens 500.0" in text
     assert f"minisrv:host_cache_used_tokens {snap['host_used']:.1f}" in text
+
+
+@pytest.mark.parametrize("mode", ["static", "prefill-first", "mixed"])
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_every_batching_mode_and_queue_policy_keeps_the_tokens_with_the_host_tier(
+        model, mode, policy) -> None:
+    """The tier changes where a prefix's KV comes from, never which tokens come out: each
+    batching mode and queue order, the device pool too small for the chats."""
+    engine = Engine(model, kv_capacity=90, max_running=4, cache="radix", debug=True,
+                    mode=mode, policy=policy, host_cache_tokens=400)
+    for prompt, output in serve_chats(engine, chats()):
+        assert output == model.reference_generate(prompt, 6, ignore_eos=True)
+    assert engine.stats.loaded_tokens > 0
