@@ -23,8 +23,14 @@ from minisrv.experiments.chunked import (
 from minisrv.metrics import itl_values
 from minisrv.scheduler import StepRecord
 from minisrv.viz.explorer import Explorer, Frame, explorer
-from minisrv.viz.roofline import plain_log_ticks
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    page_figure,
+    plain_log_ticks,
+    styled,
+)
 
 __all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
            "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_title", "step_table"]

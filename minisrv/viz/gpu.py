@@ -17,8 +17,14 @@ import pandas as pd
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
-from minisrv.viz.roofline import plain_log_ticks
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    page_figure,
+    plain_log_ticks,
+    styled,
+)
 
 __all__ = ["GPU_CONTEXTS", "gpu_roofline_explorer", "gpu_roofline_table", "gpu_roofline_widget",
            "plot_step_times_vs_roofline"]

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
-from matplotlib.ticker import FuncFormatter, NullLocator
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
 from minisrv.kvsize import kv_bytes_per_token, kv_numbers_per_token_per_layer
@@ -28,7 +27,14 @@ from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 
 # BookFigure lives in style.py; it is imported here too because the other viz modules
 # (timeline, batching, radix) import it from this module.
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    page_figure,
+    plain_log_ticks,
+    styled,
+)
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -85,22 +91,6 @@ def kv_table(
             }
         )
     return pd.DataFrame(rows).set_index("model")
-
-
-def plain_log_ticks(ax) -> None:
-    """Log axes labelled with plain numbers (1, 10, 1,000) at the powers of ten only.
-
-    Matplotlib's default puts mathtext labels ($10^3$) and eight unlabelled minor ticks per
-    decade on a log axis; laying those out is most of the cost of drawing a figure, which an
-    explorer pays once per state, and plain numbers read faster in any case.
-    """
-    def plain(value: float, _position: int) -> str:
-        return f"{value:,.0f}" if value >= 1 else f"{value:g}"
-
-    for axis in (ax.xaxis, ax.yaxis):
-        if axis.get_scale() == "log":
-            axis.set_minor_locator(NullLocator())
-            axis.set_major_formatter(FuncFormatter(plain))
 
 
 def _batch_grid(limit: int) -> np.ndarray:
