@@ -479,6 +479,17 @@ def test_intro_map_names_each_chapter_by_its_page_title() -> None:
         assert links[path.stem] == _chapter_title(path), path.stem
 
 
+def test_intro_map_names_modules_that_exist() -> None:
+    """Each module the map says a chapter builds is a file or package under minisrv/ (the
+    map had kept train.py and roofline.py after they moved to train/ and sim/)."""
+    intro = (ROOT / "intro.md").read_text()
+    rows = re.findall(r"^\| \[[^\]]+\]\(chapters/[^)]+\.ipynb\) \|[^|]+\|([^|]+)\|$", intro,
+                      flags=re.M)
+    assert len(rows) == len(CHAPTERS)
+    modules = [m for row in rows for m in re.findall(r"`([^`]+)`", row)]
+    assert modules and not [m for m in modules if not (ROOT / "minisrv" / m).exists()]
+
+
 def test_radix_node_labels_break_between_words() -> None:
     """A tree drawing wraps an edge's text after a space ("IT: Rome, " / "Milan"), never
     inside a city's name, and loses no character."""
