@@ -312,6 +312,13 @@ def test_every_bibliography_entry_links_to_the_work_and_names_its_venue() -> Non
         assert venue in bib.entries[key].fields.get("booktitle", ""), key
 
 
+def test_bibliography_fields_hold_no_latex_commands() -> None:
+    """The HTML bibliography prints a command it does not know as it is ("Design of
+    \\texttt mem_cache/..."): fields keep to text, accents and escaped underscores."""
+    text = (ROOT / "references.bib").read_text()
+    assert not re.findall(r"\\[a-zA-Z]{2,}", text)
+
+
 def test_links_keep_their_full_text() -> None:
     """The theme would print a GitHub URL as "owner/repo" behind an icon (the sgl-router
     entry showed as a bare icon); the book's extension turns that off."""
