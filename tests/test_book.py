@@ -349,6 +349,14 @@ def test_long_listing_lines_wrap_inside_the_column() -> None:
     assert "white-space: pre-wrap" in rule.split("}")[0]
 
 
+def test_glued_numbers_read_as_plain_text() -> None:
+    """myst-nb prints a glued value in bold; the book's stylesheet sets it back to the weight
+    of the sentence around it (issue 38: numbers glued in bold read as emphasis)."""
+    css = (ROOT / "_static" / "minisrv.css").read_text()
+    rule = css[css.index("span.pasted-text {"):]
+    assert "font-weight: inherit" in rule.split("}")[0]
+
+
 # --- A page built to be read, not checked (issue 24) ----------------------------------------
 HIDDEN_INPUT = {"remove-input", "remove-cell"}
 # Sentences about how or where the page was made: a reader cares about the serving system,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from minisrv.engine import Engine
 from minisrv.sim import SimBackend
 from minisrv.viz import timeline as tl
@@ -23,6 +25,8 @@ def test_trace_table_names_who_did_what() -> None:
     assert table.loc[0, "prefill"] == "r0, r1" and table.loc[0, "queued"] == "r2"
     assert table.loc[3, "prefill"] == "r2" and table.loc[3, "paused"] == "r1"
     assert table.loc[5, "finished"] == "r1, r2"
+    assert (table.columns.name, table.index.name) == ("step", None)  # one header row
+    assert table.drop(columns="cost").columns.name == "step"
 
 
 def test_request_states_cover_every_step_of_every_request() -> None:
@@ -39,6 +43,8 @@ def test_metrics_table_rounds_each_run() -> None:
     table = tl.metrics_table({"mixed": run.metrics})
     assert table.loc["mixed", "steps"] == 4
     assert table.loc["mixed", "mean batch"] == 1.3  # decode steps of 2, 1 and 1 requests
+    assert table.loc["mixed", "mean TTFT (s)"] == round(run.metrics.mean_ttft, 1)
+    assert isinstance(table.loc["mixed", "throughput (tok/s)"], (int, np.integer))
 
 
 def test_widgets_share_one_panel_with_the_book_conventions() -> None:

@@ -26,6 +26,7 @@ def test_kv_table_has_one_row_per_model_and_the_pitfall_ratio() -> None:
     assert table.loc["LLaMA-3-70B", "heads: query / KV"] == "64 / 8"
     assert table.loc["DeepSeek-V3", "heads: query / KV"] == "128 / latent"
     assert table.loc["LLaMA-3-8B", "KV / 32K tokens"] == "4 GiB"
+    assert (table.columns.name, table.index.name) == ("model", None)  # one header row
 
 
 @pytest.mark.parametrize("model", list(MODELS))

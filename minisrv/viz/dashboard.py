@@ -78,7 +78,7 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
                *right.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
     fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
-                 f"mean time to first token {m.mean_ttft:.2f} s", x=0.02, ha="left")
+                 f"mean time to first token {m.mean_ttft:.1f} s", x=0.02, ha="left")
     return fig
 
 

@@ -17,6 +17,7 @@ from minisrv.viz.style import (
     legend_below,
     one_header_row,
     page_figure,
+    plain_log_ticks,
     styled,
 )
 
@@ -220,7 +221,11 @@ def plot_training(record: dict) -> BookFigure:
     vocab = record["tokenizer"]["vocab_size"]
     ax.axhline(math.log(vocab), color="grey", linestyle="--", label=f"uniform guess (ln {vocab})")
     ax.set_yscale("log")
-    ax.grid(True, alpha=0.3, which="both")
+    plain_log_ticks(ax)  # 0.1, 0.2, 0.5, 1, ... in plain numbers instead of 10^-1, 10^0
+    losses = [*history["train_loss"], *history["val_loss"]]
+    ax.set_yticks([t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20)
+                   if min(losses) / 2 <= t <= max(losses) * 2])
+    ax.grid(True, alpha=0.3)
     label_axes(ax, "CityLM training", "optimisation step", "cross-entropy (nats per character)")
     legend_below(fig, ncol=3)
     return fig

@@ -31,6 +31,7 @@ from minisrv.viz.style import (
     BookFigure,
     label_axes,
     legend_below,
+    one_header_row,
     page_figure,
     plain_log_ticks,
     styled,
@@ -90,7 +91,7 @@ def kv_table(
                 "MHA formula / true": f"{classic / per_token:.3g}x",
             }
         )
-    return pd.DataFrame(rows).set_index("model")
+    return one_header_row(pd.DataFrame(rows).set_index("model"))  # "model" in the corner
 
 
 def _batch_grid(limit: int) -> np.ndarray:
@@ -212,7 +213,8 @@ def plot_memory_budget(
     ax.barh(0, kv, left=weights, color="C3" if overflow else "C0", label=kv_label)
     free = capacity - weights - kv
     if free > 0:
-        ax.barh(0, free, left=weights + kv, color="C2", alpha=0.25, label=f"free {free:.3g} GB")
+        left = f"{free:.3g} GB" if free >= 1 else f"{free * 1e3:.0f} MB"  # not "0.0524 GB"
+        ax.barh(0, free, left=weights + kv, color="C2", alpha=0.25, label=f"free {left}")
     ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {capacity:.3g} GB")
     ax.set(yticks=[], xlim=(0, max(capacity, weights + kv) * 1.02))
     ax.grid(False, axis="y")

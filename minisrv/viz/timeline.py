@@ -26,7 +26,9 @@ from minisrv.viz.style import (
     graph_attrs,
     label_axes,
     legend_below,
+    one_header_row,
     page_figure,
+    plain_log_ticks,
     styled,
 )
 
@@ -115,10 +117,15 @@ def trace_table(
                 "paused": _names(step.paused),
                 "queued": _names(queued[i]) if queued is not None else step.queued,
                 "finished": _names(step.finished),
-                cost_label: step.cost,
+                cost_label: _plain(step.cost),
             }
         )
-    return pd.DataFrame(rows).set_index("step")
+    return one_header_row(pd.DataFrame(rows).set_index("step"))  # "step" in the corner
+
+
+def _plain(value: float) -> float | int:
+    """A whole number as an int (a token count prints 8, not 8.0); anything else as is."""
+    return int(value) if float(value).is_integer() else value
 
 
 def request_states(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> dict[int, list[str]]:
@@ -224,17 +231,19 @@ def latency_bars(runs: Mapping[str, RunResult], unit: str = "steps") -> BookFigu
 
 # --------------------------------------------------------------------------- GPU scale
 def metrics_table(runs: Mapping[str, RunMetrics], unit: str = "s") -> pd.DataFrame:
-    """The headline numbers of several runs, rounded for printing."""
+    """The headline numbers of several runs, rounded for printing: whole tokens per second
+    (a step count's tokens per step to two digits), latencies to a tenth of their unit."""
     rows = {}
     for label, m in runs.items():
         rows[label] = {
             "steps": m.steps,
-            "throughput (tok/s)" if unit == "s" else "tokens per step": round(m.throughput, 2),
+            **({"throughput (tok/s)": round(m.throughput)} if unit == "s"
+               else {"tokens per step": round(m.throughput, 2)}),
             "mean batch": round(m.mean_batch, 1),
-            "slot util.": round(m.slot_utilisation, 3),
-            f"mean latency ({unit})": round(m.mean_latency, 2),
-            f"p99 latency ({unit})": round(m.p99_latency, 2),
-            f"mean TTFT ({unit})": round(m.mean_ttft, 3),
+            "slot util.": round(m.slot_utilisation, 2),
+            f"mean latency ({unit})": round(m.mean_latency, 1),
+            f"p99 latency ({unit})": round(m.p99_latency, 1),
+            f"mean TTFT ({unit})": round(m.mean_ttft, 1),
         }
     return pd.DataFrame.from_dict(rows, orient="index")
 
@@ -259,6 +268,7 @@ def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
         label_axes(ax, None, "arrival rate (req/s)" if ax in axes[2:] else None, ylabel)
         if log:
             ax.set_yscale("log")
+            plain_log_ticks(ax)  # 0.1, 1, 10 s rather than 10^-1, 10^0, 10^1
     axes[2].set_title("solid: mean, dashed: p99", loc="left", fontsize=FONT_SIZES["ticks"])
     legend_below(fig, ncol=3)
     fig.suptitle("Static vs continuous batching, LLaMA-3-8B on a simulated H100", x=0.02,
