@@ -260,6 +260,7 @@ def plot_intensity_roofline(
     ax.plot([], [], "o", color="C0", label=f"decode steps, context {context_len:,}")
     ax.plot([], [], "s", color="C1", label="one prefill")
     ax.set(xscale="log", yscale="log")
+    plain_log_ticks(ax)  # 0.1, 1, 10, 1,000 rather than 10^-1 ... 10^3
     ax.set_ylim(top=gpu.flops / 1e12 * 4)  # room for the labels above the flat roof
     ax.grid(True, which="major", alpha=0.3)
     ax.grid(False, which="minor")
