@@ -12,7 +12,7 @@ import numpy as np
 
 from minisrv.checks import check_int
 
-__all__ = ["SlotAllocator", "check_free"]
+__all__ = ["SlotAllocator", "check_free", "slot_count"]
 
 
 class SlotAllocator:
@@ -71,6 +71,12 @@ class SlotAllocator:
 
     def __repr__(self) -> str:
         return f"SlotAllocator(capacity={self.capacity}, used={self.used_count})"
+
+
+def slot_count(name: str, doc: str) -> property:
+    """A read-only property for ``self.allocator.<name>``: a pool counts its slots through the
+    allocator it holds, so the device pool and the host pool answer alike."""
+    return property(lambda self: getattr(self.allocator, name), doc=doc)
 
 
 def check_free(allocator: SlotAllocator, slots: Iterable[int]) -> np.ndarray:

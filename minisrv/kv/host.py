@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from minisrv.checks import check_int
-from minisrv.kv.allocator import SlotAllocator
+from minisrv.kv.allocator import SlotAllocator, slot_count
 
 __all__ = ["HOST_POLICIES", "CopyPlan", "CopyListener", "HostPool", "make_host_pool"]
 
@@ -80,20 +80,9 @@ class HostPool:
         self.plan = CopyPlan()
         self._stream: Any = None  # the CUDA copy stream, made on first use
 
-    @property
-    def capacity(self) -> int:
-        """Host token slots."""
-        return self.allocator.capacity
-
-    @property
-    def free_count(self) -> int:
-        """Host slots free right now."""
-        return self.allocator.free_count
-
-    @property
-    def used_count(self) -> int:
-        """Host slots holding a node's copy."""
-        return self.allocator.used_count
+    capacity = slot_count("capacity", "Host token slots.")
+    free_count = slot_count("free_count", "Host slots free right now.")
+    used_count = slot_count("used_count", "Host slots holding a node's copy.")
 
     def backup(self, device_slots: list[int], host_slots: list[int]) -> None:
         """Queue the copy of ``device_slots``' KV into ``host_slots``."""

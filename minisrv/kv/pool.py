@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from minisrv.configs import ModelConfig
-from minisrv.kv.allocator import SlotAllocator
+from minisrv.kv.allocator import SlotAllocator, slot_count
 
 __all__ = ["KVPool"]
 
@@ -66,20 +66,9 @@ class KVPool:
         """A pool matching ``model`` (a ``CityLM``): its config, device and dtype."""
         return cls(model.config, capacity, device=model.device, dtype=model.dtype)
 
-    @property
-    def capacity(self) -> int:
-        """Token slots in the pool."""
-        return self.allocator.capacity
-
-    @property
-    def free_count(self) -> int:
-        """Slots available."""
-        return self.allocator.free_count
-
-    @property
-    def used_count(self) -> int:
-        """Slots handed out."""
-        return self.allocator.used_count
+    capacity = slot_count("capacity", "Token slots in the pool.")
+    free_count = slot_count("free_count", "Slots available.")
+    used_count = slot_count("used_count", "Slots handed out.")
 
     def alloc(self, n: int) -> list[int]:
         """``n`` free slots; ValueError (pool unchanged) if fewer are free."""

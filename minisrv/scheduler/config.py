@@ -178,27 +178,21 @@ class EngineConfig:
         return dataclasses.replace(config or cls(), **options)
 
 
+def _option(name: str, doc: str) -> property:
+    """A read-only property for ``self.config.<name>``."""
+    return property(lambda self: getattr(self.config, name), doc=doc)
+
+
 class ConfigView:
-    """Read-only shortcuts to the options of ``self.config``, for the engine and the loop."""
+    """Read-only shortcuts to the options of ``self.config``, for the engine and the loop.
+
+    The scheduler, which inherits nothing, takes the same property objects as class attributes.
+    """
 
     config: EngineConfig
 
-    @property
-    def mode(self) -> Mode:
-        return self.config.mode
-
-    @property
-    def max_running(self) -> int:
-        return self.config.max_running
-
-    @property
-    def kv_capacity(self) -> int:
-        return self.config.kv_capacity
-
-    @property
-    def policy(self) -> Policy:
-        return self.config.policy
-
-    @property
-    def cache(self) -> Cache:
-        return self.config.cache
+    mode = _option("mode", "The batching mode (``config.mode``).")
+    max_running = _option("max_running", "Seats in the running batch (``config.max_running``).")
+    kv_capacity = _option("kv_capacity", "KV token slots (``config.kv_capacity``).")
+    policy = _option("policy", "The waiting queue's order (``config.policy``).")
+    cache = _option("cache", "The prefix cache's kind (``config.cache``).")

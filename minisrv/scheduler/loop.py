@@ -41,7 +41,7 @@ from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.capabilities import needs, require
 from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.completing import BatchCompleter
-from minisrv.scheduler.config import EngineConfig
+from minisrv.scheduler.config import ConfigView, EngineConfig
 from minisrv.scheduler.forming import BatchFormer
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.prompts import check_request
@@ -287,30 +287,12 @@ class Scheduler:
         """The admission estimate in force (1.0 under ``admission="reserve"``)."""
         return self.admission.ratio
 
-    @property
-    def mode(self) -> str:
-        """The batching mode (``config.mode``)."""
-        return self.config.mode
-
-    @property
-    def max_running(self) -> int:
-        """Seats in the running batch (``config.max_running``)."""
-        return self.config.max_running
-
-    @property
-    def kv_capacity(self) -> int:
-        """KV token slots (``config.kv_capacity``)."""
-        return self.config.kv_capacity
-
-    @property
-    def policy(self) -> str:
-        """The waiting queue's order (``config.policy``)."""
-        return self.config.policy
-
-    @property
-    def cache(self) -> str:
-        """The prefix cache's kind (``config.cache``)."""
-        return self.config.cache
+    # The options' shortcuts: the very properties the engine has through ConfigView.
+    mode = ConfigView.mode
+    max_running = ConfigView.max_running
+    kv_capacity = ConfigView.kv_capacity
+    policy = ConfigView.policy
+    cache = ConfigView.cache
 
 
 def make_memory(config: EngineConfig, backend: Backend) -> KVManager:
