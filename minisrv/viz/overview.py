@@ -78,31 +78,31 @@ CHAPTERS: tuple[Chapter, ...] = (
 
 class Component(NamedTuple):
     name: str  # box label
-    module: str  # file or package under minisrv/ that implements it
+    modules: tuple[str, ...]  # files or packages under minisrv/ that implement it
     chapter: str | None  # chapter file that builds it; None while no chapter does yet
 
 
 COMPONENTS: dict[str, Component] = {
-    "api": Component("HTTP server\n(OpenAI API, SSE)", "server/", "08_server"),
-    "router": Component("Router\n(cache-aware,\nload balance)", "router/", "06_routing"),
-    "tokenizer": Component("Tokenizer", "tokenizer.py", "00_overview"),
-    "scheduler": Component("Scheduler\n(main loop,\nbatching)", "scheduler/", "02_scheduler"),
-    "policy": Component("Scheduling\npolicy\n(FCFS, LPM, DFS)", "scheduler/policy.py",
+    "api": Component("HTTP server\n(OpenAI API, SSE)", ("server/",), "08_server"),
+    "router": Component("Router\n(cache-aware,\nload balance)", ("router/",), "06_routing"),
+    "tokenizer": Component("Tokenizer", ("tokenizer.py",), "00_overview"),
+    "scheduler": Component("Scheduler\n(main loop,\nbatching)", ("scheduler/",), "02_scheduler"),
+    "policy": Component("Scheduling\npolicy\n(FCFS, LPM, DFS)", ("scheduler/policy.py",),
                         "05_cache_aware"),
-    "overlap": Component("Overlap loop\n(future tokens)", "scheduler/overlap.py", "07_overlap"),
-    "chunked": Component("Chunked prefill\n(token budget)", "scheduler/chunked.py",
+    "overlap": Component("Overlap loop\n(future tokens)", ("scheduler/overlap.py",), "07_overlap"),
+    "chunked": Component("Chunked prefill\n(token budget)", ("scheduler/chunked.py",),
                          "03a_chunked_prefill"),
-    "spec": Component("Speculative\ndecoding\n(drafts, checks)", "spec/",
+    "spec": Component("Speculative\ndecoding\n(drafts, checks)", ("spec/",),
                       "07a_speculative_decoding"),
-    "worker": Component("Model worker\n(CityLM forward)", "model/", "00_overview"),
-    "kvpool": Component("KV pool\n(K and V tensors)", "kv/pool.py", "03_selective_batching"),
-    "slots": Component("Slot allocator,\nrequest-to-token\nrows", "kv/manager.py",
-                       "03_selective_batching"),
-    "radix": Component("Radix cache\n(RadixAttention)", "kv/radix.py", "04_radix_attention"),
-    "attention": Component("Attention backend", "runner/attention/", "03_selective_batching"),
-    "grammar": Component("Grammar masks\n(structured\noutput)", "grammar/",
+    "worker": Component("Model worker\n(CityLM forward)", ("model/",), "00_overview"),
+    "kvpool": Component("KV pool\n(K and V tensors)", ("kv/pool.py",), "03_selective_batching"),
+    "slots": Component("Slot allocator,\nrequest-to-token\nrows",
+                       ("kv/allocator.py", "kv/table.py"), "03_selective_batching"),
+    "radix": Component("Radix cache\n(RadixAttention)", ("kv/radix.py",), "04_radix_attention"),
+    "attention": Component("Attention backend", ("runner/attention/",), "03_selective_batching"),
+    "grammar": Component("Grammar masks\n(structured\noutput)", ("grammar/",),
                          "08a_structured_output"),
-    "detokenizer": Component("Detokenizer", "tokenizer.py", "00_overview"),
+    "detokenizer": Component("Detokenizer", ("tokenizer.py",), "00_overview"),
 }
 
 
@@ -119,7 +119,8 @@ def _component_label(comp: Component) -> str:
 
 def component_table() -> list[dict[str, str]]:
     """One row per box of ``architecture_diagram``: what it is, its module, its chapter."""
-    return [{"component": comp.name.replace("\n", " "), "module": f"minisrv/{comp.module}",
+    return [{"component": comp.name.replace("\n", " "),
+             "module": ", ".join(f"minisrv/{m}" for m in comp.modules),
              "chapter": _chapter_number(comp.chapter) if comp.chapter else "not built yet"}
             for comp in COMPONENTS.values()]
 
