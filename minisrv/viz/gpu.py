@@ -21,6 +21,7 @@ from minisrv.viz.style import (
     BookFigure,
     label_axes,
     legend_below,
+    one_header_row,
     page_figure,
     plain_log_ticks,
     styled,
@@ -86,11 +87,11 @@ def gpu_roofline_table(cfg: ModelConfig, batch: int, context: int,
     """The roofline's decode step on each of ``gpus`` at one batch and context: its time, the
     resource that bounds it and the throughput, as the chapter's table shows them."""
     rows = roofline_step_times(cfg, gpus, [batch], context)
-    return pd.DataFrame({"GPU (roofline)": [g.name for g in gpus],
+    return one_header_row(pd.DataFrame({"GPU (roofline)": [g.name for g in gpus],
                          "step (µs)": (rows["step_ms"] * 1e3).round(1).to_list(),
                          "bound by": rows["bound"].to_list(),
                          "tokens/s": (batch / (rows["step_ms"] / 1e3)).round().astype(int)
-                         .to_list()}).set_index("GPU (roofline)")
+                         .to_list()}).set_index("GPU (roofline)"))
 
 
 def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") -> float | None:
