@@ -264,3 +264,20 @@ def test_every_batching_mode_and_queue_policy_keeps_the_tokens_with_the_host_tie
     for prompt, output in serve_chats(engine, chats()):
         assert output == model.reference_generate(prompt, 6, ignore_eos=True)
     assert engine.stats.loaded_tokens > 0
+
+
+def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -> None:
+    import pandas as pd
+
+    from minisrv.viz.hosttier import sim_table_view
+
+    index = pd.MultiIndex.from_tuples([("none", "-"), ("1M", "write_back")],
+                                      names=["host tier", "policy"])
+    table = pd.DataFrame({"hit rate": [0.0381, 0.7772], "mean TTFT (s)": [14.2213, 3.7823],
+                          "throughput (tok/s)": [758.903, 1335.2],
+                          "loaded (M tokens)": [0.0, 2.3619],
+                          "backed up (M tokens)": [0.0, 0.7504]}, index=index)
+    shown = sim_table_view(table)
+    assert shown.loc[("1M", "write_back")].tolist() == ["77.7%", "3.8", 1335, "2.36", "0.75"]
+    assert shown.index.names == [None, None] and shown.columns.name == "host tier / policy"
+    assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged

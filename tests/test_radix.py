@@ -385,3 +385,19 @@ def test_the_chat_explorer_serves_every_state_as_the_run_alone(citylm) -> None:
     # a small pool evicts the other sessions' histories: fewer hits than a roomy one
     assert ex.metrics(capacity=90, sessions=3)["all turns"] < ex.metrics(
         capacity=400, sessions=3)["all turns"]
+
+
+def test_cache_comparison_counts_outputs_as_alone_and_shows_the_hit_rate_in_percent(
+        citylm) -> None:
+    from minisrv.experiments.radix import cache_comparison
+    from minisrv.workloads import parallel_sampling_workload, shared_prompt_workload
+
+    model, tok = citylm
+    workloads = {"shared": shared_prompt_workload(tok, n_users=4),
+                 "parallel": parallel_sampling_workload(tok, n_samples=3, output_len=4)}
+    table = cache_comparison(model, workloads, kv_capacity=2000, max_running=4)
+    assert list(table["outputs as alone"]) == ["4/4", "3/3"]  # counts, not a boolean
+    for name, row in table.iterrows():
+        rate = float(row["hit rate"].rstrip("%")) / 100
+        saved = row["prefilled, no cache"] - row["prefilled, radix"]
+        assert abs(rate - saved / row["prompt tokens"]) < 1e-3, name  # one decimal of a %

@@ -3,6 +3,8 @@ checked against every request generated alone."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from minisrv.experiments.batching import run_pool
@@ -76,3 +78,17 @@ def test_a_pool_too_small_for_a_request_is_refused_before_any_run(pool_case) -> 
     with pytest.raises(ValueError, match=f"choose capacities >= {smallest}"):
         vb.pool_explorer(model, work, ref, capacity=smallest - 1,
                          capacities=(smallest - 1, smallest), caps=(8,))
+
+
+def test_figure_titles_name_no_machine_and_count_in_the_singular(pool_case) -> None:
+    model, work, ref = pool_case
+    steps = {"padded": {1: 0.002, 2: 0.003}, "loop": {1: 0.002, 2: 0.004}}
+    assert vb.plot_decode_step_times(steps).axes[0].get_title("left") == "One decode step"
+    named = vb.plot_decode_step_times(steps, device="cuda").axes[0].get_title("left")
+    assert named == "One decode step on cuda"  # a benchmark's report may name it
+    one = SimpleNamespace(retractions=1, wasted_tokens=34, steps=151)
+    assert vb.pool_run_title(one) == "1 retraction, 34 tokens recomputed, 151 steps"
+    run = run_pool(model, work, ref, capacity=400, max_running=2)
+    assert vb.plot_pool_run(run).axes[0].get_title("left") == vb.pool_run_title(
+        run.engine.stats)
+    assert vb.pool_run_title(run.engine.stats).startswith("0 retractions, ")

@@ -73,3 +73,24 @@ def test_runs_of_another_workload_are_refused(sweep) -> None:
 def test_the_figure_needs_the_unchunked_run(sweep) -> None:
     with pytest.raises(ValueError, match="no chunking"):
         vc.plot_chunk_choice({2048: sweep[2048]}, 2048)
+
+
+def test_the_share_table_reads_the_explorer_s_states(sweep) -> None:
+    ex = vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
+    table = vc.share_table(ex, gaps=(("max_itl", 2048), ("p99_itl", 16384)), shares=(0.2, 0.5))
+    assert list(table.index) == ["20%", "50%"] and table.columns.name == "long prompts"
+    assert list(table.columns) == ["worst gap at 2,048 (ms)",
+                                   "p99 gap at 16,384 (ms)"]
+    for share, label in ((0.2, "20%"), (0.5, "50%")):
+        assert table.loc[label].tolist() == [
+            round(1e3 * ex.metrics(chunk=2048, share=share)["max_itl"]),
+            round(1e3 * ex.metrics(chunk=16384, share=share)["p99_itl"])]
+
+
+def test_the_step_table_has_one_header_row() -> None:
+    from types import SimpleNamespace
+
+    steps = [SimpleNamespace(index=1, prefill=[2], prefill_tokens=14, decode=[0, 1])]
+    table = vc.step_table(steps, 16, {0: "chat JP", 1: "chat DE", 2: "long"})
+    assert table.columns.name == "step" and table.index.name is None
+    assert table.loc[1].tolist() == ["long", 14, "chat JP, chat DE", "16 / 16"]

@@ -8,6 +8,7 @@ times a step, the ``Engine`` runs the pool experiments, and each run is checked 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
@@ -25,12 +26,13 @@ ATTENTION_LABELS = {"padded": "one padded attention call", "loop": "attention lo
 
 @styled
 def plot_decode_step_times(
-    table: Mapping[str, Mapping[int, float]], device: str = "cpu"
+    table: Mapping[str, Mapping[int, float]], device: str | None = None
 ) -> BookFigure:
     """Per-request time of a decode step against batch size, one line per attention kind.
 
     ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
-    Left: the whole step; right: divided by the batch, relative to batch 1.
+    Left: the whole step; right: divided by the batch, relative to batch 1. ``device``, if
+    given, is named in the left panel's title (a benchmark's report, not the book's page).
     """
     fig, (left, right) = page_figure(height_in=3.8, cols=2)
     for attention, times in table.items():
@@ -44,7 +46,8 @@ def plot_decode_step_times(
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])
         ax.minorticks_off()
-    label_axes(left, f"One decode step on {device}", "batch size (requests)", "step time (ms)")
+    label_axes(left, "One decode step" + (f" on {device}" if device else ""),
+               "batch size (requests)", "step time (ms)")
     right.axhline(1.0, color="grey", lw=0.8, ls=":")
     label_axes(right, "Time per request", "batch size (requests)",
                "time per request (x batch 1)")
@@ -84,12 +87,14 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
                        label="retraction" if i == 0 and ax is bottom else None)
     handles = [h for ax in (top, middle, bottom) for h in ax.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
-    stats = run.engine.stats
-    label_axes(top, title or (
-        f"{stats.retractions} retractions, {stats.wasted_tokens} tokens recomputed, "
-        f"{stats.steps} steps"
-    ))
+    label_axes(top, title or pool_run_title(run.engine.stats))
     return fig
+
+
+def pool_run_title(stats: Any) -> str:
+    """``plot_pool_run``'s default title: retractions, recomputed tokens and steps."""
+    return (f"{stats.retractions} retraction{'s' * (stats.retractions != 1)}, "
+            f"{stats.wasted_tokens} tokens recomputed, {stats.steps} steps")
 
 
 @styled

@@ -27,13 +27,15 @@ from minisrv.viz.style import (
     BookFigure,
     label_axes,
     legend_below,
+    one_header_row,
     page_figure,
     plain_log_ticks,
     styled,
 )
 
 __all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
-           "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_title", "step_table"]
+           "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_table", "share_title",
+           "step_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -72,7 +74,7 @@ def step_table(trace: Sequence[StepRecord], budget: int, rid_names: dict[int, st
                      "prefill tokens": s.prefill_tokens,
                      "decodes": ", ".join(decodes) or "-",
                      "budget used": f"{s.prefill_tokens + len(decodes)} / {budget}"})
-    return pd.DataFrame(rows).set_index("step")
+    return one_header_row(pd.DataFrame(rows).set_index("step"))
 
 
 @styled
@@ -256,3 +258,18 @@ def chunk_explorer(
     elif list(shares) != [long_share]:
         raise ValueError(f"the only share {list(shares)} must be long_share={long_share}")
     return explorer(draw, controls, live=lambda: chunk_widget(n, rate))
+
+
+GAP_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap"}
+
+
+def share_table(ex: Explorer, gaps: Sequence[tuple[str, int]] = (
+        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384)),
+        shares: Sequence[float] = EXPLORER_SHARES) -> pd.DataFrame:
+    """What ``chunk_explorer``'s states give along the share of long prompts: one row per
+    share, one column per (gap, chunk size) of ``gaps``, in whole milliseconds."""
+    columns = {f"{GAP_NAMES[gap]} at {chunk:,} (ms)":
+               [round(1e3 * ex.metrics(chunk=chunk, share=share)[gap]) for share in shares]
+               for gap, chunk in gaps}
+    index = pd.Index([f"{share:.0%}" for share in shares], name="long prompts")
+    return one_header_row(pd.DataFrame(columns, index=index))

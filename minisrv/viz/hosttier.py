@@ -13,11 +13,18 @@ from minisrv.experiments.host_tier import TierRun, sim_tier_run
 from minisrv.kv import NodeView
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.radix import edge_text
-from minisrv.viz.style import BookFigure, graph_attrs, label_axes, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    graph_attrs,
+    label_axes,
+    one_header_row,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 
 __all__ = ["TIER_COLORS", "host_size_explorer", "host_size_widget", "plot_sim_tiers",
-           "tier_graphviz"]
+           "sim_table_view", "tier_graphviz"]
 
 TIER_COLORS = {
     "device": "white",  # on the device only
@@ -48,24 +55,43 @@ def tier_graphviz(views: Sequence[NodeView], tokenizer: Any = None,
 
 @styled
 def plot_sim_tiers(table: pd.DataFrame, title: str = "") -> BookFigure:
-    """Mean TTFT and throughput of each (host tier, policy) row of ``sim_tier_table``."""
-    fig, (left, right) = page_figure(2.8, 1, 2)
-    labels = [size if policy == "-" else f"{size}\n{policy.replace('write_through', 'wt')}"
-              for size, policy in table.index]
-    left.bar(labels, table["mean TTFT (s)"], color="#4c6ef5")
-    right.bar(labels, table["throughput (tok/s)"], color="#37b24d")
-    label_axes(left, title or None, None, "mean TTFT (s)")
-    label_axes(right, None, None, "output tokens / s")
-    for ax in (left, right):
-        ax.tick_params(axis="x", labelsize=8)
+    """Mean TTFT and throughput of each (host tier, policy) row of ``sim_tier_table``, as
+    horizontal bars that share one row label ("1M, write_through"; "no tier")."""
+    labels = ["no tier" if policy == "-" else f"{size}, {policy}" for size, policy in table.index]
+    fig, (left, right) = page_figure(0.9 + 0.32 * len(labels), 1, 2, sharey=True)
+    rows = list(range(len(labels)))
+    left.barh(rows, table["mean TTFT (s)"], color="#4c6ef5")
+    right.barh(rows, table["throughput (tok/s)"], color="#37b24d")
+    left.set_yticks(rows, labels)
+    left.invert_yaxis()  # the table's order, top down
+    label_axes(left, "Mean time to first token", "seconds", None)
+    label_axes(right, "Throughput", "output tokens / s", None)
+    if title:
+        fig.suptitle(title)
     return fig
+
+
+def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
+    """``sim_tier_table`` as the page shows it: the hit rate in percent, TTFT to a tenth of a
+    second, throughput in whole tokens, token counts in millions to two places, one header
+    row. The numbers themselves stay in ``table``."""
+    shown = pd.DataFrame({
+        "hit rate": table["hit rate"].map("{:.1%}".format),
+        "mean TTFT (s)": table["mean TTFT (s)"].map("{:.1f}".format),
+        "throughput (tok/s)": table["throughput (tok/s)"].round().astype(int),
+        "loaded (M tokens)": table["loaded (M tokens)"].map("{:.2f}".format),
+        "backed up (M tokens)": table["backed up (M tokens)"].map("{:.2f}".format),
+    }, index=table.index)
+    return one_header_row(shown)
 
 
 def _frame(size: int, run: TierRun) -> Frame:
     numbers = {"host tier (tokens)": size, "hit rate": run.hit_rate,
                "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput}
-    table = pd.DataFrame({k: [f"{v:.1%}" if k == "hit rate" else round(v, 2)]
-                          for k, v in numbers.items()})
+    table = one_header_row(pd.DataFrame(  # the size labels the row (no bare row number)
+        {k: [f"{v:.1%}" if k == "hit rate" else round(v, 2)]
+         for k, v in numbers.items() if k != "host tier (tokens)"},
+        index=pd.Index([f"{size:,}"], name="host tier (tokens)")))
     return Frame([table], numbers,
                  caption=f"host tier of {size:,} tokens: {run.hit_rate:.1%} of prompt tokens "
                          f"hit, mean TTFT {run.mean_ttft:.2f} s")
