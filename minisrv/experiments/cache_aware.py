@@ -73,8 +73,8 @@ def run_policy(model: Any, workload: Workload, policy: str = "fcfs", *,
 def _row(run: PolicyRun) -> dict[str, Any]:
     m, s = run.result.metrics, run.stats
     row = {"hit rate": s.hit_rate, "prefill tokens": s.prefill_tokens,
-           "retractions": s.retractions, "steps": m.steps, "mean wait": m.mean_wait,
-           "p99 wait": m.p99_wait, "max wait": m.max_wait}
+           "retractions": s.retractions, "steps": m.steps, "mean wait (steps)": m.mean_wait,
+           "p99 wait (steps)": m.p99_wait, "max wait (steps)": m.max_wait}
     if run.identical >= 0:
         row["outputs identical"] = f"{run.identical}/{len(run.result.requests)}"
     return row
@@ -115,7 +115,7 @@ def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
                 runs[policy, capacity] = run
             row |= {("hit rate", policy): run.stats.hit_rate,
                     ("prefill tokens", policy): run.stats.prefill_tokens,
-                    ("max wait", policy): run.result.metrics.max_wait}
+                    ("max wait (steps)", policy): run.result.metrics.max_wait}
         rows[capacity] = row
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "KV capacity"
@@ -309,14 +309,16 @@ def few_shot_experiment(model: Any, tok: Any, policies: Sequence[str] = ("fcfs",
 
 def group_table(result: RunResult, groups: Sequence[int]) -> pd.DataFrame:
     """Per prefix group of a run: its requests, how many found no more than ``<bos>``
-    cached (they recomputed the group's header), its hit rate, and its mean and max wait."""
+    cached (they recomputed the group's header), its hit rate, and its mean (to a tenth of a
+    step) and max wait."""
     table = request_table(result)
     table["group"] = list(groups)
     rows = {}
     for group, part in table.groupby("group"):
         rows[group] = {"requests": len(part), "cold starts": int((part["cached"] <= 1).sum()),
                        "hit rate": part["cached"].sum() / part["prompt"].sum(),
-                       "mean wait": part["wait"].mean(), "max wait": part["wait"].max()}
+                       "mean wait (steps)": round(float(part["wait"].mean()), 1),
+                       "max wait (steps)": part["wait"].max()}
     out = pd.DataFrame.from_dict(rows, orient="index")
     out.index.name = "group"
     return out

@@ -147,8 +147,10 @@ class Router:
 
     # ----------------------------------------------------------------- the rule
     def choose(self, tokens: Sequence[int]) -> tuple[int, str]:
-        """The worker ``route`` would pick now and the branch that picked it; changes nothing
-        (except the random policy's generator). ValueError if no worker is up."""
+        """The worker ``route`` would pick now and the branch that picked it.
+
+        Changes nothing (but the random policy's generator). ValueError if no
+        worker is up."""
         if not all(self.up):
             return self.choose_among_up(tokens)
         if self.policy == "round-robin":
@@ -158,7 +160,8 @@ class Router:
         if self.policy == "random":
             return self._rng.randrange(self.n_workers), "policy"
         if self.policy == "least-load":
-            return min(range(self.n_workers), key=self.loads.__getitem__), "policy"
+            loads = self.loads
+            return min(range(self.n_workers), key=loads.__getitem__), "policy"
         if self.imbalanced():
             return self.least_loaded(), "balance"
         match = self.tree.match(tokens)
@@ -193,10 +196,11 @@ class Router:
         return self.miss_target(live), "miss"
 
     def imbalanced(self) -> bool:
-        """SGLang's test: the busiest worker is ahead of the idlest by more than the absolute
-        threshold *and* by more than the relative one."""
+        """SGLang's test: the busiest worker is ahead of the idlest by more than
+        the absolute threshold *and* by more than the relative one."""
         high, low = max(self.loads), min(self.loads)
-        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+        return (high - low > self.balance_abs_threshold
+                and high > low * self.balance_rel_threshold)
 
     def least_loaded(self) -> int:
         """Fewest requests in flight; among equals the smallest tree, then the lowest index."""
