@@ -112,6 +112,8 @@ def test_gpu_policy_table_lpm_keeps_prefixes_a_tight_pool_cannot_hold_under_fcfs
     table = ca.gpu_policy_table(stream, kv_capacity=6000, max_running=32)
     assert table.loc["lpm", "hit rate"] > table.loc["fcfs", "hit rate"]
     assert set(table.columns) >= {"throughput (tok/s)", "max wait (s)", "mean latency (s)"}
+    assert table["throughput (tok/s)"].dtype.kind == "i"  # whole tokens per second
+    assert (table["max wait (s)"] == table["max wait (s)"].round(3)).all()
 
 
 def test_drawings_have_titles_labels_and_legends() -> None:

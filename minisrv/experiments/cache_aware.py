@@ -73,8 +73,9 @@ def run_policy(model: Any, workload: Workload, policy: str = "fcfs", *,
 def _row(run: PolicyRun) -> dict[str, Any]:
     m, s = run.result.metrics, run.stats
     row = {"hit rate": s.hit_rate, "prefill tokens": s.prefill_tokens,
-           "retractions": s.retractions, "steps": m.steps, "mean wait (steps)": m.mean_wait,
-           "p99 wait (steps)": m.p99_wait, "max wait (steps)": m.max_wait}
+           "retractions": s.retractions, "steps": m.steps,
+           "mean wait (steps)": round(m.mean_wait, 1),
+           "p99 wait (steps)": round(m.p99_wait, 1), "max wait (steps)": m.max_wait}
     if run.identical >= 0:
         row["outputs identical"] = f"{run.identical}/{len(run.result.requests)}"
     return row
@@ -84,7 +85,8 @@ def policy_table(model: Any, workload: Workload, runs: Mapping[str, Mapping[str,
                  reference: Sequence[Sequence[int]] | None = None, **options: Any
                  ) -> pd.DataFrame:
     """One row per named run: ``runs[label]`` holds that run's ``policy`` and any options
-    (e.g. ``in_batch_prefix_check``) on top of the shared ``options``. Waits are in steps."""
+    (e.g. ``in_batch_prefix_check``) on top of the shared ``options``. Waits are in steps
+    (mean and 99th percentile to a tenth of one)."""
     rows = {}
     for label, spec in runs.items():
         spec = dict(spec)
@@ -266,7 +268,8 @@ def prefix_stream_workload(n: int = 600, n_groups: int = 8, prefix_len: int = 20
 def gpu_policy_table(workload: Workload, policies: Sequence[str] = ("fcfs", "lpm"),
                      **options: Any) -> pd.DataFrame:
     """``simulate`` (LLaMA-3-8B on an H100 by default) under each policy with the radix
-    cache: throughput (output tokens/s), hit rate, latency and wait in seconds."""
+    cache: throughput (whole output tokens/s), hit rate, latency and wait in seconds (three
+    decimals)."""
     rows = {}
     for policy in policies:
         engine_options = {"cache": "radix", "seed": 0, **options}
@@ -274,9 +277,12 @@ def gpu_policy_table(workload: Workload, policies: Sequence[str] = ("fcfs", "lpm
         m = run.metrics
         cached = sum(r.cached_prompt_tokens for r in run.requests)
         total = sum(r.prompt_len for r in run.requests)
-        rows[policy] = {"throughput (tok/s)": m.throughput, "hit rate": cached / total,
-                        "mean latency (s)": m.mean_latency, "p99 latency (s)": m.p99_latency,
-                        "mean wait (s)": m.mean_wait, "max wait (s)": m.max_wait}
+        rows[policy] = {"throughput (tok/s)": round(m.throughput),
+                        "hit rate": round(cached / total, 3),
+                        "mean latency (s)": round(m.mean_latency, 3),
+                        "p99 latency (s)": round(m.p99_latency, 3),
+                        "mean wait (s)": round(m.mean_wait, 3),
+                        "max wait (s)": round(m.max_wait, 3)}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
