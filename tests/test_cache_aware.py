@@ -38,7 +38,8 @@ def test_policy_table_checks_tokens_and_lpm_with_the_check_beats_fcfs(model) -> 
     assert list(table["outputs identical"]) == ["12/12", "12/12"]
     assert table.loc["lpm", "hit rate"] > table.loc["fcfs", "hit rate"]
     assert table.loc["lpm", "prefill tokens"] < table.loc["fcfs", "prefill tokens"]
-    assert {"mean wait", "p99 wait", "max wait", "retractions"} <= set(table.columns)
+    assert {"mean wait (steps)", "p99 wait (steps)", "max wait (steps)",
+            "retractions"} <= set(table.columns)
 
 
 def test_admission_rounds_add_up_to_the_engine_hit_rate(model) -> None:
@@ -66,7 +67,7 @@ def test_request_and_group_tables_read_the_run(model) -> None:
     assert list(table["wait"]) == [r.admitted_at - r.arrival for r in run.result.requests]
     groups = ca.group_table(run.result, [0, 0, 0, 1, 1, 1])
     assert list(groups["requests"]) == [3, 3]
-    assert groups["max wait"].max() == run.result.metrics.max_wait
+    assert groups["max wait (steps)"].max() == run.result.metrics.max_wait
 
 
 def test_forest_sweep_lpm_and_dfs_reach_the_optimum_at_the_longest_request() -> None:
@@ -111,6 +112,8 @@ def test_gpu_policy_table_lpm_keeps_prefixes_a_tight_pool_cannot_hold_under_fcfs
     table = ca.gpu_policy_table(stream, kv_capacity=6000, max_running=32)
     assert table.loc["lpm", "hit rate"] > table.loc["fcfs", "hit rate"]
     assert set(table.columns) >= {"throughput (tok/s)", "max wait (s)", "mean latency (s)"}
+    assert table["throughput (tok/s)"].dtype.kind == "i"  # whole tokens per second
+    assert (table["max wait (s)"] == table["max wait (s)"].round(3)).all()
 
 
 def test_drawings_have_titles_labels_and_legends() -> None:
@@ -162,12 +165,12 @@ def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> No
                                        arrival_every=gap, n_groups=2, reference=reference)
         state = ex.metrics(capacity=capacity, gap=gap)
         for side, row in (("FCFS", "fcfs"), ("policy", "lpm")):
-            for name in ("hit rate", "prefill tokens", "mean wait", "max wait"):
+            for name in ("hit rate", "prefill tokens", "mean wait (steps)", "max wait (steps)"):
                 assert state[f"{side} {name}"] == table.loc[row, name]
         assert state["requests checked"] == 2 * 16
     # the gap moves the arrivals: the waits of a spaced stream are not those of a dense one
-    assert (ex.metrics(capacity=400, gap=4.0)["FCFS max wait"]
-            != ex.metrics(capacity=400, gap=1.0)["FCFS max wait"])
+    assert (ex.metrics(capacity=400, gap=4.0)["FCFS max wait (steps)"]
+            != ex.metrics(capacity=400, gap=1.0)["FCFS max wait (steps)"])
     both = pv.policy_explorer(model, tok, policies=("lpm", "random"), kv_capacity=400,
                               n_groups=2, capacities=(400,), gaps=(1.0,), reference=reference)
     assert both.default == {"policy": "lpm", "capacity": 400, "gap": 1.0}

@@ -108,6 +108,12 @@ def test_speedup_frame_and_breakeven_agree_with_speedup() -> None:
     assert table.loc[("free", 1024)].isna()["k = 1"]  # pays at every batch that fits
     never = breakeven_table(0.0, ks=(2,), contexts=(256,))
     assert never.iloc[0]["k = 2"] == 0  # no guess ever accepted: a check only costs
+    from minisrv.viz.speculative import breakeven_shown
+
+    shown = breakeven_shown(table)
+    assert shown.loc[("free", 1024), "k = 1"] == "never"  # what the page prints for <NA>
+    assert shown.loc[("free", 256), "k = 8"] == table.loc[("free", 256), "k = 8"]
+    assert shown.columns.name == "draft / context"
 
 
 def test_bad_arguments_raise_clearly(citylm) -> None:

@@ -184,6 +184,32 @@ def test_a_miss_goes_to_the_least_loaded_worker_not_the_smallest_tree() -> None:
     assert r.route([7, 7, 7]) == 1 and r.last_branch == "miss"
 
 
+def test_the_older_miss_rule_picks_the_smallest_tree() -> None:
+    """``miss_rule="smallest-tree"``: sgl-router's ``get_smallest_tenant``. The run of the
+    test above, whose last miss then goes to busy worker 0 (2 in flight, the smaller tree);
+    everything else is the same rule, and the choice among equal trees is the least loaded."""
+    r = Router(2, balance_abs_threshold=100, balance_rel_threshold=10.0,
+               miss_rule="smallest-tree")
+    assert r.route([1] * 40) == 0  # both empty
+    assert r.route([2]) == 1  # worker 1's tree is empty
+    assert r.route([3]) == 1  # 1 token against 40
+    assert r.route([4]) == 1  # 2 against 40: loads now [1, 3]
+    assert r.route([1] * 40 + [9]) == 0 and r.last_branch == "cache"  # 40/41 > 0.5
+    r.finish(1)
+    r.finish(1)
+    r.route([5] * 40)  # worker 1 (3 tokens against 41): worker 1 now holds the larger tree
+    assert r.loads == [2, 2] and r.tree.sizes[0] < r.tree.sizes[1]
+    r.finish(1)
+    assert r.route([7, 7, 7]) == 0 and r.last_branch == "miss"  # loads [2, 1]: still 0
+    even = Router(2, miss_rule="smallest-tree")
+    even.route([1, 2])
+    even.route([3, 4])  # worker 1, whose tree is empty: trees [2, 2], loads [1, 1]
+    even.finish(0)
+    assert even.route([5, 6]) == 0  # equal trees, worker 0 less loaded
+    with pytest.raises(ValueError, match="unknown miss_rule 'random'; supported: least-load"):
+        Router(2, miss_rule="random")
+
+
 def test_balance_branch_needs_both_thresholds() -> None:
     r = Router(2, balance_abs_threshold=2, balance_rel_threshold=1.5)
     for _ in range(3):
@@ -234,12 +260,14 @@ def test_router_rejects_bad_arguments_and_stays_intact() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.booleans()),
                 min_size=1, max_size=40),
-       st.integers(0, 3), st.sampled_from([1.0, 1.5, 3.0]), st.sampled_from([0.0, 0.5, 0.9]))
-def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t: float) -> None:
+       st.integers(0, 3), st.sampled_from([1.0, 1.5, 3.0]), st.sampled_from([0.0, 0.5, 0.9]),
+       st.sampled_from(["least-load", "smallest-tree"]))
+def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t: float,
+                                         miss_rule: str) -> None:
     """Against an independent statement of SGLang's rule, at every step of a random run of
-    routes and completions."""
+    routes and completions, with either miss rule."""
     r = Router(3, balance_abs_threshold=abs_t, balance_rel_threshold=rel_t,
-               cache_threshold=cache_t)
+               cache_threshold=cache_t, miss_rule=miss_rule)
     sent: list[tuple[list[int], int]] = []
     for tokens, finish in ops:
         if finish and any(r.loads):
@@ -258,6 +286,8 @@ def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t:
             recent = max(i for i, (p, k) in enumerate(sent) if lcp(p, tokens) >= max(best))
             assert w == sent[recent][1]
         else:
-            assert (w, r.last_branch) == (least, "miss")
+            smallest = min(range(3), key=lambda j: (sizes[j], loads[j], j))
+            assert (w, r.last_branch) == (least if miss_rule == "least-load" else smallest,
+                                          "miss")
         assert r.loads[w] == loads[w] + 1
         sent.append((tokens, w))

@@ -24,6 +24,10 @@ def test_table_and_plots_describe_the_runs() -> None:
     assert list(table.index) == ["round-robin", "cache-aware"]
     assert table.loc["cache-aware", "hit rate"] == round(runs["cache-aware"].hit_rate, 3)
     assert table.loc["round-robin", "requests per worker"] == "20 / 20"
+    assert table.columns.name == "run" and table.index.name is None  # one header row
+    for label, run in runs.items():  # whole tokens/s where there are hundreds of them
+        shown = table.loc[label, "throughput (tok/s)"]
+        assert abs(shown - run.throughput) <= (0.5 if run.throughput >= 100 else 0.05)
     fig = rv.plot_policy_comparison(runs, "t")
     assert fig._suptitle.get_text() == "t"
     assert all(ax.get_ylabel() for ax in fig.axes)

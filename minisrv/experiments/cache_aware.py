@@ -73,8 +73,9 @@ def run_policy(model: Any, workload: Workload, policy: str = "fcfs", *,
 def _row(run: PolicyRun) -> dict[str, Any]:
     m, s = run.result.metrics, run.stats
     row = {"hit rate": s.hit_rate, "prefill tokens": s.prefill_tokens,
-           "retractions": s.retractions, "steps": m.steps, "mean wait": m.mean_wait,
-           "p99 wait": m.p99_wait, "max wait": m.max_wait}
+           "retractions": s.retractions, "steps": m.steps,
+           "mean wait (steps)": round(m.mean_wait, 1),
+           "p99 wait (steps)": round(m.p99_wait, 1), "max wait (steps)": m.max_wait}
     if run.identical >= 0:
         row["outputs identical"] = f"{run.identical}/{len(run.result.requests)}"
     return row
@@ -84,7 +85,8 @@ def policy_table(model: Any, workload: Workload, runs: Mapping[str, Mapping[str,
                  reference: Sequence[Sequence[int]] | None = None, **options: Any
                  ) -> pd.DataFrame:
     """One row per named run: ``runs[label]`` holds that run's ``policy`` and any options
-    (e.g. ``in_batch_prefix_check``) on top of the shared ``options``. Waits are in steps."""
+    (e.g. ``in_batch_prefix_check``) on top of the shared ``options``. Waits are in steps
+    (mean and 99th percentile to a tenth of one)."""
     rows = {}
     for label, spec in runs.items():
         spec = dict(spec)
@@ -115,7 +117,7 @@ def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
                 runs[policy, capacity] = run
             row |= {("hit rate", policy): run.stats.hit_rate,
                     ("prefill tokens", policy): run.stats.prefill_tokens,
-                    ("max wait", policy): run.result.metrics.max_wait}
+                    ("max wait (steps)", policy): run.result.metrics.max_wait}
         rows[capacity] = row
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "KV capacity"
@@ -266,7 +268,8 @@ def prefix_stream_workload(n: int = 600, n_groups: int = 8, prefix_len: int = 20
 def gpu_policy_table(workload: Workload, policies: Sequence[str] = ("fcfs", "lpm"),
                      **options: Any) -> pd.DataFrame:
     """``simulate`` (LLaMA-3-8B on an H100 by default) under each policy with the radix
-    cache: throughput (output tokens/s), hit rate, latency and wait in seconds."""
+    cache: throughput (whole output tokens/s), hit rate, latency and wait in seconds (three
+    decimals)."""
     rows = {}
     for policy in policies:
         engine_options = {"cache": "radix", "seed": 0, **options}
@@ -274,9 +277,12 @@ def gpu_policy_table(workload: Workload, policies: Sequence[str] = ("fcfs", "lpm
         m = run.metrics
         cached = sum(r.cached_prompt_tokens for r in run.requests)
         total = sum(r.prompt_len for r in run.requests)
-        rows[policy] = {"throughput (tok/s)": m.throughput, "hit rate": cached / total,
-                        "mean latency (s)": m.mean_latency, "p99 latency (s)": m.p99_latency,
-                        "mean wait (s)": m.mean_wait, "max wait (s)": m.max_wait}
+        rows[policy] = {"throughput (tok/s)": round(m.throughput),
+                        "hit rate": round(cached / total, 3),
+                        "mean latency (s)": round(m.mean_latency, 3),
+                        "p99 latency (s)": round(m.p99_latency, 3),
+                        "mean wait (s)": round(m.mean_wait, 3),
+                        "max wait (s)": round(m.max_wait, 3)}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
@@ -309,14 +315,16 @@ def few_shot_experiment(model: Any, tok: Any, policies: Sequence[str] = ("fcfs",
 
 def group_table(result: RunResult, groups: Sequence[int]) -> pd.DataFrame:
     """Per prefix group of a run: its requests, how many found no more than ``<bos>``
-    cached (they recomputed the group's header), its hit rate, and its mean and max wait."""
+    cached (they recomputed the group's header), its hit rate, and its mean (to a tenth of a
+    step) and max wait."""
     table = request_table(result)
     table["group"] = list(groups)
     rows = {}
     for group, part in table.groupby("group"):
         rows[group] = {"requests": len(part), "cold starts": int((part["cached"] <= 1).sum()),
                        "hit rate": part["cached"].sum() / part["prompt"].sum(),
-                       "mean wait": part["wait"].mean(), "max wait": part["wait"].max()}
+                       "mean wait (steps)": round(float(part["wait"].mean()), 1),
+                       "max wait (steps)": part["wait"].max()}
     out = pd.DataFrame.from_dict(rows, orient="index")
     out.index.name = "group"
     return out

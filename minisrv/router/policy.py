@@ -14,7 +14,8 @@ Policies (``POLICIES``):
   a worker holding that match. Otherwise (a miss) the least-loaded worker, as the gateway
   (0.3) does; ``sgl-router`` before the rename sent a miss to the worker with the smallest
   approximate tree (``get_smallest_tenant``), which can pick a busy worker that was only
-  sent short prompts.
+  sent short prompts. ``Router(..., miss_rule="smallest-tree")`` follows that older rule
+  (``MISS_RULES``).
 
 Load is what the router itself counts: ``route`` adds one request in flight on the chosen
 worker and ``finish`` removes it. Every routed prompt is inserted into the tree under its
@@ -42,9 +43,14 @@ from collections.abc import Sequence
 
 from minisrv.router.tree import ApproxTree
 
-__all__ = ["POLICIES", "BRANCHES", "LAUNCHER_DEFAULTS", "Router"]
+__all__ = ["POLICIES", "BRANCHES", "MISS_RULES", "LAUNCHER_DEFAULTS", "Router"]
 
 POLICIES: tuple[str, ...] = ("round-robin", "random", "least-load", "cache-aware")
+
+MISS_RULES: tuple[str, ...] = ("least-load", "smallest-tree")
+"""Where the cache-aware policy sends a miss: the least-loaded worker (sgl-model-gateway 0.3,
+the default) or the worker with the smallest approximate tree (``sgl-router`` before the
+rename, ``get_smallest_tenant``; among equal trees the least loaded, then the lowest index)."""
 
 BRANCHES: tuple[str, ...] = ("balance", "cache", "miss", "policy")
 """Why a request went where it went: the cache-aware rule's three branches, or ``"policy"``
@@ -65,9 +71,13 @@ class Router:
 
     def __init__(self, n_workers: int, policy: str = "cache-aware", *, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
-                 max_tree_size: int = 2**20, seed: int = 0) -> None:
+                 max_tree_size: int = 2**20, seed: int = 0,
+                 miss_rule: str = "least-load") -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; supported: {', '.join(POLICIES)}")
+        if miss_rule not in MISS_RULES:
+            raise ValueError(f"unknown miss_rule {miss_rule!r}; supported: "
+                             f"{', '.join(MISS_RULES)}")
         _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         _check_number("balance_abs_threshold", balance_abs_threshold, 0.0, math.inf)
         _check_number("balance_rel_threshold", balance_rel_threshold, 0.0, math.inf)
@@ -76,6 +86,7 @@ class Router:
         self.tree = ApproxTree(n_workers, max_tree_size)  # checks n_workers, max_tree_size
         self.n_workers = n_workers
         self.policy = policy
+        self.miss_rule = miss_rule
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
@@ -136,8 +147,10 @@ class Router:
 
     # ----------------------------------------------------------------- the rule
     def choose(self, tokens: Sequence[int]) -> tuple[int, str]:
-        """The worker ``route`` would pick now and the branch that picked it; changes nothing
-        (except the random policy's generator). ValueError if no worker is up."""
+        """The worker ``route`` would pick now and the branch that picked it.
+
+        Changes nothing (but the random policy's generator). ValueError if no
+        worker is up."""
         if not all(self.up):
             return self.choose_among_up(tokens)
         if self.policy == "round-robin":
@@ -147,13 +160,14 @@ class Router:
         if self.policy == "random":
             return self._rng.randrange(self.n_workers), "policy"
         if self.policy == "least-load":
-            return min(range(self.n_workers), key=self.loads.__getitem__), "policy"
+            loads = self.loads
+            return min(range(self.n_workers), key=loads.__getitem__), "policy"
         if self.imbalanced():
             return self.least_loaded(), "balance"
         match = self.tree.match(tokens)
         if tokens and match.length / len(tokens) > self.cache_threshold:
             return match.workers[0], "cache"
-        return self.least_loaded(), "miss"
+        return self.miss_target(range(self.n_workers)), "miss"
 
     def choose_among_up(self, tokens: Sequence[int]) -> tuple[int, str]:
         """``choose`` while some worker is down: the same rule over the workers up."""
@@ -179,18 +193,27 @@ class Router:
         holders = [w for w in match.workers if self.up[w]]
         if tokens and holders and match.length / len(tokens) > self.cache_threshold:
             return holders[0], "cache"
-        return least, "miss"
+        return self.miss_target(live), "miss"
 
     def imbalanced(self) -> bool:
-        """SGLang's test: the busiest worker is ahead of the idlest by more than the absolute
-        threshold *and* by more than the relative one."""
+        """SGLang's test: the busiest worker is ahead of the idlest by more than
+        the absolute threshold *and* by more than the relative one."""
         high, low = max(self.loads), min(self.loads)
-        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+        return (high - low > self.balance_abs_threshold
+                and high > low * self.balance_rel_threshold)
 
     def least_loaded(self) -> int:
         """Fewest requests in flight; among equals the smallest tree, then the lowest index."""
         loads, sizes = self.loads, self.tree.sizes
         return min(range(self.n_workers), key=lambda w: (loads[w], sizes[w], w))
+
+    def miss_target(self, workers: Sequence[int]) -> int:
+        """Where a miss goes among ``workers``: by ``miss_rule``, the least loaded (then the
+        smallest tree) or the smallest tree (then the least loaded); then the lowest index."""
+        loads, sizes = self.loads, self.tree.sizes
+        if self.miss_rule == "smallest-tree":
+            return min(workers, key=lambda w: (sizes[w], loads[w], w))
+        return min(workers, key=lambda w: (loads[w], sizes[w], w))
 
     def __repr__(self) -> str:
         return (f"Router({self.n_workers}, {self.policy!r}, "

@@ -116,9 +116,9 @@ def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
     axes[1].bar(x, table["prefill tokens"], color=colors)
     label_axes(axes[1], "Tokens prefilled", "policy", "prefill tokens")
     width = 0.4
-    axes[2].bar([i - width / 2 for i in x], table["mean wait"], width, color=colors,
+    axes[2].bar([i - width / 2 for i in x], table["mean wait (steps)"], width, color=colors,
                 alpha=0.55, label="mean")
-    axes[2].bar([i + width / 2 for i in x], table["max wait"], width, color=colors,
+    axes[2].bar([i + width / 2 for i in x], table["max wait (steps)"], width, color=colors,
                 hatch="//", edgecolor="white", label="max")
     label_axes(axes[2], "Queueing delay", "policy", "wait (steps)")
     for ax in axes:
@@ -241,7 +241,8 @@ def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIE
                                  f"({list(table['outputs identical'])})")
         numbers = {f"{side} {name}": float(table.loc[row_name, name])
                    for side, row_name in (("FCFS", "fcfs"), ("policy", policy))
-                   for name in ("hit rate", "prefill tokens", "mean wait", "max wait")}
+                   for name in ("hit rate", "prefill tokens", "mean wait (steps)",
+                                "max wait (steps)")}
         gain = table.loc[policy, "hit rate"] - table.loc["fcfs", "hit rate"]
         return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity, gap)),
                       table.round(3)],

@@ -15,7 +15,14 @@ from matplotlib.patches import Patch
 
 from minisrv.experiments.routing import ClusterResult, simulate_cluster
 from minisrv.viz.explorer import Explorer, Frame, explorer
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    BookFigure,
+    label_axes,
+    legend_below,
+    one_header_row,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel
 from minisrv.workloads import prefix_groups_workload
 
@@ -40,12 +47,18 @@ def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
         rows.append({
             "run": label,
             "hit rate": round(r.hit_rate, 3),
-            f"throughput (tok/{r.time_unit})": round(r.throughput, 1),
+            f"throughput (tok/{r.time_unit})": _tokens_per_unit(r.throughput),
             f"mean latency ({r.time_unit})": round(r.mean_latency, 2),
             "load ratio": round(r.load_ratio, 2),
             "requests per worker": " / ".join(str(n) for n in r.worker_requests),
         })
-    return pd.DataFrame(rows).set_index("run")
+    return one_header_row(pd.DataFrame(rows).set_index("run"))
+
+
+def _tokens_per_unit(throughput: float) -> float | int:
+    """Whole tokens where there are hundreds per unit (per simulated second), a tenth
+    where there are few (per CityLM step)."""
+    return round(throughput) if throughput >= 100 else round(throughput, 1)
 
 
 @styled

@@ -31,8 +31,8 @@ from minisrv.viz.style import (
 )
 from minisrv.viz.widgets import panel, slider
 
-__all__ = ["TOKEN_COLORS", "check_table", "plot_acceptance", "plot_sampling", "plot_speedup",
-           "plot_trace", "speedup_at", "speedup_explorer", "speedup_widget"]
+__all__ = ["TOKEN_COLORS", "breakeven_shown", "check_table", "plot_acceptance", "plot_sampling",
+           "plot_speedup", "plot_trace", "speedup_at", "speedup_explorer", "speedup_widget"]
 
 TOKEN_COLORS: dict[str, str] = {"last": "#d9d9d9", "accepted": "#2ca02c",
                                 "rejected": "#d62728", "own": "#1f77b4"}
@@ -66,8 +66,9 @@ def plot_trace(rows: Sequence[CheckRow], tok: Tokenizer, title: str = "") -> Boo
             _box(ax, 1 + j, -y, "accepted" if j < row.accepted else "rejected",
                  _show(tok, token))
         _box(ax, own_x, -y, "own", _show(tok, row.own))
-        ax.text(own_x + 1.4, -y, f"+{row.accepted + 1} tokens;  KV {row.written} written, "
-                f"{row.freed} freed", va="center", fontsize=10)
+        gained = f"+{row.accepted + 1} token" + ("s" if row.accepted else "")
+        ax.text(own_x + 1.4, -y, f"{gained};  KV {row.written} written, {row.freed} freed",
+                va="center", fontsize=10)
     for x, name in ((0.46, "fed"), ((1 + width) / 2, "guesses"), (own_x + 0.46, "target")):
         ax.text(x, 0.75, name, ha="center", va="bottom", fontsize=10)
     ax.set_xlim(-0.2, own_x + 8.5)
@@ -84,6 +85,12 @@ def plot_trace(rows: Sequence[CheckRow], tok: Tokenizer, title: str = "") -> Boo
                Patch(color=TOKEN_COLORS["own"], label="the target's own next token")]
     legend_below(fig, handles=handles, ncol=2)
     return fig
+
+
+def breakeven_shown(table: pd.DataFrame) -> pd.DataFrame:
+    """``breakeven_table`` as the page shows it: one header row, and "never" where
+    speculation pays at every batch that fits in memory (the table's ``<NA>``)."""
+    return one_header_row(table.astype(object).where(table.notna(), "never"))
 
 
 def check_table(record: StepRecord, names: dict[int, str] | None = None) -> pd.DataFrame:
@@ -217,7 +224,7 @@ def _shown_table(table: pd.DataFrame) -> pd.DataFrame:
     for context in _contexts(table):
         shown[f"speed-up, {context:,} tokens"] = [
             "does not fit" if np.isnan(v) else f"{v:.2f}x" for v in table[context]]
-    return shown
+    return one_header_row(shown)
 
 
 def _speedup_caption(table: pd.DataFrame, batch: int) -> str:
