@@ -17,6 +17,7 @@ from minisrv.request import FINISHED, Req
 from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
+from minisrv.scheduler.admission import RETRACT_DECODE_STEPS, BudgetAdmission
 from minisrv.sim import SimBackend
 
 VOCAB = 61
@@ -179,3 +180,20 @@ def test_the_simulator_retracts_with_the_same_accounting(lens, slack, mode) -> N
     serve_checked(engine, reqs)
     assert [len(r.output) for r in reqs] == [m for _, m in lens]
     assert engine.stats.finished == len(lens)
+
+
+def test_a_retraction_re_estimates_the_ratio_as_sglang_does() -> None:
+    """SGLang 0.5's ``retract_decode``: (tokens decoded + 20 x survivors) / (their
+    ``max_new_tokens`` + 1), at most 1; decay otherwise, down to the floor."""
+    rule = BudgetAdmission(new_token_ratio=0.5, ratio_decay=0.1, min_ratio=0.35)
+    survivors = [Req(0, [0, 1], SamplingParams(max_new_tokens=100), output=[3] * 7),
+                 Req(1, [0, 2], SamplingParams(max_new_tokens=60), output=[3] * 2)]
+    rule.after_decode_prepared(survivors, retracted=[Req(2, [0], output=[3])])
+    assert rule.new_token_ratio == pytest.approx((9 + RETRACT_DECODE_STEPS * 2) / 161)
+    rule.after_decode_prepared(survivors[:1], retracted=[survivors[1]])
+    assert rule.new_token_ratio == pytest.approx((7 + RETRACT_DECODE_STEPS) / 101)
+    rule.after_decode_prepared(survivors[:1], retracted=[])
+    assert rule.new_token_ratio == pytest.approx(0.35)  # 0.267 - 0.1 is below the floor
+    short = [Req(0, [0], SamplingParams(max_new_tokens=4), output=[3] * 3)]
+    rule.after_decode_prepared(short, retracted=[Req(1, [0])])
+    assert rule.new_token_ratio == 1.0

@@ -143,7 +143,7 @@ class BudgetAdmission(AdmissionRule):
             self.new_token_ratio = self.init_ratio
         else:
             decoded = sum(len(req.output) for req in running)
-            limit = sum(req.max_new_tokens for req in running)
+            limit = sum(req.max_new_tokens for req in running) + 1  # SGLang's + 1
             self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / limit)
 
 
