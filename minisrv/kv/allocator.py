@@ -6,6 +6,7 @@ slots exactly as the real one does without holding any memory.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import numpy as np
@@ -76,7 +77,7 @@ class SlotAllocator:
 def slot_count(name: str, doc: str) -> property:
     """A read-only property for ``self.allocator.<name>``: a pool counts its slots through the
     allocator it holds, so the device pool and the host pool answer alike."""
-    return property(lambda self: getattr(self.allocator, name), doc=doc)
+    return property(operator.attrgetter(f"allocator.{name}"), doc=doc)
 
 
 def check_free(allocator: SlotAllocator, slots: Iterable[int]) -> np.ndarray:

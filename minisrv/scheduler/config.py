@@ -9,6 +9,7 @@ names the valid options when one is misspelled.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -180,7 +181,7 @@ class EngineConfig:
 
 def _option(name: str, doc: str) -> property:
     """A read-only property for ``self.config.<name>``."""
-    return property(lambda self: getattr(self.config, name), doc=doc)
+    return property(operator.attrgetter(f"config.{name}"), doc=doc)
 
 
 class ConfigView:
