@@ -243,7 +243,7 @@ def test_a_failed_compile_falls_back_to_the_padded_call(monkeypatch: pytest.Monk
         calls.append(1)
         raise RuntimeError("NoValidChoicesError: No choices to select")
 
-    monkeypatch.setattr(ragged, "COMPILE_ERRORS", (RuntimeError,))
+    monkeypatch.setattr(ragged, "compile_errors", lambda: (RuntimeError,))
     monkeypatch.setattr(ragged, "flex_kernel", lambda *args: failing_kernel)
     monkeypatch.setattr(ragged, "compile_failure", None)
     model = model_for(torch.float32, "cpu")

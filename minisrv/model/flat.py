@@ -265,7 +265,7 @@ def flat_attention_flex(
         return flat_attention_padded(q, batch, k_layer, v_layer)
     try:
         out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
-    except ragged.COMPILE_ERRORS as err:  # only the compiled kernel raises these
+    except ragged.compile_errors() as err:  # only the compiled kernel raises these
         ragged.compile_failed(err)
         return flat_attention_padded(q, batch, k_layer, v_layer)
     return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)

@@ -30,13 +30,19 @@ try:  # torch >= 2.5; Colab and the pinned CPU wheel have it, an old torch falls
 except ImportError:  # pragma: no cover - depends on the installed torch
     BlockMask = flex_attention = None
 
-try:  # what a failed torch.compile raises (private modules: guarded)
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import InductorError
 
-    COMPILE_ERRORS: tuple[type[BaseException], ...] = (BackendCompilerFailed, InductorError)
-except ImportError:  # pragma: no cover - depends on the installed torch
-    COMPILE_ERRORS = ()
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed ``torch.compile`` raises. Imported when asked: ``torch._dynamo`` takes
+    about 2 s to import, which every engine process (a server worker, a restarted one, each
+    chapter's kernel) would pay at start without ever compiling; an ``except`` clause calls
+    this only once an exception is on its way (private modules: guarded)."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import InductorError
+    except ImportError:  # pragma: no cover - depends on the installed torch
+        return ()
+    return (BackendCompilerFailed, InductorError)
+
 
 FLEX_AVAILABLE: bool = flex_attention is not None
 """Whether this torch has ``torch.nn.attention.flex_attention`` (2.5 and later)."""
