@@ -93,3 +93,20 @@ def test_the_serving_core_imports_no_drawing_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_cpu_engine_serves_without_importing_the_compiler() -> None:
+    """``torch._dynamo`` takes about 2 s to import; every server worker, restarted worker and
+    chapter kernel would pay it at start, and a CPU engine on its default attention never
+    compiles (eager flex attention on a CPU imports it from torch's side, when first called)."""
+    code = (
+        "import sys\n"
+        "from minisrv.engine import Engine\n"
+        "from minisrv.model import load_model\n"
+        "model, _ = load_model('citylm', 'cpu')\n"
+        "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
