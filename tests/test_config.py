@@ -82,17 +82,24 @@ def test_debug_mode_checks_every_step() -> None:
     assert len(calls) == engine.stats.steps == 4
 
 
+def imported_by(code: str, is_unwanted: str) -> str:
+    """The modules that running ``code`` in a fresh interpreter imported and for which the
+    expression ``is_unwanted`` (of ``m``, a module's name) holds, as a printed sorted list."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if {is_unwanted}))\n"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip()
+
+
 def test_the_serving_core_imports_no_drawing_code() -> None:
     code = (
-        "import sys, pkgutil, importlib, minisrv.engine, minisrv.experiments\n"
+        "import pkgutil, importlib, minisrv.engine, minisrv.experiments\n"
         "for m in pkgutil.iter_modules(minisrv.experiments.__path__):\n"
-        "    importlib.import_module('minisrv.experiments.' + m.name)\n"
-        "bad = [m for m in sys.modules if m.startswith('minisrv.viz') or "
-        "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')]\n"
-        "print(bad)\n"
+        "    importlib.import_module('minisrv.experiments.' + m.name)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    unwanted = ("m.startswith('minisrv.viz') or "
+                "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')")
+    assert imported_by(code, unwanted) == "[]"
 
 
 def test_a_cpu_engine_serves_without_importing_the_compiler() -> None:
@@ -100,13 +107,9 @@ def test_a_cpu_engine_serves_without_importing_the_compiler() -> None:
     chapter kernel would pay it at start, and a CPU engine on its default attention never
     compiles (eager flex attention on a CPU imports it from torch's side, when first called)."""
     code = (
-        "import sys\n"
         "from minisrv.engine import Engine\n"
         "from minisrv.model import load_model\n"
         "model, _ = load_model('citylm', 'cpu')\n"
-        "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)\n"
-        "print(sorted(m for m in sys.modules\n"
-        "             if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+        "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert imported_by(code, "m.startswith(('torch._dynamo', 'torch._inductor'))") == "[]"
