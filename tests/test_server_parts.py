@@ -530,3 +530,20 @@ def test_worker_timeout_is_a_flag_with_a_checked_value():
             ServerConfig(worker_timeout=bad)
     # an idle loop beats several times per timeout, never slower than once a second
     assert beat_interval(2.0) == 0.5 and beat_interval(30.0) == 1.0 and beat_interval(0) == 1.0
+
+
+def test_workers_come_from_a_fork_server_that_has_loaded_the_engine(monkeypatch):
+    """A worker (and each restart) is forked from a fresh interpreter that has imported torch
+    and the engine once, never from the threaded server process; without a fork server
+    (Windows) each worker is a fresh interpreter."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    from minisrv.server.dataparallel import worker_context
+
+    ctx = worker_context()
+    assert ctx.get_start_method() == "forkserver"
+    preloaded = set(forkserver._forkserver._preload_modules)
+    assert {"minisrv.server.worker", "minisrv.engine"} <= preloaded
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    assert worker_context().get_start_method() == "spawn"

@@ -54,6 +54,22 @@ MAX_BACKOFF_S = 10.0
 POLL_S = 0.1  # how often the reader looks at its restart schedule when nothing arrives
 
 
+def worker_context() -> Any:
+    """Where worker processes come from: a fork server, never a fork of this process.
+
+    This process already runs threads (the HTTP loop, the reader), and forking it could
+    copy a lock some thread holds. A fork server is a fresh interpreter that imports torch
+    and the engine once and forks each worker from that single-threaded state, so a worker
+    starts (and restarts) without paying torch's import again; where the platform has no
+    fork server (Windows), each worker is a fresh interpreter.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["minisrv.server.worker", "minisrv.engine", "minisrv.model"])
+    return ctx
+
+
 class DataParallelEngines:
     """``n`` supervised worker processes, each with its own engine, behind the ``Router``.
 
@@ -77,7 +93,7 @@ class DataParallelEngines:
         self.restarts = [0] * n
         self._failed: str | None = None
         self._started = False  # every worker was up once: the server is open
-        self._ctx = mp.get_context("spawn")  # never fork a process that already runs threads
+        self._ctx = worker_context()
         self._procs: list[Any] = [None] * n
         self._inboxes: list[Any] = [None] * n
         self._conns: list[Any] = [None] * n
