@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -88,9 +89,12 @@ def wait_status(url: str, status: str, timeout: float = 120) -> dict[str, Any]:
     raise AssertionError(f"/health never said {status!r}: {health}")
 
 
-async def kill_under_load(url: str, n_streams: int, victim: int) -> dict[str, Any]:
+async def kill_under_load(url: str, n_streams: int, victim: int,
+                          meanwhile: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Start ``n_streams`` long streams and one long non-streaming request, kill worker
-    ``victim`` once every stream has its first event, and gather what each got."""
+    ``victim`` once every stream has its first event, and gather what each got; what
+    ``meanwhile()`` (run in a thread just after the kill, while the streams go on) returns
+    is under ``"meanwhile"``."""
     async with httpx.AsyncClient(timeout=60) as c:
         started = [asyncio.Event() for _ in range(n_streams)]
         streams = [asyncio.create_task(read_stream(c, url, LONG, s)) for s in started]
@@ -99,9 +103,11 @@ async def kill_under_load(url: str, n_streams: int, victim: int) -> dict[str, An
         pid = (await asyncio.to_thread(worker_pids, url))[victim]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
+        seen = None if meanwhile is None else await asyncio.to_thread(meanwhile)
         results = await asyncio.wait_for(asyncio.gather(*streams), 30)
         answer = await asyncio.wait_for(whole, 30)
-        return {"killed": killed, "streams": results, "whole": answer, "pid": pid}
+        return {"killed": killed, "streams": results, "whole": answer, "pid": pid,
+                "meanwhile": seen}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +115,7 @@ def servers():
     with running_servers(
             ("--api-key", KEY, "--restart-backoff", "2", "--body-timeout", "1",
              "--max-request-bytes", "65536"),
-            ("--dp", "2", "--api-key", KEY, "--restart-backoff", "1")) as started:
+            ("--dp", "2", "--api-key", KEY, "--restart-backoff", "2")) as started:
         yield [url for url, _ in started]
 
 
@@ -144,7 +150,19 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
 
 def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, citylm):
     url = servers[1]
-    got = asyncio.run(kill_under_load(url, 8, 0))
+
+    def while_restarting() -> tuple[list[str], str]:
+        """Once worker 0 is seen dead, three requests; worker 0's state after them (it
+        restarts only after the 2 s backoff, so they were served by worker 1)."""
+        while httpx.get(f"{url}/workers").json()["workers"][0]["state"] != "restarting":
+            time.sleep(0.02)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        texts = [httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                            json={"prompt": text, "max_tokens": 8, "temperature": 0}
+                            ).json()["choices"][0]["text"] for text in ("JP:", "DE:", "IT:")]
+        return texts, httpx.get(f"{url}/workers").json()["workers"][0]["state"]
+
+    got = asyncio.run(kill_under_load(url, 8, 0, meanwhile=while_restarting))
     failed = [r for r in got["streams"] if error_of(r["events"]) is not None]
     done = [r for r in got["streams"] if r not in failed]
     assert failed and all(r["end"] - got["killed"] < 2.0 for r in failed)
@@ -153,13 +171,9 @@ def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, 
     want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
     assert all(text_of(r["events"]) == want for r in done)
     # while worker 0 restarts, every new request goes to worker 1 and succeeds
-    health = httpx.get(f"{url}/workers").json()
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
-    assert health["workers"][0]["state"] == "restarting"
-    for text in ("JP:", "DE:", "IT:"):
-        r = httpx.post(f"{url}/v1/completions", headers=AUTH,
-                       json={"prompt": text, "max_tokens": 8, "temperature": 0})
-        assert r.json()["choices"][0]["text"] == expected(citylm, text, 8)[0]
+    texts, state = got["meanwhile"]
+    assert texts == [expected(citylm, text, 8)[0] for text in ("JP:", "DE:", "IT:")]
+    assert state == "restarting"
     wait_all_up(url)
     assert metrics(url)["minisrv:num_workers_up"] == 2
 

@@ -45,12 +45,16 @@ class SimSetting(NamedTuple):
 def rate_runs(rates: Sequence[float] = (8, 16, 32, 64),
               modes: Sequence[str] = ("static", "prefill-first"), n: int = GPU_SCALE_REQUESTS,
               max_running: int = GPU_SCALE_BATCH_CAP, output_cv: float = 1.0, seed: int = 0,
-              progress: bool = False) -> dict[SimSetting, RunResult]:
+              progress: bool = False, runs: Mapping[SimSetting, RunResult] | None = None,
+              ) -> dict[SimSetting, RunResult]:
     """Every (rate, mode) of the grid simulated once, by its ``SimSetting`` (each run takes
-    seconds and holds its trace: tens of MB at 2000 requests)."""
+    seconds and holds its trace: tens of MB at 2000 requests). ``runs``: runs already made,
+    found by their setting and not simulated again (the simulator is deterministic)."""
+    known = {} if runs is None else runs
     grid = [SimSetting(float(rate), mode, max_running, output_cv, n, seed)
             for rate in rates for mode in modes]
-    return {s: s.run() for s in tqdm(grid, desc="simulating", disable=not progress)}
+    return {s: known[s] if s in known else s.run()
+            for s in tqdm(grid, desc="simulating", disable=not progress)}
 
 
 def sweep_table(runs: Mapping[SimSetting, RunResult]) -> pd.DataFrame:
