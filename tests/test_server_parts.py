@@ -535,8 +535,8 @@ def test_worker_timeout_is_a_flag_with_a_checked_value():
 def test_workers_come_from_a_fork_server_that_has_loaded_the_engine(monkeypatch):
     """A worker (and each restart) is forked from a fresh interpreter that has imported torch
     and the engine once, never from the threaded server process; without a fork server
-    (Windows) each worker is a fresh interpreter."""
-    import multiprocessing as mp
+    (Linux only: macOS and Windows spawn a fresh interpreter per worker)."""
+    import sys
     from multiprocessing import forkserver
 
     from minisrv.server.dataparallel import worker_context
@@ -545,5 +545,6 @@ def test_workers_come_from_a_fork_server_that_has_loaded_the_engine(monkeypatch)
     assert ctx.get_start_method() == "forkserver"
     preloaded = set(forkserver._forkserver._preload_modules)
     assert {"minisrv.server.worker", "minisrv.engine"} <= preloaded
-    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
-    assert worker_context().get_start_method() == "spawn"
+    for platform in ("darwin", "win32"):
+        monkeypatch.setattr(sys, "platform", platform)
+        assert worker_context().get_start_method() == "spawn"

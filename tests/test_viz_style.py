@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -13,7 +15,10 @@ from minisrv.kvsize import kv_bytes_per_token, kv_numbers_per_token_per_layer  #
 from minisrv.viz import kvlayout, overview, roofline, style  # noqa: E402
 
 
+@functools.cache
 def _figures():
+    """Drawn once, when a test first needs them: not at collection, where every test
+    process (one per core) would draw them all."""
     return {
         "roofline": roofline.plot_roofline(LLAMA3_8B, H100, batch=16),
         "roofline, weights do not fit": roofline.plot_roofline(LLAMA3_70B, T4, batch=16),
@@ -46,21 +51,27 @@ def _scheduler_figures():
     }
 
 
-FIGURES = _figures()
+FIGURE_NAMES = ["roofline", "roofline, weights do not fit", "memory budget",
+                "intensity roofline", "kv layouts", "training", "gantt", "gantt compare",
+                "latency bars", "step times", "dashboard"]
 
 
-@pytest.mark.parametrize("name", list(FIGURES))
+def test_the_figure_names_are_those_drawn() -> None:
+    assert list(_figures()) == FIGURE_NAMES
+
+
+@pytest.mark.parametrize("name", FIGURE_NAMES)
 def test_figure_fills_the_column_and_is_shown_at_its_width(name) -> None:
-    fig = FIGURES[name]
+    fig = _figures()[name]
     png, meta = fig._repr_png_()
     assert png.startswith(b"\x89PNG")
     assert fig.get_figwidth() == style.PAGE_WIDTH_IN
     assert meta == {"width": round(style.PAGE_WIDTH_IN * style.SCREEN_DPI)}
 
 
-@pytest.mark.parametrize("name", list(FIGURES))
+@pytest.mark.parametrize("name", FIGURE_NAMES)
 def test_every_text_of_a_figure_is_legible_at_page_width(name) -> None:
-    fig = FIGURES[name]
+    fig = _figures()[name]
     fig._repr_png_()  # draw, so that tick labels exist
     texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
     assert texts
@@ -69,9 +80,9 @@ def test_every_text_of_a_figure_is_legible_at_page_width(name) -> None:
     assert not small, f"text below {min(style.FONT_SIZES.values())} pt: {small}"
 
 
-@pytest.mark.parametrize("name", list(FIGURES))
+@pytest.mark.parametrize("name", FIGURE_NAMES)
 def test_legends_sit_outside_the_axes(name) -> None:
-    fig = FIGURES[name]
+    fig = _figures()[name]
     assert not [ax for ax in fig.axes if ax.get_legend() is not None]
 
 

@@ -29,6 +29,7 @@ forever.
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -60,10 +61,12 @@ def worker_context() -> Any:
     This process already runs threads (the HTTP loop, the reader), and forking it could
     copy a lock some thread holds. A fork server is a fresh interpreter that imports torch
     and the engine once and forks each worker from that single-threaded state, so a worker
-    starts (and restarts) without paying torch's import again; where the platform has no
-    fork server (Windows), each worker is a fresh interpreter.
+    starts (and restarts) without paying torch's import again. Those imports touch no CUDA
+    (a CUDA context does not survive a fork): each worker opens its own. Only on Linux: macOS's
+    system libraries are not safe to use in a forked child (Python spawns there by
+    default) and Windows has no fork, so there each worker is a fresh interpreter.
     """
-    if "forkserver" not in mp.get_all_start_methods():
+    if sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["minisrv.server.worker", "minisrv.engine", "minisrv.model"])
