@@ -25,6 +25,7 @@ __all__ = [
     "EngineVsAlone",
     "FlatCheck",
     "PoolRun",
+    "alone_outputs",
     "engine_vs_alone",
     "flat_equivalence",
     "pool_sweep",
@@ -92,6 +93,21 @@ def engine_vs_alone(model: CityLM, workload: Workload, **options: Any) -> Engine
     same = sum(a == b for a, b in zip(served, alone))
     return EngineVsAlone(sum(map(len, served)), t_alone, t_engine, engine.stats.steps, same,
                          len(alone))
+
+
+def alone_outputs(model: CityLM, workload: Workload) -> list[list[int]]:
+    """Each request of ``workload`` generated alone and greedily (``reference_generate``):
+    the outputs every run must reproduce.
+
+    A prompt that several requests share is generated once, for the longest of them:
+    greedy decoding depends on the prompt alone, so a request of m tokens gets the first m
+    tokens of that longer run (or all of it, if it ended at eos sooner). CityLM's
+    workloads draw their prompts from a few countries, so about a third of them repeat."""
+    longest: dict[tuple[int, ...], int] = {}
+    for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
+        longest[tuple(prompt)] = max(n, longest.get(tuple(prompt), 0))
+    runs = {prompt: model.reference_generate(prompt, n) for prompt, n in longest.items()}
+    return [runs[tuple(prompt)][:n] for prompt, n in zip(workload.prompts, workload.output_lens)]
 
 
 class PoolRun(NamedTuple):

@@ -1,0 +1,32 @@
+"""The selective-batching chapter's oracle: each request generated alone."""
+
+from __future__ import annotations
+
+from minisrv.experiments.batching import alone_outputs
+from minisrv.workloads import Workload, citylm_workload
+
+
+def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(citylm,
+                                                                              monkeypatch):
+    model, tok = citylm
+    work = citylm_workload(tok, n=24, output_range=(1, 60), seed=0)
+    # Italy's list ends at eos after 95 tokens: asked again for fewer and for more
+    ended = tok.encode("IT:")
+    full = model.reference_generate(ended, 120)
+    assert full[-1] in model.eos_ids and len(full) < 120
+    lens = [*work.output_lens, len(full) - 1, len(full), len(full) + 5, 120]
+    work = Workload("mixed lengths", [*work.prompts, *[ended] * 4], lens, [0.0] * len(lens))
+    assert len({tuple(p) for p in work.prompts}) < len(work)  # prompts repeat
+    calls: list[int] = []
+    generate = model.reference_generate
+
+    def counted(prompt, n, **kwargs):
+        calls.append(n)
+        return generate(prompt, n, **kwargs)
+
+    monkeypatch.setattr(model, "reference_generate", counted)
+    got = alone_outputs(model, work)
+    monkeypatch.undo()
+    assert len(calls) == len({tuple(p) for p in work.prompts})
+    assert got == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
+    assert got[-4:] == [full[:-1], full, full, full]
