@@ -121,7 +121,16 @@ def servers():
 
 def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, citylm):
     url = servers[0]
-    got = asyncio.run(kill_under_load(url, 8, 0))
+
+    def while_down() -> tuple[httpx.Response, dict[str, str]]:
+        """Once the death is seen, a request; it restarts only after the 2 s backoff."""
+        while httpx.get(f"{url}/health").json() != {"status": "restarting"}:
+            time.sleep(0.02)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "FR:"}, headers=AUTH,
+                       timeout=5)
+        return r, httpx.get(f"{url}/health").json()
+
+    got = asyncio.run(kill_under_load(url, 8, 0, meanwhile=while_down))
     want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
     in_flight = 0
     for result in got["streams"]:  # each one complete, or ended by an error and [DONE]
@@ -135,9 +144,9 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
     assert in_flight >= 1
     assert got["whole"].status_code in (200, 503)
     # no worker is up (it restarts after 2 s): 503 with Retry-After, never a hang
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "FR:"}, headers=AUTH, timeout=5)
+    r, health = got["meanwhile"]
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert httpx.get(f"{url}/health").json() == {"status": "restarting"}
+    assert health == {"status": "restarting"}
     health = wait_status(url, "ok")
     assert health["workers"][0]["restarts"] == 1 and health["workers"][0]["pid"] != got["pid"]
     r = httpx.post(f"{url}/v1/completions", headers=AUTH,

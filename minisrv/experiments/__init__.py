@@ -9,7 +9,7 @@ larger than the chapter does by passing other arguments.
 * ``scheduler`` (the scheduler loop): ``rate_runs`` and ``rate_sweep`` on the simulated GPU;
 * ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
-  each request alone, KV pool sweeps;
+  each request alone, each request's outputs alone (``alone_outputs``), KV pool sweeps;
 * ``host_tier`` (the host tier): chats with and without it, the simulated H100's long chats,
   the load-back break-even;
 * ``radix`` (RadixAttention): serving with and without the cache, hit rates per chat turn;
@@ -57,6 +57,7 @@ _PUBLIC = {
     "spike_run": "chunked",
     "spike_workload": "chunked",
     "EngineVsAlone": "batching",
+    "alone_outputs": "batching",
     "FlatCheck": "batching",
     "PoolRun": "batching",
     "engine_vs_alone": "batching",
