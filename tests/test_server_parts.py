@@ -533,9 +533,9 @@ def test_worker_timeout_is_a_flag_with_a_checked_value():
 
 
 def test_workers_come_from_a_fork_server_that_has_loaded_the_engine(monkeypatch):
-    """A worker (and each restart) is forked from a fresh interpreter that has imported torch
-    and the engine once, never from the threaded server process; without a fork server
-    (Linux only: macOS and Windows spawn a fresh interpreter per worker)."""
+    """On Linux a worker (and each restart) is forked from a fresh interpreter that has
+    imported torch and the engine once, never from the threaded server process; macOS and
+    Windows spawn a fresh interpreter per worker."""
     import sys
     from multiprocessing import forkserver
 

@@ -55,7 +55,8 @@ def test_the_sweep_table_reads_one_row_from_each_kept_run() -> None:
 def test_rate_runs_reuse_the_runs_they_are_given_and_simulate_only_the_rest() -> None:
     made = SimSetting(16.0, n=30).run()
     runs = rate_runs(rates=(16, 32), modes=("prefill-first",), n=30,
-                     runs={SimSetting(16.0, n=30): made, SimSetting(16.0, n=31): None})
+                     runs={SimSetting(16.0, n=30): made,
+                           SimSetting(16.0, n=31): None})  # another setting: not taken
     assert runs[SimSetting(16.0, n=30)] is made  # found by its setting, not run again
     fresh = runs[SimSetting(32.0, n=30)]
     assert fresh.metrics.throughput == SimSetting(32.0, n=30).run().metrics.throughput

@@ -61,10 +61,10 @@ def worker_context() -> Any:
     This process already runs threads (the HTTP loop, the reader), and forking it could
     copy a lock some thread holds. A fork server is a fresh interpreter that imports torch
     and the engine once and forks each worker from that single-threaded state, so a worker
-    starts (and restarts) without paying torch's import again. Those imports touch no CUDA
-    (a CUDA context does not survive a fork): each worker opens its own. Only on Linux: macOS's
-    system libraries are not safe to use in a forked child (Python spawns there by
-    default) and Windows has no fork, so there each worker is a fresh interpreter.
+    starts (and restarts) without paying torch's import again. Those imports touch no
+    CUDA (a CUDA context does not survive a fork): each worker opens its own. Only on
+    Linux: macOS's system libraries are not safe to use in a forked child (Python spawns
+    there by default) and Windows has no fork, so there each worker is a fresh interpreter.
     """
     if sys.platform != "linux":
         return mp.get_context("spawn")
