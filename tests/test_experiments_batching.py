@@ -30,3 +30,6 @@ def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(
     assert len(calls) == len({tuple(p) for p in work.prompts})
     assert got == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
     assert got[-4:] == [full[:-1], full, full, full]
+    past_eos = alone_outputs(model, work, ignore_eos=True)[-4:]
+    assert past_eos == [generate(ended, n, ignore_eos=True) for n in lens[-4:]]
+    assert len(past_eos[-1]) == 120 and past_eos[-1][:len(full)] == full

@@ -95,9 +95,10 @@ def engine_vs_alone(model: CityLM, workload: Workload, **options: Any) -> Engine
                          len(alone))
 
 
-def alone_outputs(model: CityLM, workload: Workload) -> list[list[int]]:
-    """Each request of ``workload`` generated alone and greedily (``reference_generate``):
-    the outputs every run must reproduce.
+def alone_outputs(model: CityLM, workload: Workload, *,
+                  ignore_eos: bool = False) -> list[list[int]]:
+    """Each request of ``workload`` generated alone and greedily (``reference_generate``,
+    with ``ignore_eos``): the outputs every run must reproduce.
 
     A prompt that several requests share is generated once, for the longest of them:
     greedy decoding depends on the prompt alone, so a request of m tokens gets the first m
@@ -107,7 +108,8 @@ def alone_outputs(model: CityLM, workload: Workload) -> list[list[int]]:
     longest: dict[tuple[int, ...], int] = {}
     for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
         longest[tuple(prompt)] = max(n, longest.get(tuple(prompt), 0))
-    runs = {prompt: model.reference_generate(prompt, n) for prompt, n in longest.items()}
+    runs = {prompt: model.reference_generate(prompt, n, ignore_eos=ignore_eos)
+            for prompt, n in longest.items()}
     return [runs[tuple(prompt)][:n] for prompt, n in zip(workload.prompts, workload.output_lens)]
 
 

@@ -20,6 +20,7 @@ import pandas as pd
 
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine, RunResult
+from minisrv.experiments.batching import alone_outputs
 from minisrv.kv import RadixCache
 from minisrv.scheduler import SchedulerStats, calc_priority, optimal_hit_rate
 from minisrv.sim import SimBackend, simulate
@@ -53,9 +54,9 @@ class PolicyRun(NamedTuple):
 
 
 def reference_outputs(model: Any, workload: Workload) -> list[list[int]]:
-    """Each request of ``workload`` generated alone: the tokens every run must reproduce."""
-    return [model.reference_generate(p, n, ignore_eos=True)
-            for p, n in zip(workload.prompts, workload.output_lens)]
+    """Each request of ``workload`` generated alone, every one to its full length (eos
+    ignored, as this chapter's runs do): the tokens every run must reproduce."""
+    return alone_outputs(model, workload, ignore_eos=True)
 
 
 def run_policy(model: Any, workload: Workload, policy: str = "fcfs", *,
