@@ -494,6 +494,18 @@ def test_intro_map_names_each_chapter_by_its_page_title() -> None:
         assert links[path.stem] == _chapter_title(path), path.stem
 
 
+def test_intro_defines_the_serving_metrics_once_with_their_chapters() -> None:
+    """TTFT, inter-token latency, throughput and goodput are defined once, in the intro, each
+    beside a link to a chapter that measures it (issue 50: readers met them undefined)."""
+    intro = (ROOT / "intro.md").read_text()
+    items = re.findall(r"^- \*\*([^*]+)\*\*:(.*?)(?=^- |^#|\Z)", intro, flags=re.M | re.S)
+    defined = {term.split(" (")[0]: text for term, text in items}
+    for term in ("Time to first token", "Inter-token latency", "Throughput", "Goodput"):
+        assert term in defined, f"intro.md does not define {term}"
+        links = re.findall(r"\]\(chapters/([^)]+)\.ipynb\)", defined[term])
+        assert links and all((ROOT / "chapters" / f"{f}.ipynb").exists() for f in links), term
+
+
 def test_intro_map_names_modules_that_exist() -> None:
     """Each module the map says a chapter builds is a file or package under minisrv/ (the
     map had kept train.py and roofline.py after they moved to train/ and sim/)."""
