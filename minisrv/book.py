@@ -184,6 +184,41 @@ def glue(name: str, value: Any, display: bool = True) -> None:
     _glue(name, value, display=display)
 
 
+class PageChecks:
+    """What one page checked, counted, so that the page can say it once in a sentence.
+
+    The checks themselves stay in hidden cells (a reader is not shown a test log); each hidden
+    check adds to the page's count, and the chapter glues the totals (``glue("checked_requests",
+    CHECKS.requests)``) into the one sentence that says what every result was checked against.
+    A failed check raises, which fails the cell under nbval and the build.
+    """
+
+    def __init__(self) -> None:
+        self.requests = 0  # outputs compared with their request generated alone
+        self.tokens = 0  # the tokens of those outputs
+
+    def alone(self, outputs: Any, alone: Any, what: str = "outputs") -> int:
+        """Assert each of ``outputs`` equals the request generated alone, in order; count them.
+
+        Returns how many were compared. ``what`` names them in the error (which request,
+        first differing position), the only time a reader would see this check."""
+        outputs, alone = [list(o) for o in outputs], [list(a) for a in alone]
+        if len(outputs) != len(alone):
+            raise AssertionError(f"{what}: {len(outputs)} outputs for {len(alone)} references")
+        for i, (got, want) in enumerate(zip(outputs, alone)):
+            if got != want:
+                at = next((j for j, (g, w) in enumerate(zip(got, want)) if g != w),
+                          min(len(got), len(want)))
+                raise AssertionError(f"{what}: request {i} differs from the request generated "
+                                     f"alone at token {at} ({len(got)} vs {len(want)} tokens)")
+        self.requests += len(outputs)
+        self.tokens += sum(len(o) for o in outputs)
+        return len(outputs)
+
+
+CHECKS = PageChecks()  # one per kernel, so one per executed page
+
+
 if __name__ == "__main__":  # python -m minisrv.book: write REPO_URL wherever the book needs it
     from pathlib import Path
 

@@ -669,3 +669,16 @@ def test_visible_outputs_show_values_not_bare_verdicts(path: Path) -> None:
     bad = {i: found for i, cell in shown for output in cell.get("outputs", [])
            if (found := _bare_verdicts(output.get("text", "")))}
     assert not bad, f"{path.name}: print the value, check the verdict in a hidden cell: {bad}"
+
+
+def test_page_checks_count_what_they_checked_and_name_the_first_difference() -> None:
+    """A page's hidden checks add to the count its one sentence quotes, and a mismatch names
+    the request and the first token that differs (issue 50: checks out of sight)."""
+    checks = book.PageChecks()
+    assert checks.alone([[1, 2], (3,)], [[1, 2], [3]]) == 2
+    assert (checks.requests, checks.tokens) == (2, 3)
+    with pytest.raises(AssertionError, match=r"request 1 differs .* at token 1"):
+        checks.alone([[1], [4, 5]], [[1], [4, 6]], what="sampled")
+    with pytest.raises(AssertionError, match="2 outputs for 1 references"):
+        checks.alone([[1], [2]], [[1]])
+    assert checks.requests == 2  # a failed check counts nothing
