@@ -58,11 +58,11 @@ import pandas as pd
 import torch
 
 from minisrv.configs import LLAMA32_1B, SMOLLM2_135M, ModelConfig
+from minisrv.core import Batch
 from minisrv.engine import Engine
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch
 
 MEASURED = Path(__file__).resolve().parents[1] / "minisrv" / "measured"
 STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -22,12 +22,12 @@ import time
 import torch
 
 from minisrv.configs import CITYLM
+from minisrv.core import Batch
 from minisrv.kv import ReqToTokenTable
 from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler.records import Batch
 
 
 def decode_batch(model: CityLM, batch: int, context: int) -> tuple[ModelRunner, Batch,

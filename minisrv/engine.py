@@ -31,6 +31,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from minisrv.core import Backend, Capability, JumpForwarder, SamplingBackend
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
 from minisrv.request import Req
@@ -38,7 +39,6 @@ from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
     MODES,
     POLICIES,
-    Backend,
     ConfigView,
     EngineConfig,
     EngineSnapshot,
@@ -47,7 +47,6 @@ from minisrv.scheduler import (
     StepOutput,
     StepRecord,
 )
-from minisrv.scheduler.capabilities import Capability, JumpForwarder, SamplingBackend
 from minisrv.scheduler.overlap import OverlapLoop, short_switch_interval
 from minisrv.scheduler.prompts import make_requests
 
@@ -56,8 +55,24 @@ if TYPE_CHECKING:  # a workload is the book's data; the engine only reads its fi
 
 __all__ = [
     "POLICIES", "CACHES", "MODES", "Engine", "EngineConfig", "EngineSnapshot", "RunResult",
-    "StepOutput",
+    "StepOutput", "overlap_loop",
 ]
+
+
+def overlap_loop(scheduler: Scheduler) -> OverlapLoop:
+    """The overlapped loop over ``scheduler``, its steps on the runner's device thread.
+
+    The engine is where the scheduler meets the runner: the loop gets its ``DeviceWorker``
+    from here, so the scheduler imports nothing of the runner. Imported on first use, as the
+    model's modules are: the future map holds tensors, and a blocking run of the simulated
+    GPU needs none.
+    """
+    from minisrv.runner.device import DeviceWorker
+
+    # Futures are resolved one step after they are handed out: two batches suffice.
+    worker = DeviceWorker(scheduler.backend, 4 * scheduler.config.max_running,
+                          on_launch=lambda batch: scheduler.memory.launched(batch.reqs))
+    return OverlapLoop(scheduler, worker)
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,7 @@ class Engine(ConfigView):
     ``EngineConfig`` (``kv_capacity``, ``max_running``, ``policy``, ``cache``, ``mode``,
     ``admission``, ...), given as keywords or as one ``config``; an unknown option is an
     error that lists the valid ones. What they need of the backend (overlap, chunks, drafts,
-    jump-forward: ``minisrv.scheduler.capabilities``) is checked once, as the scheduler is
+    jump-forward: ``minisrv.core.Capability``) is checked once, as the scheduler is
     built: a ValueError names what is missing.
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
@@ -102,7 +117,7 @@ class Engine(ConfigView):
                                   cuda_graph=config.cuda_graph, max_running=config.max_running)
         self.scheduler = Scheduler(backend, config)
         self.loop: Scheduler | OverlapLoop = (
-            OverlapLoop(self.scheduler) if config.overlap else self.scheduler)
+            overlap_loop(self.scheduler) if config.overlap else self.scheduler)
         self._next_rid = 0
         self._live: dict[int, Req] = {}  # rid -> request added and not yet done
         self._grammars: Any = None  # minisrv.grammar.sampling.GrammarSampling, once needed

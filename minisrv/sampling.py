@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from minisrv.checks import check_int
+
+if TYPE_CHECKING:  # imported where a tensor is made: ``SamplingParams`` needs no torch
+    import torch
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds ``torch.Generator.manual_seed`` accepts."""
@@ -129,6 +131,8 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     A request without a seed still gets its own generator (seeded from the OS), so its
     draws never disturb another request's stream.
     """
+    import torch
+
     if params.greedy:
         return None
     generator = torch.Generator(device="cpu")
@@ -146,6 +150,8 @@ def nucleus_probs(logits_1d: torch.Tensor, temperature: float, top_p: float) -> 
     the shortest prefix of that ranking whose mass reaches ``top_p``. The most likely token
     is always kept, so the result is never empty.
     """
+    import torch
+
     probs = torch.softmax(logits_1d.detach().to("cpu", torch.float64) / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
@@ -167,6 +173,8 @@ def sample_next(
     ``nucleus_probs`` at one uniform draw from ``generator``, so the token depends only on
     these logits and on how many tokens this generator has produced before.
     """
+    import torch
+
     if logits_1d.dim() != 1:
         raise ValueError(f"logits_1d must be 1-D [vocab], got shape {tuple(logits_1d.shape)}")
     if params.greedy:
@@ -198,6 +206,8 @@ def sample_batch(
     least float32 (exact for every logit and for ids below 2**24); the draws are made on
     the host with each request's generator, where ``sample_next`` works in float64 anyway.
     """
+    import torch
+
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"logits must be [requests, vocab] with one params and generator per row, got "
@@ -250,6 +260,8 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     ``histories`` holds each row's ``(prompt, output)``. Rows without a processor are left
     as they are (the result is a new tensor only when some row has one).
     """
+    import torch
+
     rows = [i for i, p in enumerate(params) if p.processed]
     if not rows:
         return logits
@@ -296,6 +308,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
                    wanted: Sequence[int | None]) -> list[TokenLogprobs | None]:
     """Each row's chosen-token logprob and its ``k`` most likely tokens (``wanted[i]``;
     None: nothing for that row), from ``log_softmax`` of the raw logits, in float32."""
+    import torch
+
     rows = [i for i, k in enumerate(wanted) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(wanted)
     if not rows:

@@ -14,15 +14,18 @@ from pathlib import Path
 import pytest
 
 from minisrv import Engine
+from minisrv.core import Batch, Capability, require
+from minisrv.kv.host import make_host_pool
+from minisrv.request import Req
 from minisrv.runner import ModelRunner, PerRequestBackend
 from minisrv.scheduler import Scheduler
-from minisrv.scheduler.capabilities import Capability, needs, require
+from minisrv.scheduler.capabilities import needs
 from minisrv.scheduler.config import EngineConfig
 from minisrv.sim import SimBackend, TimedBackend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minisrv"
-STEP_PATH = [PACKAGE / "engine.py", PACKAGE / "runner" / "device.py",
-             *sorted((PACKAGE / "scheduler").glob("*.py"))]
+STEP_PATH = [PACKAGE / "engine.py", PACKAGE / "core.py", PACKAGE / "runner" / "device.py",
+             PACKAGE / "kv" / "host.py", *sorted((PACKAGE / "scheduler").glob("*.py"))]
 
 
 class Plain:
@@ -75,7 +78,7 @@ def test_the_simulated_gpu_declares_what_it_computes() -> None:
     Engine(sim, overlap=True, chunked_prefill_size=64)  # both declared: accepted
     timed = TimedBackend(sim, 0.0)
     assert timed.capabilities == {Capability.SPLITS_STEP, Capability.ENDS_OWN_STEPS,
-                                  Capability.COMPUTES_CHUNKS}
+                                  Capability.COMPUTES_CHUNKS, Capability.TIMES_HOST_COPIES}
 
 
 def test_a_timed_backend_needs_an_inner_one_that_splits_its_steps(model) -> None:
@@ -85,8 +88,41 @@ def test_a_timed_backend_needs_an_inner_one_that_splits_its_steps(model) -> None
 
 def test_the_model_runner_declares_all_but_ending_its_own_steps(model) -> None:
     runner = ModelRunner(model)
-    assert runner.capabilities == frozenset(Capability) - {Capability.ENDS_OWN_STEPS}
+    assert runner.capabilities == frozenset(Capability) - {Capability.ENDS_OWN_STEPS,
+                                                           Capability.TIMES_HOST_COPIES}
     Engine(runner, chunked_prefill_size=64, speculative="ngram")  # accepted
+
+
+def test_the_host_tier_takes_what_the_backend_declares_and_nothing_else(model) -> None:
+    """The device pool the host tier copies and the clock its copies go on come from the
+    declared capabilities: an undeclared ``pool`` or ``charge_host_copies`` is not used,
+    and a ``TimedBackend`` passes its inner backend's on."""
+    config = EngineConfig(cache="radix", host_cache_tokens=64)
+    assert make_host_pool(EngineConfig(), SimBackend()) is None  # no tier asked for
+
+    class Undeclared(Plain):
+        pool = "a pool nobody declared"
+
+        def charge_host_copies(self, loaded: int, backed_up: int) -> None:
+            raise AssertionError("an undeclared clock was charged")
+
+    plain = make_host_pool(config, Undeclared())
+    assert plain.device_pool is None and plain.kv is None and plain.on_copy is None
+
+    sim = SimBackend()
+    timed = make_host_pool(config, TimedBackend(sim, 0.0))
+    assert timed.device_pool is None and timed.on_copy is not None
+    timed.on_copy(5, 0)  # the inner simulated GPU's next step pays for the copy
+    step = Batch.of([Req(0, [1, 2, 3, 4])], [])
+    charged, plain_step = (sim.run(step).elapsed for _ in range(2))
+    assert charged - plain_step == pytest.approx(sim.host_copy_seconds(5), rel=1e-9)
+    assert sim.host_copy_seconds(5) > 0
+
+    runner = ModelRunner(model)
+    runner.attach_kv(32)
+    pooled = make_host_pool(config, TimedBackend(runner, 0.0))
+    assert pooled.device_pool is runner.pool and pooled.kv is not None
+    assert pooled.on_copy is None
 
 
 def test_grammars_on_a_backend_without_a_sampler_are_refused() -> None:
@@ -120,7 +156,7 @@ def _backend_probes(path: Path) -> list[str]:
 
 
 def test_the_step_path_never_probes_the_backend() -> None:
-    assert STEP_PATH[3:], "the scheduler package was not found"
+    assert STEP_PATH[4:], "the scheduler package was not found"
     probes = [probe for path in STEP_PATH for probe in _backend_probes(path)]
     # config.py validates a user's drafter object once, at the boundary (not the backend)
     probes = [p for p in probes if not p.startswith("config.py:") or "spec" not in p]

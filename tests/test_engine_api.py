@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from minisrv.core import Batch, BatchResult, Entry
 from minisrv.engine import Engine
 from minisrv.request import Req, ReqState
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch, BatchResult, Entry, Scheduler
+from minisrv.scheduler import Scheduler
 from minisrv.sim import SimBackend
 
 

@@ -20,8 +20,8 @@ from minisrv.experiments.speculative import (
     speedup_frame,
 )
 from minisrv.model import CityLM
+from minisrv.sim.speedup import breakeven_batch, speculative_speedup
 from minisrv.spec import NgramDrafter, load_draft
-from minisrv.spec.speedup import breakeven_batch, speculative_speedup
 from minisrv.tokenizer import Tokenizer
 
 
@@ -153,7 +153,7 @@ def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -
 def test_the_speedup_explorer_holds_the_roofline_of_each_state() -> None:
     pytest.importorskip("matplotlib")
     from minisrv.sim.sizing import max_concurrent_requests
-    from minisrv.spec.speedup import expected_tokens_per_check
+    from minisrv.sim.speedup import expected_tokens_per_check
     from minisrv.viz.speculative import speedup_at, speedup_explorer
 
     ex = speedup_explorer(acceptance=0.7, acceptances=(0.5, 0.7), batches=(1, 256, 512))

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minisrv.core import Batch
 from minisrv.engine import Engine, EngineConfig
 from minisrv.model import FlatBatch
 from minisrv.request import Req
@@ -16,7 +17,6 @@ from minisrv.runner import ModelRunner
 from minisrv.runner.attention import BACKENDS, PaddedAttention, make_attention
 from minisrv.runner.graph import DecodeGraphs, batch_buckets
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch
 
 MODEL_SEED = 3
 

@@ -31,8 +31,8 @@ BOOK_SIDE = ("minisrv.workloads", "minisrv.experiments", "minisrv.viz", "minisrv
              "minisrv.book", "minisrv.train")
 HEAVY = ("pandas", "matplotlib", "ipywidgets", "graphviz")
 # The serving runtime: subpackages and top-level modules that import nothing from the book.
-RUNTIME = ("scheduler", "kv", "model", "runner", "grammar", "router", "server", "engine", "request",
-           "sampling", "tokenizer", "checks", "configs", "kvsize", "metrics")
+RUNTIME = ("core", "scheduler", "kv", "model", "runner", "spec", "grammar", "router", "server",
+           "engine", "request", "sampling", "tokenizer", "checks", "configs", "kvsize", "metrics")
 UNTIL_RUNTIME = "until the runtime branch lands"
 RUNTIME_NOT_YET: dict[str, str] = {}
 # The load generator of ``minisrv bench`` is a client, not part of what serves: it draws its
@@ -291,6 +291,47 @@ def test_the_runtime_imports_nothing_of_the_book(part: str) -> None:
     bad = [f"{i.source}:{i.line} -> {i.target} ({i.kind})" for i in inside
            if i.kind != "type-checking" and on_book_side(i.target)]
     assert bad == []
+
+
+# The layers of the step: its contract (``core.py``: Entry, Batch, BatchResult, Backend,
+# Capability) sits below the scheduler, the runner and the simulated GPU, and none of those
+# three imports another for it; the engine, which drives the scheduler over a backend, is
+# where they meet. Every import counts, run, deferred or for types only: each is a
+# dependency a reader has to follow.
+LAYERS = {
+    "minisrv.core": ("minisrv.scheduler", "minisrv.runner", "minisrv.sim", "minisrv.engine"),
+    "minisrv.scheduler": ("minisrv.runner", "minisrv.sim"),
+    "minisrv.runner": ("minisrv.scheduler", "minisrv.sim"),
+    "minisrv.sim": ("minisrv.scheduler",),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_violations(imports: list[Import]) -> list[str]:
+    """Each import in ``imports`` that crosses ``LAYERS`` the wrong way."""
+    return [f"{i.source}:{i.line} -> {i.target} ({i.kind})" for i in imports
+            for part, below in LAYERS.items()
+            if _within(i.source, part) and any(_within(i.target, b) for b in below)]
+
+
+def test_a_layer_violation_is_found_wherever_it_hides() -> None:
+    code = ("from typing import TYPE_CHECKING\n"
+            "from minisrv.core import Batch\n"
+            "if TYPE_CHECKING:\n"
+            "    from minisrv.scheduler.records import StepRecord\n"
+            "def f():\n"
+            "    import minisrv.scheduler.loop\n")
+    found = layer_violations(imports_of("minisrv.runner.x", ast.parse(code)))
+    assert found == ["minisrv.runner.x:4 -> minisrv.scheduler.records (type-checking)",
+                     "minisrv.runner.x:6 -> minisrv.scheduler.loop (function)"]
+
+
+def test_the_contract_sits_below_the_scheduler_the_runner_and_the_simulated_gpu() -> None:
+    assert "minisrv.core" in MODULES
+    assert layer_violations(IMPORTS) == []
 
 
 # ----------------------------------------------------------------------------- the names

@@ -38,12 +38,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minisrv.configs import CITYLM
+from minisrv.core import Batch
 from minisrv.kv import KVPool, ReqToTokenTable
 from minisrv.model import CityLM, FlatBatch, load_citylm
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch
 
 BATCH, CONTEXT = 64, 20
 

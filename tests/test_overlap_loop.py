@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minisrv.engine import Engine
+from minisrv.engine import Engine, overlap_loop
 from minisrv.kv import CACHES
 from minisrv.request import ReqState
 from minisrv.runner import ModelBackend, PerRequestBackend
@@ -254,10 +254,10 @@ def test_retraction_while_a_step_is_in_flight(model, mode, cache) -> None:
 def test_steps_run_on_their_own_cuda_stream_only_on_a_gpu(model) -> None:
     """On a GPU the device thread issues every step on a stream of its own (one per
     scheduler, waiting for the default stream's work first); the CPU needs none."""
-    loop = OverlapLoop(Scheduler(TimedBackend(ModelBackend(model), 0.0), kv_capacity=200))
+    loop = overlap_loop(Scheduler(TimedBackend(ModelBackend(model), 0.0), kv_capacity=200))
     stream = loop.worker.stream
     if model.device.type == "cuda":
         assert stream is not None and stream != torch.cuda.current_stream(model.device)
     else:
         assert stream is None
-    assert OverlapLoop(Scheduler(SimBackend())).worker.stream is None
+    assert overlap_loop(Scheduler(SimBackend())).worker.stream is None

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisrv.core import Batch, Entry
 from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import FLEX_AVAILABLE, FlatBatch
 from minisrv.request import Req
 from minisrv.runner import FlexAttention, LoopAttention, ModelRunner, PaddedAttention
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch, Entry
 
 KINDS = ["loop", "padded", *(["flex"] if FLEX_AVAILABLE else [])]
 

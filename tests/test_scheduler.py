@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minisrv.core import Batch, BatchResult
 from minisrv.request import ABORTED, FINISHED, Req
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import MODES, Batch, BatchResult, Scheduler
+from minisrv.scheduler import MODES, Scheduler
 
 EOS = 1
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from minisrv.configs import H100, LLAMA3_8B
+from minisrv.core import Batch
 from minisrv.engine import Engine
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import MODES, Batch
+from minisrv.scheduler import MODES
 from minisrv.sim import SimBackend, simulate
 from minisrv.sim.roofline import batch_step_time
 from minisrv.workloads import gpu_scale_workload

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minisrv.core import Batch
 from minisrv.engine import Engine
 from minisrv.kv import KVManager, ReqToTokenTable, SlotAllocator
 from minisrv.kv.table import table_rows
@@ -20,7 +21,6 @@ from minisrv.runner import ModelBackend
 from minisrv.runner.attention import make_attention
 from minisrv.runner.table_batch import TableBatch
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler.records import Batch
 from minisrv.tokenizer import Tokenizer
 
 MODEL_SEED = 3

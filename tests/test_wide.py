@@ -7,9 +7,9 @@ checks do. Both are driven by the scheduler through the same ``WideDecode`` call
 
 from __future__ import annotations
 
+from minisrv.core import Batch
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import Batch
 from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.speculative import Speculation
 from minisrv.scheduler.wide import JumpForward, make_wide

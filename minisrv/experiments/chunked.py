@@ -12,16 +12,18 @@ their numbers).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import pandas as pd
 
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import RunResult
 from minisrv.metrics import itl_values
 from minisrv.sim import simulate
 from minisrv.workloads import Workload, output_lengths
+
+if TYPE_CHECKING:  # imported where a table is made: the runs need no pandas
+    import pandas as pd
 
 __all__ = [
     "CHUNK_SIZES",
@@ -123,6 +125,8 @@ def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> 
     """One row per run of ``chunk_runs``: inter-token latency (p99, max), TTFT (mean; p99 of
     the short chats; mean of the long prompts, those of ``long_from`` tokens or more),
     throughput and steps."""
+    import pandas as pd
+
     rows = []
     for size, result in runs.items():
         m = result.metrics

@@ -10,14 +10,14 @@ requests or other seeds. Progress bars are off unless ``progress=True``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
-
-import pandas as pd
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, NamedTuple
 
 from minisrv.engine import RunResult
 from minisrv.sim import simulate
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS, gpu_scale_workload
+
+if TYPE_CHECKING:  # imported where a table is made: a run needs neither pandas nor tqdm
+    import pandas as pd
 
 __all__ = ["SimSetting", "rate_runs", "rate_sweep", "sweep_table"]
 
@@ -50,6 +50,8 @@ def rate_runs(rates: Sequence[float] = (8, 16, 32, 64),
     """Every (rate, mode) of the grid simulated once, by its ``SimSetting`` (each run takes
     seconds and holds its trace: tens of MB at 2000 requests). ``runs``: runs already made,
     found by their setting and not simulated again (the simulator is deterministic)."""
+    from tqdm.auto import tqdm
+
     known = {} if runs is None else runs
     grid = [SimSetting(float(rate), mode, max_running, output_cv, n, seed)
             for rate in rates for mode in modes]
@@ -59,6 +61,8 @@ def rate_runs(rates: Sequence[float] = (8, 16, 32, 64),
 
 def sweep_table(runs: Mapping[SimSetting, RunResult]) -> pd.DataFrame:
     """One row per run: its rate and mode, then its metrics."""
+    import pandas as pd
+
     return pd.DataFrame([{"rate": s.rate, "mode": s.mode, **run.metrics.as_dict()}
                          for s, run in runs.items()])
 

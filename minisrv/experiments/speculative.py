@@ -5,7 +5,7 @@ roofline speed-up of LLaMA-3-8B on an H100 against k and the batch size.
 Every CityLM run goes through ``minisrv.spec.speculative_generate`` (one request with the
 target's dense forward) and is compared, token for token, with ``reference_generate``: greedy
 speculation must give exactly what decoding alone gives. The GPU numbers are the roofline's
-(``minisrv.spec.speedup``); nothing here is timed.
+(``minisrv.sim.speedup``); nothing here is timed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
 from minisrv.sim.sizing import max_concurrent_requests
+from minisrv.sim.speedup import breakeven_batch, speculative_speedup
 from minisrv.spec import (
     Draft,
     Drafter,
@@ -33,7 +34,6 @@ from minisrv.spec import (
     sample_probs,
     speculative_generate,
 )
-from minisrv.spec.speedup import breakeven_batch, speculative_speedup
 from minisrv.tokenizer import Tokenizer
 from minisrv.workloads import chat_turns, city_prompts, shared_system_prompt
 

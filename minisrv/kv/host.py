@@ -23,11 +23,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from minisrv.checks import check_int
+from minisrv.core import Backend, Capability, HostTimedBackend, PoolBackend
 from minisrv.kv.allocator import SlotAllocator, slot_count
 
 __all__ = ["HOST_POLICIES", "CopyPlan", "CopyListener", "HostPool", "make_host_pool"]
@@ -185,13 +186,17 @@ def _host_tensor(device_kv: Any, capacity: int) -> Any:
     return torch.zeros(shape, dtype=device_kv.dtype)
 
 
-def make_host_pool(config: Any, backend: Any) -> HostPool | None:
+def make_host_pool(config: Any, backend: Backend) -> HostPool | None:
     """The host tier ``config.host_cache_tokens`` asks for (``None`` for 0), shaped like the
-    backend's KV pool. Two optional backend attributes shape it: ``pool``, the device
-    ``KVPool`` whose tensors the copies move (a ``ModelRunner``'s), and
-    ``charge_host_copies(loaded, backed_up)``, a simulated GPU's way to put each step's
-    copies on its clock (``SimBackend``)."""
+    backend's KV pool. Two capabilities the backend declares shape it: ``LENDS_KV_POOL``,
+    its ``pool`` is the device ``KVPool`` whose tensors the copies move (a
+    ``ModelRunner``'s), and ``TIMES_HOST_COPIES``, its ``charge_host_copies(loaded,
+    backed_up)`` puts each step's copies on its clock (``SimBackend``)."""
     if not config.host_cache_tokens:
         return None
-    return HostPool(config.host_cache_tokens, like=getattr(backend, "pool", None),
-                    on_copy=getattr(backend, "charge_host_copies", None))
+    declared = backend.capabilities
+    like = (cast(PoolBackend, backend).pool
+            if Capability.LENDS_KV_POOL in declared else None)
+    on_copy = (cast(HostTimedBackend, backend).charge_host_copies
+               if Capability.TIMES_HOST_COPIES in declared else None)
+    return HostPool(config.host_cache_tokens, like=like, on_copy=on_copy)

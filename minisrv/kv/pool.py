@@ -17,11 +17,13 @@ holding any memory.
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from minisrv.configs import ModelConfig
 from minisrv.kv.allocator import SlotAllocator, slot_count
+
+if TYPE_CHECKING:  # imported where the tensor is made: ``minisrv.kv`` loads without torch
+    import torch
 
 __all__ = ["KVPool"]
 
@@ -43,12 +45,14 @@ class KVPool:
         capacity: int,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,  # None: float32
     ) -> None:
+        import torch
+
         self.allocator = SlotAllocator(capacity)
         self.config = config
         shape = (config.n_layers, capacity + 1, 2, config.n_kv_heads, config.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros(shape, device=device, dtype=torch.float32 if dtype is None else dtype)
         self.scratch_slot = capacity
 
     @property

@@ -30,10 +30,12 @@ The simulated GPU has no pool and gets no table (``KVManager(table=None)``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from minisrv.request import Req
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the simulated GPU has no table
+    import torch
 
 __all__ = ["ReqToTokenTable", "table_rows"]
 
@@ -56,6 +58,8 @@ class ReqToTokenTable:
                  device: str | torch.device = "cpu") -> None:
         if rows < 2 or width < 1:
             raise ValueError(f"a table needs >= 2 rows and >= 1 column, got {rows} x {width}")
+        import torch
+
         self.width, self.scratch_slot = width, scratch_slot
         self.tensor = torch.full((rows, width), scratch_slot, dtype=torch.int32, device=device)
         self.scratch_row = rows - 1
@@ -79,6 +83,8 @@ class ReqToTokenTable:
     def place(self, device: str | torch.device) -> None:
         """Move the table to ``device`` (the backend that reads it does, before any row is
         taken: the scheduler builds it without knowing where the model is)."""
+        import torch
+
         if torch.device(device) == self.device:
             return
         if self._row:
@@ -128,6 +134,8 @@ class ReqToTokenTable:
             raise ValueError(f"request {req.rid}: position {start + n - 1} is past the "
                              f"table's {self.width} columns")
         if n:
+            import torch
+
             self.tensor[row, start:start + n] = torch.tensor(slots, dtype=torch.int32).to(
                 self.device)
         self._lens[row] = max(self._lens[row], start + n)
@@ -141,6 +149,8 @@ class ReqToTokenTable:
             raise ValueError(f"a request's position reaches past the table's {self.width} "
                              "columns")
         if rows:
+            import torch
+
             moved = torch.tensor([rows, cols, list(slots)], dtype=torch.long).to(self.device)
             self.tensor[moved[0], moved[1]] = moved[2].to(torch.int32)
         for row, col in zip(rows, cols, strict=True):

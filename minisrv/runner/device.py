@@ -23,9 +23,8 @@ from typing import Any, cast
 
 import torch
 
+from minisrv.core import Batch, BatchResult, Capability, SelfTimedBackend, SplitBackend, require
 from minisrv.runner.futures import FutureMap
-from minisrv.scheduler.capabilities import Capability, SelfTimedBackend, SplitBackend, require
-from minisrv.scheduler.records import Batch, BatchResult
 
 __all__ = ["DeviceWorker", "Handed"]
 

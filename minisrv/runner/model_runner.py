@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minisrv.core import Batch, BatchResult, Capability, Entry
 from minisrv.kv import KVPool, SlotAllocator
 from minisrv.kv.table import ReqToTokenTable
 from minisrv.model.flat import FlatBatch
@@ -40,8 +41,6 @@ from minisrv.runner.speculative import compute_checks, jump_forward, prepare_che
 from minisrv.runner.step_inputs import StepInputs, entry_tokens
 from minisrv.runner.table_batch import TableBatch
 from minisrv.sampling import TokenLogprobs
-from minisrv.scheduler.capabilities import Capability
-from minisrv.scheduler.records import Batch, BatchResult, Entry
 
 if TYPE_CHECKING:
     from minisrv.model import CityLM
@@ -73,8 +72,10 @@ class ModelRunner:
 
     time_unit = "step"
     cost_unit = "tokens"
-    # all but ENDS_OWN_STEPS (the device thread ends its steps); checks: runner.speculative
-    capabilities = frozenset(Capability) - {Capability.ENDS_OWN_STEPS}
+    # all but ENDS_OWN_STEPS (the device thread ends its steps) and TIMES_HOST_COPIES (the
+    # host tier's copies take their own time on the device); checks: runner.speculative
+    capabilities = frozenset(Capability) - {Capability.ENDS_OWN_STEPS,
+                                            Capability.TIMES_HOST_COPIES}
 
     def __init__(self, model: CityLM, attention: str = "auto", *,
                  device: str | torch.device | None = None,

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minisrv.core import Batch, BatchResult, Capability
 from minisrv.request import Req
 from minisrv.sampling import make_generator, sample_next
-from minisrv.scheduler.capabilities import Capability
-from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
     from minisrv.model import CityLM, DenseKVCache

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from minisrv.core import Batch, BatchResult
 from minisrv.request import Req
 from minisrv.runner.step_inputs import StepInputs, entry_tokens
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler.records import Batch, BatchResult
 
 if TYPE_CHECKING:
     from minisrv.runner.model_runner import ModelRunner

@@ -14,11 +14,12 @@ another:
 * ``chunked.py``: the request mid-prefill and its chunks (chunked prefill);
 * ``wide.py``: decode entries of several tokens, ``JumpForward``'s or ``speculative.py``'s
   checks (``Speculation``);
-* ``capabilities.py``: what a backend declares it can do, checked once;
+* ``capabilities.py``: what the options ask of a backend (its ``Capability`` set, declared
+  in the step's contract, ``minisrv.core``), checked once;
 * ``config.py``: ``EngineConfig``, the one frozen set of options;
 * ``admission.py``: how much memory a request must find (reserve, or SGLang's budget);
-* ``records.py``: ``Batch`` (of ``Entry``), ``BatchResult``, ``StepRecord``,
-  ``SchedulerStats``, ``Backend``, ``StepOutput``, ``EngineSnapshot``;
+* ``records.py``: ``StepRecord``, ``SchedulerStats``, ``StepOutput``, ``EngineSnapshot``
+  (the ``Batch`` a step hands its backend is ``minisrv.core``'s);
 * ``policy.py``: which waiting request goes first (FCFS, LPM, DFS-weight, LOF, random),
   and ``QueuePolicy``, the scheduler's part that applies it each round;
 * ``prompts.py``: the checks of requests and prompts at the boundary.
@@ -41,11 +42,7 @@ from minisrv.scheduler.policy import (
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
 from minisrv.scheduler.records import (
-    Backend,
-    Batch,
-    BatchResult,
     EngineSnapshot,
-    Entry,
     SchedulerStats,
     StepOutput,
     StepRecord,
@@ -58,15 +55,11 @@ __all__ = [
     "CLIP_MAX_NEW_TOKENS",
     "MODES",
     "POLICIES",
-    "Backend",
-    "Batch",
     "BatchCompleter",
     "BatchFormer",
-    "BatchResult",
     "ConfigView",
     "EngineConfig",
     "EngineSnapshot",
-    "Entry",
     "KVManager",
     "Launched",
     "Lifecycle",

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from minisrv.core import Entry
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
-from minisrv.scheduler.records import Entry
 
 __all__ = ["ChunkedPrefill"]
 

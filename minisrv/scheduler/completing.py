@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from minisrv.core import Backend, Batch, BatchResult, Entry
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
-from minisrv.scheduler.records import Backend, Batch, BatchResult, Entry
 
 __all__ = ["BatchCompleter"]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from minisrv.core import Batch, Entry
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
 from minisrv.scheduler.admission import AdmissionRule
@@ -21,7 +22,6 @@ from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.policy import QueuePolicy
 from minisrv.scheduler.queues import RequestQueues
-from minisrv.scheduler.records import Batch, Entry
 from minisrv.scheduler.wide import WideDecode
 
 __all__ = ["BatchFormer"]

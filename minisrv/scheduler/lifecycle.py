@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from minisrv.core import Backend
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req, ReqState
 from minisrv.scheduler.admission import AdmissionRule
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
-from minisrv.scheduler.records import Backend
 from minisrv.scheduler.wide import WideDecode
 
 __all__ = ["Lifecycle"]

@@ -32,13 +32,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from minisrv.core import Backend, Batch, BatchResult, require
 from minisrv.kv import PrefixCache, SlotAllocator
 from minisrv.kv.host import make_host_pool
 from minisrv.kv.manager import KVManager
 from minisrv.kv.table import ReqToTokenTable, table_rows
 from minisrv.request import Req
 from minisrv.scheduler.admission import make_admission
-from minisrv.scheduler.capabilities import needs, require
+from minisrv.scheduler.capabilities import needs
 from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.completing import BatchCompleter
 from minisrv.scheduler.config import ConfigView, EngineConfig
@@ -47,7 +48,7 @@ from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.prompts import check_request
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
-from minisrv.scheduler.records import Backend, Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.records import SchedulerStats, StepRecord
 from minisrv.scheduler.wide import make_wide
 
 __all__ = ["Launched", "Scheduler"]

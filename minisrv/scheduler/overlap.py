@@ -16,24 +16,24 @@ step i+1 decodes it) it computes one extra token, which is discarded and counted
 ``stats.wasted_tokens``. With ``skip_finishing_decode=True`` a request whose length limit
 ends it in step i is set aside (``RequestQueues.set_aside_finishing``) and left out of step
 i+1, so only ``<eos>`` costs a token. The device thread, its CUDA stream and the future map
-are the runner's (``minisrv.runner.device``). The loop talks to the scheduler's parts by
-their public calls (``queues``, ``recorder``, ``completer``, ``memory``), as the blocking
-loop does, never to its private state.
+are the runner's (``minisrv.runner.device``): the engine builds that ``DeviceWorker`` and
+hands it to the loop, which sees it as the contract's ``StepWorker``. The loop talks to
+the scheduler's parts by their public calls (``queues``, ``recorder``, ``completer``,
+``memory``), as the blocking loop does, never to its private state.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from minisrv.core import Batch, BatchResult, Pending, StepWorker
 from minisrv.request import ABORTED, FINISHED, Req
-from minisrv.runner.device import DeviceWorker, Handed
 from minisrv.scheduler.loop import Scheduler
-from minisrv.scheduler.records import Batch, BatchResult, StepRecord
+from minisrv.scheduler.records import StepRecord
 
 __all__ = ["SWITCH_INTERVAL", "FutureStep", "InFlight", "OverlapLoop", "short_switch_interval"]
 
@@ -79,7 +79,7 @@ class InFlight:
     batch: Batch
     positions: list[int]  # per sampling entry: the index of its placeholder in req.output
     before: dict[str, Any]  # trace fields known when the step was formed
-    result: Future[BatchResult] | Handed
+    result: Pending
     inputs: tuple[int, ...] = ()  # per sampling entry: its last input id when formed
     futures: tuple[int, ...] = ()  # per sampling entry: the placeholder its new token got
 
@@ -87,14 +87,13 @@ class InFlight:
 class OverlapLoop:
     """Drives ``scheduler`` so its CPU work for step i+1 overlaps the device's step i.
 
-    Outputs equal the blocking loop's; ``Engine(..., overlap=True)`` builds one.
+    Outputs equal the blocking loop's; ``Engine(..., overlap=True)`` builds one, with the
+    runner's device thread as its ``worker`` (``minisrv.engine.overlap_loop``).
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, worker: StepWorker) -> None:
         self.scheduler = scheduler
-        # Futures are resolved one step after they are handed out: two batches suffice.
-        self.worker = DeviceWorker(scheduler.backend, 4 * scheduler.config.max_running,
-                                   on_launch=lambda batch: scheduler.memory.launched(batch.reqs))
+        self.worker = worker
         self.inflight: InFlight | None = None
         self._release_later: list[Req] = []  # finished, but read by the step in flight
         self.future_trace: list[FutureStep] = []  # one per step when config.record_trace

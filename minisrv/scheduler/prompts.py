@@ -19,8 +19,8 @@ from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from minisrv.core import Backend
     from minisrv.scheduler.config import EngineConfig
-    from minisrv.scheduler.records import Backend
 
 __all__ = ["check_prompt", "check_request", "make_requests", "per_request", "per_request_arrivals",
            "per_request_params"]

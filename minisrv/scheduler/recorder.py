@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from minisrv.core import Batch, BatchResult
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
 from minisrv.scheduler.admission import AdmissionRule
 from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.queues import RequestQueues
-from minisrv.scheduler.records import Batch, BatchResult, SchedulerStats, StepRecord
+from minisrv.scheduler.records import SchedulerStats, StepRecord
 from minisrv.scheduler.wide import WideDecode
 
 __all__ = ["StepRecorder"]

@@ -1,182 +1,22 @@
-"""What the scheduler exchanges with a backend, and what it keeps about each step.
+"""What the scheduler keeps about each step, and what a step and the engine report.
 
-``Batch`` (a list of ``Entry``: request, first position, tokens, whether to sample) goes to
-the backend, ``BatchResult`` (the tokens of each entry) comes back; ``StepRecord`` is one
-line of the trace and ``SchedulerStats`` the running totals. ``Backend`` declares everything the
-scheduler needs from whatever computes the tokens, so a new backend is checked against
-one list instead of the scheduler probing it for optional methods.
+``StepRecord`` is one line of the trace, ``SchedulerStats`` the running totals,
+``StepOutput`` what one ``Engine.step()`` did and ``EngineSnapshot`` the engine's gauges.
+What the scheduler exchanges with a backend (``Batch``, ``BatchResult``, ``Backend``) is
+the step's contract, in ``minisrv.core``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from minisrv.request import Req
 
 if TYPE_CHECKING:
-    from minisrv.kv import SlotAllocator
-    from minisrv.kv.table import ReqToTokenTable
-    from minisrv.scheduler.capabilities import Capability
+    from minisrv.core import Batch, BatchResult
 
-__all__ = [
-    "Backend", "Batch", "BatchResult", "EngineSnapshot", "Entry", "SchedulerStats", "StepOutput",
-    "StepRecord", "hit_rate",
-]
-
-
-class Entry(NamedTuple):
-    """One request's work in a step: compute ``n_tokens`` tokens from position ``start``.
-
-    A prefill is an entry from the first uncached position to the end of the request; a
-    decode computes its one newest token; a prefill chunk is an entry that does not
-    ``sample`` (its result holds no token); a speculative check is an entry of k+1 tokens
-    whose result holds 1..k+1 of them. The request's KV slots ``start .. start + n_tokens
-    - 1`` are allocated when the entry is formed. (A named tuple: a GPU-scale simulation
-    forms hundreds of thousands of them.)
-    """
-
-    req: Req
-    start: int  # position of the first token computed (its index in prompt + output)
-    n_tokens: int  # tokens computed: their K/V are written, the last one's logits sampled
-    sample: bool = True  # False: the entry only fills KV (a chunk of a longer prefill)
-
-    @property
-    def end(self) -> int:
-        """One past the last position computed."""
-        return self.start + self.n_tokens
-
-
-_new_entry = partial(tuple.__new__, Entry)  # Entry(*fields) without a Python-level call
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """The entries one step computes: admitted requests' prefills first, then decodes.
-
-    The backend answers each entry with a list of tokens (``BatchResult.tokens``).
-    ``retracted`` lists the requests pushed back to the queue while the step was formed;
-    they compute nothing in it and are there for the trace. ``drafts`` (speculative
-    decoding, ``minisrv.scheduler.speculative``) marks the entries that are checks.
-    """
-
-    entries: tuple[Entry, ...]
-    n_prefill: int = 0  # the first ``n_prefill`` entries are this step's admissions
-    retracted: tuple[Req, ...] = ()
-    # Speculative decoding: per entry its draft (a ``minisrv.spec.Draft``: the guesses the
-    # entry's last tokens are), None where the entry is not a check; None: no check at all.
-    drafts: tuple[Any, ...] | None = None
-
-    @classmethod
-    def of(cls, prefill: Sequence[Req], decode: Sequence[Req],
-           retracted: tuple[Req, ...] = ()) -> Batch:
-        """Each of ``prefill`` computes everything past its cached prefix, each of ``decode``
-        its newest token; every one samples its next token."""
-        entries = [Entry(req, req.cached_len, req.seq_len - req.cached_len) for req in prefill]
-        starts = [len(req.prompt) + len(req.output) - 1 for req in decode]
-        entries += map(_new_entry, zip(decode, starts, repeat(1), repeat(True)))
-        return cls(tuple(entries), len(prefill), retracted)
-
-    @classmethod
-    def with_chunks(cls, prefill: Sequence[Entry], decode: Sequence[Req],
-                    retracted: tuple[Req, ...] = ()) -> Batch:
-        """``prefill`` entries as given (whole prefills, or chunks of one: chunked prefill),
-        then each of ``decode`` computing its newest token."""
-        decoding = cls.of((), decode, retracted).entries
-        return cls((*prefill, *decoding), len(prefill), retracted)
-
-    @property
-    def prefill(self) -> list[Req]:
-        """Requests admitted this step, or computing a chunk of their prefill in it."""
-        return [e.req for e in self.entries[: self.n_prefill]]
-
-    @property
-    def decode(self) -> list[Req]:
-        """Running requests that compute in this step."""
-        return [e.req for e in self.entries[self.n_prefill:]]
-
-    @property
-    def reqs(self) -> list[Req]:
-        """All requests of the step in the order of their entries."""
-        return [e.req for e in self.entries]
-
-    @property
-    def sampling(self) -> list[Req]:
-        """Requests whose entry samples a token (all but a prefill chunk's)."""
-        return [e.req for e in self.entries if e.sample]
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Tokens the step's prefill entries (chunks included) compute."""
-        return sum(e.n_tokens for e in self.entries[: self.n_prefill])
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens the step computes, all entries together."""
-        return sum(e.n_tokens for e in self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """What a backend reports for one step.
-
-    ``tokens[i]`` are the tokens entry ``i`` produced, in order (one for a decode or a
-    prefill, none for a chunk that does not sample, 1..k+1 for a speculative check).
-    ``cost`` is what the step computed in the backend's own unit (tokens for the real model,
-    seconds for the simulator); ``elapsed`` is how far the clock advances: one step for the
-    real model, the roofline time for the simulator.
-    """
-
-    tokens: list[list[int]]
-    cost: float
-    elapsed: float
-    # Of the tokens, those a grammar forced (jump-forward); keyword-only, so a subclass's
-    # own fields (the simulator's TimedResult) stay positional after ``elapsed``.
-    jumped: int = field(default=0, kw_only=True)
-
-    @property
-    def next_tokens(self) -> list[int]:
-        """Every entry's tokens, end to end."""
-        return [t for tokens in self.tokens for t in tokens]
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What the scheduler needs from whatever computes the tokens."""
-
-    time_unit: str  # unit of the clock, e.g. "step" or "s"
-    cost_unit: str  # unit of BatchResult.cost, e.g. "tokens" or "s"
-    eos_ids: tuple[int, ...]  # tokens that end a request (empty: outputs have fixed lengths)
-    max_context: int | None  # longest sequence (prompt + output) the model takes (None: any)
-    vocab_size: int | None  # prompts must hold ids below this (None: any id)
-    # what it can do beyond ``run`` (``minisrv.scheduler.capabilities``), checked once
-    capabilities: frozenset[Capability]
-
-    def attach_kv(self, capacity: int) -> SlotAllocator | None:
-        """Build the KV store for ``capacity`` token slots and return its allocator, so the
-        slots the scheduler hands out index the backend's tensors; ``None`` when the backend
-        stores no KV (the scheduler then counts slots alone)."""
-        ...
-
-    def attach_table(self, table: ReqToTokenTable | None) -> None:
-        """The request-to-token table over the pool of ``attach_kv`` (``kv/table.py``):
-        a backend whose attention reads KV through it keeps it (and puts it on its
-        device); ``None``, or a backend that stores no KV, ignores it."""
-        ...
-
-    def run(self, batch: Batch) -> BatchResult:
-        """Compute one step: the tokens of every entry of ``batch``."""
-        ...
-
-    def release(self, req: Req) -> None:
-        """Forget everything kept for ``req`` (its random generator, any private state)."""
-        ...
+__all__ = ["EngineSnapshot", "SchedulerStats", "StepOutput", "StepRecord", "hit_rate"]
 
 
 class StepRecord(NamedTuple):

@@ -26,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from minisrv.core import Batch, BatchResult, Entry
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler.records import Batch, BatchResult, Entry, SchedulerStats
+from minisrv.scheduler.records import SchedulerStats
 
 __all__ = ["Speculation", "drafts_for", "make_drafter"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from minisrv.core import Backend, Batch, BatchResult, DraftVerifier, Entry
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
-from minisrv.scheduler.capabilities import DraftVerifier
-from minisrv.scheduler.records import Backend, Batch, BatchResult, Entry, SchedulerStats
+from minisrv.scheduler.records import SchedulerStats
 from minisrv.scheduler.speculative import Speculation, make_drafter
 
 if TYPE_CHECKING:

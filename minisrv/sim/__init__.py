@@ -8,6 +8,8 @@
 * ``steptime.py``: ``decode_step_seconds``, one real decode step timed;
 * ``run.py``: ``simulate``, a workload served by an ``Engine`` over ``SimBackend``;
 * ``roofline.py``: the roofline time of a step on a GPU (``batch_step_cost``, ...);
+* ``speedup.py``: what speculative decoding buys on the roofline (expected tokens per
+  check, the speed-up against k and batch, where it stops paying);
 * ``sizing.py``: a request's KV, the weights, how many requests a GPU holds (built on the
   runtime's ``minisrv.kvsize.kv_bytes_per_token``).
 

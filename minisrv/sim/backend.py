@@ -10,17 +10,17 @@ and at GPU scale. Each step takes the time the roofline model gives for that bat
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.core import Batch, BatchResult, Capability
 from minisrv.kvsize import kv_bytes_per_token
 from minisrv.request import Req
-from minisrv.scheduler.capabilities import Capability
-from minisrv.scheduler.records import Batch, BatchResult
 from minisrv.sim.roofline import step_cost_from_totals
 from minisrv.sim.sizing import kv_budget_bytes
+
+if TYPE_CHECKING:  # the simulated GPU touches no tensor
+    import torch
 
 __all__ = ["SimBackend", "SimStep"]
 
@@ -49,7 +49,8 @@ class SimBackend:
     cost_unit = "s"
     eos_ids: tuple[int, ...] = ()
     device = None  # no GPU: the overlapped loop gives its steps no CUDA stream
-    capabilities = frozenset({Capability.SPLITS_STEP, Capability.COMPUTES_CHUNKS})
+    capabilities = frozenset({Capability.SPLITS_STEP, Capability.COMPUTES_CHUNKS,
+                              Capability.TIMES_HOST_COPIES})
 
     def __init__(
         self, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100, dtype_bytes: float = 2,

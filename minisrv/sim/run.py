@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
-from minisrv.engine import Engine, RunResult
-from minisrv.scheduler import EngineConfig
+from minisrv.engine import Engine, EngineConfig, RunResult
 from minisrv.sim.backend import SimBackend
 from minisrv.workloads import Workload
 

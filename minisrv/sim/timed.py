@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from minisrv.core import Backend, Batch, BatchResult, Capability
 from minisrv.request import Req
-from minisrv.scheduler import Backend, Batch, BatchResult
-from minisrv.scheduler.capabilities import Capability
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +30,10 @@ __all__ = ["SPIN", "PacedBackend", "TimedBackend", "TimedResult"]
 SPIN = 2e-4
 """Seconds at the end of a wait spent spinning instead of asleep (``TimedBackend.wait``'s
 default)."""
+
+PASSED_ON = frozenset({Capability.COMPUTES_CHUNKS, Capability.LENDS_KV_POOL,
+                       Capability.TIMES_HOST_COPIES})
+"""The inner backend's capabilities a ``TimedBackend`` declares too (it forwards them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +78,10 @@ class TimedBackend:
         self.eos_ids: tuple[int, ...] = inner.eos_ids
         self.max_context: int | None = inner.max_context
         self.vocab_size: int | None = inner.vocab_size
-        # it times the inner backend's halves and ends each step itself; nothing else
+        # it times the inner backend's halves and ends each step itself; of the rest, only
+        # what it passes on: chunks, and the inner backend's part in the host tier
         self.capabilities = frozenset({Capability.SPLITS_STEP, Capability.ENDS_OWN_STEPS,
-                                       *inner.capabilities & {Capability.COMPUTES_CHUNKS}})
+                                       *inner.capabilities & PASSED_ON})
         self.steps = 0
         self.overruns = 0
         self.busy = 0.0  # seconds the device spent on steps
@@ -92,6 +96,15 @@ class TimedBackend:
     def attach_kv(self, capacity: int) -> SlotAllocator | None:
         """The inner backend's KV store (``None`` when it stores none)."""
         return self.inner.attach_kv(capacity)
+
+    @property
+    def pool(self) -> Any:
+        """The inner backend's KV pool (``LENDS_KV_POOL``: the host tier copies it)."""
+        return self.inner.pool
+
+    def charge_host_copies(self, loaded: int, backed_up: int) -> None:
+        """The inner backend times the host tier's copies (``TIMES_HOST_COPIES``)."""
+        self.inner.charge_host_copies(loaded, backed_up)
 
     def attach_table(self, table: ReqToTokenTable | None) -> None:
         """The request-to-token table, for the inner backend."""

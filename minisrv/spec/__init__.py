@@ -6,8 +6,10 @@
   that it rolls back itself) and ``load_draft`` (the shipped weights);
 - ``verify``: ``verify_batch`` (greedy prefix match, or the rejection rule of Leviathan et
   al. / Chen et al. for sampled rows), ``greedy_accept``, ``rejection_accept``;
-- ``reference``: ``speculative_generate``, one request alone, the oracle;
-- ``speedup``: expected tokens per check, and the roofline speed-up against k and batch.
+- ``reference``: ``speculative_generate``, one request alone, the oracle.
+
+What speculation buys on a GPU (expected tokens per check, the roofline speed-up against k
+and batch) is the book's analysis: ``minisrv.sim.speedup``.
 
 The draft's weights are trained on the book side: ``python -m minisrv.train --draft``.
 """

@@ -18,7 +18,7 @@ from minisrv.configs import H100, LLAMA3_8B
 from minisrv.experiments.speculative import CONTEXTS, CheckRow, SamplingCheck, speedup_frame
 from minisrv.scheduler import StepRecord
 from minisrv.sim.sizing import max_concurrent_requests
-from minisrv.spec.speedup import expected_tokens_per_check
+from minisrv.sim.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import (

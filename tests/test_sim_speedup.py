@@ -7,7 +7,7 @@ import pytest
 
 from minisrv.configs import H100, LLAMA3_8B, LLAMA32_1B
 from minisrv.sim.roofline import batch_step_cost, decode_step_cost
-from minisrv.spec.speedup import (
+from minisrv.sim.speedup import (
     breakeven_batch,
     check_step_cost,
     expected_tokens_per_check,
