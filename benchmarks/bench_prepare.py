@@ -2,13 +2,14 @@
 
 A batch of CityLM decodes (64 requests by default) at a short and a long context is
 prepared two ways on one runner over one KV pool: through each request's slot list (the
-runner without a request-to-token table: ``FlatBatch``, which copies every request's whole
-context to the device and builds the padded attention's key slots and mask on the host),
-and through the table (``TableBatch``: the new tokens, a row and a length per request; the
-key slots and the mask gathered on the device). Both steps are then computed and must give
-the same tokens. The script prints the median time of each (of ``--runs`` medians of
-``--repeat`` calls: the machine is noisy), and how each grows from the short context to the
-long one; the table's should stay flat (within 1.5x), the slot lists' grows with it.
+runner without the scheduler's request-to-token table builds one of its own each step,
+``slot_table``, copying every request's whole context to the device), and through the
+scheduler's table (the new tokens, a row and a length per request). Either way the batch is
+a ``TableBatch`` whose key slots and mask are gathered on the device. Both steps are then
+computed and must give the same tokens. The script prints the median time of each (of
+``--runs`` medians of ``--repeat`` calls: the machine is noisy), and how each grows from the
+short context to the long one; the table's should stay flat (within 1.5x), the slot lists'
+grows with it.
 
     python benchmarks/bench_prepare.py [--batch 64] [--contexts 24 448] [--runs 7]
 """

@@ -94,6 +94,16 @@ class Req:
         """
         return [*self.prompt, *self.output][self.cached_len:]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of prompt + output (what a step's entry computes),
+        without joining the two."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n:end - n]
+        if end <= n:
+            return self.prompt[start:end]
+        return [*self.prompt[start:], *self.output[:end - n]]
+
     @property
     def remaining_new_tokens(self) -> int:
         """Output tokens it may still generate (``max_new_tokens`` minus those it has)."""

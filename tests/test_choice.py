@@ -1,4 +1,4 @@
-"""``attention="auto"``'s table (``minisrv.runner.attention_choice``): by device type, compute
+"""``attention="auto"``'s table (``minisrv.runner.attention.choice``): by device type, compute
 capability, dtype and head dim, with mocked capabilities (a T4's 7.5, an A100's 8.0, an
 H100/H200's 9.0), logged once, and its GPU row checked against the recorded runs."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisrv.runner import attention_choice
+from minisrv.runner.attention import choice as attention_choice
 from minisrv.runner.attention import make_attention
-from minisrv.runner.attention_choice import auto_attention, choose_attention
+from minisrv.runner.attention.choice import auto_attention, choose_attention
 
-MEASURED = Path(attention_choice.__file__).resolve().parents[1] / "measured"
+MEASURED = Path(attention_choice.__file__).resolve().parents[2] / "measured"
 
 
 @pytest.mark.parametrize("capability,dtype,head_dim,backend", [
@@ -75,18 +75,3 @@ def test_the_gpu_row_is_what_the_recorded_runs_measured_fastest() -> None:
         fastest = max(speeds, key=lambda k: math.fsum(map(math.log, speeds[k])))
         cc = next(cc for name, cc in capabilities.items() if device.startswith(name))
         assert choose_attention("cuda", cc, torch.bfloat16, 64).backend == fastest, path.name
-
-
-def test_every_registered_backend_is_an_engine_option_and_every_choice_is_registered() -> None:
-    """``EngineConfig(attention=...)`` takes exactly ``auto`` and the registry's names, and the
-    table only ever chooses a registered backend: a new kernel is its file plus one registry
-    line (and this tuple of the config, which the simulated GPU reads without the runner)."""
-    from minisrv.model import ATTENTION_KINDS
-    from minisrv.runner.attention import BACKENDS
-    from minisrv.scheduler.config import ATTENTIONS
-
-    assert sorted(ATTENTIONS) == sorted(("auto", *BACKENDS))
-    assert set(ATTENTION_KINDS) <= set(BACKENDS)  # the teaching FlatBatch forms
-    for device_type, capability in (("cpu", None), ("cuda", (7, 5)), ("cuda", (9, 0))):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            assert choose_attention(device_type, capability, dtype, 64).backend in BACKENDS

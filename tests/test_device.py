@@ -13,7 +13,7 @@ import torch
 
 from minisrv.book import default_device
 from minisrv.kv import KVPool
-from minisrv.model import ATTENTION_KINDS, CityLM, FlatBatch
+from minisrv.model import ATTENTION_FUNCTIONS, CityLM, FlatBatch
 
 
 def run_everything(model: CityLM) -> dict[str, torch.Tensor | list[int]]:
@@ -24,7 +24,7 @@ def run_everything(model: CityLM) -> dict[str, torch.Tensor | list[int]]:
     out["prefill"] = model(ids[:4], cache)
     out["decode"] = model(ids[4:], cache)
     out["generate"] = model.reference_generate([0, 5, 9], 12, ignore_eos=True)
-    for kind in ATTENTION_KINDS:
+    for kind in ATTENTION_FUNCTIONS:
         pool = KVPool.for_model(model, 32)
         a, b = pool.alloc(5), pool.alloc(3)
         prefill = FlatBatch([[0, 4, 8, 12, 16], [0, 7, 3]], [a, b], model.device)

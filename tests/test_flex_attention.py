@@ -22,7 +22,6 @@ from minisrv.model import (
     FlatBatch,
     available_devices,
     flex_index,
-    resolve_attention,
 )
 from minisrv.model.ragged import (
     FLEX_BLOCK_SIZE,
@@ -33,6 +32,8 @@ from minisrv.model.ragged import (
     ragged_tiles,
 )
 from minisrv.runner import ModelBackend
+from minisrv.runner.attention import make_attention
+from minisrv.runner.attention.choice import choose_attention
 from minisrv.tokenizer import Tokenizer
 
 DEVICES = available_devices()  # cpu always, cuda when a GPU is visible
@@ -211,22 +212,20 @@ def test_engine_with_flex_generates_the_reference_tokens(device: str) -> None:
     assert outputs["flex"] == outputs["padded"] == alone
 
 
-def test_auto_is_flex_on_cuda_and_padded_on_the_cpu() -> None:
-    assert resolve_attention("auto", "cpu", torch.float32) == "padded"
-    assert resolve_attention("auto", torch.device("cuda"), torch.bfloat16) == "flex"
-    assert resolve_attention("auto", "cuda:0", torch.float32) == "flex"
-    assert resolve_attention("auto", "cuda", torch.float64) == "padded"  # no Triton fp64
-    # the compiled kernel needs heads of >= 16 (this file's model has 8): padded, and an
-    # explicit "flex" runs eagerly instead of failing to compile
-    assert resolve_attention("auto", "cuda", torch.float32, head_dim=8) == "padded"
+def test_auto_is_padded_on_the_cpu_and_narrow_heads_run_flex_eagerly() -> None:
+    """``auto``'s table (``tests/test_choice.py`` checks its GPU rows) keeps the CPU padded;
+    the compiled kernel needs heads of >= 16 (this file's model has 8), so an explicit
+    "flex" runs eagerly there instead of failing to compile."""
+    assert make_attention("auto", "cpu", torch.float32, 8).kind == "padded"
+    assert choose_attention("cuda", (9, 0), torch.float32, 8).backend == "padded"
     assert flex_kernel(torch.device("cuda"), torch.float32, 8) is flex_attention
-    assert resolve_attention("flex", "cpu", torch.float32) == "flex"  # asked for: obeyed
+    assert make_attention("flex", "cpu", torch.float32, 8).kind == "flex"  # asked for: obeyed
     assert ModelBackend(model_for(torch.float32, "cpu")).attention == "padded"
 
 
 def test_unknown_attention_is_named() -> None:
     with pytest.raises(ValueError, match="unknown attention 'ragged'.*'flex'.*'auto'"):
-        resolve_attention("ragged", "cpu", torch.float32)
+        make_attention("ragged", "cpu", torch.float32, 8)
     with pytest.raises(ValueError, match="unknown attention"):
         ModelBackend(model_for(torch.float32, "cpu"), attention="flash")
 
@@ -255,3 +254,31 @@ def test_a_failed_compile_falls_back_to_the_padded_call(monkeypatch: pytest.Monk
     again = step_logits(model, mix, "flex", seed=3)
     assert len(calls) == 1  # tried once (first layer), then never again
     assert torch.equal(first, padded) and torch.equal(again, padded)
+
+
+def test_the_flex_backend_falls_back_to_the_padded_call_too(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The runner's flex backend builds its own metadata from the step's ``TableBatch`` and
+    makes the same ragged call: where the compiled kernel fails, the padded backend's call
+    over the same batch answers instead, equal to the padded backend's own output."""
+    from minisrv.model import ragged
+    from minisrv.runner.table_batch import TableBatch
+
+    def failing_kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("NoValidChoicesError: No choices to select")
+
+    gen = torch.Generator().manual_seed(5)
+    slots = [[4, 9, 1, 7], [3], [8, 0, 2, 6, 5]]
+    batch = TableBatch.of_slots([[1, 2], [3], [4, 5, 6]], slots, fill=10)
+    kv = torch.randn(11, 2, 2, 16, generator=gen)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
+    flex = make_attention("flex", "cpu", torch.float32, 16, 2)
+    padded = make_attention("padded", "cpu", torch.float32, 16, 2)
+    want = padded.forward(q, kv, padded.prepare(batch))
+    torch.testing.assert_close(flex.forward(q, kv, flex.prepare(batch)), want)
+    monkeypatch.setattr(ragged, "compile_errors", lambda: (RuntimeError,))
+    monkeypatch.setattr(ragged, "flex_kernel", lambda *args: failing_kernel)
+    monkeypatch.setattr(ragged, "compile_failure", None)
+    with pytest.warns(RuntimeWarning, match="NoValidChoicesError"):
+        fell_back = flex.forward(q, kv, flex.prepare(batch))
+    assert torch.equal(fell_back, want)

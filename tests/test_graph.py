@@ -136,9 +136,10 @@ def test_cuda_graph_is_refused_off_cuda(model) -> None:
     runner.attach_kv(10)
     assert runner.graphs.context == 10  # no wider than the pool: no context outgrows it
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraphs(model, runner.pool, 4, cuda_graph=True)
+        DecodeGraphs(model, runner.pool, 4, attention=runner.attn, cuda_graph=True)
     with pytest.raises(ValueError, match="max_seq_len"):
-        DecodeGraphs(model, runner.pool, 4, context=model.config.max_seq_len + 1)
+        DecodeGraphs(model, runner.pool, 4, attention=runner.attn,
+                     context=model.config.max_seq_len + 1)
     assert EngineConfig().cuda_graph is False  # off by default until a GPU run passes
 
 
@@ -164,8 +165,9 @@ def test_the_padded_decode_reads_nothing_back() -> None:
 
 
 def test_static_decode_goes_through_the_attention_backends_hooks(model) -> None:
-    """The padded backend's own hooks fill and read the static buffers; a backend without
-    hooks (the loop) gets the padded backend's."""
+    """The padded backend's own hooks fill and read the static buffers; for a backend
+    without hooks (the loop) the runner gives the graphs the padded backend, and the graphs
+    build no backend of their own: given one without hooks, they refuse it."""
     padded = ModelRunner(model, "padded", static_decode=True, max_running=4)
     padded.attach_kv(64)
     assert padded.graphs is not None and padded.graphs.attention is padded.attn
@@ -174,6 +176,8 @@ def test_static_decode_goes_through_the_attention_backends_hooks(model) -> None:
     loop.attach_kv(64)
     assert loop.attn.graphs is None and loop.graphs is not None
     assert isinstance(loop.graphs.attention, PaddedAttention)
+    with pytest.raises(ValueError, match="'loop' has no static decode hooks"):
+        DecodeGraphs(model, loop.pool, 4, attention=loop.attn)
 
 
 def test_the_registry_builds_each_backend_by_its_name() -> None:

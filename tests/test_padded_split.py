@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from minisrv.engine import Engine
 from minisrv.model import FlatBatch, flat_attention_loop
 from minisrv.runner import ModelRunner, PaddedAttention, length_cuts
+from minisrv.runner.table_batch import TableBatch
 from minisrv.sampling import SamplingParams
 
 MODEL_SEED = 3
@@ -59,11 +60,12 @@ def test_cut_decodes_attend_as_one_request_at_a_time(contexts: list[int], n_pref
         slots.append(order[at:at + n])
         at += n
     batch = FlatBatch([[0] * k for k in new], slots)
+    tabled = TableBatch.of_slots([[0] * k for k in new], slots)
     kv = torch.randn(total, 2, n_kv, dim, generator=gen, dtype=torch.float64)
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen, dtype=torch.float64)
-    attn = PaddedAttention(torch.float64, n_kv * dim)
+    attn = PaddedAttention("cpu", torch.float64, dim, n_kv)
     attn.split_cost = 0.0
-    step = attn.prepare(batch)
+    step = attn.prepare(tabled)
     if len(set(contexts)) > 1:
         assert step.order is not None and len(step.groups) > 1 + (n_prefills > 0)
     got = attn.forward(q, kv, step)
@@ -86,6 +88,7 @@ def test_an_engine_cutting_every_step_gives_each_request_its_own_tokens(model, m
 
 
 def test_the_cost_of_a_cut_scales_with_the_heads_it_gathers_and_a_gpu_never_cuts() -> None:
-    small, large = PaddedAttention(torch.float32, 64), PaddedAttention(torch.float32, 256)
+    small, large = (PaddedAttention("cpu", torch.float32, 32, 2),
+                    PaddedAttention("cpu", torch.float32, 64, 4))
     assert small.split_cost == 4 * large.split_cost
-    assert PaddedAttention(torch.float32, 64, "cuda").split_cost == float("inf")
+    assert PaddedAttention("cuda", torch.float32, 32, 2).split_cost == float("inf")

@@ -15,7 +15,7 @@ from minisrv.core import Batch
 from minisrv.engine import Engine
 from minisrv.kv import KVManager, ReqToTokenTable, SlotAllocator
 from minisrv.kv.table import table_rows
-from minisrv.model import CityLM, FlatBatch
+from minisrv.model import ATTENTION_FUNCTIONS, CityLM, FlatBatch
 from minisrv.request import Req, ReqState
 from minisrv.runner import ModelBackend
 from minisrv.runner.attention import make_attention
@@ -234,8 +234,10 @@ def test_aborted_requests_give_their_rows_back(model) -> None:
        kind=st.sampled_from(["padded", "loop", "flex"]), split=st.booleans())
 @settings(max_examples=40, deadline=None)
 def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None:
-    """Every backend over a ``TableBatch`` equals the same backend over the ``FlatBatch``
-    of the same slots (the padded one also with its decodes cut by context)."""
+    """Every backend over a ``TableBatch`` (rows out of order) equals its teaching form over
+    the ``FlatBatch`` of the same slots (the padded one also with its decodes cut by
+    context), and so does the backend over a table of the slot lists' own
+    (``TableBatch.of_slots``, what a runner driven by hand builds)."""
     gen = torch.Generator().manual_seed(len(spec))
     capacity = sum(n + c for n, c in spec)
     order = torch.randperm(capacity, generator=gen).tolist()  # slots out of order
@@ -257,8 +259,12 @@ def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None
     attn = make_attention(kind, torch.device("cpu"), torch.float64, 16, 2)
     if split:
         attn.split_cost = 0.0  # type: ignore[union-attr]  # cut wherever contexts differ
-    want = attn.forward(q, kv, attn.prepare(flat))
+    want = ATTENTION_FUNCTIONS[kind](q, flat, kv[:, 0], kv[:, 1])
     torch.testing.assert_close(attn.forward(q, kv, attn.prepare(tabled)), want)
+    own = TableBatch.of_slots(new_ids, slot_lists, fill=capacity)
+    assert own.table.shape == (len(spec) + 1, max(map(len, slot_lists)))
+    assert own.table[-1].eq(capacity).all()  # the scratch row
+    torch.testing.assert_close(attn.forward(q, kv, attn.prepare(own)), want)
 
 
 class HostCopies(TorchDispatchMode):

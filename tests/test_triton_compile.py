@@ -1,6 +1,6 @@
 """The Triton kernels compile for the GPUs the book meets, without one: each kernel of
-``minisrv.runner.triton_ops`` through Triton's front end and the ``ptxas`` its wheel ships,
-to a cubin for compute capability 7.5 (the T4, float16), 8.0 and 9.0 (bfloat16).
+``minisrv.runner.attention.triton_ops`` through Triton's front end and the ``ptxas`` its
+wheel ships, to a cubin for compute capability 7.5 (the T4, float16), 8.0 and 9.0 (bfloat16).
 
 The interpreter tests (``tests/test_triton_ops.py``) check the numbers; this checks what
 the interpreter never sees: that the kernels type-check and lower for real targets under the
@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from minisrv.runner import triton_ops as ops  # noqa: E402
+from minisrv.runner.attention import triton_ops as ops  # noqa: E402
 
 if ops.INTERPRETED:
     pytest.skip("the kernels were imported under the interpreter", allow_module_level=True)

@@ -1,5 +1,6 @@
-"""The Triton kernels that read the KV pool in place (``minisrv.runner.triton_ops``) and their
-backend (``minisrv.runner.attention.triton``), against plain torch and the padded backend.
+"""The Triton kernels that read the KV pool in place
+(``minisrv.runner.attention.triton_ops``) and their backend
+(``minisrv.runner.attention.triton``), against plain torch and the padded backend.
 
 Without CUDA the kernels run under Triton's interpreter, which must be switched on before
 triton is first imported, and this file's conftest already imports it (``minisrv.model``
@@ -37,6 +38,7 @@ from minisrv.model.flat import FlatBatch  # noqa: E402
 from minisrv.runner import ModelRunner  # noqa: E402
 from minisrv.runner.attention import LoopAttention, PaddedAttention, write_kv  # noqa: E402
 from minisrv.runner.attention.triton import TritonAttention, TritonStep, kernels  # noqa: E402
+from minisrv.runner.table_batch import TableBatch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 ops = kernels()
@@ -94,6 +96,11 @@ class Ragged:
 
     def flat(self) -> FlatBatch:
         return FlatBatch([[1] * n for n in self.news], self.slot_lists, DEVICE)
+
+    def tabled(self) -> TableBatch:
+        """The batch as the runner hands it to a backend: through its rows of the table."""
+        return TableBatch([[1] * n for n in self.news], self.rows.tolist(), self.contexts,
+                          self.table)
 
     def reference(self) -> torch.Tensor:
         """Plain attention in float64, request by request: [T, heads, head_dim]."""
@@ -178,23 +185,22 @@ def test_write_puts_each_new_token_where_write_kv_does(dtype) -> None:
 
 @pytest.mark.parametrize("news", [[1] * 5, [9, 1, 1, 30, 1], [12, 7, 3, 5, 1]])
 def test_backend_gives_the_padded_and_loop_backends_numbers(news) -> None:
-    """``TritonAttention`` over a flat batch (decodes only, mixed, prefills), through its
-    own table built from the batch's slot lists, against the padded and loop backends."""
+    """``TritonAttention`` over a step's ``TableBatch`` (decodes only, mixed, prefills), its
+    requests in random rows of the table, against the padded and loop backends."""
     batch = Ragged([12, 60, 9, 130, 5], news, 32, 2, 2, seed=7)
-    flat = batch.flat()
-    triton = TritonAttention(DEVICE)
-    step = triton.prepare(flat)
+    tabled = batch.tabled()
+    shape = (DEVICE, torch.float32, 32, 2)
+    triton = TritonAttention(*shape)
+    step = triton.prepare(tabled)
     assert step.decode == all(n == 1 for n in news)
     out = triton.forward(batch.q, batch.kv, step)
-    padded = PaddedAttention(torch.float32, device=DEVICE)
-    close(out, padded.forward(batch.q, batch.kv, padded.prepare(flat)), torch.float32)
-    loop = LoopAttention()
-    close(out, loop.forward(batch.q, batch.kv, loop.prepare(flat)), torch.float32)
+    for other in (PaddedAttention(*shape), LoopAttention(*shape)):
+        close(out, other.forward(batch.q, batch.kv, other.prepare(tabled)), torch.float32)
     close(out, batch.reference().reshape(out.shape), torch.float32)
 
     new_kv = torch.randn(sum(news), 2, 2, 32, device=DEVICE)
     expected = batch.kv.clone()
-    write_kv(expected, flat.write_slots, new_kv[:, 0], new_kv[:, 1])
+    write_kv(expected, batch.flat().write_slots, new_kv[:, 0], new_kv[:, 1])
     triton.write(batch.kv, new_kv[:, 0], new_kv[:, 1], step)
     assert torch.equal(batch.kv, expected)
 
@@ -213,7 +219,7 @@ def test_bad_input_is_a_value_error() -> None:
         ops.extend_attention(batch.q.double(), batch.kv[:, 0], batch.kv[:, 1], step.table,
                              step.rows, step.contexts, step.news, step.starts, 1)
     with pytest.raises(ValueError, match="max_splits"):
-        TritonAttention(DEVICE, max_splits=0)
+        TritonAttention(DEVICE, torch.float32, 32, 2, max_splits=0)
 
 
 def test_engine_tokens_equal_each_request_alone(citylm) -> None:

@@ -6,7 +6,8 @@
 - ``onednn``: ``Linear``, the CPU's float32 products through oneDNN with packed weights;
 - ``kvcache``: ``DenseKVCache``, one request's K/V, and its attention;
 - ``flat``: ``FlatBatch`` and the attention of many requests over a shared ``KVPool``
-  (loop or padded; ``resolve_attention`` picks, ``auto`` meaning ragged on a GPU);
+  (loop, padded or ragged: ``ATTENTION_FUNCTIONS``, the teaching forms of the runner's
+  backends of the same names);
 - ``ragged``: one ``flex_attention`` call over a flat batch, its block mask from lengths;
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
@@ -25,7 +26,7 @@ from minisrv.model.attention_metadata import flex_index, padded_groups
 from minisrv.model.citylm import CityLM, merge_eos_ids
 from minisrv.model.device import available_devices, default_dtype, resolve_device
 from minisrv.model.flat import (
-    ATTENTION_KINDS,
+    ATTENTION_FUNCTIONS,
     FlatBatch,
     PaddedGroup,
     flat_attention_flex,
@@ -34,7 +35,6 @@ from minisrv.model.flat import (
     padded_attention,
     padded_sdpa,
     pool_attention,
-    resolve_attention,
 )
 from minisrv.model.hf import (
     config_from_hf,
@@ -75,7 +75,7 @@ from minisrv.model.ragged import FLEX_AVAILABLE, ragged_block_mask, ragged_tiles
 from minisrv.tokenizer import HFTokenizer
 
 __all__ = [
-    "ATTENTION_KINDS",
+    "ATTENTION_FUNCTIONS",
     "FLEX_AVAILABLE",
     "CITYLM_NAME",
     "META_FILE",
@@ -121,7 +121,6 @@ __all__ = [
     "pool_attention",
     "ragged_block_mask",
     "ragged_tiles",
-    "resolve_attention",
     "resolve_device",
     "rope_inv_freq",
     "rope_table",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from minisrv.configs import CITYLM, ModelConfig
-from minisrv.model.flat import ATTENTION_KINDS, FlatBatch, pool_attention, resolve_attention
+from minisrv.model.flat import ATTENTION_FUNCTIONS, FlatBatch, pool_attention
 from minisrv.model.kvcache import DenseKVCache, cache_attention
 from minisrv.model.layers import (
     Block,
@@ -214,7 +214,7 @@ class CityLM(nn.Module):
         batch: FlatBatch,
         pool: KVPool,
         *,
-        attention: str = "auto",
+        attention: str = "padded",
         last_only: bool = False,
     ) -> torch.Tensor:
         """Selective batching (ORCA): one forward over the new tokens of many requests.
@@ -224,14 +224,15 @@ class CityLM(nn.Module):
         each token is rotated by its own position, its K/V are written to its request's
         slot in ``pool``, and it attends to its own request's slots (``attention="loop"``:
         one call per request; ``"padded"``: one masked call for all; ``"flex"``: one ragged
-        call for all; ``"auto"``: flex on a GPU, padded on the CPU). Returns logits
+        call for all; which one a device should run is the runner's choice,
+        ``minisrv.runner.attention``'s ``"auto"``). Returns logits
         [T_total, vocab], or [requests, vocab] for each request's last token with
         ``last_only`` (all a decoder needs). Checks run before the pool is written.
         """
-        kind = resolve_attention(attention, self.device, self.dtype, self.config.head_dim)
         batch = batch.to(self.device)
-        self.check_flat(batch, pool, kind)
-        attend = partial(pool_attention, batch=batch, pool=pool, write=batch.write_slots, kind=kind)
+        self.check_flat(batch, pool, attention)
+        attend = partial(pool_attention, batch=batch, pool=pool, write=batch.write_slots,
+                         kind=attention)
         rows = batch.last_rows if last_only else None
         return self.forward_tokens(batch.ids, batch.positions, attend, rows)
 
@@ -261,8 +262,9 @@ class CityLM(nn.Module):
         and hold every slot of the batch, and no request may outgrow ``max_seq_len``. All
         from host values: nothing is read back from the device.
         """
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention {attention!r}; choose from {ATTENTION_KINDS}")
+        if attention not in ATTENTION_FUNCTIONS:
+            raise ValueError(f"unknown attention {attention!r}; the flat batch's are "
+                             f"{tuple(ATTENTION_FUNCTIONS)}")
         self.check_id_range(*batch.id_range)
         cfg = self.config
         want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)

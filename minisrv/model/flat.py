@@ -2,10 +2,12 @@
 the attention that runs over it, with every request's K/V in a shared ``KVPool``.
 
 ``pool_attention`` is what ``CityLM.forward_flat`` hands to each layer: it writes the new
-tokens' K/V into their slots, then attends with one of the strategies of ``ATTENTION_KINDS``
-(``flat_attention_loop``, ``flat_attention_padded``, and ``flat_attention_flex``, whose
-block mask and kernel come from ``ragged``);
-``resolve_attention`` turns ``"auto"`` into the right one for a device.
+tokens' K/V into their slots, then attends with one of the strategies of
+``ATTENTION_FUNCTIONS`` (``flat_attention_loop``, ``flat_attention_padded``, and
+``flat_attention_flex``, whose block mask and kernel come from ``ragged``). These are the
+chapters' teaching forms and the correctness oracle of the runner's backends of the same
+names (``minisrv.runner.attention.BACKENDS``, the one table of attention names, where
+``"auto"`` is chosen); they read a ``FlatBatch``, the runner's backends a ``TableBatch``.
 """
 
 from __future__ import annotations
@@ -15,45 +17,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minisrv.model import ragged
-from minisrv.model.attention_metadata import PaddedGroup, flex_index, host_key_slots, padded_groups
+from minisrv.model.attention_metadata import PaddedGroup, flex_index, padded_groups
 from minisrv.model.layers import causal_mask, grouped_attention
-from minisrv.model.ragged import FLEX_AVAILABLE, flex_compiles
+from minisrv.model.ragged import BlockMask
 
 if TYPE_CHECKING:
     from minisrv.kv import KVPool
-
-ATTENTION_KINDS: tuple[str, ...] = ("loop", "padded", "flex")
-"""How ``CityLM.forward_flat`` attends: one call per request, one padded call for all, or one
-ragged ``flex_attention`` call for all. ``"auto"`` (``resolve_attention``) picks one."""
-
-def resolve_attention(
-    kind: str, device: str | torch.device, dtype: torch.dtype, head_dim: int = 64
-) -> str:
-    """The attention kind to run: ``kind`` itself, or for ``"auto"`` the best for ``device``.
-
-    ``"auto"`` is ``"flex"`` where flex_attention compiles to one ragged kernel (CUDA, 16- or
-    32-bit weights, heads of at least 16: ``flex_compiles``) and ``"padded"`` otherwise: on
-    the CPU flex_attention runs unfused (it builds the full score matrix), so the padded SDPA
-    call is as fast there and needs no compiler. An explicit ``"flex"`` without
-    flex_attention raises.
-    """
-    if kind == "auto":
-        fast = FLEX_AVAILABLE and flex_compiles(torch.device(device), dtype, head_dim)
-        return "flex" if fast else "padded"
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"unknown attention {kind!r}; choose from {ATTENTION_KINDS} or 'auto'")
-    if kind == "flex" and not FLEX_AVAILABLE:
-        raise ValueError(
-            f"attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5), "
-            f"this is torch {torch.__version__}; use 'padded'"
-        )
-    return kind
-
 
 class FlatBatch:
     """The new tokens of many requests laid end to end, with where their KV lives.
@@ -65,8 +38,8 @@ class FlatBatch:
     token's position is its index in ``slots[r]``, which is what RoPE needs.
 
     The forward's inputs (flat ids, positions, write slots) are computed here once per step
-    and shared by all layers; each attention builds its own metadata from the batch
-    (``minisrv.model.attention_metadata``), asking it for requests' key slots.
+    and shared by all layers; each attention builds its own metadata from the batch's slot
+    lists (``minisrv.model.attention_metadata``).
     """
 
     def __init__(
@@ -139,18 +112,6 @@ class FlatBatch:
     def num_tokens(self) -> int:
         """New tokens in all (the rows of the flat matrix)."""
         return int(self.ids.shape[0])
-
-    def key_slots(self, members: slice | np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """``members``' slots padded with slot 0 to the longest [B, S_max] (from the host
-        lists, in one copy) and their lengths [B] on the host (``attention_metadata``)."""
-        picked = (self.slot_lists[members] if isinstance(members, slice)
-                  else [self.slot_lists[r] for r in members.tolist()])
-        return host_key_slots(picked, self.device)
-
-    def ragged_key_slots(self) -> torch.Tensor:
-        """Every request's slots end to end [S_total] (the ragged attention's keys)."""
-        return torch.tensor([slot for s in self.slot_lists for slot in s], dtype=torch.long,
-                            device=self.device)
 
     def __repr__(self) -> str:
         return f"FlatBatch(requests={len(self)}, tokens={self.num_tokens})"
@@ -257,17 +218,27 @@ def flat_attention_flex(
     (``enable_gqa``), not copied.
     """
     key_slots, block_mask = flex_index(batch)
+    out = ragged_attention(q, key_slots, block_mask, k_layer, v_layer)
+    return flat_attention_padded(q, batch, k_layer, v_layer) if out is None else out
+
+
+def ragged_attention(q: torch.Tensor, key_slots: torch.Tensor, block_mask: BlockMask,
+                     k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor | None:
+    """The one ragged ``flex_attention`` call over the keys of ``key_slots`` [S_total] laid
+    end to end, under ``block_mask``: [T, heads * head_dim], or None where the compiled
+    kernel failed in this process (``ragged.compile_failed``: the caller runs the padded
+    call instead). The runner's flex backend makes this call too."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     k = k_layer[key_slots].transpose(0, 1)[None]  # [1, n_kv_heads, S_total, head_dim]
     v = v_layer[key_slots].transpose(0, 1)[None]
     attend = ragged.flex_kernel(q.device, q.dtype, head_dim)
     if attend is not ragged.flex_attention and ragged.compile_failure is not None:
-        return flat_attention_padded(q, batch, k_layer, v_layer)
+        return None
     try:
         out = attend(q.transpose(0, 1)[None], k, v, block_mask=block_mask, enable_gqa=True)
     except ragged.compile_errors() as err:  # only the compiled kernel raises these
         ragged.compile_failed(err)
-        return flat_attention_padded(q, batch, k_layer, v_layer)
+        return None
     return out[0].transpose(0, 1).reshape(q.shape[0], n_heads * head_dim)
 
 
@@ -276,7 +247,8 @@ ATTENTION_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "padded": flat_attention_padded,
     "flex": flat_attention_flex,
 }
-"""The function behind each of ``ATTENTION_KINDS``."""
+"""The teaching forms by name, each the oracle of the runner's backend of that name
+(``minisrv.runner.attention.BACKENDS``; ``tests/test_runner.py`` checks their logits agree)."""
 
 
 def pool_attention(
@@ -294,7 +266,8 @@ def pool_attention(
 
     Each token's K/V go to its request's slot in ``pool`` before anyone attends, so the
     request's other new tokens see them now and its later steps find them there; ``kind``
-    picks the strategy of ``ATTENTION_KINDS``. This is ``CityLM.forward_flat``'s ``LayerAttend``.
+    picks the strategy of ``ATTENTION_FUNCTIONS``. This is ``CityLM.forward_flat``'s
+    ``LayerAttend``.
     """
     pool.k[layer, write] = k
     pool.v[layer, write] = v

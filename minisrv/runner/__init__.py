@@ -2,10 +2,13 @@
 
 * ``model_runner.py``: ``ModelRunner`` (alias ``ModelBackend``): the KV pool on the device,
   a batch's entries as device tensors once per step, one flat forward, sampling;
-* ``attention/``: the attention backends (padded, loop, flex, triton), a registry, each
-  with its metadata, its per-layer call and (padded, triton) its CUDA-graph hooks;
-* ``table_batch.py``: ``TableBatch``, a step's batch read through the request-to-token table;
-* ``step_inputs.py``: ``StepInputs``, what a step hands the device, and an entry's tokens;
+  and ``StepInputs``, what a step hands the device;
+* ``attention/``: the attention backends (padded, loop, flex, triton), one registry
+  (``BACKENDS``) and the table ``"auto"`` reads, each backend with its metadata, its
+  per-layer call and (padded, triton) its CUDA-graph hooks;
+* ``table_batch.py``: ``TableBatch``, a step's batch read through the request-to-token table
+  (the one batch type of the runner and its backends);
+* ``speculative.py``: a step holding speculative checks, planned and verified;
 * ``graph.py``: ``DecodeGraphs``: decode steps over static buffers padded to a batch
   bucket, replayed as CUDA graphs on a GPU;
 * ``sampler.py``: ``Sampler``: per-request generators and the logits-processor hook;
@@ -42,7 +45,7 @@ _HOMES = {
     "FutureMap": "futures",
     "ModelBackend": "model_runner",
     "ModelRunner": "model_runner",
-    "StepInputs": "step_inputs",
+    "StepInputs": "model_runner",
     "PerRequestBackend": "per_request",
     "LogitsProcessor": "sampler",
     "Sampler": "sampler",

@@ -2,8 +2,8 @@
 
 A CUDA graph replays the kernels it recorded on the very tensors it recorded them on, with
 the very shapes. So a decode step that is to be replayed must find its inputs (token ids,
-positions, the slots its new K/V go to, and the attention's own: the padded backend's key
-slots and mask, through the hooks every backend may give, ``AttentionBackend.graphs``) in
+positions, the slots its new K/V go to, and the attention's own: e.g. the padded backend's
+key slots and mask, through the hooks of the backend it is given, ``AttentionBackend.graphs``) in
 buffers the runner owns and never reallocates, padded to one of a few batch sizes, the *buckets*
 1, 2, 4, 8, 16, 24, ... up to ``max_running`` (as nano-vllm's ``model_runner.py`` and
 mini-sglang's ``engine/graph.py`` do). ``DecodeGraphs`` holds those buffers for the largest
@@ -32,7 +32,6 @@ with ``cuda_graph=True`` on one.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 
 from minisrv.checks import check_int
-from minisrv.runner.attention import AttentionBackend, PaddedAttention, write_kv
+from minisrv.runner.attention import AttentionBackend, write_kv
 
 if TYPE_CHECKING:
     from minisrv.kv import KVPool
@@ -72,7 +71,9 @@ class PaddedDecode(NamedTuple):
 
 class DecodeGraphs:
     """Static decode buffers for batches up to ``max_running`` and contexts up to
-    ``context`` tokens (default: the model's ``max_seq_len``), over ``pool``.
+    ``context`` tokens (default: the model's ``max_seq_len``), over ``pool``, attending
+    with ``attention``, a backend with static decode hooks (``graphs``: the runner picks
+    one, ``ModelRunner.attach_kv``; nothing is built here).
 
     With ``cuda_graph`` (a CUDA model only) every bucket's forward is captured now and
     replayed by ``run``; without, ``run`` runs the same forward eagerly over the same
@@ -80,8 +81,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: CityLM, pool: KVPool, max_running: int, *,
-                 context: int | None = None, cuda_graph: bool = False,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend, context: int | None = None,
+                 cuda_graph: bool = False) -> None:
         limit = model.config.max_seq_len
         self.context = limit if context is None else check_int("context", context, minimum=1)
         if self.context > limit:
@@ -89,6 +90,9 @@ class DecodeGraphs:
         if cuda_graph and model.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a model on a CUDA device, this one is on "
                              f"{model.device}")
+        if attention.graphs is None:
+            raise ValueError(f"attention {attention.kind!r} has no static decode hooks "
+                             f"(graphs); give the padded backend")
         self.model, self.pool = model, pool
         self.buckets = batch_buckets(max_running)
         self.scratch = pool.scratch_slot
@@ -96,13 +100,7 @@ class DecodeGraphs:
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.write_slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
-        # the attention's own static buffers, through its hooks (the padded backend's for a
-        # backend without them)
-        if attention is None or attention.graphs is None:
-            attention = PaddedAttention(model.dtype, device=device)
-        self.attention = attention
-        self.hooks = attention.graphs
-        assert self.hooks is not None
+        self.attention, self.hooks = attention, attention.graphs  # its own static buffers
         self.buffers = self.hooks.buffers(rows, self.context, self.scratch, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bucket, vocab]
@@ -145,23 +143,6 @@ class DecodeGraphs:
         moved = torch.from_numpy(ints).to(self.model.device)
         return PaddedDecode(n, b, moved[0], moved[1], moved[2], table,
                             bool((ints[0, :n] < 0).any()))
-
-    def prepare_slots(self, new_ids: Sequence[int],
-                      slots: Sequence[Sequence[int]]) -> PaddedDecode:
-        """``prepare`` for requests given by their slot lists (no engine table): a table of
-        their own, one row each plus a scratch row, built on the host and copied over (work
-        that grows with the context, which the engine's table avoids)."""
-        n = len(new_ids)
-        if len(slots) != n:
-            raise ValueError(f"{n} requests' ids but {len(slots)} slot lists")
-        lens = np.fromiter(map(len, slots), dtype=np.int64, count=n)
-        if lens.min() < 1 or lens.max() > self.context:
-            raise ValueError(f"every request needs 1..{self.context} slots, got {lens.tolist()}")
-        table = np.full((n + 1, self.context), self.scratch, dtype=np.int32)
-        table[:n][np.arange(self.context)[None, :] < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(slots), dtype=np.int32, count=int(lens.sum()))
-        return self.prepare(new_ids, range(n), lens.tolist(),
-                            torch.from_numpy(table).to(self.model.device))
 
     def run(self, step: PaddedDecode,
             resolve: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

@@ -25,27 +25,40 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from minisrv.core import Batch, BatchResult, Capability, Entry
 from minisrv.kv import KVPool, SlotAllocator
 from minisrv.kv.table import ReqToTokenTable
-from minisrv.model.flat import FlatBatch
 from minisrv.request import Req
-from minisrv.runner.attention import AttentionBackend, make_attention, write_kv
+from minisrv.runner.attention import AttentionBackend, PaddedAttention, make_attention, write_kv
 from minisrv.runner.graph import DecodeGraphs, PaddedDecode
 from minisrv.runner.sampler import LogitsProcessor, Sampler
-from minisrv.runner.speculative import compute_checks, jump_forward, prepare_checks
-from minisrv.runner.step_inputs import StepInputs, entry_tokens
-from minisrv.runner.table_batch import TableBatch
-from minisrv.sampling import TokenLogprobs
+from minisrv.runner.speculative import Checks, jump_forward, plan_checks, verify_checks
+from minisrv.runner.table_batch import TableBatch, slot_table
+from minisrv.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from minisrv.model import CityLM
 
 __all__ = ["ModelBackend", "ModelRunner", "StepInputs"]
+
+
+class StepInputs(NamedTuple):
+    """One step as the device reads it (``ModelRunner.prepare``)."""
+
+    flat: TableBatch | None  # ids (futures < 0), positions, write slots; None: padded decode
+    metadata: Any  # the attention backend's, built before layer 0 (padded: a PaddedDecode)
+    has_futures: bool  # some input id is a future id, to resolve on the device
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
+    samples: tuple[bool, ...]  # per entry: whether it samples a token
+    reqs: list[Req]  # the sampling entries' requests (for the logits processors)
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    histories: list[tuple[list[int], list[int]]] | None  # for penalties (Sampler.histories)
+    checks: Checks | None = None  # speculative checks (runner.speculative); None: none
 
 
 class ModelRunner:
@@ -55,17 +68,20 @@ class ModelRunner:
     calls it with its ``kv_capacity``); each step finds a request's slots through its row of
     the scheduler's request-to-token table (``attach_table``), so ``prepare`` copies the new
     tokens, a row and a length per request, nothing that grows with the context. A runner
-    driven by hand, without a table, reads each request's ``kv_slots`` (``FlatBatch``).
-    ``attention`` is ``"padded"`` (one masked attention call per layer), ``"flex"`` (one
-    ragged flex_attention call per layer, no padding), ``"loop"`` (one call per request) or
-    ``"auto"``, resolved once here to flex on a GPU and padded on the CPU. ``device`` moves
-    the model there first (``None``: where it is). ``logits_processors`` are applied to
-    every step's logits before sampling (``Sampler``).
+    driven by hand, without a table, builds one per step from the requests' ``kv_slots``
+    (``slot_table``): the batch is a ``TableBatch`` either way. ``attention`` names a backend
+    of the registry (``minisrv.runner.attention.BACKENDS``: ``"padded"``, one masked call
+    per layer; ``"flex"``, one ragged flex_attention call; ``"loop"``, one call per request;
+    ``"triton"``, kernels over the pool in place) or is ``"auto"``, resolved once here
+    from the device's capability (``choice.py``: flex on a recent GPU, padded elsewhere).
+    ``device`` moves the model there first (``None``: where it is). ``logits_processors``
+    are applied to every step's logits before sampling (``Sampler``).
 
     ``static_decode`` runs decode-only steps of up to ``max_running`` requests over
     static buffers padded to a batch bucket (``DecodeGraphs``, contexts up to
     ``graph_context`` tokens, default the model's ``max_seq_len`` or the pool's capacity if
-    smaller); ``cuda_graph`` (a CUDA
+    smaller), attending with the backend's own static decode hooks, or the padded
+    backend's where it has none; ``cuda_graph`` (a CUDA
     model only, else ValueError) does the same and replays each bucket's CUDA graph,
     captured in ``attach_kv`` (UNTESTED until run on a GPU).
     """
@@ -127,8 +143,12 @@ class ModelRunner:
         if static:  # no request's context outgrows the pool: buffers no wider than it
             if context is None:
                 context = min(self.model.config.max_seq_len, capacity)
-            self.graphs = DecodeGraphs(self.model, self.pool, max_running, context=context,
-                                       cuda_graph=cuda_graph, attention=self.attn)
+            attention, cfg = self.attn, self.model.config
+            if attention.graphs is None:  # loop, flex: the padded backend's decode hooks
+                attention = PaddedAttention(self.device, self.model.dtype, cfg.head_dim,
+                                            cfg.n_kv_heads)
+            self.graphs = DecodeGraphs(self.model, self.pool, max_running, attention=attention,
+                                       context=context, cuda_graph=cuda_graph)
         return self.pool.allocator
 
     def attach_table(self, table: ReqToTokenTable | None) -> None:
@@ -151,54 +171,46 @@ class ModelRunner:
         """
         if self.pool is None:
             raise ValueError("ModelRunner has no KV pool: the scheduler calls attach_kv first")
+        entries, checks = batch.entries, None
         if batch.drafts is not None:
-            return prepare_checks(self, batch)
-        new_ids, rows = [], []
-        row = -1
-        for entry in batch.entries:
-            new_ids.append(entry_tokens(entry.req, entry.start, entry.end))
-            row += entry.n_tokens
-            if entry.sample:
-                rows.append(row)
-        sampling = [e.req for e in batch.entries if e.sample]
-        samples = tuple(e.sample for e in batch.entries)
+            new_ids, rows, sampling, checks = plan_checks(batch, self.sampler)
+            samples = tuple(kind > 0 for kind in checks.kinds)
+        else:
+            new_ids, rows, row = [], [], -1
+            for entry in entries:
+                new_ids.append(entry.req.tokens(entry.start, entry.end))
+                row += entry.n_tokens
+                if entry.sample:
+                    rows.append(row)
+            sampling = [e.req for e in entries if e.sample]
+            samples = tuple(e.sample for e in entries)
         params, generators = [req.params for req in sampling], self.sampler.generators(sampling)
         histories = self.sampler.histories(sampling)
-        graphs, entries = self.graphs, batch.entries
-        if (graphs is not None and all(samples)
-                and graphs.fits([e.n_tokens for e in entries], [e.end for e in entries])):
-            padded = self.padded_decode(new_ids, entries)
+        table_rows, ends, table = self.step_table(entries)
+        graphs = self.graphs
+        if (graphs is not None and checks is None and all(samples)
+                and graphs.fits([e.n_tokens for e in entries], ends)):
+            padded = graphs.prepare([ids[0] for ids in new_ids], table_rows, ends, table)
             every_row = torch.arange(padded.n, device=self.model.device)
             return StepInputs(None, padded, padded.has_futures, every_row,
                               samples, sampling, params, generators, histories)
-        flat = self.flat_batch(new_ids, entries)
+        flat = TableBatch(new_ids, table_rows, ends, table)
         return StepInputs(
             flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
-            samples, sampling, params, generators, histories)
+            samples, sampling, params, generators, histories, checks)
 
-    def flat_batch(self, new_ids: list[list[int]],
-                   entries: Sequence[Entry]) -> FlatBatch | TableBatch:
-        """The step's flat batch: each entry's KV found through its request's row of the
-        table (a ``TableBatch``: new tokens, rows and lengths copied, nothing per context);
-        without a table (a runner driven by hand) through its slot list (``FlatBatch``)."""
-        if self.table is None:
-            return FlatBatch(new_ids, [e.req.kv_slots[:e.end] for e in entries],
-                             self.model.device)
-        table = self.table
-        return TableBatch(new_ids, [table.row(e.req) for e in entries],
-                          [e.end for e in entries], table.tensor)
-
-    def padded_decode(self, new_ids: list[list[int]], entries: Sequence[Entry]) -> PaddedDecode:
-        """A decode step over the static buffers, its key slots read from the table (or,
-        without one, from the requests' slot lists)."""
-        assert self.graphs is not None
-        tokens = [ids[0] for ids in new_ids]
-        if self.table is None:
-            return self.graphs.prepare_slots(tokens, [e.req.kv_slots[:e.end] for e in entries])
-        table = self.table
-        return self.graphs.prepare(tokens, [table.row(e.req) for e in entries],
-                                   [e.end for e in entries], table.tensor)
+    def step_table(self, entries: Sequence[Entry]) -> tuple[list[int], list[int], torch.Tensor]:
+        """Each entry's row of the request-to-token table, its context, and the table: the
+        scheduler's (nothing per context copied), or, for a runner driven by hand, one
+        built from the requests' slot lists (``slot_table``, its last row a scratch row)."""
+        ends = [e.end for e in entries]
+        if self.table is not None:
+            return [self.table.row(e.req) for e in entries], ends, self.table.tensor
+        assert self.pool is not None  # prepare checked
+        slots = [e.req.kv_slots[:e.end] for e in entries]
+        return list(range(len(entries))), ends, slot_table(slots, self.pool.scratch_slot,
+                                                           self.model.device)
 
     def compute(
         self,
@@ -213,7 +225,7 @@ class ModelRunner:
         before this returns (``FutureMap.store``): on a GPU part of the same step's work.
         """
         if step.checks is not None:
-            return compute_checks(self, step)
+            return self.compute_checks(step)
         if step.flat is None:  # a padded decode over the static buffers
             assert self.graphs is not None and isinstance(step.metadata, PaddedDecode)
             logits, cost = self.graphs.run(step.metadata, resolve), step.metadata.n
@@ -229,8 +241,24 @@ class ModelRunner:
         it = iter(tokens)
         per_entry = [[next(it)] if sample else [] for sample in step.samples]
         if self.jump is not None:
-            return jump_forward(self.jump, step, per_entry, float(cost))
+            return jump_forward(self.jump, step.reqs, step.generators, per_entry, float(cost))
         return BatchResult(per_entry, cost=float(cost), elapsed=1.0)
+
+    def compute_checks(self, step: StepInputs) -> BatchResult:
+        """``compute`` for a step with checks: one forward, the plain rows sampled, the
+        checks verified and cut at their stops (``runner.speculative``)."""
+        checks, flat = step.checks, step.flat
+        assert flat is not None and checks is not None
+        logits = self.forward(step, flat.ids)
+        n_plain = len(step.reqs)
+        plain = self.sampler.sample(logits[:n_plain], step.reqs, step.params, step.generators,
+                                    step.histories) if n_plain else []
+        per_entry = verify_checks(logits[n_plain:], plain, checks, self.eos_ids)
+        cost = float(flat.num_tokens)
+        if self.jump is not None and n_plain:
+            sampled = [tokens for tokens, kind in zip(per_entry, checks.kinds) if kind == 1]
+            return jump_forward(self.jump, step.reqs, step.generators, per_entry, cost, sampled)
+        return BatchResult(per_entry, cost=cost, elapsed=1.0)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, ids: torch.Tensor) -> torch.Tensor:

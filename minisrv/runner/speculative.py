@@ -8,24 +8,26 @@ equal to the target's argmax, then the target's own; sampled: the rejection rule
 request's own generator). Each check's tokens are then cut at its request's stop (an eos,
 unless ignored; its ``max_new_tokens``), so the result holds exactly what the scheduler
 appends and ``stats.generated_tokens`` counts it right.
+
+``ModelRunner`` drives these: ``plan_checks`` says what its ``prepare`` feeds and scores,
+``verify_checks`` what its ``compute`` keeps; neither needs the runner, so this module
+imports nothing of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from minisrv.core import Batch, BatchResult
 from minisrv.request import Req
-from minisrv.runner.step_inputs import StepInputs, entry_tokens
+from minisrv.runner.sampler import Sampler
 from minisrv.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from minisrv.runner.model_runner import ModelRunner
-
-__all__ = ["Checks", "compute_checks", "cut_at_stop", "jump_forward", "prepare_checks"]
+__all__ = ["CheckPlan", "Checks", "cut_at_stop", "jump_forward", "plan_checks",
+           "verify_checks"]
 
 
 class Checks(NamedTuple):
@@ -48,9 +50,18 @@ def cut_at_stop(tokens: list[int], req: Req, eos_ids: Sequence[int]) -> list[int
     return tokens
 
 
-def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
-    """``ModelRunner.prepare`` for a batch holding checks: the flat batch, and the rows to
-    score ordered plain entries' first, then every check's rows in entry order."""
+class CheckPlan(NamedTuple):
+    """What a step holding checks feeds and scores (``plan_checks``)."""
+
+    new_ids: list[list[int]]  # per entry: its tokens, a check's guesses after its last one
+    rows: list[int]  # the rows to score: plain entries' last rows, then every check's rows
+    plain: list[Req]  # the plain entries that sample, in entry order
+    checks: Checks
+
+
+def plan_checks(batch: Batch, sampler: Sampler) -> CheckPlan:
+    """The new tokens of a batch holding checks, and the rows to score ordered plain
+    entries' first, then every check's rows in entry order."""
     assert batch.drafts is not None
     new_ids, plain_rows, check_rows = [], [], []
     plain: list[Req] = []
@@ -60,9 +71,9 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
     for entry, draft in zip(batch.entries, batch.drafts, strict=True):
         req = entry.req
         if draft is None:
-            ids = entry_tokens(req, entry.start, entry.end)
+            ids = req.tokens(entry.start, entry.end)
         else:
-            ids = [*entry_tokens(req, entry.start, req.seq_len), *draft.tokens]
+            ids = [*req.tokens(entry.start, req.seq_len), *draft.tokens]
         new_ids.append(ids)
         row += entry.n_tokens
         if draft is not None:
@@ -76,51 +87,37 @@ def prepare_checks(runner: ModelRunner, batch: Batch) -> StepInputs:
             kinds.append(1)
         else:
             kinds.append(0)
-    sampler = runner.sampler
     checks.params.extend(req.params for req in checks.reqs)
     checks.generators.extend(sampler.generators(checks.reqs))
-    device = runner.model.device
-    flat = runner.flat_batch(new_ids, batch.entries)
-    return StepInputs(
-        flat, runner.attn.prepare(flat), False,
-        torch.tensor([*plain_rows, *check_rows], dtype=torch.long, device=device),
-        tuple(k > 0 for k in kinds), plain, [req.params for req in plain],
-        sampler.generators(plain), sampler.histories(plain),
-        checks._replace(kinds=tuple(kinds)))
+    return CheckPlan(new_ids, [*plain_rows, *check_rows], plain,
+                     checks._replace(kinds=tuple(kinds)))
 
 
-def compute_checks(runner: ModelRunner, step: StepInputs) -> BatchResult:
-    """``ModelRunner.compute`` for a step with checks: one forward, the plain rows sampled,
-    the checks verified and cut at their stops."""
+def verify_checks(logits: torch.Tensor, plain: list[int], checks: Checks,
+                  eos_ids: Sequence[int]) -> list[list[int]]:
+    """Each entry's tokens: the ``plain`` entries' sampled ones, and each check's kept
+    guesses (``logits`` [its rows, vocab], every check's rows in entry order) cut at its
+    request's stop."""
     from minisrv.spec.verify import verify_batch
 
-    checks = step.checks
-    assert step.flat is not None and checks is not None
-    logits = runner.forward(step, step.flat.ids)
-    n_plain = len(step.reqs)
-    plain = iter(runner.sampler.sample(logits[:n_plain], step.reqs, step.params,
-                                       step.generators, step.histories) if n_plain else [])
-    kept = verify_batch(logits[n_plain:], checks.drafts, checks.params,
+    kept = verify_batch(logits, checks.drafts, checks.params,
                         checks.generators) if checks.drafts else []
-    eos = runner.eos_ids
-    checked = iter(cut_at_stop(k, req, eos) for k, req in zip(kept, checks.reqs, strict=True))
-    per_entry = [[next(plain)] if kind == 1 else next(checked) if kind == 2 else []
-                 for kind in checks.kinds]
-    if runner.jump is not None and n_plain:
-        sampled = [tokens for tokens, kind in zip(per_entry, checks.kinds) if kind == 1]
-        return jump_forward(runner.jump, step, per_entry, float(step.flat.num_tokens), sampled)
-    return BatchResult(per_entry, cost=float(step.flat.num_tokens), elapsed=1.0)
+    sampled = iter(plain)
+    checked = iter(cut_at_stop(k, req, eos_ids) for k, req in zip(kept, checks.reqs, strict=True))
+    return [[next(sampled)] if kind == 1 else next(checked) if kind == 2 else []
+            for kind in checks.kinds]
 
 
-def jump_forward(jump: Any, step: StepInputs, per_entry: list[list[int]], cost: float,
+def jump_forward(jump: Any, reqs: list[Req], generators: list[torch.Generator | None],
+                 per_entry: list[list[int]], cost: float,
                  rows: list[list[int]] | None = None) -> BatchResult:
     """The step's result with each sampled entry's forced tokens after its token (the
-    sampler's rows, ``step.reqs``: ``rows`` are their lists in ``per_entry``, by default
-    every non-empty one). Jump-forward: ``GrammarSampling.jump``."""
+    sampler's rows, ``reqs`` with their ``generators``: ``rows`` are their lists in
+    ``per_entry``, by default every non-empty one). Jump-forward: ``GrammarSampling.jump``."""
     if rows is None:
         rows = [t for t in per_entry if t]
     jumped = 0
-    for row, forced in zip(rows, jump.jump(step.reqs, step.generators), strict=True):
+    for row, forced in zip(rows, jump.jump(reqs, generators), strict=True):
         row.extend(forced)
         jumped += len(forced)
     return BatchResult(per_entry, cost=cost, elapsed=1.0, jumped=jumped)

@@ -9,12 +9,11 @@ the contexts' slots (the write slots, each attention's key slots and masks) is g
 from the table on the device. So the host work grows with the new tokens, not with the
 context, whatever the attention.
 
-It answers what the attention functions of ``minisrv.model.flat`` and the metadata builders
-of ``minisrv.model.attention_metadata`` ask of a ``FlatBatch`` (``key_slots``,
-``ragged_key_slots``, ``slots``, ``starts``, ``new_lens``, ``cached_lens``), so the same
-functions, and every backend of ``minisrv.runner.attention``, run over either: only how
-requests' key slots are found differs.
-A ``FlatBatch`` remains the teaching form (chapters build one by hand).
+It is the one batch type the runner and every backend of ``minisrv.runner.attention`` read
+(each building its own metadata from it); ``FlatBatch`` remains the teaching form
+(chapters build one by hand, ``CityLM.forward_flat`` runs it). Requests known only by their
+slot lists (a runner driven by hand, tests) get a table of their own: ``slot_table``,
+``TableBatch.of_slots``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,22 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["TableBatch"]
+__all__ = ["TableBatch", "slot_table"]
+
+
+def slot_table(slot_lists: Sequence[Sequence[int]], fill: int, device: str | torch.device,
+               width: int | None = None) -> torch.Tensor:
+    """A request-to-token table of requests known by their slot lists: int32 [requests + 1,
+    width (default: the longest list)], row r holding request r's slots, every other entry
+    ``fill`` (the pool's scratch slot), so the last row is a scratch row, as the
+    scheduler's table has. Built on the host and moved in one copy: work that grows with
+    the contexts, which the scheduler's table (``minisrv.kv.table``) spares each step."""
+    lens = np.fromiter(map(len, slot_lists), dtype=np.int64, count=len(slot_lists))
+    table = np.full((len(lens) + 1, int(lens.max()) if width is None else width), fill,
+                    dtype=np.int32)
+    table[:-1][np.arange(table.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(slot_lists), dtype=np.int32, count=int(lens.sum()))
+    return torch.from_numpy(table).to(device)
 
 
 class TableBatch:
@@ -66,6 +80,16 @@ class TableBatch:
         self.starts: list[int] = starts.tolist()
         self.id_range = (int(packed[:n_tok].min()), int(packed[:n_tok].max()))
 
+    @classmethod
+    def of_slots(cls, new_ids: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+                 device: str | torch.device = "cpu", fill: int = 0) -> TableBatch:
+        """The batch of requests given by their slot lists (``FlatBatch``'s arguments),
+        read through a table of their own (``slot_table``, padded with ``fill``)."""
+        if len(slots) != len(new_ids):
+            raise ValueError(f"{len(new_ids)} requests' ids but {len(slots)} slot lists")
+        return cls(new_ids, range(len(slots)), [len(s) for s in slots],
+                   slot_table(slots, fill, device))
+
     def __len__(self) -> int:
         """Requests in the batch."""
         return len(self.new_lens)
@@ -83,7 +107,7 @@ class TableBatch:
     def key_slots(self, members: slice | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``members``' slots [B, S_max] (the first S_max of each member's row: past a
         member's context stale or padding slots, which a mask hides) and their contexts [B],
-        gathered from the table on the device (``attention_metadata``)."""
+        gathered from the table on the device (the padded backend's groups)."""
         if isinstance(members, slice):
             s_max, index = max(self.contexts[members]), members
         else:

@@ -28,7 +28,7 @@ another:
 from minisrv.kv.manager import KVManager
 from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS
 from minisrv.scheduler.completing import BatchCompleter
-from minisrv.scheduler.config import ADMISSIONS, ATTENTIONS, MODES, ConfigView, EngineConfig
+from minisrv.scheduler.config import ADMISSIONS, MODES, ConfigView, EngineConfig
 from minisrv.scheduler.forming import BatchFormer
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.loop import Launched, Scheduler
@@ -51,7 +51,6 @@ from minisrv.scheduler.records import (
 
 __all__ = [
     "ADMISSIONS",
-    "ATTENTIONS",
     "CLIP_MAX_NEW_TOKENS",
     "MODES",
     "POLICIES",

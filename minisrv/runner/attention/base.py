@@ -1,12 +1,13 @@
-"""What every attention backend is: ``prepare(batch) -> metadata`` once per step,
-``forward(q, kv, metadata)`` in every layer, and, for the static decode buffers a CUDA graph
-replays (``minisrv.runner.graph``), its ``graphs`` hooks.
+"""What every attention backend is: built for a device, ``prepare(batch) -> metadata`` once
+per step, ``forward(q, kv, metadata)`` in every layer, and, for the static decode buffers a
+CUDA graph replays (``minisrv.runner.graph``), its ``graphs`` hooks.
 
 ``kv`` is one layer of the ``KVPool`` as it is laid out, [slots, 2, kv_heads, head_dim]
 (each slot's key, then its value), already holding the step's new K/V (``write_kv``: one
-operator for both). A step's batch is the engine's ``TableBatch`` (each request's slots a
-row of the request-to-token table) or a hand-built ``FlatBatch`` of slot lists (the
-teaching form); a backend reads either.
+operator for both). A step's batch is a ``TableBatch``: each request's slots are a row of a
+request-to-token table (the scheduler's, or one a runner driven by hand builds from slot
+lists, ``slot_table``). ``FlatBatch`` (``minisrv.model.flat``) is the teaching form the
+chapters build by hand; no backend reads it.
 """
 
 from __future__ import annotations
@@ -15,14 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
-from minisrv.model.flat import FlatBatch
 from minisrv.model.layers import joint_kv
 from minisrv.runner.table_batch import TableBatch
 
-__all__ = ["AttentionBackend", "GraphHooks", "StepBatch", "contexts", "write_kv"]
-
-StepBatch = FlatBatch | TableBatch
-"""A step's batch as the backends read it: slot lists (the teaching form) or table rows."""
+__all__ = ["AttentionBackend", "GraphHooks", "write_kv"]
 
 
 def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -56,12 +53,23 @@ class GraphHooks(Protocol):
 
 
 class AttentionBackend(Protocol):
-    """One way to attend over a flat batch whose K/V sit in the pool."""
+    """One way to attend over a step's new tokens whose K/V sit in the pool.
+
+    Built as ``Backend(device, dtype, head_dim, n_kv_heads)`` (the registry,
+    ``minisrv.runner.attention.BACKENDS``, builds every backend so); a backend that cannot
+    run there (a package missing, the wrong device) raises a ValueError naming itself and
+    why, in its constructor, so a bad choice fails when the engine is built.
+    """
 
     kind: str  # its name in the registry (``minisrv.runner.attention.BACKENDS``)
-    graphs: GraphHooks | None  # static decode buffers' hooks (None: the padded backend's)
+    # static decode buffers' hooks; None: this backend has none (its metadata depends on
+    # the contexts' lengths), so the runner's static decode steps run the padded backend's
+    graphs: GraphHooks | None
 
-    def prepare(self, batch: StepBatch) -> Any:
+    def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 n_kv_heads: int) -> None: ...
+
+    def prepare(self, batch: TableBatch) -> Any:
         """Everything the layers' calls share, built once per step before layer 0."""
         ...
 
@@ -70,10 +78,3 @@ class AttentionBackend(Protocol):
         ``kv`` [slots, 2, kv_heads, head_dim] is one layer of the pool, already holding the
         step's new K/V."""
         ...
-
-
-def contexts(batch: StepBatch) -> list[int]:
-    """Each request's context (its slots, new ones included), known on the host."""
-    if isinstance(batch, TableBatch):
-        return batch.contexts
-    return [len(s) for s in batch.slot_lists]

@@ -4,22 +4,28 @@ K/V layer; and its hooks for the static decode buffers of a CUDA graph.
 ``padded_pool_attention`` gathers keys and values with ONE ``index_select`` of the pool's
 joint layer, then makes the one padded call (``minisrv.model.flat.padded_sdpa``), which
 ``padded_attention``, the form chapter 03 shows over separate K and V layers, makes too.
+
+Its metadata is built here from the step's ``TableBatch``: each group's key slots gathered
+from the request-to-token table and its mask made on the device, where the contexts'
+lengths are (the teaching form builds the same groups from a ``FlatBatch``'s host lists,
+``minisrv.model.attention_metadata``; both cut them where ``group_bounds`` says).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from minisrv.model.attention_metadata import PaddedGroup, decode_group, padded_groups
+from minisrv.model.attention_metadata import PaddedGroup, group_bounds, query_limits
 from minisrv.model.flat import padded_sdpa
-from minisrv.runner.attention.base import StepBatch, contexts
+from minisrv.runner.table_batch import TableBatch
 
 __all__ = ["SPLIT_ELEMENTS", "PaddedAttention", "PaddedBuffers", "PaddedGraphs", "PaddedStep",
-           "decode_group", "length_cuts", "padded_pool_attention"]
+           "decode_group", "length_cuts", "padded_groups", "padded_pool_attention"]
 
 
 def padded_pool_attention(q: torch.Tensor, group: PaddedGroup, kv: torch.Tensor) -> torch.Tensor:
@@ -55,21 +61,21 @@ class PaddedAttention:
 
     kind = "padded"
 
-    def __init__(self, dtype: torch.dtype, kv_elements: int = 64,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device, dtype: torch.dtype, head_dim: int,
+                 n_kv_heads: int) -> None:
         self.dtype = dtype  # the queries' dtype, which the mask's bias must share
-        cpu = torch.device(device).type == "cpu"
-        self.split_cost = SPLIT_ELEMENTS / kv_elements if cpu else math.inf
+        cpu = torch.device(device).type == "cpu"  # SDPA runs on every device torch has
+        self.split_cost = SPLIT_ELEMENTS / (head_dim * n_kv_heads) if cpu else math.inf
         self.graphs = PaddedGraphs(dtype)
 
-    def prepare(self, batch: StepBatch) -> PaddedStep:
+    def prepare(self, batch: TableBatch) -> PaddedStep:
         groups = padded_groups(batch, self.dtype)
         last = groups[-1]
         few = last.bias.shape[2] != 1 or last.key_slots.shape[0] < 4  # no run of decodes
         if few or math.isinf(self.split_cost):
             return PaddedStep(groups, None, None)
         first = len(batch) - last.key_slots.shape[0]  # the first decode request
-        lens = np.asarray(contexts(batch)[first:], dtype=np.int64)
+        lens = np.asarray(batch.contexts[first:], dtype=np.int64)
         order = np.argsort(lens, kind="stable")
         cuts = length_cuts(lens[order], self.split_cost)
         if not cuts:
@@ -88,6 +94,73 @@ class PaddedAttention:
         outs = [padded_pool_attention(q[group.tokens], group, kv) for group in metadata.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if metadata.restore is None else out.index_select(0, metadata.restore)
+
+
+def padded_groups(batch: TableBatch, dtype: torch.dtype) -> tuple[PaddedGroup, ...]:
+    """The step's padded groups (cut where ``group_bounds`` says), ``dtype`` the queries'."""
+    return tuple(padded_group(batch, lo, hi, dtype)
+                 for lo, hi in itertools.pairwise(group_bounds(batch.new_lens)))
+
+
+def padded_group(batch: TableBatch, lo: int, hi: int, dtype: torch.dtype) -> PaddedGroup:
+    """Requests ``lo .. hi - 1`` padded to their longest new-token run and their longest
+    context: their slots gathered from the table, and the mask made on the device from
+    their contexts there and, for prefills, the padded queries' limits (``query_limits``,
+    computed on the host from the new tokens and moved with their rows in one copy)."""
+    new = np.asarray(batch.new_lens[lo:hi], dtype=np.int64)
+    key_slots, ends = batch.key_slots(slice(lo, hi))
+    n_b, s_max, start = len(new), key_slots.shape[1], batch.starts[lo]
+    if new.max() == 1:  # decodes: each query sees its whole context
+        return PaddedGroup(slice(start, start + n_b), None, key_slots,
+                           device_bias(ends[:, None], s_max, dtype)[:, None])
+    limit, rows = query_limits(new, np.asarray(batch.cached_lens[lo:hi], dtype=np.int64))
+    packed = limit.reshape(-1) if rows is None else np.concatenate([limit.reshape(-1), rows])
+    moved = torch.from_numpy(packed).to(batch.device)
+    n_q = limit.size
+    return PaddedGroup(slice(start, start + int(new.sum())),
+                       None if rows is None else moved[n_q:], key_slots,
+                       device_bias(moved[:n_q].view(limit.shape), s_max, dtype)[:, None])
+
+
+def decode_group(batch: TableBatch, members: np.ndarray, start: int,
+                 dtype: torch.dtype) -> PaddedGroup:
+    """A padded group of the decodes ``members`` (indices into ``batch``) whose queries are
+    rows ``start`` on (the split of decodes by context): each member's slots padded to the
+    longest, and a bias that shows each query its own context."""
+    key_slots, ends = batch.key_slots(members)
+    return PaddedGroup(slice(start, start + len(members)), None, key_slots,
+                       device_bias(ends[:, None], key_slots.shape[1], dtype)[:, None])
+
+
+def device_bias(limit: torch.Tensor, s_max: int, dtype: torch.dtype) -> torch.Tensor:
+    """The bias [..., S_max] that shows query ``i`` the keys before ``limit[i]``: 0 there,
+    -inf past it, made where the lengths are (two operators, nothing copied)."""
+    visible = _columns(limit.device, s_max) < limit[..., None]
+    key = (visible.device, dtype)
+    if key not in _LIMITS:
+        _LIMITS[key] = (torch.zeros((), dtype=dtype, device=visible.device),
+                        torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+    zero, minus_inf = _LIMITS[key]
+    return torch.where(visible, zero, minus_inf)
+
+
+_COLUMNS: dict[torch.device, torch.Tensor] = {}
+"""0, 1, 2, ... per device, made once (grown when a longer context asks): the masks compare
+lengths with it, so no step makes its own ``arange``."""
+
+
+def _columns(device: torch.device, n: int) -> torch.Tensor:
+    """0 .. n - 1 on ``device`` (a view of the cached ``_COLUMNS``)."""
+    have = _COLUMNS.get(device)
+    if have is None or have.shape[0] < n:
+        have = _COLUMNS[device] = torch.arange(max(n, 2 * (0 if have is None else len(have)),
+                                                   512), device=device)
+    return have[:n]
+
+
+_LIMITS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+"""0 and -inf as 0-d tensors per (device, dtype), made once: ``torch.where`` over them is one
+operator (over Python numbers it would make both first, every step)."""
 
 
 SPLIT_ELEMENTS = 1 << 17

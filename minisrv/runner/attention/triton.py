@@ -1,15 +1,15 @@
 """The Triton attention backend: ``prepare(batch)`` once per step, ``forward(q, kv, metadata)``
 in every layer, as the other backends (``minisrv.runner.attention``), reading the pool in
-place through a request-to-token table (``minisrv.runner.triton_ops``).
+place through a request-to-token table (the kernels of ``triton_ops`` beside it).
 
 ``prepare`` turns the step into a ``TritonStep``: the table (int32 [requests, longest
 context], row b holding request b's slots in position order) and, per request, its row,
 its context, its new tokens and where they start among the step's rows. A step of decodes
 only runs the split decode kernel; any other step runs the extend kernel for all of its
 requests (a decode beside a prefill is an extend of one token), one call per layer either
-way. The engine's request-to-token table (``minisrv.kv.table``, a ``TableBatch``) is taken
-as it is and nothing per step is built but the four small vectors; a ``FlatBatch`` (the
-teaching form, tests) gets a table built from its slot lists.
+way. The step's request-to-token table (the engine's, ``minisrv.kv.table``, or one built
+from slot lists, ``slot_table``) is taken as it is and nothing per step is built but the
+four small vectors.
 
 Triton is optional: without the package, or on the CPU without its interpreter
 (``TRITON_INTERPRET=1`` before triton is imported), asking for this backend is a clear
@@ -21,14 +21,11 @@ Triton import, and ``TRITON_INTERPRET`` set by then is the one the kernels see.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 from types import ModuleType
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from minisrv.model.flat import FlatBatch
 from minisrv.runner.table_batch import TableBatch
 
 TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
@@ -36,8 +33,8 @@ TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
 
 
 def kernels() -> ModuleType:
-    """``minisrv.runner.triton_ops``, imported on first use (it imports triton)."""
-    from minisrv.runner import triton_ops
+    """``minisrv.runner.attention.triton_ops``, imported on first use (it imports triton)."""
+    from minisrv.runner.attention import triton_ops
 
     return triton_ops
 
@@ -85,19 +82,6 @@ class TritonStep(NamedTuple):
         return cls(table, rows, contexts, news, starts,
                    kernels().kv_splits(contexts, max_splits), max_new, max_new == 1)
 
-    @classmethod
-    def from_batch(cls, batch: FlatBatch, max_splits: int = 8) -> TritonStep:
-        """A step whose table holds the batch's own slot lists, one row per request."""
-        lens = np.fromiter(map(len, batch.slot_lists), dtype=np.int64, count=len(batch))
-        table = np.zeros((len(batch), int(lens.max())), dtype=np.int32)
-        table[np.arange(table.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(batch.slot_lists), dtype=np.int32,
-            count=int(lens.sum()))
-        ints = np.stack([np.arange(len(batch)), lens, batch.new_lens]).astype(np.int32)
-        moved = torch.from_numpy(ints).to(batch.device)
-        return cls.of(torch.from_numpy(table).to(batch.device), moved[0], moved[1], moved[2],
-                      max(batch.new_lens), max_splits)
-
 
 class TritonAttention:
     """Attention by the Triton kernels of ``triton_ops``, over the pool where it lies.
@@ -108,7 +92,9 @@ class TritonAttention:
 
     kind = "triton"
 
-    def __init__(self, device: str | torch.device = "cpu", max_splits: int = 8) -> None:
+    def __init__(self, device: str | torch.device, dtype: torch.dtype, head_dim: int,
+                 n_kv_heads: int, *, max_splits: int = 8) -> None:
+        del dtype, head_dim, n_kv_heads  # the kernels take their shapes from each call
         reason = triton_unavailable(device)
         if reason is not None:
             raise ValueError(reason)
@@ -118,13 +104,10 @@ class TritonAttention:
         self.ops = kernels()
         self.graphs = TritonGraphs(max_splits)
 
-    def prepare(self, batch: FlatBatch | TableBatch) -> TritonStep:
-        """The table, rows, contexts and new-token counts of the step: the engine's table
-        as it is (a ``TableBatch``), or one built from a flat batch's slot lists."""
-        if isinstance(batch, TableBatch):
-            return TritonStep.of(batch.table, batch.rows.int(), batch.ends.int(),
-                                 batch.news.int(), max(batch.new_lens), self.max_splits)
-        return TritonStep.from_batch(batch, self.max_splits)
+    def prepare(self, batch: TableBatch) -> TritonStep:
+        """The table, rows, contexts and new-token counts of the step, the table as it is."""
+        return TritonStep.of(batch.table, batch.rows.int(), batch.ends.int(),
+                             batch.news.int(), max(batch.new_lens), self.max_splits)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, metadata: TritonStep) -> torch.Tensor:
         """Attention [T, heads * head_dim] of the step's queries ``q`` [T, heads, head_dim]

@@ -17,7 +17,10 @@ Each row says why, from a recorded run where there is one:
 * Anything else (float64, heads under 16, another device): ``padded``.
 
 ``choose_attention`` is the table; ``auto_attention`` reads the device's capability and
-logs the choice once per distinct (device, capability, dtype, head dim).
+logs the choice once per distinct (device, capability, dtype, head dim). The table names
+backends by their registry names (each backend class's ``kind``), and what flex needs of
+dtype and head size is ``minisrv.model.ragged``'s (``flex_compiles``), so neither is
+spelled twice.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from typing import NamedTuple
 
 import torch
 
+from minisrv.model.ragged import FLEX_DTYPES, FLEX_MIN_HEAD_DIM
+from minisrv.runner.attention.flex import FlexAttention
+from minisrv.runner.attention.padded import PaddedAttention
+
 __all__ = ["AttentionChoice", "auto_attention", "choose_attention"]
 
 log = logging.getLogger(__name__)
@@ -34,8 +41,7 @@ log = logging.getLogger(__name__)
 FLEX_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability flex_attention's Triton kernel lowers to (Ampere)."""
 
-FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FLEX_MIN_HEAD_DIM = 16  # what the compiled flex kernel takes (minisrv.model.ragged)
+FLEX, PADDED = FlexAttention.kind, PaddedAttention.kind
 
 
 class AttentionChoice(NamedTuple):
@@ -51,18 +57,18 @@ def choose_attention(device_type: str, capability: tuple[int, int] | None,
     compute ``capability`` (CUDA only; None elsewhere), weights of ``dtype`` and heads of
     ``head_dim``."""
     if device_type != "cuda":
-        return AttentionChoice("padded", f"{device_type}: padded SDPA (flex runs unfused "
+        return AttentionChoice(PADDED, f"{device_type}: padded SDPA (flex runs unfused "
                                          f"off a GPU)")
     if capability is None:
         raise ValueError("a CUDA device's choice needs its compute capability")
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) < FLEX_MIN_CAPABILITY:
-        return AttentionChoice("padded", f"{cc}: below 8.0 flex_attention does not lower; "
+        return AttentionChoice(PADDED, f"{cc}: below 8.0 flex_attention does not lower; "
                                          f"padded runs everywhere")
     if dtype not in FLEX_DTYPES or head_dim < FLEX_MIN_HEAD_DIM:
-        return AttentionChoice("padded", f"{cc}: the compiled flex kernel takes 16/32-bit "
+        return AttentionChoice(PADDED, f"{cc}: the compiled flex kernel takes 16/32-bit "
                                          f"heads of >= 16, not {dtype} x {head_dim}")
-    return AttentionChoice("flex", f"{cc}: flex, fastest in the recorded H200 engine run "
+    return AttentionChoice(FLEX, f"{cc}: flex, fastest in the recorded H200 engine run "
                                    f"(Triton not yet measured on a GPU)")
 
 
