@@ -211,19 +211,10 @@ def test_no_import_cycle_among_module_level_imports() -> None:
     assert cycles(edges) == []
 
 
-# The runner's own cycle (``speculative`` reads ``model_runner``'s step inputs inside a
-# function) goes with the runner's rework on the request-to-token table (issue #37 part 1).
-CYCLES_NOT_YET: list[list[str]] = []
-
-
 def _cycles_counting_deferred_imports() -> list[list[str]]:
     """Cycles when an import inside a function counts as much as one at module level: a
     deferred import hides a cycle from the loader, not from the reader."""
     return cycles([(i.source, i.target) for i in IMPORTS if i.kind != "type-checking"])
-
-
-def test_no_import_cycle_counting_imports_inside_functions() -> None:
-    assert [c for c in _cycles_counting_deferred_imports() if c not in CYCLES_NOT_YET] == []
 
 
 def test_no_import_cycle_at_all() -> None:
