@@ -26,6 +26,7 @@ is queued, so a bad call raises ValueError and leaves the engine exactly as it w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class Engine(ConfigView):
         self._next_rid = 0
         self._live: dict[int, Req] = {}  # rid -> request added and not yet done
         self._grammars: Any = None  # minisrv.grammar.sampling.GrammarSampling, once needed
+        self._grammars_lock = threading.Lock()  # request threads may build it: one at a time
 
     # ----------------------------------------------------------------- views
     @property
@@ -170,10 +172,23 @@ class Engine(ConfigView):
         ``load_model`` sets: a loaded checkpoint needs no call here); a model built by hand
         without one gets CityLM's character vocabulary if its vocabulary is CityLM-sized, and
         a ValueError otherwise, since a mask over the wrong tokens would be silently wrong.
+        A ``vocab`` given replaces the masks, so it must come before any constrained request
+        (ValueError while one is in flight). Safe from a request thread while the engine
+        thread runs steps (the server's first constrained request builds the masks there).
         Needs the ``grammar`` extra (xgrammar).
         """
-        if self._grammars is not None and vocab is None:
-            return self._grammars
+        if vocab is None and (grammars := self._grammars) is not None:
+            return grammars  # set only once installed: no lock needed to read it
+        with self._grammars_lock:
+            if vocab is None and self._grammars is not None:  # built while this call waited
+                return self._grammars
+            return self._install_grammars(vocab)
+
+    def _install_grammars(self, vocab: Any) -> Any:
+        """Build the masks over ``vocab`` (the model's own if None) and install them in the
+        sampler, in place of earlier ones. The engine thread may be running a step: the
+        sampler's install is one assignment, so that step masks with the old set or the new
+        one, never half of each; ``_grammars`` is published last."""
         try:
             from minisrv.grammar.sampling import GrammarSampling
         except ImportError as exc:
@@ -184,18 +199,20 @@ class Engine(ConfigView):
         if Capability.SAMPLES_PROCESSORS not in backend.capabilities:
             raise ValueError(f"grammars need a model to sample from, not a simulated GPU "
                              f"({type(backend).__name__})")
-        sampler = backend.sampler
+        if self._grammars is not None and any(
+                req.params.grammar is not None for req in list(self._live.values())):
+            raise ValueError("constrained requests are in flight: their grammar states would "
+                             "be lost; give the vocabulary before adding any")
         if vocab is None:  # that of the tokenizer the model carries
             from minisrv.grammar.vocab import model_vocabulary
 
             vocab = model_vocabulary(backend.model, backend.vocab_size, backend.eos_ids)
-        if self._grammars is not None:
-            sampler.logits_processors.remove(self._grammars)
-        self._grammars = GrammarSampling(vocab)
-        sampler.logits_processors.append(self._grammars)
+        grammars = GrammarSampling(vocab)
+        backend.sampler.install(grammars, replacing=self._grammars)
         if self.config.jump_forward:  # JUMPS_FORWARD: checked when the engine was built
-            cast(JumpForwarder, backend).set_jump(self._grammars)
-        return self._grammars
+            cast(JumpForwarder, backend).set_jump(grammars)
+        self._grammars = grammars
+        return grammars
 
     def step(self) -> StepOutput:
         """Run one step of the loop (blocking or overlapped) and say what it produced."""
