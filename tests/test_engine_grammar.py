@@ -181,11 +181,12 @@ class Replies:
                 if event.finish is not None or event.error is not None:
                     self.ended[event.key] = event.finish or f"error: {event.error}"
 
-    def wait(self, keys: int, timeout: float = 60.0) -> None:
+    def wait(self, keys: int, tokens: bool = False, timeout: float = 60.0) -> None:
+        """Until ``keys`` requests ended (with ``tokens``: until ``keys`` streamed a token)."""
         deadline = time.monotonic() + timeout
-        while len(self.ended) < keys:
-            assert time.monotonic() < deadline, f"{len(self.ended)} of {keys} ended"
-            time.sleep(0.002)
+        while len(self.tokens if tokens else self.ended) < keys:
+            assert time.monotonic() < deadline, f"{keys} requests never got there"
+            time.sleep(0.0005)
 
 
 @pytest.mark.parametrize("options", [{}, {"overlap": True}, {"jump_forward": True}],
@@ -193,10 +194,12 @@ class Replies:
 def test_grammar_requests_racing_a_running_engine_get_their_reference(citylm, options) -> None:
     """The server's threads, 5 times over on a fresh engine: while the engine thread streams
     free requests, four request threads at once send the first constrained requests, so the
-    masks are built and installed while steps run (and the GIL changes hands every few
+    masks are built and installed while steps run (the GIL changing hands every few
     microseconds). Every reply is its reference: a constrained one its grammar's (greedy and
-    sampled), a free one the model's own. A step that saw half-installed processors, or a
-    mask built twice, would give a request tokens of another automaton or none."""
+    sampled), a free one the model's own, and none is an error. A step that applied part of
+    a set of processors, a second set built, or jump-forward set apart from its masks would
+    show here as a reply off its reference; the exact interleaving of a step in flight is
+    ``test_masks_installed_during_a_step_apply_from_the_next``'s."""
     model, tok = citylm
     free = [(p, SamplingParams(max_new_tokens=16, ignore_eos=True)) for p in ("DE:", "JP:")]
     constrained = [(p, SamplingParams(max_new_tokens=40, temperature=t, seed=s,
@@ -220,8 +223,7 @@ def test_grammar_requests_racing_a_running_engine_get_their_reference(citylm, op
                 send(key, prompt, params)
             senders = [threading.Thread(target=send, args=(key, prompt, params))
                        for key, (prompt, params) in enumerate(constrained, len(free))]
-            while not replies.tokens:  # the free requests are decoding
-                time.sleep(0.0005)
+            replies.wait(1, tokens=True)  # the free requests are decoding
             for sender in senders:
                 sender.start()
             for sender in senders:
