@@ -26,6 +26,7 @@ is queued, so a bad call raises ValueError and leaves the engine exactly as it w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -121,6 +122,7 @@ class Engine(ConfigView):
         self._next_rid = 0
         self._live: dict[int, Req] = {}  # rid -> request added and not yet done
         self._grammars: Any = None  # minisrv.grammar.sampling.GrammarSampling, once needed
+        self._grammars_lock = threading.Lock()  # request threads may build it: one at a time
 
     # ----------------------------------------------------------------- views
     @property
@@ -185,32 +187,41 @@ class Engine(ConfigView):
         ``load_model`` sets: a loaded checkpoint needs no call here); a model built by hand
         without one gets CityLM's character vocabulary if its vocabulary is CityLM-sized, and
         a ValueError otherwise, since a mask over the wrong tokens would be silently wrong.
+        A ``vocab`` given replaces the masks: before any constrained request (ValueError while
+        one is in flight). Safe from a request thread while the engine thread runs steps.
         Needs the ``grammar`` extra (xgrammar).
         """
-        if self._grammars is not None and vocab is None:
-            return self._grammars
-        try:
-            from minisrv.grammar.sampling import GrammarSampling
-        except ImportError as exc:
-            raise ValueError("structured output needs the grammar extra "
-                             "(pip install 'minisrv[grammar]')") from exc
+        if vocab is None and (grammars := self._grammars) is not None:
+            return grammars  # published only once installed: read without the lock
+        with self._grammars_lock:  # a server builds it on a request thread, the first time
+            if vocab is None and self._grammars is not None:  # built while this call waited
+                return self._grammars
+            try:
+                from minisrv.grammar.sampling import GrammarSampling
+            except ImportError as exc:
+                raise ValueError("structured output needs the grammar extra "
+                                 "(pip install 'minisrv[grammar]')") from exc
 
-        backend = cast(SamplingBackend, self.backend)
-        if Capability.SAMPLES_PROCESSORS not in backend.capabilities:
-            raise ValueError(f"grammars need a model to sample from, not a simulated GPU "
-                             f"({type(backend).__name__})")
-        sampler = backend.sampler
-        if vocab is None:  # that of the tokenizer the model carries
-            from minisrv.grammar.vocab import model_vocabulary
+            backend = cast(SamplingBackend, self.backend)
+            if Capability.SAMPLES_PROCESSORS not in backend.capabilities:
+                raise ValueError(f"grammars need a model to sample from, not a simulated GPU "
+                                 f"({type(backend).__name__})")
+            if self._grammars is not None and any(
+                    req.params.grammar is not None for req in list(self._live.values())):
+                raise ValueError("constrained requests are in flight: give the vocabulary "
+                                 "before adding any (their grammar states would be lost)")
+            if vocab is None:  # that of the tokenizer the model carries
+                from minisrv.grammar.vocab import model_vocabulary
 
-            vocab = model_vocabulary(backend.model, backend.vocab_size, backend.eos_ids)
-        if self._grammars is not None:
-            sampler.logits_processors.remove(self._grammars)
-        self._grammars = GrammarSampling(vocab)
-        sampler.logits_processors.append(self._grammars)
-        if self.config.jump_forward:  # JUMPS_FORWARD: checked when the engine was built
-            cast(JumpForwarder, backend).set_jump(self._grammars)
-        return self._grammars
+                vocab = model_vocabulary(backend.model, backend.vocab_size, backend.eos_ids)
+            grammars = GrammarSampling(vocab)
+            # One assignment in the sampler: a step running meanwhile applies the old
+            # processors or the new ones, never half of each (Sampler.install).
+            backend.sampler.install(grammars, replacing=self._grammars)
+            if self.config.jump_forward:  # JUMPS_FORWARD: checked when the engine was built
+                cast(JumpForwarder, backend).set_jump(grammars)
+            self._grammars = grammars
+            return grammars
 
     def step(self) -> StepOutput:
         """Run one step of the loop (blocking or overlapped) and say what it produced."""

@@ -18,6 +18,7 @@ from minisrv.core import Batch, Capability, require
 from minisrv.kv.host import make_host_pool
 from minisrv.request import Req
 from minisrv.runner import ModelRunner, PerRequestBackend
+from minisrv.runner.sampler import TokenFollower
 from minisrv.scheduler import Scheduler
 from minisrv.scheduler.capabilities import needs
 from minisrv.scheduler.config import EngineConfig
@@ -168,3 +169,33 @@ def test_the_probe_finder_finds_a_probe(tmp_path) -> None:
     source.write_text("def f(backend, self):\n    getattr(backend, 'jump', None)\n"
                       "    getattr(self, 'x')\n    self.backend.jump = 1\n")
     assert sorted(p.split()[0] for p in _backend_probes(source)) == ["probe.py:2", "probe.py:4"]
+
+
+class Follower(TokenFollower):
+    """A token follower that records what the sampler tells it."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.released: list[int] = []
+
+    def __call__(self, logits, reqs):
+        return logits
+
+    def accept(self, reqs, tokens) -> None:
+        for req, token in zip(reqs, tokens, strict=True):
+            self.tokens.setdefault(req.rid, []).append(token)
+
+    def release(self, req) -> None:
+        self.released.append(req.rid)
+
+
+def test_a_token_follower_is_told_every_token_and_every_end(model) -> None:
+    """A logits processor declares that it follows tokens by being a ``TokenFollower``; the
+    sampler gives it each step's tokens and each request that ends, and no ``hasattr`` on a
+    processor decides that in a step."""
+    follower = Follower()
+    engine = Engine(ModelRunner(model, logits_processors=[follower]), max_running=2)
+    out = engine.generate([[0, 5, 9], [0, 7]], 4)
+    assert [follower.tokens[rid] for rid in (0, 1)] == out
+    assert sorted(follower.released) == [0, 1]
+    assert _backend_probes(PACKAGE / "runner" / "sampler.py") == []

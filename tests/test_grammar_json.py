@@ -1,8 +1,9 @@
 """Structured output on a vocabulary that can spell JSON: a tiny offline Llama folder with a
-byte-level BPE (``minisrv.grammar.tiny_json``). Every output parses and validates against its
-schema, sampled at many seeds and temperatures, with and without jump-forward; the engine
-serves the loaded folder's constrained requests over its tokenizer with no vocabulary given,
-and loading it does not need the grammar extra."""
+byte-level BPE (``minisrv.grammar.tiny_json``). Every output parses with strict
+``json.loads`` (no raw control character in a string, even a length-bounded one) and
+validates against its schema, sampled at many seeds and temperatures, with and without
+jump-forward; the engine serves the loaded folder's constrained requests over its tokenizer
+with no vocabulary given, and loading it does not need the grammar extra."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from minisrv import Engine  # noqa: E402
 from minisrv.grammar import GrammarState, compile_grammar, hf_vocabulary  # noqa: E402
+from minisrv.grammar.compile import json_schema_ebnf  # noqa: E402
 from minisrv.grammar.reference import constrained_generate  # noqa: E402
 from minisrv.grammar.tiny_json import CITIES, write_json_llama  # noqa: E402
 from minisrv.model import load_model  # noqa: E402
@@ -45,6 +47,32 @@ LIST = {
     "additionalProperties": False,
 }
 
+
+
+def strict_object(**properties: dict) -> dict:
+    """A JSON object schema with exactly ``properties``, all required."""
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}
+
+
+# Strings with minLength or maxLength, which xgrammar 0.2.9 compiles to [^"\\\r\n]{m,n}:
+# without minisrv's fix they hold raw control characters. Each schema is bounded, so every
+# output ends within the token budget.
+BOUNDED = {
+    "maxLength": strict_object(city={"type": "string", "maxLength": 10},
+                               rank={"type": "integer", "minimum": 0, "maximum": 999}),
+    "minLength": strict_object(name={"type": "string", "minLength": 3, "maxLength": 12}),
+    "pattern": strict_object(code={"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+                             note={"type": "string", "maxLength": 6}),
+    "enum": strict_object(city={"enum": list(CITIES[:4])},
+                          tag={"type": "string", "minLength": 1, "maxLength": 5}),
+    "nested": strict_object(
+        place=strict_object(city={"type": "string", "maxLength": 8},
+                            tags={"type": "array", "items": {"type": "string", "maxLength": 4},
+                                  "maxItems": 2}),
+        stops={"type": "array", "maxItems": 2,
+               "items": strict_object(name={"type": "string", "minLength": 1, "maxLength": 5})}),
+}
 
 PICK = r"(Paris|Rome|Oslo), [1-9][0-9]?"  # a regex on the same model: not JSON
 
@@ -81,13 +109,51 @@ def test_outputs_parse_and_validate(checkpoint, schema, temperature, jump_forwar
         params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=seed)
         run = constrained_generate(model, prompt, grammar, params, jump_forward=jump_forward)
         assert run.tokens[-1] in model.eos_ids, "a bounded schema always finishes"
-        # strict=False: xgrammar's schema strings admit raw control characters (U+0000-U+001F
-        # but \r \n), which RFC 8259 forbids unescaped (mlc-ai/xgrammar issue 286).
-        value = json.loads(tokenizer.decode(run.tokens), strict=False)
+        value = json.loads(tokenizer.decode(run.tokens))
         jsonschema.validate(value, schema)
         if jump_forward:
             assert run.jumped > 0  # the keys and punctuation are fixed
             assert run.forwards == len(run.tokens) - run.jumped
+
+
+def test_bounded_strings_hold_no_raw_control_character(checkpoint) -> None:
+    """Every schema of ``BOUNDED``, greedy and sampled at seeds 0-4, batched in one engine:
+    each output ends, parses with strict ``json.loads`` (RFC 8259 forbids a raw U+0000-U+001F
+    in a string) and validates. Without the fix 18 of these 30 outputs held one."""
+    model, tokenizer, _ = checkpoint
+    runs = [(name, seed) for name in BOUNDED for seed in (None, *range(5))]
+    params = [SamplingParams(max_new_tokens=150, json_schema=json.dumps(BOUNDED[name]),
+                             temperature=0.0 if seed is None else 1.0, seed=seed or 0)
+              for name, seed in runs]
+    engine = Engine(model, kv_capacity=6000, max_running=len(runs))
+    outs = engine.generate([tokenizer.encode("")] * len(runs), sampling=params)
+    for (name, seed), tokens in zip(runs, outs, strict=True):
+        assert tokens[-1] in model.eos_ids, (name, seed)
+        text = tokenizer.decode(tokens)
+        assert not re.search(r"[\x00-\x1f]", text), (name, seed, text)
+        jsonschema.validate(json.loads(text), BOUNDED[name])
+
+
+def test_xgrammar_bounded_strings_admit_control_characters() -> None:
+    """The XGrammar behaviour that ``json_schema_ebnf`` works around: a bounded string of
+    xgrammar's own grammar takes a raw control character (all but \\r and \\n); minisrv's
+    takes none, and still takes the same text without it. Unbounded strings needed no fix,
+    and their grammar is xgrammar's unchanged. When this test fails, xgrammar has fixed it:
+    compile JSON schemas with ``compile_json_schema`` again and drop the rewrite."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = json.dumps(BOUNDED["maxLength"])
+    upstream = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    ours = xgr.Grammar.from_ebnf(json_schema_ebnf(schema))
+    for code in range(0x20):
+        text = '{"city": "a' + chr(code) + 'b", "rank": 7}'
+        assert accepts(upstream, text) == (chr(code) not in "\r\n"), code
+        assert not accepts(ours, text), code
+    assert accepts(ours, '{"city": "a b", "rank": 7}')
+    unbounded = json.dumps(strict_object(city={"type": "string"}, n={"type": "integer"}))
+    assert json_schema_ebnf(unbounded) == str(
+        xgr.Grammar.from_json_schema(unbounded, any_whitespace=False, strict_mode=True))
 
 
 def test_jump_forward_fixes_the_keys(checkpoint) -> None:
@@ -168,7 +234,7 @@ def test_an_engine_on_a_loaded_folder_needs_no_vocabulary_given(checkpoint, jump
         if kind == "regex":
             assert re.fullmatch(PICK, written)
         else:
-            jsonschema.validate(json.loads(written, strict=False), json.loads(text))
+            jsonschema.validate(json.loads(written), json.loads(text))
     engine.scheduler.check_integrity()
 
 

@@ -3,7 +3,8 @@
 On CityLM a regex over its alphabet is followed exactly (the reply equals the per-request
 constrained reference) and JSON is refused with a 400 that names the character CityLM cannot
 spell; on a tiny byte-level-BPE Llama folder the official ``openai`` client gets JSON that
-parses and validates against the schema it sent.
+parses with strict ``json.loads`` and validates against the schema it sent (or is an object,
+for ``json_object``), greedy and sampled.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ SCHEMA = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
                    "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+BOUNDED = {  # a length-bounded string: raw control characters in it before minisrv's fix
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10},
+                   "rank": {"type": "integer", "minimum": 0, "maximum": 999}},
     "required": ["city", "rank"],
     "additionalProperties": False,
 }
@@ -89,21 +97,29 @@ def test_json_on_citylm_is_a_400_naming_what_it_cannot_spell(citylm_server) -> N
     assert ok.status_code == 200  # the server keeps serving
 
 
-def test_the_openai_client_gets_schema_valid_json(tmp_path) -> None:
+def test_the_openai_client_gets_strict_schema_valid_json(tmp_path) -> None:
+    """``response_format`` json_schema (an enum, a bounded string), greedy and at seeds 0-4,
+    and json_object at seeds 0-4 (greedy, the random model repeats itself inside a key
+    without end): every reply ends, parses with strict ``json.loads`` and validates.
+    Before the fix 4 of the 6 bounded-string replies held a raw control character."""
     from openai import OpenAI
 
     folder = str(write_json_llama(tmp_path / "json_llama"))
     client = serving(folder)
+    formats = {"enum": SCHEMA, "bounded": BOUNDED, "object": {"type": "object"}}
     try:
         api = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
-        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA,
-                                                      "strict": True}}
-        for seed in range(4):
-            out = api.chat.completions.create(
-                model=model_name(folder), messages=[{"role": "user", "content": "a city"}],
-                max_tokens=60, temperature=1.0, seed=seed, response_format=fmt)
-            value = json.loads(out.choices[0].message.content, strict=False)
-            jsonschema.validate(value, SCHEMA)
+        for name, schema in formats.items():
+            fmt = ({"type": "json_object"} if name == "object" else
+                   {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                           "strict": True}})
+            for seed in (*range(5), *([None] if name != "object" else [])):
+                out = api.chat.completions.create(
+                    model=model_name(folder), messages=[{"role": "user", "content": "a city"}],
+                    max_tokens=200, temperature=1.0 if seed is not None else 0.0, seed=seed,
+                    response_format=fmt)
+                assert out.choices[0].finish_reason == "stop", (name, seed)
+                jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     finally:
         client.__exit__(None, None, None)
 

@@ -241,8 +241,8 @@ def json_runs(model: Any, tokenizer: Any, grammar: CompiledGrammar, schema: dict
             run = constrained_generate(model, tokenizer.encode(prompt), grammar, params,
                                        jump_forward=jump_forward)
             text = tokenizer.decode(run.tokens)
-            try:  # strict=False: xgrammar admits raw control characters in strings
-                jsonschema.validate(json.loads(text, strict=False), schema)
+            try:  # strict: no raw control character in a string (RFC 8259)
+                jsonschema.validate(json.loads(text), schema)
                 valid = True
             except (json.JSONDecodeError, jsonschema.ValidationError):
                 valid = False

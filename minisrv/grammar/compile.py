@@ -86,10 +86,43 @@ def _xgr_compile(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
             return compiler.compile_regex(text)
         if kind == "ebnf":
             return compiler.compile_grammar(text)
-        return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(json_schema_ebnf(text))
     except (RuntimeError, xgr.InvalidJSONError) as err:
         message = _XGR_PREFIX.sub("", str(err).strip().splitlines()[0])
         raise ValueError(f"invalid {kind}: {message}") from None
+
+
+def json_schema_ebnf(schema: str) -> str:
+    r"""The EBNF that a JSON schema compiles to: xgrammar's own (strict, compact separators,
+    no free whitespace), with the raw control characters U+0000-U+001F taken out.
+
+    XGrammar 0.2.9 writes the characters of a string with ``minLength`` or ``maxLength`` as
+    ``[^"\\\r\n]``, which admits U+0000-U+001F (its unbounded strings exclude them), so a
+    bounded string could hold a raw control character: RFC 8259 (section 7) forbids that,
+    and strict ``json.loads`` rejects it. Compact JSON holds no raw control character at all
+    (in a string it must be escaped; between values only whitespace could be one, and there
+    is none), so every negated character class of the grammar is made to exclude the range.
+    Positive classes stay: the only ones holding a control character are the whitespace of
+    a lookahead, which compact output never meets, and a ``pattern`` string is xgrammar's
+    ``Regex(..., json_string=true)``, which excludes the range already. Once xgrammar's
+    bounded strings exclude it (``test_xgrammar_bounded_strings_admit_control_characters``
+    then fails), this goes and ``compile_json_schema`` compiles the schema again.
+    """
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    return _QUOTED_OR_CLASS.sub(_exclude_controls, str(grammar))
+
+
+# A quoted literal (a Regex("...") argument too) or a character class of xgrammar's EBNF.
+_QUOTED_OR_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+_CONTROLS = r"\0-\x1f"  # U+0000-U+001F in that syntax
+
+
+def _exclude_controls(match: re.Match[str]) -> str:
+    """A negated class ``[^...]`` made to exclude U+0000-U+001F; anything else as it was."""
+    item = match.group()
+    if not item.startswith("[^") or item.startswith("[^" + _CONTROLS):
+        return item
+    return "[^" + _CONTROLS + item[2:]
 
 
 def _compile_checked(vocab: Vocabulary, kind: str, text: str) -> CompiledGrammar:

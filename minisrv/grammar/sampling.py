@@ -25,13 +25,15 @@ from minisrv.grammar.processor import GrammarLogitsProcessor
 from minisrv.grammar.state import GrammarState
 from minisrv.grammar.vocab import Vocabulary
 from minisrv.request import Req
+from minisrv.runner.sampler import TokenFollower
 from minisrv.sampling import SamplingParams
 
 __all__ = ["GrammarSampling"]
 
 
-class GrammarSampling:
-    """The grammar masks of one engine, over the vocabulary of the model it serves."""
+class GrammarSampling(TokenFollower):
+    """The grammar masks of one engine, over the vocabulary of the model it serves (a
+    ``TokenFollower``: the sampler gives it each step's tokens and each request that ends)."""
 
     def __init__(self, vocab: Vocabulary) -> None:
         self.vocab = vocab

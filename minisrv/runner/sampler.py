@@ -1,17 +1,22 @@
 """The sampler: each request's private random generator, logits processors, then sampling.
 
 A logits processor is any callable ``(logits, reqs) -> logits`` applied to the step's
-logits [sampling entries, vocab] before a token is drawn, in list order: where constrained
-decoding (grammar masks) plugs in. A request's own sampling parameters (penalties, logit
-bias, ``min_tokens``) are applied by ``minisrv.sampling.sample_processed``, given each
-request's history, which also returns the logprobs a request asked for. With neither, the
-step's tokens are exactly ``minisrv.sampling.sample_batch``'s.
+logits [sampling entries, vocab] before a token is drawn, in order: where constrained
+decoding (grammar masks) plugs in. One that keeps state per request (a grammar's automaton)
+declares it by being a ``TokenFollower``: it is then also told each step's tokens and each
+request that ends. A request's own sampling parameters (penalties, logit bias,
+``min_tokens``) are applied by ``minisrv.sampling.sample_processed``, given each request's
+history, which also returns the logprobs a request asked for. With neither, the step's
+tokens are exactly ``minisrv.sampling.sample_batch``'s.
 """
 
 from __future__ import annotations
 
+import threading
+from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,9 +24,42 @@ from minisrv import sampling
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, TokenLogprobs, make_generator
 
-__all__ = ["LogitsProcessor", "Sampler"]
+__all__ = ["LogitsProcessor", "Sampler", "TokenFollower"]
 
 LogitsProcessor = Callable[[torch.Tensor, Sequence[Req]], torch.Tensor]
+
+
+class TokenFollower(ABC):
+    """A logits processor that keeps state per request: after each step it is given the
+    tokens drawn (``accept``), and a request that ends is forgotten (``release``). Being a
+    subclass is the declaration; the sampler reads it once, when the processor is installed,
+    never during a step."""
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """The step's logits, processed (in place or anew)."""
+
+    @abstractmethod
+    def accept(self, reqs: Sequence[Req], tokens: Sequence[int]) -> None:
+        """Follow the tokens drawn for ``reqs`` (one per row)."""
+
+    @abstractmethod
+    def release(self, req: Req) -> None:
+        """Forget a request that finished or was aborted."""
+
+
+@dataclass(frozen=True)
+class _Installed:
+    """The processors a step applies, in order, and those of them that follow tokens. The
+    sampler holds one and replaces it whole, so a step that reads it once sees one set."""
+
+    processors: tuple[LogitsProcessor, ...] = ()
+    followers: tuple[TokenFollower, ...] = ()
+
+    @classmethod
+    def of(cls, processors: Iterable[LogitsProcessor]) -> _Installed:
+        processors = tuple(processors)
+        return cls(processors, tuple(p for p in processors if isinstance(p, TokenFollower)))
 
 
 class Sampler:
@@ -34,11 +72,28 @@ class Sampler:
 
     def __init__(self, logits_processors: Sequence[LogitsProcessor] = (),
                  stop_ids: Sequence[int] = ()) -> None:
-        self.logits_processors: list[LogitsProcessor] = list(logits_processors)
+        self._installed = _Installed.of(logits_processors)
+        self._install_lock = threading.Lock()  # orders installers; a step never waits on it
         self.stop_ids = tuple(stop_ids)  # what min_tokens holds back
         self._generators: dict[Req, torch.Generator | None] = {}
         # Per request that asked for them: its tokens' logprobs, oldest first, until read.
         self.logprobs: dict[Req, deque[TokenLogprobs]] = {}
+
+    @property
+    def logits_processors(self) -> tuple[LogitsProcessor, ...]:
+        """The processors applied to every step, in order."""
+        return self._installed.processors
+
+    def install(self, processor: LogitsProcessor,
+                replacing: LogitsProcessor | None = None) -> None:
+        """Apply ``processor`` last from the next step on, in place of ``replacing`` if that
+        is given. Safe from any thread while another runs steps: the new set is one
+        assignment, and a step reads the set once, so it applies the old processors or the
+        new ones, never a mix (a step half done when a processor comes never masks with it
+        and then gives it tokens, nor the reverse)."""
+        with self._install_lock:
+            kept = [p for p in self._installed.processors if p is not replacing]
+            self._installed = _Installed.of([*kept, processor])
 
     def generators(self, reqs: Sequence[Req]) -> list[torch.Generator | None]:
         """The generators of ``reqs``, made for those that have none yet."""
@@ -57,13 +112,13 @@ class Sampler:
         ``histories`` (each request's prompt and output, or None when no request of the step
         has a penalty, a bias or ``min_tokens``) feed the per-request processing.
         """
-        for process in self.logits_processors:
+        installed = self._installed  # read once: one set masks and follows this step
+        for process in installed.processors:
             logits = process(logits, reqs)
         tokens, logprobs = sampling.sample_processed(logits, params, generators, histories,
                                                      self.stop_ids)
-        for process in self.logits_processors:  # a processor that follows the tokens
-            if hasattr(process, "accept"):
-                process.accept(reqs, tokens)
+        for follower in installed.followers:
+            follower.accept(reqs, tokens)
         for req, entry in zip(reqs, logprobs):
             if entry is not None:
                 self.logprobs.setdefault(req, deque()).append(entry)
@@ -80,9 +135,8 @@ class Sampler:
         """Forget ``req``'s generator and any logprobs not read."""
         self._generators.pop(req, None)
         self.logprobs.pop(req, None)
-        for process in self.logits_processors:
-            if hasattr(process, "release"):
-                process.release(req)
+        for follower in self._installed.followers:
+            follower.release(req)
 
     @property
     def live_requests(self) -> int:
