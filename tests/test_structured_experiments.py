@@ -93,6 +93,7 @@ def test_records_ebnf_gives_two_parseable_records(citylm, vocab) -> None:
 
 def test_mask_cost_and_the_step_are_positive_and_the_step_grows(vocab) -> None:
     assert st.mask_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
+    assert st.batch_fill_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
     assert 0 < st.decode_step_ms(1) < st.decode_step_ms(64)
 
 
@@ -237,3 +238,21 @@ def test_the_mask_widget_builds(citylm) -> None:
     menu, step = box.children[0].children
     assert list(menu.options) == list(vg.MASK_GRAMMARS)
     assert (step.value, step.max) == (25, 30)  # the commas grammar ends at step 25
+
+
+def test_the_batched_fill_timed_beside_ours_fills_the_same_masks(vocab) -> None:
+    """XGrammar's batched fill, timed in the chapter beside minisrv's per-row fill, computes
+    the same bitmask rows as each request's own state: the two bars time the same work."""
+    import torch
+    import xgrammar as xgr
+
+    from minisrv.grammar import compile_grammar
+
+    states = st._states_in_flight(compile_grammar(vocab, regex=st.THREE_CITIES), vocab, 6)
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab.size)
+    xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([s.matcher for s in states],
+                                                             bitmask)
+    for row, state in enumerate(states):
+        logits = torch.zeros(1, vocab.size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask[row:row + 1])
+        assert torch.equal(torch.isfinite(logits[0]), state.allowed_mask().cpu()), row

@@ -10,7 +10,7 @@ character by character or compressed into chains (SGLang's compressed finite-sta
 machine). ``step_probabilities`` compares the model's own probability of each chosen token
 with the renormalised one under the mask. ``json_runs`` samples a JSON schema over seeds and
 temperatures and validates every output.
-``mask_cost_us`` times one step's fill and apply.
+``mask_cost_us`` times one step's fill and apply, ``batch_fill_cost_us`` XGrammar's batched fill.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = [
     "MaskStep",
     "StepProbability",
     "automaton",
+    "batch_fill_cost_us",
     "decode_step_ms",
     "in_process_server",
     "json_runs",
@@ -307,11 +308,9 @@ def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:
     return Vocabulary(info, f"synthetic-{size // 1000}k")
 
 
-def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str | None = None,
-                 json_schema: dict[str, Any] | None = None) -> float:
-    """Median microseconds of one step's mask (batched fill and apply on CPU float32 logits)
-    for ``batch`` constrained rows, each a few random allowed tokens into its grammar."""
-    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
+def _states_in_flight(grammar: Any, vocab: Vocabulary, batch: int) -> list[GrammarState]:
+    """``batch`` matchers of ``grammar``, each a few random allowed tokens in (seeded), as
+    the rows of a step find them mid-answer."""
     rng = random.Random(0)
     states = []
     for _ in range(batch):
@@ -323,15 +322,43 @@ def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str
                 break
             state.accept(rng.choice(allowed))
         states.append(state)
-    processor = GrammarLogitsProcessor(vocab.size)
-    logits = torch.randn(batch, vocab.size)
+    return states
+
+
+def _median_us(run: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        work = logits.clone()
         start = time.perf_counter()
-        processor(work, states)
+        run()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1e6
+
+
+def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str | None = None,
+                 json_schema: dict[str, Any] | None = None) -> float:
+    """Median microseconds of one step's mask as minisrv computes it (``GrammarLogitsProcessor``:
+    one fill per row from Python, then the apply on CPU float32 logits) for ``batch``
+    constrained rows, each a few random allowed tokens into its grammar."""
+    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
+    states = _states_in_flight(grammar, vocab, batch)
+    processor = GrammarLogitsProcessor(vocab.size)
+    logits = torch.randn(batch, vocab.size)
+    return _median_us(lambda: processor(logits.clone(), states), repeats)
+
+
+def batch_fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
+                       regex: str | None = None,
+                       json_schema: dict[str, Any] | None = None) -> float:
+    """Median microseconds of XGrammar's own batched fill (``BatchGrammarMatcher``: every row's
+    bitmask in one call, in C++ threads) over the same rows as ``mask_cost_us``: the fill a
+    production server runs, without the apply."""
+    import xgrammar as xgr
+
+    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
+    matchers = [state.matcher for state in _states_in_flight(grammar, vocab, batch)]
+    bitmask = xgr.allocate_token_bitmask(batch, vocab.size)
+    filler = xgr.BatchGrammarMatcher()
+    return _median_us(lambda: filler.batch_fill_next_token_bitmask(matchers, bitmask), repeats)
 
 
 def decode_step_ms(batch: int, context: int = 1000) -> float:

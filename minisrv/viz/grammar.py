@@ -33,6 +33,7 @@ from minisrv.viz.style import (
     graph_attrs,
     label_axes,
     legend_below,
+    one_header_row,
     page_figure,
     styled,
 )
@@ -225,11 +226,12 @@ def _step_table(run: MaskRun, step: int, token_text: Sequence[str]) -> pd.DataFr
     """One row: the token taken at ``step`` (1-based), how many tokens the mask allowed,
     their share of the model's probability, and the token's probability alone and masked."""
     mask, prob = run.steps[step - 1], run.probabilities[step - 1]
-    return pd.DataFrame([{"step": step, "token taken": _show(token_text[mask.token]),
-                          "tokens allowed": int(mask.allowed.sum()),
-                          "probability allowed": f"{prob.allowed_mass:.2g}",
-                          "token, model alone": f"{prob.free:.2g}",
-                          "token, masked": f"{prob.masked:.2g}"}]).set_index("step")
+    row = {"step": step, "token taken": _show(token_text[mask.token]),
+           "tokens allowed": int(mask.allowed.sum()),
+           "probability allowed": f"{prob.allowed_mass:.2g}",
+           "p(token), model alone": f"{prob.free:.2g}",
+           "p(token), masked": f"{prob.masked:.2g}"}
+    return one_header_row(pd.DataFrame([row]).set_index("step"))
 
 
 def _step_metrics(run: MaskRun, step: int, tok: Any) -> dict[str, float | int | str]:
