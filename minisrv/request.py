@@ -66,6 +66,9 @@ class Req:
     draft_tokens: int = 0  # speculative decoding: guesses checked for it
     accepted_tokens: int = 0  # of those, kept (acceptance rate: accepted / drafted)
     jump_forward_tokens: int = 0  # tokens its grammar forced, appended without a step
+    # ``all_tokens``'s tuple, and the output it was built from
+    _all_tokens: tuple[int, ...] = field(default=(), init=False, repr=False)
+    _all_tokens_output: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def prompt_len(self) -> int:
@@ -81,6 +84,22 @@ class Req:
     def seq_len(self) -> int:
         """Prompt plus the tokens generated so far: what its KV cache holds after a step."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def all_tokens(self) -> tuple[int, ...]:
+        """Prompt plus output as one tuple (the key a prefix cache matches), built again
+        only once the output has changed since the last call.
+
+        A scheduling policy reads it for every waiting request each round; a waiting
+        request's output does not change, so a round copies no prompt. The check compares
+        the output with a copy of it, which costs no new list.
+        """
+        output = self.output
+        if (len(self._all_tokens) != len(self.prompt) + len(output)
+                or self._all_tokens_output != output):
+            self._all_tokens = (*self.prompt, *output)
+            self._all_tokens_output = list(output)
+        return self._all_tokens
 
     @property
     def fill_ids(self) -> list[int]:

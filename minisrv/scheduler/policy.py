@@ -107,7 +107,7 @@ class QueuePolicy:
         if self.policy == "fcfs" and not self.check:
             return waiting
         queue = list(waiting)
-        result = calc_priority(self.policy, tree, [[*r.prompt, *r.output] for r in queue],
+        result = calc_priority(self.policy, tree, [r.all_tokens for r in queue],
                                in_batch_prefix_check=self.check, seed=self.rng,
                                max_new_tokens=[r.max_new_tokens for r in queue])
         return deque(queue[i] for i in result.order)
@@ -173,7 +173,7 @@ def calc_priority(
         return PriorityResult(queue, [], [0] * n)
     if not isinstance(tree, RadixCache):
         raise ValueError(f"tree must be a RadixCache or NoCache, got {type(tree).__name__}")
-    keys = [tuple(p) for p in prompts]  # once: the radix tree keys on tuples
+    keys = [tuple(p) for p in prompts]  # the radix tree keys on tuples (a tuple: itself)
     real, nodes = _match_all(tree, keys)
     matched = [min(length, len(p) - 1) for length, p in zip(real, keys)]
     deprioritized = _in_batch_deprioritized(keys, real) if check else []
