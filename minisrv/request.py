@@ -10,6 +10,7 @@ separate bookkeeping that could drift out of step with what actually ran.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -112,6 +113,19 @@ class Req:
         unchanged.
         """
         return [*self.prompt, *self.output][self.cached_len:]
+
+    def stop_reason(self, token: int, position: int, eos_ids: Container[int]) -> str | None:
+        """Why ``token``, as output token number ``position`` (from 0), ends the request:
+        ``"eos"`` when it is an end-of-sequence id and the request does not ignore them,
+        ``"length"`` when it is the ``max_new_tokens``-th, else ``None``. The one stop rule:
+        the scheduler's ``BatchCompleter.accept`` and the runner's cut of a speculative
+        check both ask it."""
+        params = self.params
+        if token in eos_ids and not params.ignore_eos:
+            return "eos"
+        if position + 1 >= params.max_new_tokens:
+            return "length"
+        return None
 
     @property
     def remaining_new_tokens(self) -> int:

@@ -79,11 +79,15 @@ def test_the_overlapped_loop_writes_over_its_placeholder_at_a_position(
     assert req.finish_reason == reason
 
 
-@pytest.mark.parametrize(("tokens", "limit", "kept", "reason"), [
+CHECKS = [  # a check's tokens after an output of one token: (tokens, limit, kept, reason)
     ([11, 12, 13], 10, [11, 12, 13], None),   # every guess accepted, no stop
     ([11, EOS, 13, 14], 10, [11, EOS], "eos"),  # eos mid-run: the rest is dropped
     ([11, 12, 13, 14], 3, [11, 12], "length"),  # the limit mid-run
-])
+    ([11, EOS, 13], 3, [11, EOS], "eos"),  # eos on the last token the limit allows
+]
+
+
+@pytest.mark.parametrize(("tokens", "limit", "kept", "reason"), CHECKS)
 def test_a_speculative_check_stops_mid_run(tokens: list[int], limit: int, kept: list[int],
                                            reason: str | None) -> None:
     """An entry of a check gets several tokens back; ``append_tokens`` gives them to
@@ -96,3 +100,16 @@ def test_a_speculative_check_stops_mid_run(tokens: list[int], limit: int, kept: 
     assert req.output == [9, *kept] and streamed == kept
     assert len(req.token_times) == len(kept)
     assert finished == ([req] if reason else []) and req.finish_reason == reason
+
+
+@pytest.mark.parametrize(("tokens", "limit", "kept", "reason"), CHECKS)
+def test_the_runner_cuts_a_check_where_the_completer_stops(tokens: list[int], limit: int,
+                                                           kept: list[int],
+                                                           reason: str | None) -> None:
+    """The runner cuts a verified check at its stop before answering (``cut_at_stop``) by
+    the same rule, ``Req.stop_reason``: it keeps what ``accept`` keeps."""
+    from minisrv.runner.speculative import cut_at_stop
+
+    req = _req(limit, [9])
+    assert cut_at_stop(tokens, req, (EOS,)) == kept
+    assert req.stop_reason(kept[-1], len(kept), (EOS,)) == reason

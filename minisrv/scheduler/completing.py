@@ -51,29 +51,25 @@ class BatchCompleter:
             )
 
     def accept(self, req: Req, token: int, position: int) -> str | None:
-        """Put ``token`` at ``position`` of ``req``'s output and say whether it ends ``req``.
+        """Put ``token`` at ``position`` of ``req``'s output, stamp it with the clock, and
+        return why it ends ``req`` (also set as ``req.finish_reason``), or ``None``.
 
-        The one stop rule of both loops: ``"eos"`` when the token is one of the model's
-        end-of-sequence ids and ``req`` does not ignore them, ``"length"`` when it is the
-        ``max_new_tokens``-th token, else ``None``; a stop is also set as
-        ``req.finish_reason``. The token is stamped with the clock. The blocking loop
-        appends (``position`` is the output's length); the overlapped loop writes over the
-        placeholder it put at ``position`` when the step was launched, which a later step's
-        placeholder may already follow.
+        Both loops take every token through here: the blocking loop appends (``position``
+        is the output's length); the overlapped loop writes over the placeholder it put at
+        ``position`` when the step was launched, which a later step's placeholder may
+        already follow. The stop itself is the request's rule (``Req.stop_reason``): the
+        model's end-of-sequence ids unless ignored, then ``max_new_tokens``.
         """
-        output, params = req.output, req.params
+        output = req.output
         if position == len(output):
             output.append(token)
         else:
             output[position] = token
         req.token_times.append(self.recorder.clock)
-        if token in self.backend.eos_ids and not params.ignore_eos:
-            req.finish_reason = "eos"
-        elif position + 1 >= params.max_new_tokens:
-            req.finish_reason = "length"
-        else:
-            return None
-        return req.finish_reason
+        reason = req.stop_reason(token, position, self.backend.eos_ids)
+        if reason is not None:
+            req.finish_reason = reason
+        return reason
 
     def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
         """Append each entry's tokens to its request and stream them, up to the first that
