@@ -63,7 +63,7 @@ def _trace(budget: int | None, mode: str, policy: str, lens: list[tuple[int, int
     sched.run()
     assert sched.idle
     sched.check_integrity()
-    return [(r.prefill, r.decode, r.retracted, r.finished) for r in sched.trace]
+    return [(r.prefill, r.decode, r.retracted, r.finished) for r in sched.recorder.trace]
 
 
 @settings(max_examples=25, deadline=None)

@@ -154,7 +154,7 @@ class OverlapLoop:
         record = sched.recorder.record(batch, step.before, result, finished, extra)
         if sched.config.record_trace:
             self.future_trace.append(self._future_step(record.index, step, result, finished))
-        on_token = sched.on_token
+        on_token = sched.completer.on_token
         if stream and on_token is not None:  # last: a raising callback finds state consistent
             for req, token in streamed:
                 on_token(req, token)
@@ -194,7 +194,7 @@ class OverlapLoop:
         finished: list[Req] = []
         late: set[int] = set()
         streamed: list[tuple[Req, int]] = []
-        stream = streamed.append if self.scheduler.on_token is not None else None
+        stream = streamed.append if self.scheduler.completer.on_token is not None else None
         extra = 0
         batch, sampling = step.batch, step.batch.sampling
         sampled = (result.tokens if len(sampling) == len(batch)  # no chunk in the step
