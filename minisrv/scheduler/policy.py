@@ -173,7 +173,7 @@ def calc_priority(
         return PriorityResult(queue, [], [0] * n)
     if not isinstance(tree, RadixCache):
         raise ValueError(f"tree must be a RadixCache or NoCache, got {type(tree).__name__}")
-    keys = [tuple(p) for p in prompts]  # the radix tree keys on tuples (a tuple: itself)
+    keys = [tuple(p) for p in prompts]  # once: the radix tree keys on tuples
     real, nodes = _match_all(tree, keys)
     matched = [min(length, len(p) - 1) for length, p in zip(real, keys)]
     deprioritized = _in_batch_deprioritized(keys, real) if check else []
