@@ -133,22 +133,22 @@ class Engine(ConfigView):
     @property
     def stats(self) -> SchedulerStats:
         """Totals over every step this engine has run (steps, tokens, ...)."""
-        return self.scheduler.stats
+        return self.scheduler.recorder.stats
 
     @property
     def tree(self) -> PrefixCache:
         """The prefix cache (a ``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
-        return self.scheduler.tree
+        return self.scheduler.memory.tree
 
     @property
     def trace(self) -> list[StepRecord]:
         """One record per step this engine has run, oldest first."""
-        return self.scheduler.trace
+        return self.scheduler.recorder.trace
 
     @property
     def clock(self) -> float:
         """The scheduler's clock (steps, or seconds on a simulated GPU)."""
-        return self.scheduler.clock
+        return self.scheduler.recorder.clock
 
     @property
     def idle(self) -> bool:
@@ -234,11 +234,11 @@ class Engine(ConfigView):
         logprobs: dict[Req, list[Any]] = {}
         sched = self.scheduler
         if collect:
-            sched.on_token = self._collector(tokens, logprobs)
+            sched.completer.on_token = self._collector(tokens, logprobs)
         try:
             record = self.loop.step()
         finally:
-            sched.on_token = None
+            sched.completer.on_token = None
         if record is None:
             return StepOutput(None)
         live = self._live
@@ -283,8 +283,8 @@ class Engine(ConfigView):
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges of this moment: requests running and queued, KV held, hit rate."""
-        sched, stats, queues = self.scheduler, self.scheduler.stats, self.scheduler.queues
-        used = sched.kv.used_count - sched.tree.evictable_size()
+        sched, stats, queues = self.scheduler, self.scheduler.recorder.stats, self.scheduler.queues
+        used = sched.memory.kv.used_count - sched.memory.tree.evictable_size()
         return EngineSnapshot(
             running=len(queues.held()), queued=len(queues.waiting) + queues.pending, kv_used=used,
             token_usage=used / self.kv_capacity, hit_rate=stats.hit_rate,
@@ -331,7 +331,7 @@ class Engine(ConfigView):
     ) -> list[Req]:
         """Validated ``Req`` objects for ``generate``'s arguments; nothing is queued yet."""
         reqs = make_requests(prompts, max_new_tokens, sampling, arrival_steps,
-                             first_rid=self._next_rid, now=self.scheduler.clock)
+                             first_rid=self._next_rid, now=self.scheduler.recorder.clock)
         self._next_rid += len(reqs)
         return reqs
 

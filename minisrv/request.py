@@ -10,6 +10,7 @@ separate bookkeeping that could drift out of step with what actually ran.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -66,6 +67,9 @@ class Req:
     draft_tokens: int = 0  # speculative decoding: guesses checked for it
     accepted_tokens: int = 0  # of those, kept (acceptance rate: accepted / drafted)
     jump_forward_tokens: int = 0  # tokens its grammar forced, appended without a step
+    # ``all_tokens``'s tuple, and the output it was built from
+    _all_tokens: tuple[int, ...] = field(default=(), init=False, repr=False)
+    _all_tokens_output: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def prompt_len(self) -> int:
@@ -81,6 +85,22 @@ class Req:
     def seq_len(self) -> int:
         """Prompt plus the tokens generated so far: what its KV cache holds after a step."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def all_tokens(self) -> tuple[int, ...]:
+        """Prompt plus output as one tuple (the key a prefix cache matches), built again
+        only once the output has changed since the last call.
+
+        A scheduling policy reads it for every waiting request each round; a waiting
+        request's output does not change, so a round copies no prompt. The check compares
+        the output with a copy of it, which costs no new list.
+        """
+        output = self.output
+        if (len(self._all_tokens) != len(self.prompt) + len(output)
+                or self._all_tokens_output != output):
+            self._all_tokens = (*self.prompt, *output)
+            self._all_tokens_output = list(output)
+        return self._all_tokens
 
     @property
     def fill_ids(self) -> list[int]:
@@ -103,6 +123,19 @@ class Req:
         if end <= n:
             return self.prompt[start:end]
         return [*self.prompt[start:], *self.output[:end - n]]
+
+    def stop_reason(self, token: int, position: int, eos_ids: Container[int]) -> str | None:
+        """Why ``token``, as output token number ``position`` (from 0), ends the request:
+        ``"eos"`` when it is an end-of-sequence id and the request does not ignore them,
+        ``"length"`` when it is the ``max_new_tokens``-th, else ``None``. The one stop rule:
+        the scheduler's ``BatchCompleter.accept`` and the runner's cut of a speculative
+        check both ask it."""
+        params = self.params
+        if token in eos_ids and not params.ignore_eos:
+            return "eos"
+        if position + 1 >= params.max_new_tokens:
+            return "length"
+        return None
 
     @property
     def remaining_new_tokens(self) -> int:

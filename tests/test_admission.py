@@ -16,7 +16,7 @@ from minisrv.engine import Engine
 from minisrv.request import FINISHED, Req
 from minisrv.runner import ModelBackend
 from minisrv.sampling import SamplingParams
-from minisrv.scheduler import MODES, Scheduler
+from minisrv.scheduler import MODES, BatchFormer, Scheduler
 from minisrv.scheduler.admission import RETRACT_DECODE_STEPS, BudgetAdmission
 from minisrv.sim import SimBackend
 
@@ -28,11 +28,11 @@ MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture
 
 def check_pool(sched: Scheduler) -> None:
     """Accounting that must hold after every step."""
-    kv = sched.kv
+    kv = sched.memory.kv
     assert kv.free_count + kv.used_count == kv.capacity
-    held = [s for req in sched.running for s in req.kv_slots]
+    held = [s for req in sched.queues.running for s in req.kv_slots]
     assert len(held) == len(set(held)) == kv.used_count
-    assert all(not req.kv_slots for req in sched.waiting)
+    assert all(not req.kv_slots for req in sched.queues.waiting)
 
 
 def serve_checked(engine: Engine, reqs: list[Req]) -> None:
@@ -43,7 +43,7 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
     while sched.step() is not None:
         check_pool(sched)
         sched.check_integrity()
-    assert sched.idle and sched.kv.used_count == 0 and sched.kv_reserved == 0
+    assert sched.idle and sched.memory.kv.used_count == 0 and sched.admission.reserved == 0
 
 
 workloads = st.lists(
@@ -107,8 +107,8 @@ def test_retraction_picks_fewest_generated_then_longest_prompt() -> None:
         return Req(rid, [0] * prompt_len, output=[3] * generated)
 
     running = [req(0, 2, 3), req(1, 3, 1), req(2, 5, 1), req(3, 9, 4)]
-    assert Scheduler.retraction_victim(running).rid == 2
-    assert Scheduler.retraction_victim(running[:2]).rid == 1
+    assert BatchFormer.retraction_victim(running).rid == 2
+    assert BatchFormer.retraction_victim(running[:2]).rid == 1
 
 
 def test_retraction_raises_the_ratio_and_calm_steps_decay_it(model) -> None:
@@ -121,14 +121,14 @@ def test_retraction_raises_the_ratio_and_calm_steps_decay_it(model) -> None:
     assert ratios[first] > 0.1
     calm = Engine(model, kv_capacity=400, max_running=4, ratio_decay=0.01)
     calm.generate([[0, 5]] * 3, sampling=SamplingParams(max_new_tokens=10, ignore_eos=True))
-    assert calm.scheduler.new_token_ratio == pytest.approx(0.7 - 0.01 * 9)
+    assert calm.scheduler.admission.ratio == pytest.approx(0.7 - 0.01 * 9)
 
 
 def test_a_request_too_big_for_the_pool_is_refused_and_the_engine_keeps_serving(model) -> None:
     engine = Engine(model, kv_capacity=30, max_running=2)
     with pytest.raises(ValueError, match="could never be admitted"):
         engine.generate([[0, 3], [0, 4, 5, 6]], max_new_tokens=[5, 40])
-    assert engine.stats.steps == 0 and engine.scheduler.kv.used_count == 0
+    assert engine.stats.steps == 0 and engine.scheduler.memory.kv.used_count == 0
     out = engine.generate([[0, 4, 5, 6]], max_new_tokens=20)
     assert out == [model.reference_generate([0, 4, 5, 6], 20)]
 

@@ -31,7 +31,7 @@ def test_backend_matches_each_request_alone_under_retraction(model, backend_cls,
                                                seed=p.seed, ignore_eos=True)
     if mode != "static":
         assert engine.stats.retractions > 0  # the 40-slot pool really was too small
-    assert engine.scheduler.kv.free_count == 40  # every slot returned
+    assert engine.scheduler.memory.kv.free_count == 40  # every slot returned
 
 
 def test_per_request_backend_costs_prompt_tokens_for_prefill_and_one_per_decode(model) -> None:

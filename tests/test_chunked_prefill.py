@@ -40,8 +40,8 @@ def serve_checked(engine: Engine, reqs: list[Req], budget: int) -> None:
         record = out.record
         assert record.prefill_tokens + len(record.decode) <= budget
         sched.check_integrity()
-    assert sched.idle and sched.chunked is None and not sched.chunks.ends
-    assert sched.kv.used_count == sched.tree.total_size()  # only the tree holds slots
+    assert sched.idle and sched.queues.chunked is None and not sched.queues.chunks.ends
+    assert sched.memory.kv.used_count == sched.memory.tree.total_size()  # only the tree holds slots
 
 
 @pytest.mark.parametrize("budget", [2, 5, 7, 16])
@@ -104,7 +104,7 @@ def test_a_request_arriving_meanwhile_reuses_the_chunks_in_the_tree(model) -> No
     first = engine.add_request(long, SamplingParams(max_new_tokens=4))
     engine.step()
     engine.step()  # two chunks computed, both in the tree; the lock moved to the second
-    assert engine.scheduler.chunked is first and first.cached_len == 16
+    assert engine.scheduler.queues.chunked is first and first.cached_len == 16
     assert engine.tree.match_prefix(long).length == 16
     follower = engine.add_request([*long[:20], 60], SamplingParams(max_new_tokens=4))
     engine.run()
@@ -122,7 +122,7 @@ def test_one_long_prompt_is_cut_and_decodes_go_first_in_a_mixed_step(model) -> N
     steps = [engine.step().record for _ in range(4)]
     assert [(s.decode, s.prefill, s.prefill_tokens) for s in steps] == [
         ((short.rid,), (long.rid,), 7)] * 4  # 1 decode + 7 prefill tokens each: 29 = 4 x 7 + 1
-    assert len(long.output) == 0 and engine.scheduler.chunked is long
+    assert len(long.output) == 0 and engine.scheduler.queues.chunked is long
     engine.run()
     assert long.output == model.reference_generate(long.prompt, 2)
 
@@ -147,9 +147,9 @@ def test_abort_of_a_chunked_request_frees_exactly_its_slots(model) -> None:
         engine.step()
         engine.abort([req])
         sched = engine.scheduler
-        assert req.state == ABORTED and sched.chunked is None and sched.idle
+        assert req.state == ABORTED and sched.queues.chunked is None and sched.idle
         sched.check_integrity()
-        assert sched.kv.used_count == sched.tree.total_size()
+        assert sched.memory.kv.used_count == sched.memory.tree.total_size()
 
 
 def test_a_tight_pool_retracts_and_the_tokens_hold(model) -> None:

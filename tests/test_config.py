@@ -56,15 +56,15 @@ def test_check_integrity_finds_a_leaked_slot_and_a_stray_lock() -> None:
     engine.generate(prompts, 3)
     sched = engine.scheduler
     sched.check_integrity()
-    leaked = sched.kv.alloc(1)
+    leaked = sched.memory.kv.alloc(1)
     with pytest.raises(AssertionError, match="slots leaked"):
         sched.check_integrity()
-    sched.kv.free(leaked)
-    node = sched.tree.match_prefix(prompts[0]).node
-    sched.tree.lock(node)
+    sched.memory.kv.free(leaked)
+    node = sched.memory.tree.match_prefix(prompts[0]).node
+    sched.memory.tree.lock(node)
     with pytest.raises(AssertionError, match="running requests use it"):
         sched.check_integrity()
-    sched.tree.unlock(node)
+    sched.memory.tree.unlock(node)
     sched.check_integrity()
 
 

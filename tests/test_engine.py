@@ -54,7 +54,7 @@ def test_outputs_equal_each_request_alone(model, prompts, data, mode, max_runnin
     params = [SamplingParams(max_new_tokens=m) for m in lengths]
     assert outputs == [reference(model, p, q) for p, q in zip(prompts, params, strict=True)]
     assert engine.stats.finished == n
-    assert engine.backend.live_requests == 0 and engine.scheduler.kv_reserved == 0
+    assert engine.backend.live_requests == 0 and engine.scheduler.admission.reserved == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -166,7 +166,7 @@ def test_failing_stream_callback_leaves_the_engine_usable(model) -> None:
 
     with pytest.raises(RuntimeError, match="client went away"):
         engine.generate([[0, 5], [0, 6], [0, 7]], 5, on_token=explode)
-    assert engine.scheduler.idle and engine.scheduler.kv_reserved == 0
+    assert engine.scheduler.idle and engine.scheduler.admission.reserved == 0
     assert engine.backend.live_requests == 0
     assert engine.generate([[0, 8]], 4) == [model.reference_generate([0, 8], 4)]
 
@@ -201,10 +201,10 @@ def test_retract_requeues_running_requests_and_keeps_their_tokens(model) -> None
                                                            ignore_eos=True))
     for _ in range(6):
         engine.step()
-    used = engine.scheduler.kv.used_count
+    used = engine.scheduler.memory.kv.used_count
     engine.retract([sampled, greedy])
-    assert engine.scheduler.kv.used_count < used and not sampled.kv_slots
-    assert list(engine.scheduler.waiting) == [sampled, greedy]
+    assert engine.scheduler.memory.kv.used_count < used and not sampled.kv_slots
+    assert list(engine.scheduler.queues.waiting) == [sampled, greedy]
     engine.scheduler.check_integrity()
     while engine.step().record is not None:
         engine.scheduler.check_integrity()

@@ -76,11 +76,12 @@ def test_an_entry_of_several_tokens_keeps_those_before_the_stop_and_frees_the_re
     sched.memory.alloc_tokens(req, 3)  # the newest token + 2 drafts
     batch = Batch((Entry(req, 4, 3),))
     sched.backend = _Eos(sched.backend)
-    finished = sched.process_batch_result(batch, BatchResult([[8, 1, 9]], 1.0, 1.0))
+    finished = sched.completer.process_batch_result(batch, BatchResult([[8, 1, 9]], 1.0, 1.0))
     assert finished == [req] and req.output[1:] == [8, 1] and req.finish_reason == "eos"
     sched.check_integrity()
-    assert sched.kv.used_count == sched.tree.total_size()  # nothing leaked, all cached
-    assert sched.tree.total_size() == 6  # prompt + the two tokens whose KV exist
+    memory = sched.memory
+    assert memory.kv.used_count == memory.tree.total_size()  # nothing leaked, all cached
+    assert memory.tree.total_size() == 6  # prompt + the two tokens whose KV exist
 
 
 class _Eos:

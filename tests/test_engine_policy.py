@@ -29,9 +29,9 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
     while sched.step() is not None:
         sched.check_integrity()
     sched.check_integrity()
-    assert not sched.running and not sched.waiting
-    assert sched.tree.protected_size() == 0
-    assert sched.kv.used_count == sched.tree.total_size()  # 0 without the cache
+    assert not sched.queues.running and not sched.queues.waiting
+    assert sched.memory.tree.protected_size() == 0
+    assert sched.memory.kv.used_count == sched.memory.tree.total_size()  # 0 without the cache
 
 
 def checks_for(policy: str) -> list[bool | None]:

@@ -20,22 +20,22 @@ MODEL_SEED = 2  # the random CityLM of conftest's `model` fixture
 
 
 def tree_slots(sched: Scheduler) -> list[int]:
-    tree = sched.tree
+    tree = sched.memory.tree
     return [v for node in tree.nodes()[1:] for v in node.value] if isinstance(
         tree, RadixCache) else []
 
 
 def check_pool(sched: Scheduler) -> None:
     """Every used slot is held by exactly one owner: the tree, or one running request."""
-    kv, tree = sched.kv, sched.tree
+    kv, tree = sched.memory.kv, sched.memory.tree
     cached = tree_slots(sched)
-    own = [s for req in sched.running for s in req.kv_slots[req.cached_len:]]
+    own = [s for req in sched.queues.running for s in req.kv_slots[req.cached_len:]]
     assert len(cached) == tree.total_size()
     assert len(set(cached) | set(own)) == len(cached) + len(own) == kv.used_count
-    for req in sched.running:  # a running request's cached prefix is the tree's, locked
+    for req in sched.queues.running:  # a running request's cached prefix is the tree's, locked
         assert set(req.kv_slots[:req.cached_len]) <= set(cached)
         assert req.cache_node is not None
-    assert all(not req.kv_slots for req in sched.waiting)
+    assert all(not req.kv_slots for req in sched.queues.waiting)
 
 
 def serve_checked(engine: Engine, reqs: list[Req]) -> None:
@@ -45,10 +45,10 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
     while sched.step() is not None:
         check_pool(sched)
         sched.check_integrity()
-    assert sched.tree.protected_size() == 0  # everything unlocked once all finished
-    assert sched.kv.used_count == sched.tree.total_size()  # only the tree holds slots
-    sched.tree.evict(sched.tree.total_size())
-    assert sched.kv.used_count == 0
+    assert sched.memory.tree.protected_size() == 0  # everything unlocked once all finished
+    assert sched.memory.kv.used_count == sched.memory.tree.total_size()  # only the tree holds slots
+    sched.memory.tree.evict(sched.memory.tree.total_size())
+    assert sched.memory.kv.used_count == 0
 
 
 prefix_lists, workloads = prefix_sharing(max_prefix=12, max_suffix=6, max_new=16, max_arrival=6)

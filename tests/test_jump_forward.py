@@ -57,7 +57,7 @@ def check_jumps(engine: Engine, reqs, saved) -> None:
     assert stats.generated_tokens == sum(len(r.output) for r in reqs)
     assert engine.idle
     engine.scheduler.check_integrity()
-    assert engine.scheduler.kv.used_count == engine.tree.size_info().total
+    assert engine.scheduler.memory.kv.used_count == engine.tree.size_info().total
 
 
 def serve_like_alone(engine: Engine, tok, prompts, params, **options) -> list:

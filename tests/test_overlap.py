@@ -230,7 +230,7 @@ def test_timed_backend_ends_steps_on_its_own_one_after_the_other() -> None:
     for req in engine.make_requests([[0, 5, 6], [0, 7, 8, 9]], 4):
         engine.scheduler.submit(req)
     engine.scheduler.receive_arrivals()
-    batch = engine.scheduler.get_next_batch_to_run()
+    batch = engine.scheduler.former.get_next_batch_to_run()
     timed = TimedBackend(SimBackend(), 0.2)
     first = timed.compute(timed.prepare(batch))
     second = timed.compute(timed.prepare(batch))

@@ -38,8 +38,9 @@ def assert_drained(engine: Engine) -> None:
     """Nothing left running or in flight, every slot free or cached, no generator kept."""
     scheduler = engine.scheduler
     scheduler.check_integrity()
-    assert engine.idle and scheduler.kv_reserved == 0
-    assert scheduler.kv.used_count == scheduler.tree.size_info().total  # no slot leaked
+    assert engine.idle and scheduler.admission.reserved == 0
+    memory = scheduler.memory
+    assert memory.kv.used_count == memory.tree.size_info().total  # no slot leaked
     if isinstance(engine.backend, ModelBackend):
         assert engine.backend.live_requests == 0
 

@@ -84,7 +84,7 @@ def test_an_engine_cutting_every_step_gives_each_request_its_own_tokens(model, m
     outputs = engine.generate(prompts, sampling=params)
     for prompt, limit, out in zip(prompts, limits, outputs):
         assert out == model.reference_generate(prompt, limit, ignore_eos=True)
-    assert engine.scheduler.kv.free_count == 400
+    assert engine.scheduler.memory.kv.free_count == 400
 
 
 def test_the_cost_of_a_cut_scales_with_the_heads_it_gathers_and_a_gpu_never_cuts() -> None:

@@ -388,3 +388,50 @@ def test_random_order_falls_short_of_the_optimum_with_a_small_cache() -> None:
     assert serve_one_at_a_time(prompts, "lpm", 80) == pytest.approx(best)
     assert serve_one_at_a_time(prompts, "random", 80) < best - 0.2
     assert serve_one_at_a_time(prompts, "fcfs", 80) < best - 0.2
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_a_round_copies_no_waiting_request_s_tokens(policy: str) -> None:
+    """``QueuePolicy`` matches each waiting request by the tuple the request keeps
+    (``Req.all_tokens``): two rounds over 100 waiting requests hand the tree the very same
+    objects, so a round builds no token list. The order is that of ``calc_priority``."""
+    from collections import deque
+
+    from minisrv.request import Req
+    from minisrv.scheduler.policy import QueuePolicy
+
+    rng = random.Random(3)
+    reqs = [Req(i, [rng.randrange(3) for _ in range(40)], output=[7] * (i % 3))
+            for i in range(100)]
+    tree = tree_of(*(r.prompt[:20] for r in reqs[::7]))
+    seen: list[list[object]] = []
+    match = tree.match_prefix
+
+    def recording_match(key):
+        seen[-1].append(key)
+        return match(key)
+
+    tree.match_prefix = recording_match  # type: ignore[method-assign]
+    chooser = QueuePolicy(policy, None, seed=0)
+    for _ in range(2):
+        seen.append([])
+        order = list(chooser.prioritize(deque(reqs), tree))
+    assert all(a is b for a, b in zip(seen[0], seen[1], strict=True))
+    assert all(key is req.all_tokens for key, req in zip(seen[1], reqs, strict=True))
+    expected = calc_priority(policy, tree, [[*r.prompt, *r.output] for r in reqs])
+    assert order == [reqs[i] for i in expected.order]
+
+
+def test_all_tokens_follows_every_change_of_the_output() -> None:
+    """Kept between calls, rebuilt once the output changes: an append, an overlapped step's
+    placeholder replaced in place, a token dropped."""
+    from minisrv.request import Req
+
+    req = Req(0, [1, 2])
+    assert req.all_tokens == (1, 2) and req.all_tokens is req.all_tokens
+    req.output.append(-1)  # a placeholder
+    assert req.all_tokens == (1, 2, -1)
+    req.output[0] = 5  # its token arrives
+    assert req.all_tokens == (1, 2, 5)
+    req.output.pop()
+    assert req.all_tokens == (1, 2)

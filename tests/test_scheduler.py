@@ -40,8 +40,8 @@ class ScriptedBackend:
     def run(self, batch: Batch) -> BatchResult:
         sched = self.scheduler
         if sched is not None:
-            assert len(sched.running) <= sched.max_running
-            assert sched.kv_reserved <= sched.kv_capacity
+            assert len(sched.queues.running) <= sched.config.max_running
+            assert sched.admission.reserved <= sched.config.kv_capacity
         self.batches.append(batch)
         tokens = [EOS if self.eos_at.get(r.rid) == len(r.output) else 7 for r in batch.reqs]
         return BatchResult([[t] for t in tokens], cost=float(len(batch)), elapsed=1.0)
@@ -80,7 +80,7 @@ def run_trace(mode: str, reqs: list[Req], max_running: int = 2) -> list[tuple]:
     for r in reqs:
         sched.submit(r)
     sched.run()
-    return [(s.prefill, s.decode, s.paused, s.finished) for s in sched.trace]
+    return [(s.prefill, s.decode, s.paused, s.finished) for s in sched.recorder.trace]
 
 
 def test_notes_three_request_trace_prefill_first() -> None:
@@ -125,20 +125,20 @@ def test_trace_records_queue_clock_and_token_times() -> None:
     for r in reqs:
         sched.submit(r)
     sched.run()
-    assert [s.queued for s in sched.trace] == [0, 0, 1, 0, 0, 0]  # r2 queued at step 2
-    assert [(s.start, s.end) for s in sched.trace] == [(i, i + 1) for i in range(6)]
+    assert [s.queued for s in sched.recorder.trace] == [0, 0, 1, 0, 0, 0]  # r2 queued at step 2
+    assert [(s.start, s.end) for s in sched.recorder.trace] == [(i, i + 1) for i in range(6)]
     assert reqs[1].token_times == [1, 2, 3, 5, 6]  # the pause at step 3 shows as a gap
     assert reqs[2].ttft == 2 and reqs[2].latency == 4
-    assert sched.stats.steps == 6 and sched.stats.generated_tokens == 11
-    assert sched.stats.prefill_steps == 2 and sched.stats.decode_tokens == 8
+    assert sched.recorder.stats.steps == 6 and sched.recorder.stats.generated_tokens == 11
+    assert sched.recorder.stats.prefill_steps == 2 and sched.recorder.stats.decode_tokens == 8
 
 
 def test_idle_clock_jumps_to_the_next_arrival() -> None:
     sched, _ = make_scheduler()
     sched.submit(req(0, 2, arrival=10.0))
     sched.run()
-    assert sched.trace[0].start == 10.0
-    assert len(sched.trace) == 2
+    assert sched.recorder.trace[0].start == 10.0
+    assert len(sched.recorder.trace) == 2
 
 
 def test_admission_is_fcfs_and_never_overtakes() -> None:
@@ -163,13 +163,13 @@ def test_eos_stops_a_request_unless_ignored() -> None:
     assert stop.output == [7, 7, EOS] and stop.finish_reason == "eos"
     assert keep.output == [7, 7, EOS, 7] and keep.finish_reason == "length"
     assert sorted(backend.released) == [0, 1]
-    assert sched.kv_reserved == 0
+    assert sched.admission.reserved == 0
 
 
 def test_streaming_callback_sees_every_token_in_order() -> None:
     sched, _ = make_scheduler()
     seen: dict[int, list[int]] = {}
-    sched.on_token = lambda r, tok: seen.setdefault(r.rid, []).append(tok)
+    sched.completer.on_token = lambda r, tok: seen.setdefault(r.rid, []).append(tok)
     reqs = notes_requests()
     for r in reqs:
         sched.submit(r)
@@ -206,10 +206,10 @@ def test_unservable_request_is_refused_and_changes_nothing(bad: Req, message: st
     sched, _ = make_scheduler()
     with pytest.raises(ValueError, match=message):
         sched.submit(bad)
-    assert sched.idle and sched.stats.steps == 0
+    assert sched.idle and sched.recorder.stats.steps == 0
     sched.submit(req(1, 2))
     sched.run()
-    assert sched.stats.finished == 1
+    assert sched.recorder.stats.finished == 1
 
 
 def test_request_larger_than_kv_capacity_names_the_numbers() -> None:
@@ -227,7 +227,7 @@ def test_abort_frees_everything_and_the_scheduler_keeps_serving() -> None:
         sched.submit(r)
     sched.step()  # r0, r1 running; r2 waiting; r3 pending
     sched.abort(reqs)
-    assert sched.idle and sched.kv_reserved == 0
+    assert sched.idle and sched.admission.reserved == 0
     assert all(r.state == ABORTED for r in reqs)
     assert sorted(backend.released) == [0, 1]
     fresh = req(4, 2)
@@ -271,19 +271,19 @@ def test_every_request_is_served_exactly_once(spec, mode, max_running, kv_capaci
     for r in reqs:
         sched.submit(r)
     sched.run()
-    assert sched.idle and sched.kv_reserved == 0 and not backend.scheduler.running
-    prefills = [rid for s in sched.trace for rid in s.prefill]
+    assert sched.idle and sched.admission.reserved == 0 and not backend.scheduler.queues.running
+    prefills = [rid for s in sched.recorder.trace for rid in s.prefill]
     assert sorted(prefills) == list(range(len(reqs)))  # nobody lost, nobody twice
     for r in reqs:
         eos = backend.eos_at.get(r.rid)
         expected = min(r.max_new_tokens, eos + 1) if eos is not None else r.max_new_tokens
         assert len(r.output) == expected and r.state == FINISHED
         assert r.admitted_at >= r.arrival
-        decodes = sum(r.rid in s.decode for s in sched.trace)
+        decodes = sum(r.rid in s.decode for s in sched.recorder.trace)
         assert decodes == len(r.output) - 1
-    ends = [s.end for s in sched.trace]
-    assert all(s.end > s.start for s in sched.trace) and ends == sorted(ends)
-    assert all(s.batch_size <= max_running for s in sched.trace)
+    ends = [s.end for s in sched.recorder.trace]
+    assert all(s.end > s.start for s in sched.recorder.trace) and ends == sorted(ends)
+    assert all(s.batch_size <= max_running for s in sched.recorder.trace)
 
 
 @settings(max_examples=150, deadline=None)

@@ -50,6 +50,16 @@ def test_the_loops_touch_no_private_attribute_of_another_object(path: str) -> No
     assert private == []
 
 
+def test_the_scheduler_forwards_nothing_to_its_parts() -> None:
+    """A value has one home: a caller reads ``sched.queues.waiting`` or
+    ``sched.recorder.clock``, not a scheduler property that forwards there. Its only
+    properties are its own backend (the setter tells the parts that call it) and ``idle``,
+    which the overlapped loop has too."""
+    properties = {name for name, value in vars(Scheduler).items()
+                  if isinstance(value, property)}
+    assert properties == {"backend", "idle"}
+
+
 def _trace(budget: int | None, mode: str, policy: str, lens: list[tuple[int, int]],
            kv_capacity: int) -> list[tuple]:
     sched = Scheduler(SimBackend(LLAMA3_8B), kv_capacity=kv_capacity, max_running=3,
@@ -63,7 +73,7 @@ def _trace(budget: int | None, mode: str, policy: str, lens: list[tuple[int, int
     sched.run()
     assert sched.idle
     sched.check_integrity()
-    return [(r.prefill, r.decode, r.retracted, r.finished) for r in sched.trace]
+    return [(r.prefill, r.decode, r.retracted, r.finished) for r in sched.recorder.trace]
 
 
 @settings(max_examples=25, deadline=None)

@@ -163,7 +163,7 @@ def test_engine_loop_abort_frees_the_kv(loop_and_events):
     events.wait(lambda: events.snapshots[-1]["running"] == 0)
     assert events.snapshots[-1]["token_usage"] == 0 and 1 not in events.finish
     sched = loop.engine.scheduler
-    assert sched.idle and sched.kv.used_count == loop.engine.tree.evictable_size()
+    assert sched.idle and sched.memory.kv.used_count == loop.engine.tree.evictable_size()
 
 
 def test_engine_loop_refuses_what_it_could_never_serve(loop_and_events, model):
@@ -437,7 +437,7 @@ def test_the_default_pool_runs_64_chats_without_max_tokens_together():
     for req in reqs:
         engine.scheduler.submit(req)
     engine.scheduler.step()
-    assert len(engine.scheduler.running) == 64
+    assert len(engine.scheduler.queues.running) == 64
 
 
 def test_router_takes_dead_workers_out_and_back():

@@ -86,7 +86,7 @@ def test_sim_engine_paces_steps_at_the_roofline_time() -> None:
     engine.generate([TOK.encode("FR:")], 2)
     assert backend.steps == 2
     # each step lasted 3 x its simulated time, which the engine's clock adds up
-    assert backend.busy == pytest.approx(3 * engine.scheduler.clock, rel=1e-6)
+    assert backend.busy == pytest.approx(3 * engine.scheduler.recorder.clock, rel=1e-6)
     with pytest.raises(ValueError, match="simulated"):
         build_sim_engine(ServerConfig(model="citylm"))
 

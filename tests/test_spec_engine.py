@@ -72,7 +72,7 @@ def check_books(engine: Engine, reqs=None, chunked: bool = False) -> None:
         assert all(r.accepted_tokens <= r.draft_tokens for r in reqs)
     assert engine.idle
     engine.scheduler.check_integrity()
-    assert engine.scheduler.kv.used_count == engine.tree.size_info().total  # only the cache
+    assert engine.scheduler.memory.kv.used_count == engine.tree.size_info().total  # only the cache
 
 
 def run(engine: Engine, prompts, arrivals=None, max_new=MAX_NEW, sampling=None):
@@ -282,7 +282,7 @@ def test_a_drafter_returning_too_many_guesses_is_refused(citylm):
     engine = Engine(model, speculative=Greedy(), num_draft_tokens=2)
     with pytest.raises(ValueError, match="at most 2"):
         engine.generate([tok.encode("FR:")], 8)
-    assert engine.idle and engine.scheduler.kv.used_count == 0
+    assert engine.idle and engine.scheduler.memory.kv.used_count == 0
 
 
 def test_a_draft_token_outside_the_vocabulary_is_refused(citylm):

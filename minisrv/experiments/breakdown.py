@@ -178,6 +178,7 @@ def time_steps(
             steps.append(StepTiming(seconds, record.batch_size, record.prefill_tokens))
         return record
 
+    tree = scheduler.memory.tree
     patches = [
         (scheduler, "step", one_step),
         (scheduler, "receive_arrivals", watch.wrap("receive", scheduler.receive_arrivals)),
@@ -185,8 +186,8 @@ def time_steps(
          watch.wrap("schedule", scheduler.former.get_next_batch_to_run)),
         (scheduler.completer, "process_batch_result",
          watch.wrap("process results", scheduler.completer.process_batch_result)),
-        (scheduler.tree, "match_prefix", watch.wrap("prefix match", scheduler.tree.match_prefix)),
-        (scheduler.tree, "insert", watch.wrap("cache insert", scheduler.tree.insert)),
+        (tree, "match_prefix", watch.wrap("prefix match", tree.match_prefix)),
+        (tree, "insert", watch.wrap("cache insert", tree.insert)),
     ]
     if model is None:
         patches.append((backend, "run", watch.wrap("forward", backend.run)))

@@ -41,12 +41,12 @@ class Checks(NamedTuple):
 
 
 def cut_at_stop(tokens: list[int], req: Req, eos_ids: Sequence[int]) -> list[int]:
-    """``tokens`` up to ``req``'s stop: its ``max_new_tokens``, or the first eos."""
-    tokens = tokens[: req.params.max_new_tokens - len(req.output)]
-    if not req.params.ignore_eos:
-        for i, token in enumerate(tokens):
-            if token in eos_ids:
-                return tokens[: i + 1]
+    """``tokens`` (a check's, to follow ``req``'s output) up to the first that stops it
+    (``Req.stop_reason``: the first eos, or its ``max_new_tokens``-th token)."""
+    start = len(req.output)
+    for i, token in enumerate(tokens):
+        if req.stop_reason(token, start + i, eos_ids) is not None:
+            return tokens[: i + 1]
     return tokens
 
 

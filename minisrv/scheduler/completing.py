@@ -33,40 +33,59 @@ class BatchCompleter:
     def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
         """Append each entry's tokens, stream them, and stop and free finished requests.
 
-        A request stops when it has ``max_new_tokens`` tokens, or when it produced one of
-        the model's end-of-sequence ids and does not ignore them. A prefilled request that
-        goes on gives its KV to the prefix cache at once. Returns the requests that finished.
+        Each token goes through ``accept``, the one stop rule. A prefilled request that goes
+        on gives its KV to the prefix cache at once. Returns the requests that finished.
         """
+        self.check_size(batch, result)
+        finished = self.append_tokens(batch.entries, result.tokens)
+        self.finish(batch.prefill, finished)
+        return finished
+
+    @staticmethod
+    def check_size(batch: Batch, result: BatchResult) -> None:
+        """Raise ValueError unless the backend answered once per entry of ``batch``."""
         if len(result.tokens) != len(batch):
             raise ValueError(
                 f"backend returned tokens for {len(result.tokens)} entries, the batch has "
                 f"{len(batch)}"
             )
-        finished = self.append_tokens(batch.entries, result.tokens)
-        self.finish(batch.prefill, finished)
-        return finished
+
+    def accept(self, req: Req, token: int, position: int) -> str | None:
+        """Put ``token`` at ``position`` of ``req``'s output, stamp it with the clock, and
+        return why it ends ``req`` (also set as ``req.finish_reason``), or ``None``.
+
+        Both loops take every token through here: the blocking loop appends (``position``
+        is the output's length); the overlapped loop writes over the placeholder it put at
+        ``position`` when the step was launched, which a later step's placeholder may
+        already follow. The stop itself is the request's rule (``Req.stop_reason``): the
+        model's end-of-sequence ids unless ignored, then ``max_new_tokens``.
+        """
+        output = req.output
+        if position == len(output):
+            output.append(token)
+        else:
+            output[position] = token
+        req.token_times.append(self.recorder.clock)
+        reason = req.stop_reason(token, position, self.backend.eos_ids)
+        if reason is not None:
+            req.finish_reason = reason
+        return reason
 
     def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
         """Append each entry's tokens to its request and stream them, up to the first that
-        stops it; return the requests that finished. Tokens computed past the end of a
-        request (the rest of a speculative check) are dropped, their KV freed (``truncate``)."""
-        now, stops, on_token = self.recorder.clock, self.backend.eos_ids, self.on_token
+        stops it (``accept``); return the requests that finished. Tokens computed past the end
+        of a request (the rest of a speculative check) are dropped, their KV freed
+        (``truncate``)."""
+        accept, on_token = self.accept, self.on_token
         finished = []
         for (req, _, n_new, sample), tokens in zip(entries, results, strict=True):
-            output, params = req.output, req.params
             for token in tokens:
-                output.append(token)
-                req.token_times.append(now)
+                stop = accept(req, token, len(req.output))
                 if on_token is not None:
                     on_token(req, token)
-                if token in stops and not params.ignore_eos:
-                    req.finish_reason = "eos"
-                elif len(output) >= params.max_new_tokens:
-                    req.finish_reason = "length"
-                else:
-                    continue
-                finished.append(req)
-                break
+                if stop is not None:
+                    finished.append(req)
+                    break
             if sample and n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
                 self.memory.truncate(req, extra)  # KV past the newest token
         return finished

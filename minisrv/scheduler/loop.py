@@ -20,35 +20,33 @@ its scheduler the same way): the places of the requests (``RequestQueues``, ``qu
 their moves between them (``Lifecycle``, ``lifecycle.py``), forming a batch
 (``BatchFormer``, ``forming.py``: policy, admission, chunking, wide decodes), completing it
 (``BatchCompleter``, ``completing.py``: stops, finish, cache), the clock and the books
-(``StepRecorder``, ``recorder.py``), and KV memory (``KVManager``, ``minisrv.kv``). Its
-other attributes forward to those parts, for callers that name them (``sched.waiting``,
-``sched.clock``). Bookkeeping per step touches only the requests in the batch (plus the
-ones admitted or arriving), so simulating thousands stays fast.
+(``StepRecorder``, ``recorder.py``), and KV memory (``KVManager``, ``minisrv.kv``). A
+caller reaches a value through the part that owns it (``sched.queues.waiting``,
+``sched.recorder.clock``). Bookkeeping per step touches only the requests in the batch
+(plus the ones admitted or arriving), so simulating thousands stays fast.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from minisrv.core import Backend, Batch, BatchResult, require
-from minisrv.kv import PrefixCache, SlotAllocator
+from minisrv.kv import SlotAllocator
 from minisrv.kv.host import make_host_pool
 from minisrv.kv.manager import KVManager
 from minisrv.kv.table import ReqToTokenTable, table_rows
 from minisrv.request import Req
 from minisrv.scheduler.admission import make_admission
 from minisrv.scheduler.capabilities import needs
-from minisrv.scheduler.chunked import ChunkedPrefill
 from minisrv.scheduler.completing import BatchCompleter
-from minisrv.scheduler.config import ConfigView, EngineConfig
+from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.forming import BatchFormer
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.prompts import check_request
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
-from minisrv.scheduler.records import SchedulerStats, StepRecord
+from minisrv.scheduler.records import StepRecord
 from minisrv.scheduler.wide import make_wide
 
 __all__ = ["Launched", "Scheduler"]
@@ -111,8 +109,9 @@ class Scheduler:
             return
         from tqdm.auto import tqdm
 
-        total = self.queues.pending + len(self.waiting) + len(self.running)
-        with tqdm(total=total, unit="req", desc=f"serving ({self.mode})") as bar:
+        queues = self.queues
+        total = queues.pending + len(queues.waiting) + len(queues.running)
+        with tqdm(total=total, unit="req", desc=f"serving ({self.config.mode})") as bar:
             while (record := self.step()) is not None:
                 bar.update(len(record.finished))
 
@@ -126,7 +125,7 @@ class Scheduler:
         self.receive_arrivals()
         batch = self.former.next_batch()
         if not batch and (arrival := self.queues.next_arrival) is not None and not device_busy:
-            self.clock = max(self.clock, arrival)
+            self.recorder.clock = max(self.recorder.clock, arrival)
             self.receive_arrivals()
             batch = self.former.next_batch()
         return batch if batch else None
@@ -166,7 +165,7 @@ class Scheduler:
 
     def receive_arrivals(self) -> list[Req]:
         """Move every request whose arrival time has come into the waiting queue (FCFS)."""
-        return self.queues.receive_arrivals(self.clock)
+        return self.queues.receive_arrivals(self.recorder.clock)
 
     def abort(self, reqs: Iterable[Req]) -> None:
         """Withdraw ``reqs`` wherever they are and free them (``Lifecycle.abort``)."""
@@ -183,19 +182,9 @@ class Scheduler:
         tree's sizes add up; every lock belongs to a running request (``KVManager``); and
         no request is in two places or lost between the queues (``RequestQueues``).
         """
-        self.queues.check_integrity(self.memory, self.max_running)
+        self.queues.check_integrity(self.memory, self.config.max_running)
 
-    retraction_victim = staticmethod(BatchFormer.retraction_victim)
-
-    def get_next_batch_to_run(self) -> Batch:
-        """This step's batch by ``mode`` (``BatchFormer.get_next_batch_to_run``)."""
-        return self.former.get_next_batch_to_run()
-
-    def process_batch_result(self, batch: Batch, result: BatchResult) -> list[Req]:
-        """A step's tokens into its requests (``BatchCompleter.process_batch_result``)."""
-        return self.completer.process_batch_result(batch, result)
-
-    # ----------------------------------------------------------------- the parts' state
+    # ----------------------------------------------------------------- its own state
     @property
     def backend(self) -> Backend:
         """What computes the steps (replacing it tells every part that calls it)."""
@@ -206,94 +195,10 @@ class Scheduler:
         self._backend = self.lifecycle.backend = self.completer.backend = backend
 
     @property
-    def clock(self) -> float:
-        """Steps (a real model) or simulated seconds (a simulated GPU) so far."""
-        return self.recorder.clock
-
-    @clock.setter
-    def clock(self, value: float) -> None:
-        self.recorder.clock = value
-
-    @property
-    def on_token(self) -> Callable[[Req, int], None] | None:
-        """The streaming hook: called with each request and token as it is appended."""
-        return self.completer.on_token
-
-    @on_token.setter
-    def on_token(self, hook: Callable[[Req, int], None] | None) -> None:
-        self.completer.on_token = hook
-
-    @property
-    def trace(self) -> list[StepRecord]:
-        """One record per step (with ``record_trace``), oldest first."""
-        return self.recorder.trace
-
-    @property
-    def stats(self) -> SchedulerStats:
-        """Totals over every step run."""
-        return self.recorder.stats
-
-    @property
-    def waiting(self) -> deque[Req]:
-        """Arrived requests not yet admitted, in the order they will be considered."""
-        return self.queues.waiting
-
-    @property
-    def running(self) -> list[Req]:
-        """Admitted requests holding KV and a seat."""
-        return self.queues.running
-
-    @property
-    def finishing(self) -> list[Req]:
-        """Requests whose last token is being computed (``skip_finishing_decode``)."""
-        return self.queues.finishing
-
-    @property
-    def chunks(self) -> ChunkedPrefill:
-        """The chunking state under chunked prefill."""
-        return self.queues.chunks
-
-    @property
-    def chunked(self) -> Req | None:
-        """The request mid-prefill under chunked prefill (``None``: none)."""
-        return self.queues.chunked
-
-    @property
-    def pending(self) -> int:
-        """Requests submitted whose arrival time has not come yet."""
-        return self.queues.pending
-
-    @property
     def idle(self) -> bool:
-        """True when nothing is pending, waiting or running."""
+        """True when nothing is pending, waiting or running (the overlapped loop's ``idle``
+        adds its step in flight)."""
         return self.queues.idle
-
-    @property
-    def kv(self) -> SlotAllocator:
-        """The slot allocator (the backend's KV pool when it has one)."""
-        return self.memory.kv
-
-    @property
-    def tree(self) -> PrefixCache:
-        """The prefix cache (``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
-        return self.memory.tree
-
-    @property
-    def kv_reserved(self) -> int:
-        """KV tokens promised to the running requests (prompt + ``max_new_tokens`` each)."""
-        return self.admission.reserved
-
-    @property
-    def new_token_ratio(self) -> float:
-        """The admission estimate in force (1.0 under ``admission="reserve"``)."""
-        return self.admission.ratio
-
-    # The options' shortcuts: the very properties the engine has through ConfigView.
-    mode = ConfigView.mode
-    max_running = ConfigView.max_running
-    kv_capacity = ConfigView.kv_capacity
-    policy = ConfigView.policy
-    cache = ConfigView.cache
 
 
 def make_memory(config: EngineConfig, backend: Backend) -> KVManager:

@@ -153,7 +153,7 @@ class OverlapLoop:
         record = sched.recorder.record(batch, step.before, result, finished, extra)
         if sched.config.record_trace:
             self.future_trace.append(self._future_step(record.index, step, result, finished))
-        on_token = sched.on_token
+        on_token = sched.completer.on_token
         if stream and on_token is not None:  # last: a raising callback finds state consistent
             for req, token in streamed:
                 on_token(req, token)
@@ -182,20 +182,18 @@ class OverlapLoop:
             self._abandon_later_step(step)
             self.scheduler.memory.settle()  # no step runs any more
             raise
-        if len(result.tokens) != len(step.batch):
-            raise ValueError(f"backend returned tokens for {len(result.tokens)} entries, the "
-                             f"batch has {len(step.batch)}")
+        self.scheduler.completer.check_size(step.batch, result)
         return result
 
     def _apply(self, step: InFlight, result: BatchResult
                ) -> tuple[list[Req], frozenset[int], list[tuple[Req, int]], int]:
         """The late stop check: (finished, ids of those the step in flight computes once
         more, (req, token) to stream, tokens of requests that had finished already)."""
-        now, stops = self.scheduler.clock, self.scheduler.backend.eos_ids
+        accept = self.scheduler.completer.accept
         finished: list[Req] = []
         late: set[int] = set()
         streamed: list[tuple[Req, int]] = []
-        stream = streamed.append if self.scheduler.on_token is not None else None
+        stream = streamed.append if self.scheduler.completer.on_token is not None else None
         extra = 0
         batch, sampling = step.batch, step.batch.sampling
         sampled = (result.tokens if len(sampling) == len(batch)  # no chunk in the step
@@ -204,15 +202,10 @@ class OverlapLoop:
             if (state := req.state) is FINISHED or state is ABORTED:
                 extra += len(tokens)  # it finished in the step before: discarded
                 continue
-            token = req.output[pos] = tokens[0]
-            req.token_times.append(now)
+            stop = accept(req, tokens[0], pos)  # over its placeholder
             if stream is not None:
-                stream((req, token))
-            if token in stops and not req.params.ignore_eos:
-                req.finish_reason = "eos"
-            elif pos + 1 >= req.params.max_new_tokens:
-                req.finish_reason = "length"
-            else:
+                stream((req, tokens[0]))
+            if stop is None:
                 continue
             finished.append(req)
             if len(req.output) > pos + 1 and req.state is not FINISHED:

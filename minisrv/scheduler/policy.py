@@ -107,7 +107,7 @@ class QueuePolicy:
         if self.policy == "fcfs" and not self.check:
             return waiting
         queue = list(waiting)
-        result = calc_priority(self.policy, tree, [[*r.prompt, *r.output] for r in queue],
+        result = calc_priority(self.policy, tree, [r.all_tokens for r in queue],
                                in_batch_prefix_check=self.check, seed=self.rng,
                                max_new_tokens=[r.max_new_tokens for r in queue])
         return deque(queue[i] for i in result.order)

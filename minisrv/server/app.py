@@ -19,6 +19,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -60,19 +61,72 @@ def create_app(engines: Any, codec: Any, served_name: str,
     """The ASGI app serving ``engines`` (a ``LocalEngine`` or ``DataParallelEngines``)
     with ``codec`` (the model's tokenizer); ``config`` defaults to the engines' own."""
     config = config or engines.config
-    frontend = Frontend(engines)
+    served = Served(engines, codec, served_name, Frontend(engines))
+    app = FastAPI(title="minisrv", lifespan=served.lifespan)
+    app.state.frontend = served.frontend
+    add_error_handlers(app)
+    add_status_routes(app, served)
+    add_model_routes(app, served)
+    add_completion_routes(app, served)
+    app.add_middleware(BodyGuard, max_bytes=config.request_limit(),  # type: ignore[arg-type]
+                       timeout_s=config.body_timeout)
+    if config.api_key:  # added last: the outermost, so a request without the key is not read
+        app.add_middleware(ApiKey, key=config.api_key)  # type: ignore[arg-type]
+    return app
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the routes share: the engines, the model's tokenizer and served name, and the
+    ``Frontend`` that records the replies in flight."""
+
+    engines: Any
+    codec: Any
+    name: str
+    frontend: Frontend
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        frontend.start()
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """The frontend runs while the app does; the engines close after it."""
+        self.frontend.start()
         # A streamed reply loads anyio's asyncio backend on first use: load it now, not in
         # the middle of the first replies, where it competes with the engine for the GIL.
         await anyio.sleep(0)
         yield
-        await asyncio.to_thread(engines.close)
+        await asyncio.to_thread(self.engines.close)
 
-    app = FastAPI(title="minisrv", lifespan=lifespan)
-    app.state.frontend = frontend
+    def status(self) -> str:
+        """``ok``, ``starting``, ``restarting``, ``draining`` or ``failed``."""
+        if self.engines.failed:
+            return "failed"
+        if self.frontend.draining:
+            return "draining"
+        if self.frontend.ready:
+            return "ok"
+        restarting = any(w["state"] == "restarting" for w in self.engines.workers())
+        return "restarting" if restarting else "starting"
+
+    def card(self) -> dict[str, Any]:
+        """The served model as ``/v1/models`` lists it."""
+        return {"id": self.name, "object": "model", "created": now(), "owned_by": "minisrv",
+                "max_model_len": self.engines.limits.get("max_context")}
+
+    def refuse(self, body: CompletionRequest | ChatCompletionRequest) -> JSONResponse | None:
+        """The answer to a generation request this server cannot take now (``None``: it
+        can): draining, no engine ready, or another model asked for."""
+        if self.frontend.draining:
+            return _error(503, "the server is shutting down", retry_after=1.0)
+        if not self.frontend.ready:
+            return _error(503, "no engine is ready (loading the model, or restarting a worker "
+                          "that died); retry when /health answers 200", retry_after=1.0)
+        if body.model not in (None, "", self.name):
+            return _error(400, f"unknown model {body.model!r}; this server serves "
+                          f"{self.name!r}", "model")
+        return None
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """A body that fails validation and an HTTP error answer in OpenAI's error format."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,21 +145,16 @@ def create_app(engines: Any, codec: Any, served_name: str,
         return _error(exc.status_code, str(exc.detail), None,
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
-    def server_status() -> str:
-        if engines.failed:
-            return "failed"
-        if frontend.draining:
-            return "draining"
-        if frontend.ready:
-            return "ok"
-        restarting = any(w["state"] == "restarting" for w in engines.workers())
-        return "restarting" if restarting else "starting"
+
+def add_status_routes(app: FastAPI, served: Served) -> None:
+    """``/health``, ``/workers`` and ``/metrics``."""
+    engines, frontend = served.engines, served.frontend
 
     @app.get("/health")
     async def health() -> Response:
         """200 while a worker serves; 503 with the reason otherwise (``starting``,
         ``restarting``: no worker is up, ``draining``: shutting down, ``failed``)."""
-        status = server_status()
+        status = served.status()
         body: dict[str, Any] = {"status": status}
         if engines.failed:
             body["error"] = engines.failed
@@ -114,82 +163,82 @@ def create_app(engines: Any, codec: Any, served_name: str,
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         """The server's process id and each engine worker's state, pid and restarts."""
-        return {"status": server_status(), "pid": os.getpid(), "workers": engines.workers()}
+        return {"status": served.status(), "pid": os.getpid(), "workers": engines.workers()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(frontend.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def card() -> dict[str, Any]:
-        return {"id": served_name, "object": "model", "created": now(), "owned_by": "minisrv",
-                "max_model_len": engines.limits.get("max_context")}
+
+def add_model_routes(app: FastAPI, served: Served) -> None:
+    """``/v1/models`` and ``/v1/models/{id}``: the one model served."""
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [served.card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != served_name:
+        if model_id != served.name:
             return _error(404, f"the model {model_id!r} does not exist; this server serves "
-                          f"{served_name!r}", "model")
-        return JSONResponse(card())
+                          f"{served.name!r}", "model")
+        return JSONResponse(served.card())
 
-    def refuse(body: CompletionRequest | ChatCompletionRequest) -> JSONResponse | None:
-        if frontend.draining:
-            return _error(503, "the server is shutting down", retry_after=1.0)
-        if not frontend.ready:
-            return _error(503, "no engine is ready (loading the model, or restarting a worker "
-                          "that died); retry when /health answers 200", retry_after=1.0)
-        if body.model not in (None, "", served_name):
-            return _error(400, f"unknown model {body.model!r}; this server serves "
-                          f"{served_name!r}", "model")
-        return None
+
+def add_completion_routes(app: FastAPI, served: Served) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if (refused := refuse(body)) is not None:
-            return refused
-        size = len(body.prompt) if isinstance(body.prompt, str) else sum(
-            len(p) if isinstance(p, str) else 1 for p in body.prompt)
-        try:
-            check_supported(body)
-            prompts, texts = await off_loop(size, completion_prompts, codec, body.prompt)
-            limit = [body.max_tokens or room(engines.limits, p) for p in prompts]
-            for prompt, n in zip(prompts, limit):
-                check_fits(prompt, n, engines.limits)
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
-        if body.echo:
-            texts = [t or codec.decode(p) for t, p in zip(texts, prompts)]
-        return await generate(frontend, codec, served_name, request, body, prompts, limit,
-                              chat=False, echo=texts if body.echo else None)
+        return await complete_text(served, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        if (refused := refuse(body)) is not None:
-            return refused
-        try:
-            check_supported(body)
-            messages = chat_messages(body)
-            size = sum(len(m["content"]) for m in messages)
-            try:
-                prompt = await off_loop(size, codec.chat_prompt, messages)
-            except ValueError as exc:
-                raise BadRequest(str(exc), "messages") from exc
-            limit = [body.token_limit or room(engines.limits, prompt)]
-            check_fits(prompt, limit[0], engines.limits)
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
-        return await generate(frontend, codec, served_name, request, body, [prompt], limit,
-                              chat=True)
+        return await complete_chat(served, body, request)
 
-    app.add_middleware(BodyGuard, max_bytes=config.request_limit(),  # type: ignore[arg-type]
-                       timeout_s=config.body_timeout)
-    if config.api_key:  # added last: the outermost, so a request without the key is not read
-        app.add_middleware(ApiKey, key=config.api_key)  # type: ignore[arg-type]
-    return app
+
+async def complete_text(served: Served, body: CompletionRequest, request: Request) -> Response:
+    """A completion: every prompt (text or ids) encoded and checked, then generated."""
+    if (refused := served.refuse(body)) is not None:
+        return refused
+    codec, limits = served.codec, served.engines.limits
+    size = len(body.prompt) if isinstance(body.prompt, str) else sum(
+        len(p) if isinstance(p, str) else 1 for p in body.prompt)
+    try:
+        check_supported(body)
+        prompts, texts = await off_loop(size, completion_prompts, codec, body.prompt)
+        limit = [body.max_tokens or room(limits, p) for p in prompts]
+        for prompt, n in zip(prompts, limit):
+            check_fits(prompt, n, limits)
+    except BadRequest as exc:
+        return _error(400, str(exc), exc.param)
+    if body.echo:
+        texts = [t or codec.decode(p) for t, p in zip(texts, prompts)]
+    return await generate(served.frontend, codec, served.name, request, body, prompts, limit,
+                          chat=False, echo=texts if body.echo else None)
+
+
+async def complete_chat(served: Served, body: ChatCompletionRequest,
+                        request: Request) -> Response:
+    """A chat completion: the messages in the model's chat template, checked, generated."""
+    if (refused := served.refuse(body)) is not None:
+        return refused
+    limits = served.engines.limits
+    try:
+        check_supported(body)
+        messages = chat_messages(body)
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            prompt = await off_loop(size, served.codec.chat_prompt, messages)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "messages") from exc
+        limit = [body.token_limit or room(limits, prompt)]
+        check_fits(prompt, limit[0], limits)
+    except BadRequest as exc:
+        return _error(400, str(exc), exc.param)
+    return await generate(served.frontend, served.codec, served.name, request, body, [prompt],
+                          limit, chat=True)
 
 
 @asynccontextmanager

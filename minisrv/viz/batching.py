@@ -67,10 +67,10 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
     fig, (top, middle, bottom) = page_figure(height_in=6.2, rows=3, sharex=True,
                                              height_ratios=[2, 1, 1])
     top.plot(steps, [s.kv_used for s in trace], lw=1, color="#1f77b4", label="KV slots used")
-    top.axhline(sched.kv_capacity, color="black", ls="--", lw=1,
-                label=f"pool capacity {sched.kv_capacity}")
+    top.axhline(sched.config.kv_capacity, color="black", ls="--", lw=1,
+                label=f"pool capacity {sched.config.kv_capacity}")
     top.set_ylabel("KV slots (tokens)")
-    top.set_ylim(0, sched.kv_capacity * 1.15)
+    top.set_ylim(0, sched.config.kv_capacity * 1.15)
     middle.step(steps, [s.batch_size + len(s.paused) for s in trace], where="post", lw=1,
                 color="#2ca02c", label="running requests")
     middle.set_ylabel("running\nrequests")
