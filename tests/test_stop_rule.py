@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from minisrv.configs import LLAMA3_8B
+from minisrv.core import Entry
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import Scheduler
-from minisrv.scheduler.records import Entry
 from minisrv.sim import SimBackend
 
 EOS = 2
