@@ -37,7 +37,6 @@ from minisrv.spec.speedup import (
     acceptance_by_position,
     breakeven_batch,
     conditional_acceptance,
-    expected_tokens_by_position,
     speculative_speedup,
 )
 from minisrv.tokenizer import Tokenizer
@@ -98,8 +97,8 @@ def acceptance_sweep(
     (kept guesses over the guesses the checks reached, ``conditional_acceptance``);
     ``by_position``, that rate for each guess position 1..k given the guesses before it were
     kept; ``kept_share``, kept guesses over drafted ones; tokens per check (target forwards),
-    ``by_position_tokens`` (what the rates by position predict), ``outputs`` (each request's
-    tokens, for a page's own check) and whether they all equal ``reference_generate``'s."""
+    ``outputs`` (each request's tokens, for a page's own check) and whether they all equal
+    ``reference_generate``'s."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
     rows = []
     for work, prompts in workloads.items():
@@ -118,8 +117,6 @@ def acceptance_sweep(
                              "by_position": by_position,
                              "kept_share": accepted / drafted if drafted else 0.0,
                              "tokens_per_check": (accepted + checks) / checks,
-                             "by_position_tokens": expected_tokens_by_position(
-                                 [0.0 if math.isnan(a) else a for a in by_position]),
                              "forwards": checks + len(prompts),  # a prefill each, then checks
                              "plain_forwards": sum(len(a) for a in alone),
                              "outputs": [r.tokens for r in runs],
