@@ -637,38 +637,140 @@ def test_chapters_are_named_not_counted_and_scope_claims_hold(path: Path) -> Non
     assert not bad, f"{path.name}: name the chapter with a link, not its position: {bad}"
 
 
-# A verdict ("within 15% of the model: True", "identical to each request alone: True",
-# "< 1e-4: True") stands in for the value the reader wants: the page prints the value (a
-# count, the error itself in an unchecked cell) and a hidden cell (remove-cell) checks the
-# verdict.
-_BARE_VERDICT = re.compile(r".*:\s*(?:True|False|\[(?:True|False)(?:, (?:True|False))*\])\s*$")
+# A verdict ("within 15% of the model: True", "48 of 48 outputs identical to
+# reference_generate", a table column of "32/32") stands in for the value the reader wants and
+# reads as a test log: the page prints the value, a hidden cell (remove-cell) asserts the
+# verdict, and one sentence per page says what every result was checked against (issue 50).
+_VERDICT = re.compile(r"(?i:\b(\d[\d,]*) of \1\b|\b(\d[\d,]*)/\2\b|\bidentical to\b"
+                      r"|\bequals? (?:to )?the request|\balike\b)"
+                      r"|\b(?:True|False)\]?\s*$")  # True/False: case-sensitive (JSON true is fine)
+_HIDDEN_OUTPUT = {"remove-cell", "remove-output"}
 
 
-def _bare_verdicts(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if _BARE_VERDICT.match(line)]
+def _verdicts(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if _VERDICT.search(line)]
 
 
-def test_bare_verdicts_are_caught() -> None:
-    assert _bare_verdicts("measured gain within 15% of the model at both shares: True\n"
-                          "rows off by more than one logit: [True, False]\n"
-                          "identical to each request alone: True\n"
-                          "max |flat - separate| < 1e-13: True\n") == [
+def _shown_output_lines(output) -> str:
+    """The text a reader sees of one output: a stream, a value's text/plain, and the cells of
+    an HTML table (a styled table's text/plain is only its repr)."""
+    if output.get("output_type") == "stream":
+        return output.get("text", "")
+    data = output.get("data", {})
+    cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", data.get("text/html", ""), flags=re.S)
+    return "\n".join([data.get("text/plain", ""),
+                      *(html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in cells)])
+
+
+def test_verdicts_are_caught() -> None:
+    assert _verdicts("measured gain within 15% of the model at both shares: True\n"
+                     "rows off by more than one logit: [True, False]\n"
+                     "48 of 48 outputs identical to reference_generate\n"
+                     "FCFS: 32 completed, 32/32 equal to reference_generate\n"
+                     "3 of 3 requests' tokens equal the request generated alone\n"
+                     "greedy twice: 40 tokens Alike\n"
+                     "True\n") == [
         "measured gain within 15% of the model at both shares: True",
         "rows off by more than one logit: [True, False]",
-        "identical to each request alone: True",
-        "max |flat - separate| < 1e-13: True"]
-    assert not _bare_verdicts("48 of 48 outputs identical to reference_generate\n"
-                              "max |flat - separate| = 2.8e-14\n"
-                              "gain 1.42 (model 1.45)\n    while True:\n")
+        "48 of 48 outputs identical to reference_generate",
+        "FCFS: 32 completed, 32/32 equal to reference_generate",
+        "3 of 3 requests' tokens equal the request generated alone",
+        "greedy twice: 40 tokens Alike",
+        "True"]
+    assert not _verdicts("max |flat - separate| = 2.8e-14\n"
+                         "gain 1.42 (model 1.45)\n    while True:\n"
+                         '  "stream": true\n'
+                         "peak 120 slots used, 1 of 16 groups, 75 / 75 / 75, 3/4 of them\n")
+    table = {"output_type": "execute_result",
+             "data": {"text/plain": "<Styler>", "text/html": "<td>32/32</td><td>4.2</td>"}}
+    assert _verdicts(_shown_output_lines(table)) == ["32/32"]
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_visible_outputs_show_values_not_bare_verdicts(path: Path) -> None:
+def test_visible_outputs_show_values_not_verdicts(path: Path) -> None:
+    """No visible output line reads as a passed check (listings of source code excepted)."""
     shown = [(i, c) for i, c in enumerate(_cells(path)) if c.cell_type == "code"
-             and not set(c.metadata.get("tags", [])) & {"remove-cell", "remove-output"}]
+             and not set(c.metadata.get("tags", [])) & _HIDDEN_OUTPUT
+             and "show_source(" not in c.source]
     bad = {i: found for i, cell in shown for output in cell.get("outputs", [])
-           if (found := _bare_verdicts(output.get("text", "")))}
-    assert not bad, f"{path.name}: print the value, check the verdict in a hidden cell: {bad}"
+           if (found := _verdicts(_shown_output_lines(output)))}
+    assert not bad, (f"{path.name}: show the value, assert the verdict in a hidden cell and say "
+                     f"once what the page checked: {bad}")
+
+
+def _hidden_names_in_visible_code(path: Path) -> list[str]:
+    """Names a visible code cell loads that only a hidden cell (so far) has defined: a reader
+    cannot follow such a cell. ``DEVICE``, set by the hidden setup cell, is said in the text."""
+    import ast
+    import builtins
+
+    hidden, visible, found = set(), set(), []
+    for cell in _cells(path):
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(line for line in cell.source.splitlines()
+                           if not line.lstrip().startswith(("%", "!")))
+        tree = ast.parse(source)
+        stores, loads, imports = set(), set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (stores if isinstance(node.ctx, ast.Store) else loads).add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stores.add(node.name)
+            elif isinstance(node, ast.arg):
+                stores.add(node.arg)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                imports.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if set(cell.metadata.get("tags", [])) & HIDDEN_INPUT:
+            hidden |= stores | imports
+            continue
+        found += [name for name in loads - stores - imports - visible
+                  if name in hidden and name != "DEVICE" and not hasattr(builtins, name)]
+        visible |= stores | imports
+    return sorted(set(found))
+
+
+def test_hidden_names_in_visible_code_are_caught() -> None:
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("DEVICE = 'cpu'\nrr = 1\nseen = 2", metadata={
+            "tags": ["remove-cell"]}),
+        nbformat.v4.new_code_cell("seen = 3\nprint(rr, seen, DEVICE, len([x for x in 'ab']))"),
+    ])
+    path = Path(__file__).with_name("_hidden_names_probe.ipynb")
+    try:
+        nbformat.write(nb, path)
+        assert _hidden_names_in_visible_code(path) == ["rr"]
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_visible_code_uses_no_name_only_a_hidden_cell_defines(path: Path) -> None:
+    found = _hidden_names_in_visible_code(path)
+    assert not found, (f"{path.name}: visible code uses names only hidden cells define: {found}; "
+                       f"define them in a visible cell or do without")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_identity_checks_are_counted_and_said_once(path: Path) -> None:
+    """A chapter that compares real-model outputs with each request generated alone
+    (``reference_generate``) does it with ``CHECKS.alone`` in hidden cells, glues the count
+    (``checked_requests``) in a hidden cell and quotes it in its prose."""
+    cells = _cells(path)
+    code = [c for c in cells if c.cell_type == "code"]
+    if not any(re.search(r"reference_generate|CHECKS\.alone", c.source) for c in code):
+        pytest.skip(f"{path.stem} compares no real-model output with its request alone")
+    hidden = [c.source for c in code if set(c.metadata.get("tags", [])) & {"remove-cell"}]
+    assert any("CHECKS.alone(" in s for s in hidden), (
+        f"{path.name}: assert token identity with CHECKS.alone(...) in a hidden cell")
+    assert any(re.search(r"""glue\(\s*["']checked_requests["']\s*,\s*CHECKS\.requests""", s)
+               for s in hidden), (
+        f"{path.name}: glue('checked_requests', CHECKS.requests, display=False) in a hidden "
+        f"cell at the end")
+    prose = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    assert "{glue:text}`checked_requests:" in prose, (
+        f"{path.name}: say once where the first result appears what was checked, quoting "
+        f"{{glue:text}}`checked_requests:,d`")
 
 
 def test_page_checks_count_what_they_checked_and_name_the_first_difference() -> None:

@@ -180,5 +180,5 @@ def test_the_speedup_widget_builds() -> None:
     from minisrv.viz.speculative import speedup_widget
 
     sliders = speedup_widget(0.7, 1).children[0].children
-    assert [s.description for s in sliders] == ["acceptance rate a", "batch (requests)"]
+    assert [s.description for s in sliders] == ["per-guess acceptance a", "batch (requests)"]
     assert (sliders[0].value, sliders[1].value) == (0.7, 1)

@@ -22,7 +22,7 @@ def test_table_and_plots_describe_the_runs() -> None:
     _, runs = small_runs()
     table = rv.cluster_table(runs)
     assert list(table.index) == ["round-robin", "cache-aware"]
-    assert table.loc["cache-aware", "hit rate"] == round(runs["cache-aware"].hit_rate, 3)
+    assert table.loc["cache-aware", "hit rate (%)"] == round(100 * runs["cache-aware"].hit_rate, 1)
     assert table.loc["round-robin", "requests per worker"] == "20 / 20"
     assert table.columns.name == "run" and table.index.name is None  # one header row
     for label, run in runs.items():  # whole tokens/s where there are hundreds of them
@@ -58,7 +58,7 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_worker
             table, _ = rv.routing_report(60, n_workers=workers, hot_share=hot_share or None)
             state = ex.metrics(hot_share=hot_share, n_workers=workers)
             for run in ("round robin", "cache-aware"):
-                assert state[f"{run} hit rate"] == table.loc[run, "hit rate"]
+                assert state[f"{run} hit rate"] == table.loc[run, "hit rate (%)"] / 100
                 assert state[f"{run} throughput"] == table.loc[run, "throughput (tok/s)"]
                 assert state[f"{run} load ratio"] == table.loc[run, "load ratio"]
     # a hot group keeps its prefix in every worker's cache, even under round robin

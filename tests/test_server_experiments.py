@@ -182,7 +182,7 @@ def _comparison_runs():
 
 def test_the_comparison_explorer_is_drawn_from_the_runs_it_is_given():
     pytest.importorskip("matplotlib")
-    from minisrv.viz.server import comparison_explorer, plot_metric_per_configuration
+    from minisrv.viz.server import _against, comparison_explorer, plot_metric_per_configuration
 
     single, repeated = _comparison_runs()
     ex = comparison_explorer(single, repeated, metrics=("ttft median (ms)", "hit rate"))
@@ -198,8 +198,12 @@ def test_the_comparison_explorer_is_drawn_from_the_runs_it_is_given():
     assert cpu == {"value": 10.0, "ratio FCFS": 2.0, "ratio no cache": 2.5}
     nothing = ex.metrics(metric="hit rate", configuration="simulated H100: FCFS, radix")
     assert nothing["value"] == 0.0 and "ratio LPM, radix" not in nothing  # no ratio to 0
+    table, _, _ = _against(single, repeated, "simulated H100", "LPM, radix", "hit rate")
+    assert table.index.name is None and table.columns.name == "simulated H100: hit rate"
     fig = plot_metric_per_configuration(single, repeated, "hit rate")
     left, right = fig.axes
+    assert right.get_title(loc="left").endswith("runs each") and "\n" in right.get_title(
+        loc="left")  # two lines, so the narrow panel's title is not cut
     assert [t.get_text() for t in left.get_xticklabels()] == ["FCFS", "LPM", "no cache"]
     assert len(right.patches) == 2 and left.get_ylim() == (0, 1)
     with pytest.raises(ValueError, match="not a column"):
@@ -238,3 +242,21 @@ def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
     assert hit.get_ylim() == (0, 1)
     with pytest.raises(ValueError, match="missing"):
         plot_spread(repeated, {"req/s": "requests"}, "title")
+
+
+def test_the_request_sequence_has_a_lane_per_party_and_a_row_per_message():
+    """The chapter's sequence diagram: every message becomes an arrow (or, within one lane, a
+    box) in its own row; a message naming an unknown lane is refused."""
+    pytest.importorskip("graphviz")
+    from minisrv.viz.server import REQUEST_LANES, REQUEST_MESSAGES, request_sequence
+
+    source = request_sequence().source
+    for key, title in REQUEST_LANES:
+        assert title.split("\n")[0] in source and f"{key}_0" in source
+    arrows = [m for m in REQUEST_MESSAGES if m[0] != m[1]]
+    for row, (src, dst, label) in enumerate(REQUEST_MESSAGES, start=1):
+        if src != dst:
+            assert f"{src}_{row} -> {dst}_{row}" in source, label
+    assert source.count('constraint=false') == len(arrows)
+    with pytest.raises(ValueError, match="names a lane"):
+        request_sequence(messages=[("client", "nobody", "hello")])

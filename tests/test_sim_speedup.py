@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import numpy as np
 import pytest
 
 from minisrv.configs import H100, LLAMA3_8B, LLAMA32_1B
 from minisrv.sim.roofline import batch_step_cost, decode_step_cost
 from minisrv.sim.speedup import (
+    acceptance_by_position,
     breakeven_batch,
     check_step_cost,
+    conditional_acceptance,
+    expected_tokens_by_position,
     expected_tokens_per_check,
     speculative_speedup,
     speedup_table,
@@ -82,3 +88,28 @@ def test_table_and_bad_arguments() -> None:
         expected_tokens_per_check(0.5, -1)
     with pytest.raises(ValueError, match="batch_size"):
         check_step_cost(LLAMA3_8B, H100, 0, 10, 2)
+
+
+def test_acceptance_by_position_is_conditional_on_the_guesses_before() -> None:
+    """Guess i counts only in checks that drafted it and kept guesses 1..i-1; the pooled rate
+    counts every kept guess and each check's first rejection, never the guesses after it."""
+    drafted, accepted = [4, 4, 4, 2], [4, 1, 0, 2]
+    assert acceptance_by_position(drafted, accepted, 4) == pytest.approx([3 / 4, 2 / 3, 1, 1])
+    assert conditional_acceptance(drafted, accepted) == pytest.approx(7 / 9)
+    assert math.isnan(acceptance_by_position([1], [0], 2)[1])  # nothing reached guess 2
+
+
+def test_rates_by_position_reproduce_the_measured_tokens_per_check() -> None:
+    """With every check drafting k guesses, 1 + a_1 + a_1 a_2 + ... of the measured rates is
+    the measured mean exactly (the products telescope); a constant rate gives the formula, and
+    kept/drafted underestimates the per-guess rate the formula takes."""
+    rng = random.Random(0)
+    k, a = 4, 0.8
+    accepted = [next((i for i in range(k) if rng.random() >= a), k) for _ in range(20_000)]
+    drafted = [k] * len(accepted)
+    measured = (sum(accepted) + len(accepted)) / len(accepted)
+    rates = acceptance_by_position(drafted, accepted, k)
+    assert expected_tokens_by_position(rates) == pytest.approx(measured, rel=1e-12)
+    assert conditional_acceptance(drafted, accepted) == pytest.approx(a, abs=0.01)
+    assert sum(accepted) / sum(drafted) < a - 0.1
+    assert expected_tokens_by_position([a] * k) == pytest.approx(expected_tokens_per_check(a, k))

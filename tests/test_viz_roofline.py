@@ -84,6 +84,10 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     assert labels == ["measured on CPU, float32, padded attention",
                       "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left") for ax in fig.axes)
+    # a roofline drawn at another context than the measurement's says so in its title
+    elsewhere = roofline_step_times(SMOLLM2_135M, [H100], (1, 2), 8192)
+    title = plot_step_times_vs_roofline(measured, elsewhere, "CityLM")._suptitle.get_text()
+    assert title == "CityLM: measured at context 4, roofline at context 8192"
 
 
 def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> None:

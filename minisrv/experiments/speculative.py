@@ -24,7 +24,12 @@ from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
 from minisrv.sim.sizing import max_concurrent_requests
-from minisrv.sim.speedup import breakeven_batch, speculative_speedup
+from minisrv.sim.speedup import (
+    acceptance_by_position,
+    breakeven_batch,
+    conditional_acceptance,
+    speculative_speedup,
+)
 from minisrv.spec import (
     Draft,
     Drafter,
@@ -88,8 +93,12 @@ def acceptance_sweep(
     model: CityLM, workloads: Mapping[str, Sequence[Sequence[int]]],
     drafts: Mapping[str, Drafter], ks: Sequence[int] = KS, max_new_tokens: int = 40,
 ) -> pd.DataFrame:
-    """One row per (workload, draft, k): the share of guesses accepted, tokens per check
-    (target forwards) and whether every request's tokens equal ``reference_generate``'s."""
+    """One row per (workload, draft, k): ``acceptance``, the per-guess rate the formula takes
+    (kept guesses over the guesses the checks reached, ``conditional_acceptance``);
+    ``by_position``, that rate for each guess position 1..k given the guesses before it were
+    kept; ``kept_share``, kept guesses over drafted ones; tokens per check (target forwards),
+    ``outputs`` (each request's tokens, for a page's own check) and whether they all equal
+    ``reference_generate``'s."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
     rows = []
     for work, prompts in workloads.items():
@@ -98,14 +107,19 @@ def acceptance_sweep(
             for k in ks:
                 runs = [speculative_generate(model, drafter, p, max_new_tokens, k)
                         for p in prompts]
-                drafted = sum(sum(r.drafted) for r in runs)
-                accepted = sum(sum(r.accepted) for r in runs)
-                checks = sum(len(r.accepted) for r in runs)
+                each_drafted = [d for r in runs for d in r.drafted]
+                each_accepted = [a for r in runs for a in r.accepted]
+                drafted, accepted = sum(each_drafted), sum(each_accepted)
+                checks = len(each_accepted)
+                by_position = acceptance_by_position(each_drafted, each_accepted, k)
                 rows.append({"workload": work, "draft": name, "k": k,
-                             "acceptance": accepted / drafted if drafted else 0.0,
+                             "acceptance": conditional_acceptance(each_drafted, each_accepted),
+                             "by_position": by_position,
+                             "kept_share": accepted / drafted if drafted else 0.0,
                              "tokens_per_check": (accepted + checks) / checks,
                              "forwards": checks + len(prompts),  # a prefill each, then checks
                              "plain_forwards": sum(len(a) for a in alone),
+                             "outputs": [r.tokens for r in runs],
                              "identical": [r.tokens for r in runs] == alone})
     return pd.DataFrame(rows)
 

@@ -1,15 +1,24 @@
 """What speculation buys on a GPU: expected tokens per check, and the roofline speed-up.
 
-If each guess is accepted with probability ``a`` independently, a check of k guesses keeps
+If each guess is accepted with probability ``a`` once the guesses before it were (a
+conditional, per-position rate), a check of k guesses keeps
 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al.
-2023): the accepted run plus the target's own token. A check feeds k + 1 tokens per request.
-When decoding is memory-bound (small batches), a step's time is mostly the weight read, so
-k + 1 tokens cost little more than one and the expected tokens are almost pure gain. As the
-batch grows, the step turns compute-bound (``minisrv.sim.roofline``): then k + 1 tokens cost
-k + 1 times as much, the rejected guesses are wasted arithmetic, and speculation loses.
+2023): the accepted run plus the target's own token. Measured checks give that ``a`` as
+kept guesses over the guesses a check reached (``conditional_acceptance``), not over the
+guesses drafted: a guess after a rejection is never examined. With a rate per position
+a_1, a_2, ... the mean is 1 + a_1 + a_1 a_2 + ... (``expected_tokens_by_position``).
+
+A check feeds k + 1 tokens per request. When decoding is memory-bound (small batches), a
+step's time is mostly the weight read, so k + 1 tokens cost little more than one and the
+expected tokens are almost pure gain. As the batch grows, the step turns compute-bound
+(``minisrv.sim.roofline``): then k + 1 tokens cost k + 1 times as much, the rejected guesses
+are wasted arithmetic, and speculation loses.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from minisrv.checks import check_int, check_number
 from minisrv.configs import GPUSpec, ModelConfig
@@ -23,6 +32,39 @@ def expected_tokens_per_check(acceptance: float, k: int) -> float:
     if a == 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int],
+                           k: int) -> list[float]:
+    """a_i for i = 1..k from checks (``drafted[c]`` guesses, ``accepted[c]`` kept): of the
+    checks that drafted guess i and kept guesses 1..i-1, the share that kept guess i too
+    (``nan`` where no check reached position i)."""
+    k = check_int("k", k, minimum=1)
+    rates = []
+    for i in range(1, k + 1):
+        reached = [a for d, a in zip(drafted, accepted, strict=True) if d >= i and a >= i - 1]
+        rates.append(sum(a >= i for a in reached) / len(reached) if reached else math.nan)
+    return rates
+
+
+def conditional_acceptance(drafted: Sequence[int], accepted: Sequence[int]) -> float:
+    """Kept guesses over the guesses the checks reached (every kept one, plus the first
+    rejected one of each check that rejected one): the estimate of the formula's ``a`` when
+    every position shares one rate (``nan`` when nothing was reached)."""
+    kept = sum(accepted)
+    rejected = sum(a < d for d, a in zip(drafted, accepted, strict=True))
+    return kept / (kept + rejected) if kept + rejected else math.nan
+
+
+def expected_tokens_by_position(rates: Sequence[float]) -> float:
+    """1 + a_1 + a_1 a_2 + ... : mean tokens per check when guess i is kept with probability
+    ``rates[i - 1]`` once guesses 1..i-1 were; ``expected_tokens_per_check(a, k)`` when all
+    k rates equal a."""
+    total, run = 1.0, 1.0
+    for rate in rates:
+        run *= check_number("rate", rate, 0.0, 1.0)
+        total += run
+    return total
 
 
 def check_step_cost(

@@ -58,39 +58,42 @@ def greedy_accept(target_argmax: Sequence[int], draft: Sequence[int]) -> list[in
 
 
 def rejection_accept(
-    logits: torch.Tensor,
-    draft: Draft,
-    params: SamplingParams,
-    generator: torch.Generator,
+    logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator,
 ) -> list[int]:
     """The kept tokens of one sampled request under the rejection rule (module docstring).
-
-    ``logits`` [len(draft) + 1, vocab]: the target's rows of this check. Uses one uniform
-    draw per examined draft token, plus one for the replacement or the bonus token.
-    """
-    if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
-        raise ValueError(
-            f"logits must be [len(draft) + 1 = {len(draft) + 1}, vocab], "
-            f"got {tuple(logits.shape)}"
-        )
+    ``logits`` [len(draft) + 1, vocab] are the target's rows of this check. One uniform draw
+    per examined guess, plus one for the replacement or the bonus token."""
+    _check_rows(logits, len(draft))
     kept: list[int] = []
     for j, token in enumerate(draft.tokens):
         p = nucleus_probs(logits[j], params.temperature, params.top_p)
-        if draft.probs is None:
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = draft.probs[j].to(torch.float64)
+        q = _draft_distribution(draft, j, p)  # one-hot for a deterministic draft (n-gram)
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        if q[token] > 0 and u * float(q[token]) < float(p[token]):
+        if q[token] > 0 and u * float(q[token]) < float(p[token]):  # kept: min(1, p/q)
             kept.append(int(token))
             continue
-        residual = torch.clamp(p - q, min=0.0)
+        residual = torch.clamp(p - q, min=0.0)  # rejected: a draw from max(0, p - q)
         # p == q everywhere would accept with probability 1; guard the rounding case anyway.
         kept.append(sample_probs(residual if residual.sum() > 0 else p, generator))
         return kept
-    kept.append(sample_next(logits[len(draft)], params, generator))
+    kept.append(sample_next(logits[len(draft)], params, generator))  # all kept: one from p
     return kept
+
+
+def _check_rows(logits: torch.Tensor, guesses: int) -> None:
+    if logits.dim() != 2 or logits.shape[0] != guesses + 1:
+        raise ValueError(f"logits must be [len(draft) + 1 = {guesses + 1}, vocab], "
+                         f"got {tuple(logits.shape)}")
+
+
+def _draft_distribution(draft: Draft, j: int, p: torch.Tensor) -> torch.Tensor:
+    """q of guess ``j``: the draft's probabilities, or all mass on the guess when the draft
+    is deterministic (``draft.probs is None``), which keeps it with probability p(x)."""
+    if draft.probs is not None:
+        return draft.probs[j].to(torch.float64)
+    q = torch.zeros_like(p)
+    q[draft.tokens[j]] = 1.0
+    return q
 
 
 def verify_batch(

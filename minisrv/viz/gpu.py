@@ -71,8 +71,12 @@ def plot_step_times_vs_roofline(
         ax.grid(True, which="major", alpha=0.3)
     label_axes(left, "One decode step", ylabel="decode step time (ms)")
     label_axes(right, "Per generated token", ylabel="time per token (µs)")
-    fig.suptitle(model_name if len(contexts) > 1
-                 else f"{model_name}, context {', '.join(map(str, contexts))}")
+    if len(contexts) > 1:  # say in the title that the two were drawn at different contexts
+        timed = ", ".join(map(str, sorted(set(measured["context"]))))
+        drawn = ", ".join(map(str, sorted(set(predicted["context"]))))
+        fig.suptitle(f"{model_name}: measured at context {timed}, roofline at context {drawn}")
+    else:
+        fig.suptitle(f"{model_name}, context {', '.join(map(str, contexts))}")
     legend_below(fig, ncol=1)
     return fig
 
@@ -106,8 +110,12 @@ def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.D
     text = (f"{cfg.name} at batch {batch}, context {context}: the {gpu.name}'s roofline step "
             f"is {roof_us:,.1f} µs, {table.loc[gpu.name, 'bound by']}-bound")
     ms = _measured_ms(measured, batch)
-    if ms is not None and context in set(measured["context"]):
+    timed = set(measured["context"])
+    if ms is not None and context in timed:
         text += f"; the measured padded step took {ms:,.1f} ms, {ms * 1e3 / roof_us:,.0f}x that"
+    elif ms is not None:
+        text += (f"; the measured steps were timed at context "
+                 f"{', '.join(map(str, sorted(timed)))}, not at this one")
     return text + "."
 
 

@@ -39,14 +39,14 @@ __all__ = [
 
 
 def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
-    """One row per labelled run: hit rate, throughput, latency, load ratio, requests per
-    worker. Units are the cluster's clock unit (seconds for simulated GPUs, steps for
-    CityLM)."""
+    """One row per labelled run: hit rate (percent, one decimal), throughput, latency, load
+    ratio, requests per worker. Units are the cluster's clock unit (seconds for simulated GPUs,
+    steps for CityLM)."""
     rows = []
     for label, r in results.items():
         rows.append({
             "run": label,
-            "hit rate": round(r.hit_rate, 3),
+            "hit rate (%)": round(100 * r.hit_rate, 1),
             f"throughput (tok/{r.time_unit})": _tokens_per_unit(r.throughput),
             f"mean latency ({r.time_unit})": round(r.mean_latency, 2),
             "load ratio": round(r.load_ratio, 2),
@@ -99,7 +99,8 @@ def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> Bo
         label_axes(ax, f"{label}: load ratio {r.load_ratio:.2f}; requests {counts}",
                    None, "requests in flight")
     axes[-1].set_xlabel(f"time ({next(iter(results.values())).time_unit})")
-    legend_below(fig, ncol=4)
+    # One row of up to eight workers: two rows of four under the axis label crowded it.
+    legend_below(fig, ncol=min(8, max(r.n_workers for r in results.values())))
     fig.suptitle(title, x=0.02, ha="left")
     return fig
 
@@ -230,10 +231,11 @@ def routing_explorer(n: int = 300, seed: int = 0,
         table, figure = reports[key] if key in reports else routing_report(
             n, n_workers=n_workers, hot_share=hot_share or None, seed=seed)
         tput = next(c for c in table.columns if c.startswith("throughput"))
-        numbers = {f"{run} {name}": float(table.loc[run, column])
+        numbers = {f"{run} {name}": float(table.loc[run, column]) / scale
                    for run in table.index
-                   for name, column in (("hit rate", "hit rate"), ("throughput", tput),
-                                        ("load ratio", "load ratio"))}
+                   for name, column, scale in (("hit rate", "hit rate (%)", 100),
+                                               ("throughput", tput, 1),
+                                               ("load ratio", "load ratio", 1))}
         gain = table.loc["cache-aware", tput] / table.loc["round robin", tput]
         return Frame([table, figure], numbers,
                      caption=f"Cache-aware routing delivers {gain:.2f} times round robin's "

@@ -93,10 +93,11 @@ def plot_metric_per_configuration(single: pd.DataFrame, repeated: pd.DataFrame,
                                      gridspec_kw={"width_ratios": [len(single), len(names)]})
     left.bar(range(len(single)), single[metric], color=_HIGHLIGHT)
     left.set_xticks(range(len(single)), list(single.index))
-    label_axes(left, f"{CPU_SIDE}, one run each", None, metric)
+    # Two-line titles: on one line the narrower panel's title ran past its axes and was cut.
+    label_axes(left, f"{CPU_SIDE},\none run each", None, metric)
     _spread_bars(right, repeated, metric)
     runs = repeated.groupby(level=0).size().max()
-    label_axes(right, f"{SIM_SIDE}, {runs} runs each", None, None)
+    label_axes(right, f"{SIM_SIDE},\n{runs} runs each", None, None)
     if metric == "hit rate":
         for ax in (left, right):
             ax.set_ylim(0, 1)
@@ -186,8 +187,10 @@ def _against(single: pd.DataFrame, repeated: pd.DataFrame, side: str, chosen: st
         rows[name][f"relative to {chosen}"] = "-" if ratio is None else f"{ratio:.2f}"
         if ratio is not None and name != chosen:
             metrics[f"ratio {name}"] = ratio
+    # One header row: the corner cell names the comparison and the metric (a named index
+    # would add a second, half-empty header row that reads as a row of data).
     table = pd.DataFrame.from_dict(rows, orient="index").rename_axis(
-        index=side, columns=metric)
+        index=None, columns=f"{side}: {metric}")
     caption = f"{chosen} ({side}), {metric}: {_number(base, metric)}; {spread}."
     return table, metrics, caption
 
@@ -249,3 +252,78 @@ def comparison_widget(single: pd.DataFrame, repeated: pd.DataFrame,
         print(caption)
 
     return panel(redraw, controls)
+
+
+# ------------------------------------------------------------ one request through the server
+REQUEST_LANES: tuple[tuple[str, str], ...] = (
+    ("client", "client"),
+    ("http", "HTTP process\n(FastAPI handler,\nFrontend)"),
+    ("router", "router\n(DataParallelEngines)"),
+    ("worker", "worker process\n(worker_main)"),
+    ("engine", "engine thread\n(EngineLoop)"),
+)
+"""The lanes of ``request_sequence``: who handles a request in ``minisrv serve``, left to right."""
+REQUEST_MESSAGES: tuple[tuple[str, str, str], ...] = (
+    ("client", "http", "POST /v1/completions"),
+    ("http", "http", "validate the body,\nencode the prompt"),
+    ("http", "router", "submit(key, ids, params)"),
+    ("router", "worker", "Router.route picks a worker;\nSubmit into its inbox"),
+    ("worker", "http", "Taken(key)"),
+    ("worker", "engine", "EngineLoop.submit:\na command in its queue"),
+    ("engine", "engine", "between two steps:\nadd_request, then step()"),
+    ("engine", "http", "StepEvents over the worker's pipe:\nevery new token, once per step"),
+    ("http", "client", "data: {chunk} per token\n(textstream detokenizes)"),
+    ("engine", "http", "the last step's events:\nfinish_reason set"),
+    ("http", "client", "last chunk, then\ndata: [DONE]"),
+    ("http", "router", "done(key): the worker's load drops"),
+)
+"""The messages of one streamed completion, in order: (from lane, to lane, label); a message
+from a lane to itself is work done there."""
+
+
+def request_sequence(lanes: Sequence[tuple[str, str]] = REQUEST_LANES,
+                     messages: Sequence[tuple[str, str, str]] = REQUEST_MESSAGES) -> Any:
+    """A sequence diagram (``graphviz.Digraph``): one column per lane of ``lanes`` (key,
+    title), time running down, one row per message of ``messages``; a message from a lane to
+    itself is a box on its lifeline. ValueError for a message naming an unknown lane."""
+    import graphviz
+
+    from minisrv.viz.style import graph_attrs
+
+    keys = [key for key, _ in lanes]
+    for src, dst, label in messages:
+        if src not in keys or dst not in keys:
+            raise ValueError(f"message {label!r} names a lane not in {keys}: {src} -> {dst}")
+    g = graphviz.Digraph("request", **graph_attrs(rankdir="TB", nodesep="0.35",
+                                                  ranksep="0.22", splines="line"))
+    g.attr("node", shape="point", width="0.01", height="0.01", label="")
+    rows = [[f"{key}_{row}" for key in keys] for row in range(len(messages) + 2)]
+    with g.subgraph() as top:
+        top.attr(rank="same")
+        for key, title in lanes:
+            top.node(f"{key}_0", title, shape="box", style="rounded,filled",
+                     fillcolor="#eef3fb", width="0", height="0")
+    for row, (src, dst, label) in enumerate(messages, start=1):
+        with g.subgraph() as same:
+            same.attr(rank="same")
+            for key in keys:
+                if key == src == dst:
+                    same.node(f"{key}_{row}", label, shape="box", style="filled",
+                              fillcolor="#fff4e0", width="0", height="0", fontsize="11")
+                else:
+                    same.node(f"{key}_{row}")
+        if src != dst:
+            g.edge(f"{src}_{row}", f"{dst}_{row}", label=label, constraint="false")
+    last = len(messages) + 1
+    with g.subgraph() as bottom:
+        bottom.attr(rank="same")
+        for key in keys:
+            bottom.node(f"{key}_{last}")
+    for column in range(len(keys)):  # lifelines, which also keep the lanes in columns
+        for row in range(last):
+            g.edge(rows[row][column], rows[row + 1][column], style="dashed", arrowhead="none",
+                   color="#999999", weight="100")
+    for row in range(last + 1):  # left to right in every row
+        for a, b in zip(rows[row], rows[row][1:]):
+            g.edge(a, b, style="invis")
+    return g

@@ -1,5 +1,5 @@
 """Figures of the speculative-decoding chapter: one request's checks as rows of tokens, the
-acceptance rate against k, the rejection rule's histogram, the roofline speed-up, and the
+acceptance by guess position, the rejection rule's histogram, the roofline speed-up, and the
 speed-up's explorer (acceptance rate and batch) with its kernel widget.
 
 The numbers come from ``minisrv.experiments.speculative``; nothing is computed here twice.
@@ -105,21 +105,25 @@ def check_table(record: StepRecord, names: dict[int, str] | None = None) -> pd.D
 
 @styled
 def plot_acceptance(sweep: pd.DataFrame, title: str = "") -> BookFigure:
-    """Left: share of guesses accepted against k; right: tokens per check (per target
-    forward) against k, and k + 1 if every guess were kept. One colour per workload, solid
-    for CityDraft, dashed for n-gram."""
+    """Left: the acceptance of each guess position, given the guesses before it were kept,
+    in the sweep's longest drafts; right: tokens per check (per target forward) against k,
+    and k + 1 if every guess were kept. One colour per workload, solid for CityDraft, dashed
+    for n-gram."""
     fig, (left, right) = page_figure(height_in=3.9, cols=2)
     styles = {"CityDraft": "-", "n-gram": "--"}
+    k_max = int(sweep["k"].max())
     for (work, color) in zip(sweep["workload"].unique(), WORKLOAD_COLORS, strict=False):
         for name, style in styles.items():
             rows = sweep[(sweep["workload"] == work) & (sweep["draft"] == name)]
-            left.plot(rows["k"], rows["acceptance"], style, marker="o", color=color)
+            rates = rows[rows["k"] == k_max]["by_position"].iloc[0]
+            left.plot(range(1, k_max + 1), rates, style, marker="o", color=color)
             right.plot(rows["k"], rows["tokens_per_check"], style, marker="o", color=color)
-    ks = np.arange(0, sweep["k"].max() + 1)
+    ks = np.arange(0, k_max + 1)
     right.plot(ks, ks + 1, ":", color="black", lw=1)
-    left.set_ylim(0, 1)
-    label_axes(left, title or "Guesses accepted", "draft length k (tokens)",
-               "accepted / drafted")
+    left.set_ylim(0, 1.02)
+    left.set_xticks(range(1, k_max + 1))
+    label_axes(left, title or f"Acceptance by position, k = {k_max}",
+               "guess position i", "P(guess i kept | 1..i-1 kept)")
     label_axes(right, "Tokens per check", "draft length k (tokens)", "tokens per forward")
     handles = [Line2D([], [], color=c, marker="o", label=w)
                for w, c in zip(sweep["workload"].unique(), WORKLOAD_COLORS, strict=False)]
@@ -179,7 +183,8 @@ def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> Boo
         ax.set_xscale("log", base=2)
         label_axes(ax, f"context {context} tokens", "batch size (requests)",
                    "speed-up (x)" if ax is axes[0] else None)
-    fig.suptitle(title or f"LLaMA-3-8B on an H100: speculation's speed-up, a = {acceptance}",
+    fig.suptitle(title or f"LLaMA-3-8B on an H100: speculation's speed-up, each guess kept "
+                          f"with probability a = {acceptance} (given the earlier ones)",
                  x=0.02, ha="left")
     legend_below(fig, ncol=5)
     return fig
@@ -190,6 +195,8 @@ FIGURE_KS: tuple[int, ...] = (1, 2, 4, 8)
 """The draft lengths the chapter's speed-up figure draws, one line each."""
 TABLE_KS: tuple[int, ...] = tuple(range(1, 9))
 """The draft lengths the explorer's table lists at the chosen batch."""
+ACCEPTANCE_LABEL = "per-guess acceptance a"
+"""The control of ``a``: the chance a guess is kept once the guesses before it were."""
 EXPLORER_ACCEPTANCES: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
 EXPLORER_BATCHES: tuple[int, ...] = (1, 32, 64, 128, 256, 384, 512, 768)
 """From a lone request to past the batch where k = 1 stops paying at 256 tokens (a = 0.9)."""
@@ -275,7 +282,7 @@ def speedup_explorer(acceptance: float = 0.7, batch: int = 1,
         return Frame([figures[acceptance], _shown_table(table)], _speedup_metrics(table),
                      caption=_speedup_caption(table, batch))
 
-    return explorer(draw, [("acceptance", "acceptance rate a", acceptances, acceptance),
+    return explorer(draw, [("acceptance", ACCEPTANCE_LABEL, acceptances, acceptance),
                            ("batch", "batch (requests)", batches, batch)],
                     live=lambda: speedup_widget(acceptance, batch))
 
@@ -285,7 +292,7 @@ def speedup_widget(acceptance: float = 0.7, batch: int = 1):
     and the table of ``speedup_at``. Needs a live kernel (draw the static figure first)."""
     from IPython.display import display
 
-    controls = {"acceptance": slider(acceptance, 0.0, 1.0, "acceptance rate a", step=0.05),
+    controls = {"acceptance": slider(acceptance, 0.0, 1.0, ACCEPTANCE_LABEL, step=0.05),
                 "batch": slider(batch, 1, 1024, "batch (requests)")}
 
     def redraw(acceptance: float, batch: int) -> None:
