@@ -1,7 +1,8 @@
 """Loading models: the trained CityLM shipped inside the package or a local Llama checkpoint
 (``load_model``); the tokenizer of either alone (``load_tokenizer``, what a server's
-HTTP process needs) lives in ``minisrv.tokenizer``, which imports no torch. Both give a tokenizer that also serves the server (its chat template,
-stop ids, whether decoding is prefix-stable). Devices and dtypes live in ``device``."""
+HTTP process needs) lives in ``minisrv.tokenizer``, which imports no torch. Both give a
+tokenizer that also serves the server (its chat template, stop ids, whether decoding is
+prefix-stable). Devices and dtypes live in ``device``."""
 
 from __future__ import annotations
 
