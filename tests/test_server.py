@@ -355,11 +355,14 @@ def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server)
             assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
 
 
-def test_cli_takes_one_engine_layout():
-    cmd = [sys.executable, "-m", "minisrv", "serve", "--engine-thread", "--engine-process"]
-    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "not allowed with argument" in out.stderr
+def test_cli_takes_one_engine_layout(capsys):
+    """In this process: the flags are parsed before anything loads (the entry point itself
+    runs as a command in the test below)."""
+    from minisrv.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--engine-thread", "--engine-process"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_engine_options_before_loading():
