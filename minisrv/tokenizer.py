@@ -168,7 +168,7 @@ def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokeniz
     encodes and decodes while its workers hold the weights); its stop ids are those of the
     folder's configs and of the tokenizer, as the model's. It lives here, not beside the
     loader in ``minisrv.model``, so that the HTTP process never imports torch for it (about
-    1.5 s of every server start and CLI call)."""
+    1 s of CPU on every server start)."""
     if str(name_or_path) == "citylm":
         return Tokenizer()
     folder = checkpoint_folder(name_or_path)

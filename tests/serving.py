@@ -40,10 +40,10 @@ def _free_port() -> int:
 
 STARTUP_S = 120.0
 """How long a test waits for a server to become healthy. A CityLM server's start costs about
-3.5 s of CPU over three processes (HTTP, fork server, worker; 2 s of it is importing torch
-twice) and takes 4-5 s on an idle machine, but 33 s at a load of 12 on 2 cores and up to
-53 s in a loaded ``make test``: 120 s (``launch.running_server``'s default too) is over
-twice the slowest start seen, so only a server that hangs or dies fails it."""
+2 s of CPU over three processes (HTTP 0.5 s, the fork server 1.3 s, most of it importing
+torch, the worker 0.15 s) and took 7 s at a load of 4 on 2 cores, 33 s at a load of 12 and
+up to 53 s in a loaded ``make test``: 120 s (``launch.running_server``'s default too) is
+over twice the slowest start seen, so only a server that hangs or dies fails it."""
 
 
 @contextmanager
