@@ -6,7 +6,7 @@ what the scheduling chapters draw. The alphabet is a constant written here (not 
 from data) so the shipped weights and any future data agree on what every id means.
 
 Both tokenizers also serve the HTTP server (``load_model`` returns one, and so does
-``minisrv.model.load_tokenizer`` without the weights): ``chat_prompt`` applies the model's
+``load_tokenizer`` here, without the weights or torch): ``chat_prompt`` applies the model's
 chat template, ``stop_ids`` are the ids whose text a reply never shows, and
 ``prefix_stable`` says whether decoding one more id only appends text (then a stream
 decodes each new id alone).
@@ -14,13 +14,15 @@ decodes each new id alone).
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["ALPHABET", "BOS", "EOS", "HFTokenizer", "Tokenizer", "bounded_list",
-           "concatenated_chat"]
+           "checkpoint_folder", "concatenated_chat", "folder_eos_ids", "load_tokenizer",
+           "merge_eos_ids", "read_json"]
 
 BOS = "<bos>"
 EOS = "<eos>"
@@ -125,11 +127,52 @@ def bounded_list(items: Iterable[str], shown: int = 5) -> str:
     return ", ".join(head) + (f" and {more} more" if more else "")
 
 
-def _merge_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+def merge_eos_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The stop ids named by ``sources`` (each an id, a list of ids or ``None``), first seen first.
+
+    HF keeps them in several places (``config.json``, ``generation_config.json``, the
+    tokenizer) as one id or a list; a generation must stop on any of them.
+    """
     found: list[int] = []
     for src in sources:
         found.extend([] if src is None else [src] if isinstance(src, int) else src)
     return tuple(dict.fromkeys(int(i) for i in found))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or an empty dict when the file does not exist."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def folder_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """Every stop id a checkpoint folder names, in ``config.json`` and then in
+    ``generation_config.json`` (chat models often list end-of-text and end-of-turn)."""
+    folder = Path(folder)
+    return merge_eos_ids(read_json(folder / "config.json").get("eos_token_id"),
+                         read_json(folder / "generation_config.json").get("eos_token_id"))
+
+
+def checkpoint_folder(name_or_path: str | Path) -> Path:
+    """``name_or_path`` as a checkpoint folder; ValueError if it holds no ``config.json``."""
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"cannot load {str(name_or_path)!r}: give 'citylm' or a local folder with a "
+            "Hugging Face checkpoint (config.json, *.safetensors, tokenizer files)"
+        )
+    return folder
+
+
+def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
+    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
+    encodes and decodes while its workers hold the weights); its stop ids are those of the
+    folder's configs and of the tokenizer, as the model's. It lives here, not beside the
+    loader in ``minisrv.model``, so that the HTTP process never imports torch for it (about
+    1 s of CPU on every server start)."""
+    if str(name_or_path) == "citylm":
+        return Tokenizer()
+    folder = checkpoint_folder(name_or_path)
+    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))
 
 
 class HFTokenizer:
@@ -147,7 +190,7 @@ class HFTokenizer:
     def __init__(self, hf_tokenizer: Any, eos_ids: tuple[int, ...] = ()) -> None:
         self.hf = hf_tokenizer
         self.bos_id: int | None = hf_tokenizer.bos_token_id
-        self.eos_ids: tuple[int, ...] = _merge_ids(eos_ids, hf_tokenizer.eos_token_id)
+        self.eos_ids: tuple[int, ...] = merge_eos_ids(eos_ids, hf_tokenizer.eos_token_id)
         self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
         self.stop_ids: frozenset[int] = frozenset(self.eos_ids)
 

@@ -146,6 +146,26 @@ def test_comparison_drawings_from_tables(model) -> None:
         assert fig.legends and all(ax.get_legend() is None for ax in fig.axes)  # off the data
 
 
+def test_a_capacity_sweep_takes_the_runs_it_is_given(model, monkeypatch) -> None:
+    """Chapter 05's pool sweep passes the runs its first sweep made: those pools are not
+    served again, and the table is the one a fresh sweep gives."""
+    work, _ = group_workload(n_groups=2, per_group=2)
+    reference = ca.reference_outputs(model, work)
+    fresh = ca.capacity_table(model, work, [80, 120], reference=reference, max_running=2)
+    kept: dict = {}
+    ca.capacity_table(model, work, [120], reference=reference, runs=kept, max_running=2)
+    first = dict(kept)
+    served = []
+    run_policy = ca.run_policy
+    monkeypatch.setattr(ca, "run_policy", lambda *a, **k: served.append(k["kv_capacity"])
+                        or run_policy(*a, **k))
+    again = ca.capacity_table(model, work, [80, 120], reference=reference, runs=kept,
+                              max_running=2)
+    assert served == [80, 80]  # fcfs and lpm at 80; both runs at 120 were given
+    assert all(kept[key] is run for key, run in first.items())
+    assert again.equals(fresh)
+
+
 def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> None:
     from minisrv.tokenizer import Tokenizer
     from minisrv.viz import policy as pv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import subprocess
 import sys
 
@@ -113,3 +115,35 @@ def test_a_cpu_engine_serves_without_importing_the_compiler() -> None:
         "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)"
     )
     assert imported_by(code, "m.startswith(('torch._dynamo', 'torch._inductor'))") == "[]"
+
+
+# What ``minisrv serve`` runs in its HTTP process, up to serving: the flags, the tokenizer,
+# the engines' handle (whose workers start with the server) and the app; ``run`` is stubbed.
+HTTP_PROCESS = (
+    "import minisrv.server.shutdown as shutdown\n"
+    "shutdown.DrainingServer.run = lambda self: None\n"
+    "from minisrv.server.cli import main\n"
+    "main(['serve', '--kv-capacity', '480'])"
+)
+
+
+@functools.cache
+def http_process_modules() -> list[str]:
+    """The modules of ``minisrv`` and torch that the HTTP process imports (one fresh
+    interpreter for both tests below)."""
+    return ast.literal_eval(imported_by(HTTP_PROCESS, "m.startswith(('minisrv', 'torch'))"))
+
+
+def test_the_http_process_of_a_server_imports_no_model_code() -> None:
+    """The HTTP process encodes, decodes and routes; the model lives in the workers (a fork
+    server imports it once for all of them). Importing the model here would bring torch into
+    a process that runs no tensor op, on every server start and restart."""
+    model_code = ("minisrv.model", "minisrv.runner", "minisrv.engine")
+    assert [m for m in http_process_modules() if m.startswith(model_code)] == []
+
+
+def test_the_http_process_of_a_server_imports_no_torch() -> None:
+    """torch's import is about 1 s of CPU on every server start, and the HTTP process needs
+    none of it (see the test above): the scheduler, the KV layer and the sampling parameters
+    import it only where a tensor is made."""
+    assert [m for m in http_process_modules() if m.split(".")[0] == "torch"] == []

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from serving import (  # noqa: E402
     KV_CAPACITY,  # noqa: F401
     ROOT,
-    _free_port,
     expected,
     metrics,
     reference,
@@ -34,7 +32,6 @@ from serving import (  # noqa: E402
 )
 
 from minisrv.sampling import SamplingParams  # noqa: E402
-from minisrv.server.launch import wait_healthy  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
 
 
@@ -347,8 +344,9 @@ def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server)
     thread of the HTTP process) serve exactly what the default layout (one engine in its own
     process) serves. Until an engine is up /health says 503, never 200: worker processes
     take seconds to load, so the first answer is a 503; an engine thread may be up before
-    uvicorn first answers, so its codes need not include one."""
-    with running_servers(("--dp", "2"), ("--engine-thread",)) as started:
+    uvicorn first answers, so its codes need not include one. Then SIGTERM stops both
+    cleanly, their engine processes with them (``stops_cleanly``; no server of its own)."""
+    with running_servers(("--dp", "2"), ("--engine-thread",), stops_cleanly=True) as started:
         assert started[0][1][0] == 503
         for url, seen in started:
             assert seen[-1] == 200 and set(seen[:-1]) <= {503}
@@ -357,29 +355,14 @@ def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server)
             assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
 
 
-def test_a_stopped_server_leaves_nothing_behind():
-    """SIGTERM stops the server and its engine process cleanly: within the timeout, with
-    uvicorn's graceful exit (which re-raises the signal it caught), and no queue semaphores
-    reported as leaked."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "minisrv", "serve", "--port", str(port), "--threads", "1"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", 90, alive=lambda: proc.poll() is None)
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode in (0, -signal.SIGTERM), err[-2000:]
-    assert "Traceback" not in err and "leaked" not in err, err[-2000:]
+def test_cli_takes_one_engine_layout(capsys):
+    """In this process: the flags are parsed before anything loads (the entry point itself
+    runs as a command in the test below)."""
+    from minisrv.server.cli import main
 
-
-def test_cli_takes_one_engine_layout():
-    cmd = [sys.executable, "-m", "minisrv", "serve", "--engine-thread", "--engine-process"]
-    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "not allowed with argument" in out.stderr
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--engine-thread", "--engine-process"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_engine_options_before_loading():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pandas as pd
 import pytest
+from serving import STARTUP_S
 
 from minisrv.engine import Engine
 from minisrv.experiments.server import (
@@ -28,7 +29,7 @@ TOK = Tokenizer()
 
 def sim_server(*args: str):
     """``python -m minisrv.sim.served ARGS`` on a free port; its URL, once healthy."""
-    return running_server(args, startup_s=90, module="minisrv.sim.served")
+    return running_server(args, startup_s=STARTUP_S, module="minisrv.sim.served")
 
 
 def consecutive(text: str) -> bool:

@@ -22,8 +22,15 @@ def sweep():
     return chunk_runs(workload=long_prompt_workload(n=N, long_share=0.2))
 
 
-def test_each_state_is_the_sweep_s_run_at_its_values(sweep) -> None:
-    ex = vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
+@pytest.fixture(scope="module")
+def explorer(sweep):
+    """The explorer over two mixes, built once: its 50% states serve a workload of their own
+    (the 20% states are the sweep's runs)."""
+    return vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
+
+
+def test_each_state_is_the_sweep_s_run_at_its_values(sweep, explorer) -> None:
+    ex = explorer
     assert ex.default == {"chunk": 2048, "share": 0.2}
     other = chunk_sweep(workload=long_prompt_workload(n=N, long_share=0.5)).set_index("chunk")
     mine = chunk_table(sweep).set_index("chunk")
@@ -75,8 +82,8 @@ def test_the_figure_needs_the_unchunked_run(sweep) -> None:
         vc.plot_chunk_choice({2048: sweep[2048]}, 2048)
 
 
-def test_the_share_table_reads_the_explorer_s_states(sweep) -> None:
-    ex = vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
+def test_the_share_table_reads_the_explorer_s_states(explorer) -> None:
+    ex = explorer
     table = vc.share_table(ex, gaps=(("max_itl", 2048), ("p99_itl", 16384)), shares=(0.2, 0.5))
     assert list(table.index) == ["20%", "50%"] and table.columns.name == "long prompts"
     assert list(table.columns) == ["worst gap at 2,048 (ms)",

@@ -105,13 +105,16 @@ def capacity_table(model: Any, workload: Workload, capacities: Sequence[int],
     """Hit rate, prefill tokens and longest wait per (capacity, policy): one row per
     capacity, columns ``(quantity, policy)``. ``runs``: a dict that keeps every run by
     ``(policy, capacity)``, for a figure or explorer that draws them again (a CityLM run
-    takes a fraction of a second; a sweep of them, tens)."""
+    takes a fraction of a second; a sweep of them, tens). A run already in ``runs`` is taken,
+    not served again: give one dict per workload and options (a run is deterministic)."""
     rows = {}
     for capacity in capacities:
         row = {}
         for policy in policies:
-            run = run_policy(model, workload, policy, reference=reference,
-                             kv_capacity=capacity, **options)
+            run = None if runs is None else runs.get((policy, capacity))
+            if run is None:
+                run = run_policy(model, workload, policy, reference=reference,
+                                 kv_capacity=capacity, **options)
             if reference is not None and run.identical != len(workload):
                 raise AssertionError(f"{policy} at {capacity}: outputs differ from the reference")
             if runs is not None:

@@ -62,13 +62,13 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
     ``(base URL, engines)`` (a ``LocalEngine``, whose ``loop.engine`` is the engine, or
     ``DataParallelEngines``).
     The server and its workers are always stopped on exit."""
-    from minisrv.model.loading import load_tokenizer
     from minisrv.server.app import create_app
     from minisrv.server.config import check_engine_options, model_name
     from minisrv.server.dataparallel import DataParallelEngines
     from minisrv.server.launch import serving_app
     from minisrv.server.worker import LocalEngine
     from minisrv.sim.served import sim_config, simulated_pace
+    from minisrv.tokenizer import load_tokenizer
 
     options = layout.options
     check_engine_options(options)

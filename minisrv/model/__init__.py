@@ -11,8 +11,8 @@
 - ``ragged``: one ``flex_attention`` call over a flat batch, its block mask from lengths;
 - ``citylm``: ``CityLM`` with ``forward`` (one request), ``forward_flat`` (a flat batch) and
   ``reference_generate`` (the oracle);
-- ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``,
-  ``load_tokenizer`` (the tokenizer alone);
+- ``loading``: ``load_model`` (the shipped CityLM or a local checkpoint), ``load_citylm``;
+  ``load_tokenizer`` (the tokenizer alone) lives in ``minisrv.tokenizer``, without torch;
 - ``device``: ``resolve_device``, ``default_dtype``, ``available_devices``;
 - ``hf``: ``from_hf_llama``, a Hugging Face Llama checkpoint as a ``CityLM``
   (its tokenizer, ``HFTokenizer``, lives in ``minisrv.tokenizer``).
@@ -23,7 +23,7 @@ Every public name is re-exported here, so ``from minisrv.model import X`` is all
 from __future__ import annotations
 
 from minisrv.model.attention_metadata import flex_index, padded_groups
-from minisrv.model.citylm import CityLM, merge_eos_ids
+from minisrv.model.citylm import CityLM
 from minisrv.model.device import available_devices, default_dtype, resolve_device
 from minisrv.model.flat import (
     ATTENTION_FUNCTIONS,
@@ -38,7 +38,6 @@ from minisrv.model.flat import (
 )
 from minisrv.model.hf import (
     config_from_hf,
-    folder_eos_ids,
     from_hf_llama,
     hf_names,
 )
@@ -69,10 +68,9 @@ from minisrv.model.loading import (
     WEIGHTS_FILE,
     load_citylm,
     load_model,
-    load_tokenizer,
 )
 from minisrv.model.ragged import FLEX_AVAILABLE, ragged_block_mask, ragged_tiles
-from minisrv.tokenizer import HFTokenizer
+from minisrv.tokenizer import HFTokenizer, folder_eos_ids, load_tokenizer, merge_eos_ids
 
 __all__ = [
     "ATTENTION_FUNCTIONS",

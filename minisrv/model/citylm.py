@@ -37,22 +37,10 @@ from minisrv.model.layers import (
     rope_table,
 )
 from minisrv.sampling import SamplingParams, make_generator, sample_next
-from minisrv.tokenizer import EOS_ID
+from minisrv.tokenizer import EOS_ID, merge_eos_ids
 
 if TYPE_CHECKING:
     from minisrv.kv import KVPool
-
-
-def merge_eos_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
-    """The stop ids named by ``sources`` (each an id, a list of ids or ``None``), first seen first.
-
-    HF keeps them in several places (``config.json``, ``generation_config.json``, the
-    tokenizer) as one id or a list; a generation must stop on any of them.
-    """
-    found: list[int] = []
-    for src in sources:
-        found.extend([] if src is None else [src] if isinstance(src, int) else src)
-    return tuple(dict.fromkeys(int(i) for i in found))
 
 
 class CityLM(nn.Module):

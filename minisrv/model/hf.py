@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from minisrv.configs import ModelConfig
-from minisrv.model.citylm import CityLM, merge_eos_ids
+from minisrv.model.citylm import CityLM
 from minisrv.model.device import resolve_device
 from minisrv.model.layers import rope_inv_freq
+from minisrv.tokenizer import merge_eos_ids, read_json
 
 # Our parameter names and the Hugging Face Llama names they come from; a fused weight of
 # ours stacks several of theirs (output rows, in this order).
@@ -97,19 +98,6 @@ def config_from_hf(
     return config, scaling, merge_eos_ids(hf.get("eos_token_id"))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``, or an empty dict when the file does not exist."""
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def folder_eos_ids(folder: str | Path) -> tuple[int, ...]:
-    """Every stop id a checkpoint folder names, in ``config.json`` and then in
-    ``generation_config.json`` (chat models often list end-of-text and end-of-turn)."""
-    folder = Path(folder)
-    return merge_eos_ids(_read_json(folder / "config.json").get("eos_token_id"),
-                         _read_json(folder / "generation_config.json").get("eos_token_id"))
-
-
 def _read_hf_folder(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Config dict and tensors of a local checkpoint: config.json + one or more .safetensors."""
     from safetensors.torch import load_file
@@ -147,7 +135,7 @@ def from_hf_llama(
     """
     if isinstance(src, (str, Path)):
         hf, state = _read_hf_folder(Path(src))
-        generation = _read_json(Path(src) / "generation_config.json")
+        generation = read_json(Path(src) / "generation_config.json")
         default_device = resolve_device(None)
     else:
         # Copies, so the converted model shares no memory with ``src``.

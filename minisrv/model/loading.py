@@ -1,7 +1,8 @@
 """Loading models: the trained CityLM shipped inside the package or a local Llama checkpoint
-(``load_model``), and the tokenizer of either alone (``load_tokenizer``, what a server's
-HTTP process needs). Both give a tokenizer that also serves the server (its chat template,
-stop ids, whether decoding is prefix-stable). Devices and dtypes live in ``device``."""
+(``load_model``); the tokenizer of either alone (``load_tokenizer``, what a server's
+HTTP process needs) lives in ``minisrv.tokenizer``, which imports no torch. Both give a
+tokenizer that also serves the server (its chat template, stop ids, whether decoding is
+prefix-stable). Devices and dtypes live in ``device``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 from minisrv.configs import CITYLM, ModelConfig
 from minisrv.model.citylm import CityLM
 from minisrv.model.device import available_devices, default_dtype, resolve_device
-from minisrv.model.hf import folder_eos_ids, from_hf_llama
-from minisrv.tokenizer import HFTokenizer, Tokenizer
+from minisrv.model.hf import from_hf_llama
+from minisrv.tokenizer import HFTokenizer, Tokenizer, checkpoint_folder, load_tokenizer
 
 __all__ = ["CITYLM_NAME", "META_FILE", "WEIGHTS_FILE", "available_devices", "default_dtype",
            "load_citylm", "load_model", "load_shipped", "load_tokenizer", "resolve_device"]
@@ -93,23 +94,3 @@ def load_model(
     return model, tokenizer
 
 
-def checkpoint_folder(name_or_path: str | Path) -> Path:
-    """``name_or_path`` as a checkpoint folder; ValueError if it holds no ``config.json``."""
-    folder = Path(name_or_path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(
-            f"cannot load {str(name_or_path)!r}: give {CITYLM_NAME!r} or a local folder with a "
-            "Hugging Face checkpoint (config.json, *.safetensors, tokenizer files)"
-        )
-    return folder
-
-
-def load_tokenizer(name_or_path: str | Path = "citylm") -> Tokenizer | HFTokenizer:
-    """The tokenizer ``load_model`` gives, without the model (a server's HTTP process
-    encodes and decodes while its workers hold the weights); its stop ids are those of the
-    folder's configs and of the tokenizer, as the model's. It lives beside the loader, not
-    in ``minisrv.tokenizer``, so the tokenizer module imports nothing of the model's."""
-    if str(name_or_path) == "citylm":
-        return Tokenizer()
-    folder = checkpoint_folder(name_or_path)
-    return HFTokenizer.from_folder(folder, folder_eos_ids(folder))

@@ -11,7 +11,8 @@ scheduler's own thread, fed by a queue), ``textstream`` (detokenizing, stop stri
 ``logprobs`` (OpenAI's two logprob shapes), ``responses`` (chunks and bodies), ``metrics``
 (Prometheus), ``config`` (``ServerConfig``: every default once), ``shutdown`` (drain on
 SIGTERM), ``bench`` (the load generator) and ``cli``. The model and its tokenizer come from
-``minisrv.model.load_model`` (``load_tokenizer`` for the HTTP process).
+``minisrv.model.load_model`` (``minisrv.tokenizer.load_tokenizer`` for the HTTP process,
+which so imports no model code).
 
 Start it with ``python -m minisrv serve`` (or the ``minisrv`` console script) and talk to it
 with the official ``openai`` client::

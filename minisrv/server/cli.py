@@ -163,12 +163,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     book's simulated H100: ``python -m minisrv.sim.served``) with that tokenizer."""
     import uvicorn
 
-    from minisrv.model.loading import load_tokenizer
     from minisrv.server.app import create_app
     from minisrv.server.config import model_name
     from minisrv.server.dataparallel import DataParallelEngines
     from minisrv.server.shutdown import DrainingServer
     from minisrv.server.worker import LocalEngine
+    from minisrv.tokenizer import load_tokenizer
 
     try:
         config = server_config(args)
