@@ -18,7 +18,7 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
 def _toc_files() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [entry["file"] for entry in toc["chapters"]]
+    return [entry["file"] for part in toc["parts"] for entry in part["chapters"]]
 
 
 def test_repository_url_is_kept_in_one_place() -> None:
@@ -68,6 +68,25 @@ def test_publishing_under_another_url_rewrites_config_and_setup_cells(tmp_path) 
     assert book.publish_repository_url(tmp_path, fork) == []
     with pytest.raises(ValueError, match="https://"):
         book.publish_repository_url(tmp_path, "github.com/x")
+
+
+def test_chapters_are_numbered_and_the_references_are_not() -> None:
+    """The sidebar numbers the chapters 1, 2, ... (the numbers the overview's architecture
+    labels and chapter map use); the references page, in a part of its own, has no number."""
+    from minisrv.viz.overview import CHAPTERS as MAP
+    from minisrv.viz.overview import component_table
+
+    parts = yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"]
+    numbered = [p for p in parts if p.get("numbered")]
+    assert len(numbered) == 1
+    files = [entry["file"] for entry in numbered[0]["chapters"]]
+    assert files == [f"chapters/{p.stem}" for p in CHAPTERS]
+    assert "references" in _toc_files() and "references" not in files
+    rows = {row["component"]: row["chapter"] for row in component_table()}
+    assert rows["Chunked prefill (token budget)"] == str(files.index(
+        "chapters/03a_chunked_prefill") + 1) == "5"
+    assert rows["Tokenizer"] == "1"
+    assert [c.file for c in MAP] == [f.split("/")[1] for f in files]
 
 
 def test_toc_lists_every_chapter_in_reading_order() -> None:

@@ -62,7 +62,8 @@ def max_concurrent_requests(
     """How many requests of ``context_len`` tokens fit in memory at once.
 
     (card memory - weights) // KV per request. This, not compute, caps the decode batch:
-    LLaMA-3-8B on an 80 GB H100 holds 476 requests at 1024 tokens, 59 at 8K, 14 at 32K.
+    LLaMA-3-8B on an 80 GB H100 holds 476 requests at 1024 tokens, 59 at 8K (its longest
+    context); LLaMA-3.1-8B, the same shape, 14 at 32K.
     Raises ValueError when the weights do not fit or not even one request does.
     """
     per_request = kv_bytes_per_request(cfg, context_len, dtype_bytes)
