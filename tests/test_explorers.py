@@ -233,20 +233,6 @@ def test_the_built_page_loads_nothing_from_a_network(built) -> None:
 
 # ------------------------------------------------------------------ listings in the book
 
-LISTINGS_CSS = ROOT / "_static" / "minisrv.css"
-
-
-def test_code_blocks_scroll_instead_of_wrapping() -> None:
-    """The stylesheet keeps every line of a listing whole: a wrapped line of a 100-column
-    source broke its indentation in the 80-column page (issue 50)."""
-    css = LISTINGS_CSS.read_text()
-    rule = re.search(r"div\.cell_output pre,\s*div\.cell_input pre\s*\{([^}]*)\}", css)
-    assert rule, "no rule for the code blocks of cells"
-    body = rule.group(1)
-    assert re.search(r"white-space:\s*pre;", body) and "overflow-x: auto" in body
-    assert "pre-wrap" not in body and "anywhere" not in body
-
-
 def test_a_long_listing_line_keeps_its_indentation_and_scrolls_in_chromium() -> None:
     """In the built chunked-prefill chapter, the ``show_source`` listing whose lines run past
     the column is one line per source line (no wrap), and its block scrolls sideways."""
