@@ -98,3 +98,5 @@ def test_the_pool_legend_swatch_is_the_colour_of_the_request_s_held_slots(citylm
     colors = {to_rgba(p.get_facecolor()) for p in swatches[:-1]}  # the last: "written"
     assert held and held <= colors
     assert all(p.get_alpha() == viz.HELD_ALPHA for p in swatches[:-1])
+    written = {to_rgba(p.get_facecolor()) for p in cells if p.get_alpha() == viz.WRITTEN_ALPHA}
+    assert to_rgba(swatches[-1].get_facecolor()) in written  # "darker": a written cell's shade

@@ -396,11 +396,12 @@ def roofline_explorer(
         cost = decode_step_cost(cfg, card, max(runs, 1), context_len, width)
         summary = summary_line(cfg, card, context_len, batch, width)
         if runs == batch:
-            caption = (f"{_requests(batch)} of {context_len:,} tokens fit; "
-                       f"{batch / cost.time_s:,.0f} tokens/s.")
+            caption = (f"{_requests(batch)} of {context_len:,} tokens "
+                       f"{'fits' if batch == 1 else 'fit'}; {batch / cost.time_s:,.0f} tokens/s.")
         elif runs:
-            caption = (f"{_requests(batch)} of {context_len:,} tokens do not fit: the wall is "
-                       f"at {wall:,}, whose batch makes {runs / cost.time_s:,.0f} tokens/s.")
+            caption = (f"{_requests(batch)} of {context_len:,} tokens "
+                       f"{'does' if batch == 1 else 'do'} not fit: the wall is at {wall:,}, "
+                       f"whose batch makes {runs / cost.time_s:,.0f} tokens/s.")
         else:
             caption = f"not one request of {context_len:,} tokens fits."
         return Frame(
