@@ -120,7 +120,7 @@ def test_roofline_explorer_never_reports_more_than_fits() -> None:
     assert all(s["tokens_per_s"] <= ceiling * (1 + 1e-12) for s in ex.states.values())
     assert "1 request of 1,024 tokens fits" in ex.html and "1 requests" not in ex.html
     assert "do not fit: the wall is at 476" in ex.html
-    with pytest.raises(ValueError, match="at most 8,192 tokens"):
+    with pytest.raises(ValueError, match="at most 8,192 tokens, not 32,768"):
         viz.roofline_explorer(contexts=(32768,))
 
 

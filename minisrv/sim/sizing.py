@@ -11,7 +11,7 @@ from minisrv.configs import GPUSpec, ModelConfig
 from minisrv.kvsize import check_dtype_bytes, kv_bytes_per_token
 
 __all__ = ["check_positive_int", "gb", "kv_budget_bytes", "kv_bytes_per_request",
-           "max_concurrent_requests", "weight_bytes"]
+           "max_concurrent_requests", "running_batch", "weight_bytes"]
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -75,3 +75,14 @@ def max_concurrent_requests(
             f"but only {gb(budget)} of {gpu.name} is left after the weights"
         )
     return count
+
+
+def running_batch(cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int,
+                  dtype_bytes: float = 2) -> int:
+    """The batch a server runs when ``batch`` requests of ``context_len`` tokens ask: all of
+    them if they fit, else as many as fit (the rest wait), 0 if not one does. A throughput
+    quoted for more requests than fit would pass the memory wall's own ceiling."""
+    try:
+        return min(batch, max_concurrent_requests(cfg, gpu, context_len, dtype_bytes))
+    except ValueError:  # not one request fits
+        return 0

@@ -25,6 +25,7 @@ from minisrv.sim.roofline import decode_step_cost
 from minisrv.sim.sizing import (
     kv_bytes_per_request,
     max_concurrent_requests,
+    running_batch,
     weight_bytes,
 )
 from minisrv.viz.explorer import Explorer, Frame, explorer
@@ -279,28 +280,19 @@ def _requests(n: int) -> str:
     return f"{n:,} request{'' if n == 1 else 's'}"
 
 
-def running_batch(cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int,
-                  dtype_bytes: float = 2) -> int:
-    """The batch a server actually runs when ``batch`` requests of ``context_len`` tokens
-    ask: all of them if they fit, else the memory wall's worth (the rest wait), 0 if not
-    one fits. A throughput quoted for more than fits would pass the chapter's own ceiling."""
-    return min(batch, _wall(cfg, gpu, context_len, dtype_bytes))
-
-
 def summary_line(
     cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
 ) -> str:
     """Two short lines about the chosen point, printed above the widget's figures (short, so
-    they fit the book's column): the step and its bound, then throughput and capacity. A batch
-    past the memory wall is reported as the wall's batch, the most a server can run."""
+    they fit the book's column): the step and its bound, then throughput and capacity; a batch
+    past the memory wall as the wall's batch (``running_batch``), the most a server runs."""
     wall = _wall(cfg, gpu, context_len, dtype_bytes)
     runs = running_batch(cfg, gpu, context_len, batch, dtype_bytes)
     if not runs:
         return (f"batch {batch:,} at context {context_len:,}: not one request fits\n"
                 f"{cfg.name} on {gpu.name}: no throughput")
     cost = decode_step_cost(cfg, gpu, runs, context_len, dtype_bytes)
-    one = decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes)
-    gain = (runs / cost.time_s) / (1 / one.time_s)
+    gain = runs * decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes).time_s / cost.time_s
     head = (f"batch {batch:,} at context {context_len:,}" if runs == batch else
             f"batch {batch:,} > wall {runs:,} at context {context_len:,}")
     return (
@@ -317,13 +309,8 @@ def contexts_around(context_len: int, max_seq_len: int = 0) -> list[int]:
     return sorted({max(16, context_len // 8), context_len, max(context_len, longest)})
 
 
-def roofline_widget(
-    model: str = "LLaMA-3-8B",
-    gpu: str = "H100 SXM",
-    context_len: int = 1024,
-    batch: int = 16,
-    dtype: str = "bf16 / fp16",
-):
+def roofline_widget(model: str = "LLaMA-3-8B", gpu: str = "H100 SXM", context_len: int = 1024,
+                    batch: int = 16, dtype: str = "bf16 / fp16"):
     """Drop-downs and sliders for model, GPU, context length, batch size and dtype; every
     change redraws the roofline and the memory budget. Needs a live kernel."""
     import ipywidgets as widgets
@@ -365,15 +352,10 @@ def _choice(kind: str, name: str, options: dict) -> object:
     return options[name]
 
 
-def roofline_explorer(
-    model: str = "LLaMA-3-8B",
-    gpu: str = "H100 SXM",
-    context_len: int = 1024,
-    batch: int = 16,
-    dtype: str = "bf16 / fp16",
-    contexts: Sequence[int] = EXPLORER_CONTEXTS,
-    batches: Sequence[int] = EXPLORER_BATCHES,
-) -> Explorer:
+def roofline_explorer(model: str = "LLaMA-3-8B", gpu: str = "H100 SXM", context_len: int = 1024,
+                      batch: int = 16, dtype: str = "bf16 / fp16",
+                      contexts: Sequence[int] = EXPLORER_CONTEXTS,
+                      batches: Sequence[int] = EXPLORER_BATCHES) -> Explorer:
     """``roofline_widget``'s figures for every batch and context of the grid, for the page.
 
     Each state shows ``summary_line``, the roofline of the three ``contexts_around`` the
@@ -385,25 +367,19 @@ def roofline_explorer(
     cfg = _choice("model", model, MODELS)
     card = _choice("GPU", gpu, GPUS)
     width = _choice("dtype", dtype, DTYPES)
-    for context in (*contexts, context_len):
-        if cfg.max_seq_len and context > cfg.max_seq_len:
-            raise ValueError(f"{cfg.name} reads at most {cfg.max_seq_len:,} tokens of context, "
-                             f"not {context:,}")
+    if cfg.max_seq_len and (longest := max(*contexts, context_len)) > cfg.max_seq_len:
+        raise ValueError(f"{cfg.name} reads at most {cfg.max_seq_len:,} tokens, not {longest:,}")
 
     def draw(context_len: int, batch: int) -> Frame:
         wall = _wall(cfg, card, context_len, width)
         runs = running_batch(cfg, card, context_len, batch, width)
         cost = decode_step_cost(cfg, card, max(runs, 1), context_len, width)
         summary = summary_line(cfg, card, context_len, batch, width)
-        if runs == batch:
-            caption = (f"{_requests(batch)} of {context_len:,} tokens "
-                       f"{'fits' if batch == 1 else 'fit'}; {batch / cost.time_s:,.0f} tokens/s.")
-        elif runs:
-            caption = (f"{_requests(batch)} of {context_len:,} tokens "
-                       f"{'does' if batch == 1 else 'do'} not fit: the wall is at {wall:,}, "
-                       f"whose batch makes {runs / cost.time_s:,.0f} tokens/s.")
-        else:
-            caption = f"not one request of {context_len:,} tokens fits."
+        asked = f"{_requests(batch)} of {context_len:,} tokens"  # past the wall: 2 or more
+        caption = (f"{asked} {'fits' if batch == 1 else 'fit'}; {batch / cost.time_s:,.0f} "
+                   "tokens/s." if runs == batch else f"{asked} do not fit: the wall is at "
+                   f"{wall:,}, whose batch makes {runs / cost.time_s:,.0f} tokens/s." if runs
+                   else f"not one request of {context_len:,} tokens fits.")
         return Frame(
             [f"<pre>{html.escape(summary)}</pre>",
              plot_roofline(cfg, card, contexts_around(context_len, cfg.max_seq_len), width,
