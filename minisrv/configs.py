@@ -71,6 +71,18 @@ class ModelConfig:
         """
         return self.n_active_params or self.param_count
 
+    @property
+    def matmul_param_count(self) -> float:
+        """Parameters one token multiplies by: the active ones less the input embedding.
+
+        The embedding is a table lookup (one row copied per token, no arithmetic); the output
+        head is a matrix product and stays. Counting the lookup as a matmul, as "FLOPs = 2 x
+        parameters" does, adds 6.5% to LLaMA-3-8B's arithmetic. A tied model's one matrix
+        serves as the head, so nothing is taken off.
+        """
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self.active_param_count - lookup
+
     def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (e.g. the all-heads variant of a GQA model)."""
         return replace(self, **changes)
@@ -133,6 +145,11 @@ LLAMA3_8B = ModelConfig(
     max_seq_len=8192,
     rope_theta=500000.0,
 )
+
+LLAMA31_8B = LLAMA3_8B.with_(name="LLaMA-3.1-8B", max_seq_len=131072)
+"""Meta Llama 3.1 8B (meta-llama/Llama-3.1-8B/config.json): LLaMA-3-8B's shapes with a
+131,072-token context (RoPE scaled), so its KV cache per token is the same; the book's
+32K-token examples use it, past LLaMA-3-8B's 8,192 tokens."""
 
 LLAMA3_70B = ModelConfig(
     # Meta Llama 3 70B: same report, Table 3, and meta-llama/Meta-Llama-3-70B/config.json

@@ -23,7 +23,8 @@ import math
 from minisrv.checks import check_number
 from minisrv.configs import ModelConfig
 
-__all__ = ["check_dtype_bytes", "kv_bytes_per_token", "kv_numbers_per_token_per_layer"]
+__all__ = ["all_heads_numbers_per_token_per_layer", "check_dtype_bytes", "kv_bytes_per_token",
+           "kv_numbers_per_token_per_layer"]
 
 
 def check_dtype_bytes(dtype_bytes: float) -> float:
@@ -32,6 +33,21 @@ def check_dtype_bytes(dtype_bytes: float) -> float:
     if not dtype_bytes > 0:
         raise ValueError(f"dtype_bytes must be > 0, got {dtype_bytes}")
     return float(dtype_bytes)
+
+
+def all_heads_numbers_per_token_per_layer(cfg: ModelConfig) -> int:
+    """How many numbers one layer would cache for one token if every query head kept its own
+    K and V: the multi-head counterfactual that GQA, MQA and MLA shrink.
+
+    MHA/GQA/MQA: ``2 * n_heads * head_dim`` (the classic ``2 x d_model`` when
+    ``n_heads * head_dim == d_model``). MLA: each head's key is its ``head_dim`` no-RoPE part
+    plus the ``qk_rope_head_dim`` RoPE part, its value ``head_dim`` wide (DeepSeek-V3's
+    ``qk_nope_head_dim`` and ``v_head_dim`` are both 128): 128 x (192 + 128) = 40,960, about
+    71 times the 576-number latent, where ``2 x d_model`` would say 25.
+    """
+    if cfg.attention == "mla":
+        return cfg.n_heads * (cfg.head_dim + cfg.qk_rope_head_dim + cfg.head_dim)
+    return 2 * cfg.n_heads * cfg.head_dim
 
 
 def kv_numbers_per_token_per_layer(cfg: ModelConfig) -> int:

@@ -18,7 +18,7 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
 def _toc_files() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [entry["file"] for entry in toc["chapters"]]
+    return [entry["file"] for part in toc["parts"] for entry in part["chapters"]]
 
 
 def test_repository_url_is_kept_in_one_place() -> None:
@@ -68,6 +68,25 @@ def test_publishing_under_another_url_rewrites_config_and_setup_cells(tmp_path) 
     assert book.publish_repository_url(tmp_path, fork) == []
     with pytest.raises(ValueError, match="https://"):
         book.publish_repository_url(tmp_path, "github.com/x")
+
+
+def test_chapters_are_numbered_and_the_references_are_not() -> None:
+    """The sidebar numbers the chapters 1, 2, ... (the numbers the overview's architecture
+    labels and chapter map use); the references page, in a part of its own, has no number."""
+    from minisrv.viz.overview import CHAPTERS as MAP
+    from minisrv.viz.overview import component_table
+
+    parts = yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"]
+    numbered = [p for p in parts if p.get("numbered")]
+    assert len(numbered) == 1
+    files = [entry["file"] for entry in numbered[0]["chapters"]]
+    assert files == [f"chapters/{p.stem}" for p in CHAPTERS]
+    assert "references" in _toc_files() and "references" not in files
+    rows = {row["component"]: row["chapter"] for row in component_table()}
+    assert rows["Chunked prefill (token budget)"] == str(files.index(
+        "chapters/03a_chunked_prefill") + 1) == "5"
+    assert rows["Tokenizer"] == "1"
+    assert [c.file for c in MAP] == [f.split("/")[1] for f in files]
 
 
 def test_toc_lists_every_chapter_in_reading_order() -> None:
@@ -341,12 +360,15 @@ def test_glue_stores_numpy_scalars_as_python_numbers(monkeypatch) -> None:
     assert type(seen["share"]) is float and type(seen["count"]) is int
 
 
-def test_long_listing_lines_wrap_inside_the_column() -> None:
-    """Source listings keep the package's 100-character lines; the book's stylesheet wraps
-    them inside the ~80-character column instead of cutting them off at its edge."""
+def test_long_listing_lines_scroll_inside_the_column() -> None:
+    """Source listings keep the package's 100-character lines; the book's stylesheet lets a
+    long line scroll sideways in its block instead of wrapping it, which broke the listing's
+    indentation (issue 50; tests/test_explorers.py checks it in Chromium on the built book)."""
     css = (ROOT / "_static" / "minisrv.css").read_text()
-    rule = css[css.index("div.cell_output pre"):]
-    assert "white-space: pre-wrap" in rule.split("}")[0]
+    rule = re.search(r"div\.cell_output pre,\s*div\.cell_input pre\s*\{([^}]*)\}", css)
+    assert rule, "no rule for the code blocks of cells"
+    assert re.search(r"white-space:\s*pre;", rule.group(1)) and "overflow-x: auto" in rule.group(1)
+    assert "pre-wrap" not in rule.group(1)
 
 
 def test_glued_numbers_read_as_plain_text() -> None:
@@ -487,9 +509,11 @@ def _chapter_title(path: Path) -> str:
 def test_intro_map_names_each_chapter_by_its_page_title() -> None:
     """The map's links read as the pages they open (issue 24: they had drifted apart)."""
     intro = (ROOT / "intro.md").read_text()
-    links = dict((f, t) for t, f in re.findall(r"^\| \[([^\]]+)\]\(chapters/([^)]+)\.ipynb\)",
-                                               intro, flags=re.M))
+    rows = re.findall(r"^\| (\d+) \| \[([^\]]+)\]\(chapters/([^)]+)\.ipynb\)", intro, flags=re.M)
+    links = {f: t for _, t, f in rows}
     assert set(links) == {p.stem for p in CHAPTERS}
+    # numbered as the sidebar numbers them: 1, 2, ... in reading order
+    assert [(int(n), f) for n, _, f in rows] == [(i, p.stem) for i, p in enumerate(CHAPTERS, 1)]
     for path in CHAPTERS:
         assert links[path.stem] == _chapter_title(path), path.stem
 
@@ -510,8 +534,8 @@ def test_intro_map_names_modules_that_exist() -> None:
     """Each module the map says a chapter builds is a file or package under minisrv/ (the
     map had kept train.py and roofline.py after they moved to train/ and sim/)."""
     intro = (ROOT / "intro.md").read_text()
-    rows = re.findall(r"^\| \[[^\]]+\]\(chapters/[^)]+\.ipynb\) \|[^|]+\|([^|]+)\|$", intro,
-                      flags=re.M)
+    rows = re.findall(r"^\| \d+ \| \[[^\]]+\]\(chapters/[^)]+\.ipynb\) \|[^|]+\|([^|]+)\|$",
+                      intro, flags=re.M)
     assert len(rows) == len(CHAPTERS)
     modules = [m for row in rows for m in re.findall(r"`([^`]+)`", row)]
     assert modules and not [m for m in modules if not (ROOT / "minisrv" / m).exists()]

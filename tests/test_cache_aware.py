@@ -216,3 +216,14 @@ def test_the_policy_explorer_refuses_fcfs_and_a_reference_of_another_workload(mo
     assert checked.identical == len(spaced)
     with pytest.raises(ValueError, match="did not serve interleaved_groups"):
         pv.policy_explorer(model, tok, n_groups=2, runs={("lpm", 400): checked})
+
+
+def test_the_explorer_caption_states_the_hit_rates_as_a_finding() -> None:
+    """"LPM hits +0.0 points against FCFS" read as a verdict; the caption says what each hit."""
+    from minisrv.viz.policy import _hit_finding
+
+    assert _hit_finding("LPM", 0.5, 0.5) == ("LPM and FCFS hit the same share of prompt tokens, "
+                                              "50.0%.")
+    assert _hit_finding("LPM", 0.763, 0.05) == ("LPM hits 76.3% of prompt tokens, FCFS 5.0%: "
+                                                 "71.3 points more.")
+    assert _hit_finding("LPM", 0.60, 0.71).endswith("11.0 points fewer.")

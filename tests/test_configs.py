@@ -84,6 +84,14 @@ def test_deepseek_v3_is_mla_with_activated_parameters() -> None:
     assert LLAMA3_8B.active_param_count == LLAMA3_8B.param_count  # dense: all of them
 
 
+def test_matmul_parameters_leave_out_the_untied_embedding_lookup() -> None:
+    """The input embedding is looked up, not multiplied: an untied model's FLOP count loses
+    it (6.5% of LLaMA-3-8B), a tied one's keeps its one matrix as the output head."""
+    assert LLAMA3_8B.matmul_param_count == 8.03e9 - 128256 * 4096
+    assert LLAMA32_1B.matmul_param_count == LLAMA32_1B.param_count  # tied
+    assert DEEPSEEK_V3.matmul_param_count == 37e9 - 129280 * 7168
+
+
 def test_all_heads_restores_kv_heads_and_their_projection_weights() -> None:
     assert LLAMA3_70B_MHA.attention == "mha"
     assert LLAMA3_70B_MHA.n_kv_heads * LLAMA3_70B_MHA.head_dim == LLAMA3_70B.d_model

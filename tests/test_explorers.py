@@ -229,3 +229,33 @@ def test_explorers_work_offline_in_chromium(built) -> None:
 def test_the_built_page_loads_nothing_from_a_network(built) -> None:
     loads = network_loads(built["page"].read_text())
     assert not loads, f"loaded from a network: {loads[:5]}"
+
+
+# ------------------------------------------------------------------ listings in the book
+
+def test_a_long_listing_line_keeps_its_indentation_and_scrolls_in_chromium() -> None:
+    """In the built chunked-prefill chapter, the ``show_source`` listing whose lines run past
+    the column is one line per source line (no wrap), and its block scrolls sideways."""
+    page_file = ROOT / "_build" / "html" / "chapters" / "03a_chunked_prefill.html"
+    if not page_file.is_file():
+        pytest.skip("the book is not built: make book")
+    with offline_page() as (page, _):
+        page.goto(page_file.as_uri())
+        blocks = page.evaluate("""() => [...document.querySelectorAll(
+            'div.cell_output pre, div.cell_input pre')].map(pre => {
+              const style = getComputedStyle(pre);
+              const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
+              const lineHeight = parseFloat(style.lineHeight) ||
+                                 1.2 * parseFloat(style.fontSize);
+              return {whiteSpace: style.whiteSpace, overflowX: style.overflowX,
+                      longest: Math.max(...lines.map(l => l.length)), lines: lines.length,
+                      rows: Math.round((pre.clientHeight - parseFloat(style.paddingTop)
+                                        - parseFloat(style.paddingBottom)) / lineHeight),
+                      scrolls: pre.scrollWidth > pre.clientWidth};
+            })""")
+    wide = [b for b in blocks if b["longest"] > 90]
+    assert wide, "no listing of the page runs past the column"
+    for block in wide:
+        assert block["whiteSpace"] == "pre" and block["overflowX"] in ("auto", "scroll")
+        assert block["scrolls"], block
+        assert block["rows"] <= block["lines"] + 1, block  # one row per line: nothing wrapped

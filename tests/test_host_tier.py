@@ -281,3 +281,22 @@ def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -
     assert shown.loc[("1M", "write_back")].tolist() == ["77.7%", "3.8", 1335, "2.36", "0.75"]
     assert shown.index.names == [None, None] and shown.columns.name == "host tier / policy"
     assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged
+
+
+def test_the_size_explorer_draws_hit_rate_against_every_tier_size() -> None:
+    """Every state is a figure of the hit rate and TTFT of all the sizes, its own ringed (not
+    a one-row table); the runs are served once and reused, the numbers are each run's own."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.host_tier import long_chats, sim_tier_run
+    from minisrv.viz.hosttier import host_size_explorer
+
+    chats = long_chats(sessions=4, turns=3, low=64, high=128, output=16)
+    options = {"device_tokens": 600}
+    runs = {size: sim_tier_run(chats, size, **options) for size in (0, 2000)}
+    ex = host_size_explorer(chats, (0, 1000, 2000), runs=runs, history_tokens=1500, **options)
+    assert ex.default == {"size": 0}
+    for size, run in runs.items():
+        state = ex.metrics(size=size)
+        assert (state["hit rate"], state["mean TTFT (s)"]) == (run.hit_rate, run.mean_ttft)
+    assert ex.metrics(size=2000)["hit rate"] > ex.metrics(size=0)["hit rate"]
+    assert ex.html.count("data:image/webp") == 3 and "<table" not in ex.html

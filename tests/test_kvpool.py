@@ -101,3 +101,13 @@ def test_pool_tensors_have_the_model_layout() -> None:
     slots = pool.alloc(4)
     pool.free(slots)
     assert (pool.free_count, pool.used_count, pool.capacity) == (10, 0, 10)
+
+
+def test_asking_for_more_than_is_free_raises_and_changes_nothing() -> None:
+    """The pool refuses an allocation it cannot serve whole, naming the numbers, before it
+    hands out a single slot (the selective-batching chapter's demonstration, moved here)."""
+    alloc = SlotAllocator(120)
+    held = alloc.alloc(5)
+    with pytest.raises(ValueError, match="asked for 121 slots, only 115 of 120 are free"):
+        alloc.alloc(121)
+    assert alloc.free_count == 115 and all(alloc.is_used(s) for s in held)

@@ -31,7 +31,9 @@ def _brute_force(prompts, outputs):
     seen, total, repeated = [], 0, 0
     for i, prompt in enumerate(prompts):
         total += len(prompt)
-        repeated += max((_common_prefix(prompt, s) for s in seen), default=0)
+        # a whole matched prompt still computes its last token, for the next token's logits
+        repeated += min(max((_common_prefix(prompt, s) for s in seen), default=0),
+                        max(len(prompt) - 1, 0))
         # the last sampled token has no KV: what a request computed ends one before it
         seen.append(list(prompt) + (list(outputs[i])[:-1] if outputs else []))
     return total, repeated
@@ -61,7 +63,8 @@ def test_shared_system_prompt_repeats_the_system_prompt_for_every_later_user() -
 
 def test_parallel_samples_repeat_everything_after_the_first() -> None:
     prompts = parallel_samples(TOK, 4)
-    assert repeated_prefill(prompts).repeated == 3 * len(prompts[0])
+    # each repeat finds the whole prompt but computes its last token again, for its logits
+    assert repeated_prefill(prompts).repeated == 3 * (len(prompts[0]) - 1)
 
 
 def test_chat_turn_prompt_extends_the_previous_turn(citylm) -> None:
@@ -83,6 +86,16 @@ def test_the_last_sampled_token_is_not_counted_as_computed() -> None:
     assert repeated_prefill([prompt, follow_up], [answer, [7]]).repeated == 4
     assert repeated_prefill([prompt, follow_up], [[], [7]]).repeated == 3  # nothing sampled
     assert repeated_prefill([prompt, follow_up]).repeated == 3
+
+
+def test_a_fully_matched_prompt_computes_its_last_token() -> None:
+    """A prompt an earlier request computed whole still runs its last token: that forward
+    pass yields the logits of the first new token (SGLang's match and ``KVManager.match``
+    stop one token short). Four samples of a 6-token prompt repeat 3 x 5 of 24 tokens."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    count = repeated_prefill([prompt] * 4)
+    assert (count.total, count.repeated) == (24, 15)
+    assert repeated_prefill([[1, 2, 3], [1, 2]]).repeated == 1  # a shorter prefix, whole
 
 
 @pytest.mark.parametrize("bad", [0, -1])

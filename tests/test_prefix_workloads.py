@@ -45,7 +45,7 @@ def test_few_shot_groups_share_examples_and_interleave_alternates_groups() -> No
 def test_parallel_sampling_repeats_one_prompt() -> None:
     w = parallel_sampling_workload(Tokenizer(), n_samples=5)
     assert len({tuple(p) for p in w.prompts}) == 1 and len(w) == 5
-    assert repeated_prefill(w.prompts).repeated == 4 * len(w.prompts[0])
+    assert repeated_prefill(w.prompts).repeated == 4 * (len(w.prompts[0]) - 1)  # logits
 
 
 def test_chat_turn_extends_the_previous_prompt(citylm) -> None:

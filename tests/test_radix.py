@@ -401,3 +401,32 @@ def test_cache_comparison_counts_outputs_as_alone_and_shows_the_hit_rate_in_perc
         rate = float(row["hit rate"].rstrip("%")) / 100
         saved = row["prefilled, no cache"] - row["prefilled, radix"]
         assert abs(rate - saved / row["prompt tokens"]) < 1e-3, name  # one decimal of a %
+
+
+def test_the_event_explorer_keeps_one_orientation_for_every_event(monkeypatch) -> None:
+    """Small early trees fit top-down, the last bushy one does not: every frame is drawn left
+    to right, so stepping through the events never flips the drawing (it did at event 57 of
+    the RadixAttention chapter)."""
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz import radix as rv
+
+    tok = Tokenizer()
+    cache = RadixCache()
+    recorder = rv.TreeRecorder(cache)
+    for word in ("ab", "ac", *(f"{c}: Paris, Lyon" for c in "DEFGHIJKLMNOP")):
+        cache.insert(tok.encode(word, bos=False), tag=word)
+    events = recorder.events
+    assert "rankdir=TB" in rv.to_graphviz(events[1], tok).source  # alone it would be top-down
+    assert "rankdir=LR" in rv.to_graphviz(events[-1], tok).source
+    drawn: list[str] = []
+    original = rv.to_graphviz
+
+    def spy(*args, **kwargs):
+        dot = original(*args, **kwargs)
+        drawn.append(dot.graph_attr["rankdir"])
+        return dot
+
+    monkeypatch.setattr(rv, "to_graphviz", spy)
+    rv.event_explorer(events, tok)
+    frames = drawn[-len(events):]  # after the orientation probe, one drawing per frame
+    assert len(drawn) > len(events) and set(frames) == {"LR"}

@@ -42,16 +42,19 @@ def test_batch_1_decode_is_a_weight_read() -> None:
 
 
 def test_flops_are_two_per_parameter_per_token_plus_attention() -> None:
+    """2 FLOPs per weight a token multiplies by: all but the untied input embedding, which
+    is looked up, not multiplied (128,256 x 4,096 of LLaMA-3-8B's 8.03e9)."""
     cost = decode_step_cost(LLAMA3_8B, H100, 16, 1024)
     attention = attention_flops_per_pair(LLAMA3_8B) * 16 * 1025
     assert attention_flops_per_pair(LLAMA3_8B) == 32 * 32 * 4 * 128
-    assert cost.flops == 2 * 8.03e9 * 16 + attention
+    assert cost.flops == 2 * (8.03e9 - 128256 * 4096) * 16 + attention
     assert cost.compute_s == cost.flops / H100.flops
 
 
 def test_moe_computes_with_activated_and_reads_all_parameters() -> None:
     cost = batch_step_cost(DEEPSEEK_V3, H100, prefill=[(1, 0)])
-    assert cost.flops == 2 * 37e9 + attention_flops_per_pair(DEEPSEEK_V3)
+    lookup = 129280 * 7168  # the input embedding: a lookup, not a matmul
+    assert cost.flops == 2 * (37e9 - lookup) + attention_flops_per_pair(DEEPSEEK_V3)
     assert cost.bytes == 671e9 * 2 + kv_bytes_per_token(DEEPSEEK_V3)
     assert attention_flops_per_pair(DEEPSEEK_V3) == 61 * 128 * 2 * (576 + 512)
 
@@ -65,7 +68,9 @@ def test_decode_shortcut_equals_the_general_batch() -> None:
 def test_prefill_counts_causal_pairs_and_cached_prefix() -> None:
     cost = batch_step_cost(CITYLM, H100, prefill=[(3, 5)])
     pairs = 3 * 5 + (1 + 2 + 3)  # each new token sees the 5 cached ones and those up to itself
-    assert cost.flops == 2 * CITYLM.param_count * 3 + attention_flops_per_pair(CITYLM) * pairs
+    lookup = CITYLM.vocab_size * CITYLM.d_model  # untied: the input table is only read
+    assert cost.flops == (2 * (CITYLM.param_count - lookup) * 3
+                          + attention_flops_per_pair(CITYLM) * pairs)
     kv = kv_bytes_per_token(CITYLM)
     assert cost.bytes == weight_bytes(CITYLM) + kv * (5 + 3)
 
@@ -87,10 +92,10 @@ def test_long_prefill_is_compute_bound() -> None:
 
 
 def test_compute_bound_batch_short_context_only() -> None:
-    """At 128 tokens of context decode turns compute-bound at batch 426; at 1024 never,
+    """At 128 tokens of context decode turns compute-bound at batch 471; at 1024 never,
     because each request's KV read then grows the traffic faster than its arithmetic."""
     batch = compute_bound_batch(LLAMA3_8B, H100, 128)
-    assert batch == 426
+    assert batch == 471  # 426 if the embedding lookup counted as a matmul
     assert decode_step_cost(LLAMA3_8B, H100, batch, 128).bound == "compute"
     assert decode_step_cost(LLAMA3_8B, H100, batch - 1, 128).bound == "memory"
     assert compute_bound_batch(LLAMA3_8B, H100, 1024) is None

@@ -71,3 +71,31 @@ def test_the_explorer_s_fixed_values_are_those_of_the_dashboard() -> None:
     assert page["rate"].default in dashboard.EXPLORER_RATES
     assert page["max_running"].default in dashboard.EXPLORER_CAPS
     assert page["n"].default == dashboard.EXPLORER_REQUESTS
+
+
+def test_a_state_laid_out_as_the_first_keeps_its_y_labels_on_the_figure() -> None:
+    """The explorer lays every state out as its first: a cap of 256 (three-digit ticks) after
+    a first state with two-digit ones had pushed "running requests" off the left edge."""
+    from minisrv.viz.explorer import _Layouts
+
+    layouts = _Layouts()
+    figures = []
+    for cap in (16, 256):
+        setting = SimSetting(rate=8.0, max_running=cap, n=40)
+        fig = dashboard.plot_sim_run(setting.run(), setting)
+        layouts.fix(fig)  # the second takes the first's places
+        figures.append(fig)
+    fig = figures[-1]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width = fig.bbox.width
+    for ax in fig.axes:
+        label = ax.yaxis.label
+        if label.get_text():
+            box = label.get_window_extent(renderer)
+            ticks = [t.get_window_extent(renderer) for t in ax.get_yticklabels() if t.get_text()]
+            assert 0 <= box.x0 and box.x1 <= width, label.get_text()
+            assert all(box.x1 <= t.x0 or box.x0 >= t.x1 for t in ticks), label.get_text()

@@ -22,7 +22,9 @@ def test_kv_table_has_one_row_per_model_and_the_pitfall_ratio() -> None:
     table = viz.kv_table()
     assert list(table.index) == list(MODELS)
     assert table.loc["LLaMA-3-8B", "KV / token"] == "128 KiB"
-    assert table.loc["LLaMA-3-70B", "MHA formula / true"] == "8x"
+    assert table.loc["LLaMA-3-70B", "all heads / true"] == "8x"
+    # MLA: 128 heads x (192-wide key + 128-wide value) against the 576-number latent
+    assert table.loc["DeepSeek-V3", "all heads / true"] == "71.1x"
     assert table.loc["LLaMA-3-70B", "heads: query / KV"] == "64 / 8"
     assert table.loc["DeepSeek-V3", "heads: query / KV"] == "128 / latent"
     assert table.loc["LLaMA-3-8B", "KV / 32K tokens"] == "4 GiB"
@@ -98,14 +100,37 @@ def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> No
     assert ex.default == {"context_len": 1024, "batch": 16}  # the chapter's static figures
     assert sorted(ex.states) == [(c, b) for c in (128, 1024, 8192) for b in (1, 16, 64)]
     for (context, batch), state in ex.states.items():
-        cost = decode_step_cost(LLAMA3_8B, H100, batch, context)
+        fit = max_concurrent_requests(LLAMA3_8B, H100, context)
+        runs = min(batch, fit)  # past the wall, the wall's batch runs
+        cost = decode_step_cost(LLAMA3_8B, H100, runs, context)
         assert state["step_ms"] == pytest.approx(cost.time_s * 1e3)
         assert state["bound"] == cost.bound
-        assert state["tokens_per_s"] == pytest.approx(batch / cost.time_s)
-        assert state["requests_fit"] == max_concurrent_requests(LLAMA3_8B, H100, context)
+        assert state["tokens_per_s"] == pytest.approx(runs / cost.time_s)
+        assert state["requests_fit"] == fit
     assert ex.states[(8192, 64)]["requests_fit"] == 59  # 64 requests of 8K tokens do not fit
-    # a roofline per context, a memory bar per state
-    assert ex.html.count("data:image/webp") == 3 + 9
+    # a roofline with the batch marked and a memory bar, per state
+    assert ex.html.count("data:image/webp") == 9 + 9
+
+
+def test_roofline_explorer_never_reports_more_than_fits() -> None:
+    """A batch past the memory wall runs the wall's batch: its throughput is the wall's, never
+    above the chapter's ceiling (476 requests of 1,024 tokens), and one request is singular."""
+    from minisrv.sim.roofline import decode_step_cost
+
+    ex = viz.roofline_explorer(contexts=(1024,), batches=(1, 1024))
+    over = ex.states[(1024, 1024)]
+    ceiling = 476 / decode_step_cost(LLAMA3_8B, H100, 476, 1024).time_s
+    assert over["batch_run"] == 476 and over["tokens_per_s"] == pytest.approx(ceiling)
+    assert all(s["tokens_per_s"] <= ceiling * (1 + 1e-12) for s in ex.states.values())
+    assert "1 request of 1,024 tokens fits" in ex.html and "1 requests" not in ex.html
+    assert "do not fit: the wall is at 476" in ex.html
+    with pytest.raises(ValueError, match="at most 8,192 tokens, not 32,768"):
+        viz.roofline_explorer(contexts=(32768,))
+
+
+def test_contexts_around_stop_at_the_model_s_context() -> None:
+    assert viz.contexts_around(1024) == [128, 1024, 8192]
+    assert viz.contexts_around(8192, LLAMA3_8B.max_seq_len) == [1024, 8192]
 
 
 def test_roofline_explorer_refuses_an_unknown_choice_before_drawing() -> None:

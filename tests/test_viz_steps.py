@@ -81,3 +81,22 @@ def test_a_run_that_changed_the_tokens_is_refused(citylm, run) -> None:
         viz.step_frame(wrong, 0, tok)
     with pytest.raises(ValueError, match="step must be in"):
         viz.step_frame(run, len(run.steps), tok)
+
+
+def test_the_pool_legend_swatch_is_the_colour_of_the_request_s_held_slots(citylm, run) -> None:
+    """A reader matches a legend entry to cells by colour, so each request's swatch is drawn
+    exactly as its held (not just written) slots are: same face colour, same alpha."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Rectangle
+
+    _, tok = citylm
+    fig = viz.plot_kv_pool(run, 1, tok)
+    cells = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    white = to_rgba("white", viz.HELD_ALPHA)  # a free slot
+    held = {to_rgba(p.get_facecolor()) for p in cells if p.get_alpha() == viz.HELD_ALPHA} - {white}
+    swatches = fig.legends[0].get_patches()
+    colors = {to_rgba(p.get_facecolor()) for p in swatches[:-1]}  # the last: "written"
+    assert held and held <= colors
+    assert all(p.get_alpha() == viz.HELD_ALPHA for p in swatches[:-1])
+    written = {to_rgba(p.get_facecolor()) for p in cells if p.get_alpha() == viz.WRITTEN_ALPHA}
+    assert to_rgba(swatches[-1].get_facecolor()) in written  # "darker": a written cell's shade

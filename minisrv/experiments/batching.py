@@ -72,6 +72,8 @@ class EngineVsAlone(NamedTuple):
     steps: int  # engine steps
     identical: int  # requests whose outputs are equal both ways
     total: int
+    outputs: list[list[int]]  # what the engine served, for a page's own check
+    reference: list[list[int]]  # each request generated alone
 
     @property
     def speedup(self) -> float:
@@ -92,7 +94,7 @@ def engine_vs_alone(model: CityLM, workload: Workload, **options: Any) -> Engine
     t_engine = time.perf_counter() - start
     same = sum(a == b for a, b in zip(served, alone))
     return EngineVsAlone(sum(map(len, served)), t_alone, t_engine, engine.stats.steps, same,
-                         len(alone))
+                         len(alone), served, alone)
 
 
 def alone_outputs(model: CityLM, workload: Workload, *,

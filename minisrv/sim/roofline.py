@@ -8,8 +8,8 @@ takes as long as the slower of the two (Williams et al., 2009):
 What one step of a serving engine computes and moves, for a batch that mixes prefilling
 requests (many new tokens each) and decoding ones (one new token each):
 
-* FLOPs = 2 x activated parameters x new tokens (one multiply-add per weight per token;
-  embedding lookups are counted as if they were matmuls, which is the usual approximation)
+* FLOPs = 2 x activated parameters x new tokens (one multiply-add per weight per token),
+  less the input embedding, a table lookup with no arithmetic (the output head stays)
   + attention: for every new token, a score and a weighted value sum against every token it
   attends to (its cached context, the new tokens before it, and itself).
 * bytes = all weights once (each is read once per step, however many tokens share it)
@@ -70,11 +70,12 @@ def attention_flops_per_pair(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _model_rates(cfg: ModelConfig, dtype_bytes: float) -> tuple[float, float, float, float]:
-    """FLOPs per new token (2 x active parameters), FLOPs per attended pair, weight bytes and
+    """FLOPs per new token (2 x the active parameters a token multiplies by, the embedding
+    lookup excluded), FLOPs per attended pair, weight bytes and
     KV bytes per token: what a step's cost multiplies its totals by. They depend only on the
     model and the width, so they are worked out once, not on each of the tens of thousands
     of steps a simulation asks for."""
-    return (2.0 * cfg.active_param_count, float(attention_flops_per_pair(cfg)),
+    return (2.0 * cfg.matmul_param_count, float(attention_flops_per_pair(cfg)),
             weight_bytes(cfg, dtype_bytes), float(kv_bytes_per_token(cfg, dtype_bytes)))
 
 

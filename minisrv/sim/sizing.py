@@ -11,7 +11,7 @@ from minisrv.configs import GPUSpec, ModelConfig
 from minisrv.kvsize import check_dtype_bytes, kv_bytes_per_token
 
 __all__ = ["check_positive_int", "gb", "kv_budget_bytes", "kv_bytes_per_request",
-           "max_concurrent_requests", "weight_bytes"]
+           "max_concurrent_requests", "running_batch", "weight_bytes"]
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -62,7 +62,8 @@ def max_concurrent_requests(
     """How many requests of ``context_len`` tokens fit in memory at once.
 
     (card memory - weights) // KV per request. This, not compute, caps the decode batch:
-    LLaMA-3-8B on an 80 GB H100 holds 476 requests at 1024 tokens, 59 at 8K, 14 at 32K.
+    LLaMA-3-8B on an 80 GB H100 holds 476 requests at 1024 tokens, 59 at 8K (its longest
+    context); LLaMA-3.1-8B, the same shape, 14 at 32K.
     Raises ValueError when the weights do not fit or not even one request does.
     """
     per_request = kv_bytes_per_request(cfg, context_len, dtype_bytes)
@@ -74,3 +75,14 @@ def max_concurrent_requests(
             f"but only {gb(budget)} of {gpu.name} is left after the weights"
         )
     return count
+
+
+def running_batch(cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int,
+                  dtype_bytes: float = 2) -> int:
+    """The batch a server runs when ``batch`` requests of ``context_len`` tokens ask: all of
+    them if they fit, else as many as fit (the rest wait), 0 if not one does. A throughput
+    quoted for more requests than fit would pass the memory wall's own ceiling."""
+    try:
+        return min(batch, max_concurrent_requests(cfg, gpu, context_len, dtype_bytes))
+    except ValueError:  # not one request fits
+        return 0

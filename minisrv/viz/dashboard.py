@@ -62,6 +62,11 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
     queue.set_ylim(0, max(1, *(s.queued for r in every for s in r.trace)) * 1.1)
     for axis in (left.yaxis, queue.yaxis):
         axis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
+    # The y-labels sit at fixed distances from their axes, room enough for three-digit
+    # ticks: an explorer lays every state out as its first, and a cap of 256 beside a first
+    # state's cap of 64 had pushed "running requests" off the figure's edge.
+    left.yaxis.set_label_coords(-0.11, 0.5)
+    queue.yaxis.set_label_coords(1.11, 0.5)
     left.set_xlim(0, max(r.trace[-1].start + r.trace[-1].duration for r in every) * 1.02)
     latency = np.array([r.latency for r in run.requests])
     longest = max(q.latency for r in every for q in r.requests)
@@ -73,6 +78,7 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
                   .max() for r in every)
     right.set_ylim(0, tallest * 1.05)
     right.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
+    right.yaxis.set_label_coords(-0.16, 0.5)
     label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
     handles = [*left.get_legend_handles_labels()[0], *queue.get_legend_handles_labels()[0],
                *right.get_legend_handles_labels()[0]]

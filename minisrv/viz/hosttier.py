@@ -85,28 +85,59 @@ def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
     return one_header_row(shown)
 
 
-def _frame(size: int, run: TierRun) -> Frame:
+@styled
+def plot_tier_sizes(runs: Mapping[int, TierRun], chosen: int | None = None,
+                    history_tokens: int = 0) -> BookFigure:
+    """Hit rate and mean time to first token against the host tier's size, one point per run
+    of ``runs`` (size -> run), ``chosen`` ringed; ``history_tokens``, when given, marks what
+    the chats' histories hold at the end, past which a larger tier has nothing more to keep."""
+    sizes = sorted(runs)
+    fig, (left, right) = page_figure(3.2, 1, 2)
+    k = [size / 1e3 for size in sizes]
+    for ax, values, color in ((left, [100 * runs[s].hit_rate for s in sizes], "#4c6ef5"),
+                              (right, [runs[s].mean_ttft for s in sizes], "#e8590c")):
+        ax.plot(k, values, "o-", color=color)
+        if chosen is not None:
+            at = sizes.index(chosen)
+            ax.plot(k[at], values[at], "o", ms=13, mfc="none", mec="black", mew=1.5)
+        if history_tokens:
+            ax.axvline(history_tokens / 1e3, color="0.4", ls="--", lw=1)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+    left.set_ylim(0, 100)
+    label_axes(left, "Hit rate", "host tier (thousand tokens)", "% of prompt tokens")
+    label_axes(right, "Mean time to first token", "host tier (thousand tokens)", "seconds")
+    if history_tokens:
+        right.text(history_tokens / 1e3, right.get_ylim()[1] * 0.95, " final histories",
+                   color="0.3", va="top", fontsize="small")
+    return fig
+
+
+def _frame(size: int, runs: Mapping[int, TierRun], history_tokens: int = 0) -> Frame:
+    run = runs[size]
     numbers = {"host tier (tokens)": size, "hit rate": run.hit_rate,
                "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput}
-    table = one_header_row(pd.DataFrame(  # the size labels the row (no bare row number)
-        {k: [f"{v:.1%}" if k == "hit rate" else round(v, 2)]
-         for k, v in numbers.items() if k != "host tier (tokens)"},
-        index=pd.Index([f"{size:,}"], name="host tier (tokens)")))
-    return Frame([table], numbers,
+    return Frame([plot_tier_sizes(runs, size, history_tokens)], numbers,
                  caption=f"host tier of {size:,} tokens: {run.hit_rate:.1%} of prompt tokens "
-                         f"hit, mean TTFT {run.mean_ttft:.2f} s")
+                         f"hit, mean TTFT {run.mean_ttft:.1f} s, "
+                         f"{run.throughput:,.0f} tokens/s")
 
 
 def host_size_explorer(workload: Any, sizes: Sequence[int], runs: Mapping[int, TierRun] | None
-                       = None, start: int = 0, **options: Any) -> Explorer:
+                       = None, start: int = 0, history_tokens: int = 0,
+                       **options: Any) -> Explorer:
     """The simulated chats (``sim_tier_run``, write-through) for every host tier size of
-    ``sizes``: hit rate, TTFT and throughput. ``runs``: sizes already served (reused)."""
+    ``sizes``: each state draws the hit rate and TTFT of every size (``plot_tier_sizes``) with
+    its own ringed. ``runs``: sizes already served (reused); the rest are served first, since
+    every frame draws them all."""
     done = dict(runs or {})
-
-    def draw(size: int) -> Frame:
+    for size in sizes:
         if size not in done:
             done[size] = sim_tier_run(workload, size, **options)
-        return _frame(size, done[size])
+    shown = {size: done[size] for size in sizes}
+
+    def draw(size: int) -> Frame:
+        return _frame(size, shown, history_tokens)
 
     return explorer(draw, [("size", "host tier (tokens)", list(sizes), start)],
                     live=lambda: host_size_widget(workload, start, **options))
@@ -117,7 +148,7 @@ def host_size_widget(workload: Any, size: int = 0, **options: Any) -> Any:
     from IPython.display import display
 
     def redraw(size: int) -> None:
-        frame = _frame(size, sim_tier_run(workload, size, **options))
+        frame = _frame(size, {size: sim_tier_run(workload, size, **options)})
         display(frame.parts[0])
         print(frame.caption)
 

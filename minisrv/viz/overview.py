@@ -107,7 +107,9 @@ COMPONENTS: dict[str, Component] = {
 
 
 def _chapter_number(file: str) -> str:
-    return file.split("_", 1)[0]
+    """The number the book's sidebar gives the chapter: its place in reading order, from 1
+    (``_toc.yml`` numbers the chapters' part, so ``00_overview`` is 1, ``03a_...`` is 5)."""
+    return str([chapter.file for chapter in CHAPTERS].index(file) + 1)
 
 
 def _component_label(comp: Component) -> str:
@@ -235,8 +237,9 @@ def plot_training(record: dict) -> BookFigure:
 def generation_table(model, tok, codes, max_new_tokens: int = 160):
     """What CityLM writes after ``"XX:"`` for each country, next to the true list.
 
-    ``correct`` counts how many cities, from the first, the model names in the right order:
-    for a training country it measures memorisation, which is all a lookup model can do.
+    ``named in order`` counts how many cities, from the first, the model names in the right
+    order, beside how many the country's list holds: for a training country it measures
+    memorisation, which is all a lookup model can do.
     """
     import pandas as pd
 
@@ -255,7 +258,7 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
                 break
             correct += 1
         rows.append({"country": code, "CityLM continues": text,
-                     "correct in order": f"{correct} of {len(truth)}"})
+                     "named in order": correct, "cities in the list": len(truth)})
     return one_header_row(pd.DataFrame(rows).set_index("country"))
 
 

@@ -136,6 +136,7 @@ def to_graphviz(
     event: RecordedEvent | None = None,
     title: str | None = None,
     since: int | None = None,
+    rankdir: str | None = None,
 ) -> graphviz.Digraph:
     """Draw a radix tree: a live cache, a recorded event's tree, or a snapshot.
 
@@ -148,6 +149,8 @@ def to_graphviz(
         title: caption under the drawing; defaults to ``event_caption(event)``.
         since: with a ``TreeRecorder``, colour the effects of every event recorded from
             ``tree.events[since]`` on (e.g. everything one request did), not just the last.
+        rankdir: ``"TB"`` or ``"LR"`` to pin the orientation (an explorer's frames keep
+            one); by default top-down when it fits the page, else the narrower of the two.
 
     Returns:
         A ``graphviz.Digraph``; Jupyter renders it as SVG.
@@ -209,6 +212,8 @@ def to_graphviz(
             dot.edge(f"n{parent}", f"n{ghost.id}", style="dashed", color=COLORS["ghost"])
         return dot
 
+    if rankdir is not None:
+        return build(rankdir)
     top_down = build("TB")
     if _width_pt(top_down) <= PAGE_WIDTH_IN * 72:
         return top_down
@@ -290,11 +295,16 @@ def event_explorer(events: Sequence[RecordedEvent], tokenizer: Any = None,
     cache really held; each state's numbers are ``event_numbers``.
     """
     start = _event_index(events, start)
+    # One orientation for every frame: top-down if every tree fits the page that way, else
+    # left to right, so that stepping through the events never flips the drawing.
+    fits = all(_width_pt(to_graphviz(e, tokenizer, rankdir="TB")) <= PAGE_WIDTH_IN * 72
+               for e in events)
+    rankdir = "TB" if fits else "LR"
 
     def draw(event: int) -> Frame:
         recorded = events[event]
         numbers = event_numbers(recorded)
-        return Frame([to_graphviz(recorded, tokenizer)], numbers,
+        return Frame([to_graphviz(recorded, tokenizer, rankdir=rankdir)], numbers,
                      caption=f"Afterwards the cache holds {numbers['cached tokens']} tokens "
                              f"in {numbers['nodes']} nodes, {numbers['locked nodes']} locked.")
 

@@ -16,14 +16,19 @@ import pandas as pd
 from matplotlib.lines import Line2D
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
-from minisrv.kvsize import kv_bytes_per_token, kv_numbers_per_token_per_layer
+from minisrv.kvsize import (
+    all_heads_numbers_per_token_per_layer,
+    kv_bytes_per_token,
+    kv_numbers_per_token_per_layer,
+)
 from minisrv.sim.roofline import decode_step_cost
 from minisrv.sim.sizing import (
     kv_bytes_per_request,
     max_concurrent_requests,
+    running_batch,
     weight_bytes,
 )
-from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
+from minisrv.viz.explorer import Explorer, Frame, explorer
 
 # BookFigure lives in style.py; it is imported here too because the other viz modules
 # (timeline, batching, radix) import it from this module.
@@ -70,13 +75,14 @@ def kv_table(
     """One row per model: attention kind, heads, KV numbers per layer, per token, per request.
 
     Few, short columns so that the table fits the book's column. The last one compares with
-    the classic formula 2 x layers x d_model, i.e. with every query head keeping its own K and
-    V: the saving GQA/MQA/MLA buy.
+    every query head keeping its own K and V (``all_heads_numbers_per_token_per_layer``; the
+    classic 2 x layers x d_model where heads x head_dim = d_model): the saving GQA/MQA/MLA buy.
     """
     rows = []
     for cfg in models or list(MODELS.values()):
         per_token = kv_bytes_per_token(cfg, dtype_bytes)
-        classic = 2 * cfg.n_layers * cfg.d_model * dtype_bytes
+        every_head = (all_heads_numbers_per_token_per_layer(cfg)
+                      / kv_numbers_per_token_per_layer(cfg))
         rows.append(
             {
                 "model": cfg.name,
@@ -88,7 +94,7 @@ def kv_table(
                 f"KV / {_tokens(context_len)} tokens": format_bytes(
                     kv_bytes_per_request(cfg, context_len, dtype_bytes)
                 ),
-                "MHA formula / true": f"{classic / per_token:.3g}x",
+                "all heads / true": f"{every_head:.3g}x",
             }
         )
     return one_header_row(pd.DataFrame(rows).set_index("model"))  # "model" in the corner
@@ -176,10 +182,10 @@ def plot_roofline(
             ax_time.plot(batch, point.time_s * 1e3, "o", color=color, mfc=face, ms=8)
             ax_tput.plot(batch, batch / point.time_s, "o", color=color, mfc=face, ms=8)
     weights_ms = weight_bytes(cfg, dtype_bytes) / gpu.bandwidth * 1e3
-    compute_ms = 2 * cfg.active_param_count * batches / gpu.flops * 1e3
+    compute_ms = 2 * cfg.matmul_param_count * batches / gpu.flops * 1e3
     ax_time.axhline(weights_ms, color="grey", lw=1.5, label="read weights once")
     ax_time.plot(batches, compute_ms, color="black", lw=1.5, ls="-.",
-                 label="arithmetic only, 2·params·batch")
+                 label="arithmetic only, 2·params·batch (lookup excluded)")
     for ax in (ax_time, ax_tput):
         ax.set(xscale="log", yscale="log", xlim=(1, batches[-1]))
         ax.grid(True, which="major", alpha=0.3)
@@ -270,36 +276,41 @@ def plot_intensity_roofline(
     return fig
 
 
+def _requests(n: int) -> str:
+    return f"{n:,} request{'' if n == 1 else 's'}"
+
+
 def summary_line(
     cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
 ) -> str:
     """Two short lines about the chosen point, printed above the widget's figures (short, so
-    they fit the book's column): the step and its bound, then throughput and capacity."""
-    cost = decode_step_cost(cfg, gpu, batch, context_len, dtype_bytes)
-    one = decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes)
+    they fit the book's column): the step and its bound, then throughput and capacity; a batch
+    past the memory wall as the wall's batch (``running_batch``), the most a server runs."""
     wall = _wall(cfg, gpu, context_len, dtype_bytes)
-    fits = f"{wall:,} requests fit" if wall else "not one request fits"
-    gain = (batch / cost.time_s) / (1 / one.time_s)
+    runs = running_batch(cfg, gpu, context_len, batch, dtype_bytes)
+    if not runs:
+        return (f"batch {batch:,} at context {context_len:,}: not one request fits\n"
+                f"{cfg.name} on {gpu.name}: no throughput")
+    cost = decode_step_cost(cfg, gpu, runs, context_len, dtype_bytes)
+    gain = runs * decode_step_cost(cfg, gpu, 1, context_len, dtype_bytes).time_s / cost.time_s
+    head = (f"batch {batch:,} at context {context_len:,}" if runs == batch else
+            f"batch {batch:,} > wall {runs:,} at context {context_len:,}")
     return (
-        f"batch {batch:,} at context {context_len:,}: step {cost.time_s * 1e3:.3g} ms "
-        f"({cost.bound}-bound)\n"
-        f"{batch / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; {fits}"
+        f"{head}: step {cost.time_s * 1e3:.3g} ms ({cost.bound}-bound)\n"
+        f"{runs / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; {_requests(wall)} fit"
     )
 
 
-def contexts_around(context_len: int) -> list[int]:
+def contexts_around(context_len: int, max_seq_len: int = 0) -> list[int]:
     """The three contexts the widget and the explorer draw for a chosen one: an eighth of
-    it, it, and eight times it (1024 gives the chapter's 128, 1024 and 8192)."""
-    return sorted({max(16, context_len // 8), context_len, context_len * 8})
+    it, it, and eight times it (1024 gives the chapter's 128, 1024 and 8192), the longest
+    cut to the model's ``max_seq_len`` when given (LLaMA-3-8B stops at 8,192 tokens)."""
+    longest = min(context_len * 8, max_seq_len) if max_seq_len else context_len * 8
+    return sorted({max(16, context_len // 8), context_len, max(context_len, longest)})
 
 
-def roofline_widget(
-    model: str = "LLaMA-3-8B",
-    gpu: str = "H100 SXM",
-    context_len: int = 1024,
-    batch: int = 16,
-    dtype: str = "bf16 / fp16",
-):
+def roofline_widget(model: str = "LLaMA-3-8B", gpu: str = "H100 SXM", context_len: int = 1024,
+                    batch: int = 16, dtype: str = "bf16 / fp16"):
     """Drop-downs and sliders for model, GPU, context length, batch size and dtype; every
     change redraws the roofline and the memory budget. Needs a live kernel."""
     import ipywidgets as widgets
@@ -320,15 +331,16 @@ def roofline_widget(
     def redraw(model: str, gpu: str, context_len: int, batch: int, dtype: str) -> None:
         cfg, card, width = MODELS[model], GPUS[gpu], DTYPES[dtype]
         print(summary_line(cfg, card, context_len, batch, width))
-        display(plot_roofline(cfg, card, contexts_around(context_len), width, batch=batch))
+        display(plot_roofline(cfg, card, contexts_around(context_len, cfg.max_seq_len), width,
+                              batch=batch))
         display(plot_memory_budget(cfg, card, context_len, batch, width))
 
     return panel(redraw, controls, per_row=3)
 
 
-EXPLORER_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 8192, 32768)
+EXPLORER_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 8192)
 """Contexts the page holds: short enough to turn compute-bound, and long enough that the memory
-wall falls below the batches tried."""
+wall falls below the batches tried; none past LLaMA-3-8B's 8,192-token context."""
 EXPLORER_BATCHES: tuple[int, ...] = (1, 16, 64, 256, 1024)
 """Batches the page holds: from one request to past LLaMA-3-8B's memory wall on an H100 at
 every context but the shortest."""
@@ -340,43 +352,42 @@ def _choice(kind: str, name: str, options: dict) -> object:
     return options[name]
 
 
-def roofline_explorer(
-    model: str = "LLaMA-3-8B",
-    gpu: str = "H100 SXM",
-    context_len: int = 1024,
-    batch: int = 16,
-    dtype: str = "bf16 / fp16",
-    contexts: Sequence[int] = EXPLORER_CONTEXTS,
-    batches: Sequence[int] = EXPLORER_BATCHES,
-) -> Explorer:
+def roofline_explorer(model: str = "LLaMA-3-8B", gpu: str = "H100 SXM", context_len: int = 1024,
+                      batch: int = 16, dtype: str = "bf16 / fp16",
+                      contexts: Sequence[int] = EXPLORER_CONTEXTS,
+                      batches: Sequence[int] = EXPLORER_BATCHES) -> Explorer:
     """``roofline_widget``'s figures for every batch and context of the grid, for the page.
 
     Each state shows ``summary_line``, the roofline of the three ``contexts_around`` the
-    context, and the memory bar of the batch; it carries the step's time, bound and
-    throughput and how many requests fit. The roofline does not depend on the batch, so it is
-    drawn once per context (the kernel widget also marks the batch on it). ``context_len``
+    context with the batch marked on it, and the memory bar of the batch; it carries the
+    step's time, bound and throughput and how many requests fit. A batch past the memory wall
+    reports the wall's batch (``running_batch``): the most a server can run. ``context_len``
     and ``batch`` open the page and join the grid if missing from it.
     """
     cfg = _choice("model", model, MODELS)
     card = _choice("GPU", gpu, GPUS)
     width = _choice("dtype", dtype, DTYPES)
-    rooflines: dict[int, str] = {}
+    if cfg.max_seq_len and (longest := max(*contexts, context_len)) > cfg.max_seq_len:
+        raise ValueError(f"{cfg.name} reads at most {cfg.max_seq_len:,} tokens, not {longest:,}")
 
     def draw(context_len: int, batch: int) -> Frame:
-        if context_len not in rooflines:
-            rooflines[context_len] = part_html(
-                plot_roofline(cfg, card, contexts_around(context_len), width))
-        cost = decode_step_cost(cfg, card, batch, context_len, width)
         wall = _wall(cfg, card, context_len, width)
+        runs = running_batch(cfg, card, context_len, batch, width)
+        cost = decode_step_cost(cfg, card, max(runs, 1), context_len, width)
         summary = summary_line(cfg, card, context_len, batch, width)
-        verdict = "fit" if batch <= wall else f"do not fit: the wall is at {wall:,}"
+        asked = f"{_requests(batch)} of {context_len:,} tokens"  # past the wall: 2 or more
+        caption = (f"{asked} {'fits' if batch == 1 else 'fit'}; {batch / cost.time_s:,.0f} "
+                   "tokens/s." if runs == batch else f"{asked} do not fit: the wall is at "
+                   f"{wall:,}, whose batch makes {runs / cost.time_s:,.0f} tokens/s." if runs
+                   else f"not one request of {context_len:,} tokens fits.")
         return Frame(
-            [f"<pre>{html.escape(summary)}</pre>", rooflines[context_len],
+            [f"<pre>{html.escape(summary)}</pre>",
+             plot_roofline(cfg, card, contexts_around(context_len, cfg.max_seq_len), width,
+                           batch=batch),
              plot_memory_budget(cfg, card, context_len, batch, width)],
-            {"step_ms": cost.time_s * 1e3, "bound": cost.bound,
-             "tokens_per_s": batch / cost.time_s, "requests_fit": wall},
-            caption=f"{batch:,} requests of {context_len:,} tokens {verdict}; "
-                    f"{batch / cost.time_s:,.0f} tokens/s.")
+            {"step_ms": cost.time_s * 1e3, "bound": cost.bound, "batch_run": runs,
+             "tokens_per_s": runs / cost.time_s, "requests_fit": wall},
+            caption=caption)
 
     return explorer(draw, [("context_len", "context (tokens)", sorted({*contexts, context_len}),
                             context_len),

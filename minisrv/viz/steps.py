@@ -37,6 +37,8 @@ __all__ = ["plot_kv_pool", "step_explorer", "step_frame", "step_table", "step_wi
 
 SLOTS_PER_ROW = 16
 """Slots drawn per row of the pool: 16 cells leave each one wide enough for its character."""
+HELD_ALPHA = 0.3  # a slot a request holds
+WRITTEN_ALPHA = 0.9  # a slot the step wrote: the same colour, darker
 SHOWN = {"\n": "↵", " ": "␣"}
 """Characters a cell or a table could not show plainly; special tokens show their name."""
 
@@ -94,7 +96,8 @@ def plot_kv_pool(run: StepByStep, step: int, tok: Any) -> BookFigure:
         x, y = slot % SLOTS_PER_ROW, slot // SLOTS_PER_ROW
         rid, text, fresh = owner.get(slot, (None, "", False))
         color = "white" if rid is None else f"C{rid % 10}"
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, alpha=0.9 if fresh else 0.3,
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color,
+                               alpha=WRITTEN_ALPHA if fresh else HELD_ALPHA,
                                edgecolor="0.4", lw=0.8))
         ax.text(x + 0.5, y + 0.5, text, ha="center", va="center",
                 color="white" if fresh else "black")
@@ -106,10 +109,14 @@ def plot_kv_pool(run: StepByStep, step: int, tok: Any) -> BookFigure:
     ax.grid(False)
     label_axes(ax, f"KV pool after step {step}: {view.slots_held} of {run.kv_capacity} slots "
                "held")
-    handles = [Patch(facecolor=f"C{r.rid % 10}", alpha=0.6,
+    # the swatch is drawn as the request's held cells are (alpha 0.3), so it matches the pool
+    handles = [Patch(facecolor=f"C{r.rid % 10}", alpha=HELD_ALPHA, edgecolor="0.4",
                      label=f"{_name(r.rid)} {_prompt(run, r.rid, tok)}")
                for r in view.requests]
-    handles.append(Patch(facecolor="0.25", label="dark: written in this step"))
+    writers = [r.rid for r in view.requests if _written(r)]  # its swatch: a written cell's
+    handles.append(Patch(facecolor=f"C{writers[0] % 10}" if writers else "0.25",
+                         alpha=WRITTEN_ALPHA, edgecolor="0.4",
+                         label="darker: written in this step"))
     legend_below(fig, handles, ncol=len(handles))
     return fig
 

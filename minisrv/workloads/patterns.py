@@ -149,7 +149,10 @@ def repeated_prefill(prompts: Sequence[Sequence[int]],
     is a prefix of what an earlier request computed: its prompt, and with ``outputs`` its
     prompt + output but the last output token. The last sampled token never went through a
     forward pass, so it has no KV; SGLang caches a finished request's
-    ``(input + output)[:-1]`` for the same reason. This is what an unlimited prefix cache
+    ``(input + output)[:-1]`` for the same reason. A prompt matched to its end still
+    computes its last token, whose forward pass yields the logits of the first new token, so
+    at most ``len(prompt) - 1`` of its tokens count (SGLang's prefix match and minisrv's
+    ``KVManager.match`` stop one token short likewise). This is what an unlimited prefix cache
     would skip; a trie of token ids finds it in O(total tokens).
     """
     if outputs is not None and len(outputs) != len(prompts):
@@ -165,7 +168,7 @@ def repeated_prefill(prompts: Sequence[Sequence[int]],
             node = node[token]
             matched += 1
         total += len(prompt)
-        repeated += matched
+        repeated += min(matched, max(len(prompt) - 1, 0))  # the last token yields the logits
         seen = list(prompt) + (list(outputs[i])[:-1] if outputs is not None else [])
         node = root
         for token in seen:
