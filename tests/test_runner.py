@@ -53,6 +53,32 @@ def test_runner_logits_equal_forward_flat_for_every_attention(model, kind: str) 
     torch.testing.assert_close(got, want)
 
 
+def test_a_check_before_a_plain_decode_scores_the_plain_row_first(model) -> None:
+    """A step of decodes samples every row, but with checks its rows are ordered plain
+    entries' first: a check entry before a plain one must still reorder them (the step
+    skips the gather only when the rows are already in order)."""
+    from minisrv.spec.drafter import Draft
+
+    runner = ModelRunner(model, "padded")
+    runner.attach_kv(64)
+    checked, plain = _prefilled(model, runner, [[0, 5, 9, 13], [0, 7, 3]])
+    guesses = [11, 12]
+    checked.kv_slots += runner.pool.alloc(1 + len(guesses))
+    plain.kv_slots += runner.pool.alloc(1)
+    batch = Batch((Entry(checked, checked.seq_len - 1, 1 + len(guesses)),
+                   Entry(plain, plain.seq_len - 1, 1)), drafts=(Draft(guesses), None))
+    inputs = runner.prepare(batch)
+    assert inputs.sample_rows.tolist() == [3, 0, 1, 2]
+    got = runner.forward(inputs, inputs.flat.ids)
+    pool = KVPool.for_model(model, 64)
+    pool.k.copy_(runner.pool.k)
+    pool.v.copy_(runner.pool.v)
+    flat = FlatBatch([[checked.output[-1], *guesses], plain.output[-1:]],
+                     [checked.kv_slots, plain.kv_slots], model.device)
+    want = model.forward_flat(flat, pool, attention="padded")
+    torch.testing.assert_close(got, want[[3, 0, 1, 2]])
+
+
 def test_prepare_builds_the_attention_metadata_before_layer_zero(model) -> None:
     runner = ModelRunner(model, "padded")
     runner.attach_kv(32)

@@ -251,7 +251,8 @@ def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None
         table[row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
     new_ids = [[1] * n for n, _ in spec]
     flat, tabled = FlatBatch(new_ids, slot_lists), TableBatch(
-        new_ids, rows, [len(s) for s in slot_lists], table)
+        new_ids, rows, [len(s) for s in slot_lists], table,
+        [s[len(s) - len(ids):] for s, ids in zip(slot_lists, new_ids)])
     assert tabled.write_slots.tolist() == flat.write_slots.tolist()
     assert tabled.positions.tolist() == flat.positions.tolist()
     kv = torch.randn(capacity + 1, 2, 2, 16, generator=gen, dtype=torch.float64)
@@ -265,6 +266,41 @@ def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None
     assert own.table.shape == (len(spec) + 1, max(map(len, slot_lists)))
     assert own.table[-1].eq(capacity).all()  # the scratch row
     torch.testing.assert_close(attn.forward(q, kv, attn.prepare(own)), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_tables_masks_equal_the_slot_lists_past_the_first_windows(dtype) -> None:
+    """The table's masks are windows of a vector of zeros then -inf, grown when a longer
+    context asks: a step of short contexts, then one past the first 512 columns, then
+    the short one again, each mask equal to the one the slot lists build on the host
+    (decodes, and a prefill padded beside another)."""
+    from minisrv.model.attention_metadata import padded_groups
+    from minisrv.runner.attention import padded
+
+    for spec in ([(1, 4), (1, 2)], [(1, 700), (1, 9)], [(3, 600), (1, 40)], [(1, 4), (1, 2)]):
+        slot_lists, at = [], 0
+        for new, cached in spec:
+            slot_lists.append(list(range(at, at + new + cached)))
+            at += new + cached
+        table = torch.full((len(spec) + 1, 1024), at, dtype=torch.int32)
+        for row, slots in enumerate(slot_lists):
+            table[row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        new_ids = [[1] * new for new, _ in spec]
+        tabled = TableBatch(new_ids, list(range(len(spec))), [len(s) for s in slot_lists],
+                            table, [s[len(s) - len(i):] for s, i in zip(slot_lists, new_ids)])
+        flat = FlatBatch(new_ids, slot_lists)
+        for want, got in zip(padded_groups(flat, dtype), padded.padded_groups(tabled, dtype),
+                             strict=True):
+            assert got.bias.dtype == dtype and torch.equal(got.bias, want.bias), spec
+            assert (got.rows is None) == (want.rows is None), spec
+            if got.rows is not None:
+                assert torch.equal(got.rows, want.rows), spec
+        if max(new for new, _ in spec) == 1:  # the decodes cut by context, here reordered
+            members = np.array([1, 0])
+            want = padded_groups(flat, dtype)[0].bias[torch.from_numpy(members)]
+            assert torch.equal(padded.decode_group(tabled, members, 0, dtype).bias, want), spec
+    with pytest.raises(ValueError, match="a slot for each"):  # the write slots are the host's
+        TableBatch([[1, 2]], [0], [2], table, [[5]])
 
 
 class HostCopies(TorchDispatchMode):
@@ -312,11 +348,13 @@ def decode_copies(context: int, table: bool, batch: int = 16) -> int:
 
 def test_prepare_copies_grow_with_new_tokens_not_with_the_context() -> None:
     short, long = decode_copies(24, table=True), decode_copies(448, table=True)
-    assert short == long > 0  # ids, positions, rows for 16 tokens; rows, ends, news for 16
+    # ids, positions, write slots for 16 tokens; rows, ends, news, mask windows for 16
+    assert short == long > 0
     assert long <= 16 * 8
     old_short, old_long = decode_copies(24, table=False), decode_copies(448, table=False)
     assert old_long > 16 * 448 > old_short  # the slot lists: every request's whole context
-    assert np.isclose(old_long / old_short, 448 / 24, rtol=0.2)
+    # on top of the same inputs, a table of their own: 16 rows and a scratch row of context
+    assert (old_short - 17 * 24, old_long - 17 * 448) == (short, long)
 
 
 def test_the_prepare_benchmark_computes_the_same_tokens_both_ways() -> None:

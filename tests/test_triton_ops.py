@@ -100,7 +100,7 @@ class Ragged:
     def tabled(self) -> TableBatch:
         """The batch as the runner hands it to a backend: through its rows of the table."""
         return TableBatch([[1] * n for n in self.news], self.rows.tolist(), self.contexts,
-                          self.table)
+                          self.table, [s[len(s) - n:] for s, n in zip(self.slot_lists, self.news)])
 
     def reference(self) -> torch.Tensor:
         """Plain attention in float64, request by request: [T, heads, head_dim]."""

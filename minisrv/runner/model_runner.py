@@ -194,9 +194,10 @@ class ModelRunner:
             every_row = torch.arange(padded.n, device=self.model.device)
             return StepInputs(None, padded, padded.has_futures, every_row,
                               samples, sampling, params, generators, histories)
-        flat = TableBatch(new_ids, table_rows, ends, table)
+        flat = TableBatch(new_ids, table_rows, ends, table,
+                          [e.req.kv_slots[e.start:e.end] for e in entries])
         return StepInputs(
-            flat, self.attn.prepare(flat), any(t < 0 for ids in new_ids for t in ids),
+            flat, self.attn.prepare(flat), flat.id_range[0] < 0,
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
             samples, sampling, params, generators, histories, checks)
 
@@ -275,7 +276,11 @@ class ModelRunner:
             return attn.forward(q, kv, metadata)
 
         x = self.model.run_layers(ids, step.flat.positions, attend)
-        return self.model.lm_head(self.model.norm(x[step.sample_rows]))
+        # rows ascend, one per sampled entry, unless checks order them plain first: as
+        # many as the batch has, without checks, is every row in order (a step of decodes)
+        if step.checks is not None or step.sample_rows.shape[0] != x.shape[0]:
+            x = x[step.sample_rows]
+        return self.model.lm_head(self.model.norm(x))
 
     def release(self, req: Req) -> None:
         """Forget the request's generator (its KV slots are the scheduler's to free)."""

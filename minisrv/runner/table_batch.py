@@ -3,11 +3,12 @@
 ``TableBatch`` is ``FlatBatch`` (``minisrv.model.flat``: the new tokens of many requests end
 to end) without the slot lists: per request it knows its row of the table, its context (the
 tokens it attends over, new ones included) and its new tokens. The host builds three
-vectors of the step's new tokens (ids, positions, table rows) and three of its requests
-(rows, contexts, new tokens), moved to the device in ONE copy; everything that depends on
-the contexts' slots (the write slots, each attention's key slots and masks) is gathered
-from the table on the device. So the host work grows with the new tokens, not with the
-context, whatever the attention.
+vectors of the step's new tokens (ids, positions, and the slots their K/V go to, which the
+scheduler has just allocated) and three of its requests (rows, contexts, new tokens), moved
+to the device in ONE copy; what depends on the contexts' slots (each attention's key
+slots) is gathered from the table on the device, and the padded attention's mask from a
+vector made once (``minisrv.runner.attention.padded``). So the host work grows with the
+new tokens, not with the context, whatever the attention.
 
 It is the one batch type the runner and every backend of ``minisrv.runner.attention`` read
 (each building its own metadata from it); ``FlatBatch`` remains the teaching form
@@ -44,13 +45,17 @@ def slot_table(slot_lists: Sequence[Sequence[int]], fill: int, device: str | tor
 
 class TableBatch:
     """``new_ids[r]`` of request r, whose KV is row ``rows[r]`` of ``table`` up to
-    ``ends[r]`` (its last ``len(new_ids[r])`` positions receive the new tokens' K/V)."""
+    ``ends[r]``: its last ``len(new_ids[r])`` positions receive the new tokens' K/V, in
+    slots ``new_slots[r]`` (what the table holds there: the host has them, so the step
+    copies them rather than gathering them on the device)."""
 
     def __init__(self, new_ids: Sequence[Sequence[int]], rows: Sequence[int],
-                 ends: Sequence[int], table: torch.Tensor) -> None:
+                 ends: Sequence[int], table: torch.Tensor,
+                 new_slots: Sequence[Sequence[int]]) -> None:
         n_req = len(new_ids)
-        if not n_req or len(rows) != n_req or len(ends) != n_req:
-            raise ValueError(f"{n_req} requests' ids, {len(rows)} rows, {len(ends)} ends")
+        if not n_req or len(rows) != n_req or len(ends) != n_req or len(new_slots) != n_req:
+            raise ValueError(f"{n_req} requests' ids, {len(rows)} rows, {len(ends)} ends, "
+                             f"{len(new_slots)} slot lists")
         self.table, self.device = table, table.device
         news = np.fromiter(map(len, new_ids), dtype=np.int64, count=n_req)
         ends_np = np.asarray(ends, dtype=np.int64)
@@ -58,6 +63,8 @@ class TableBatch:
             raise ValueError(f"every request needs 1..end new tokens and an end within the "
                              f"table's {table.shape[1]} columns: news {news.tolist()}, "
                              f"ends {ends_np.tolist()}")
+        if (np.fromiter(map(len, new_slots), dtype=np.int64, count=n_req) != news).any():
+            raise ValueError("every request needs a slot for each of its new tokens")
         n_tok = int(news.sum())
         starts = np.cumsum(news) - news
         cached = ends_np - news
@@ -65,13 +72,13 @@ class TableBatch:
         packed[:n_tok] = np.fromiter(itertools.chain.from_iterable(new_ids), dtype=np.int64,
                                      count=n_tok)
         packed[n_tok:2 * n_tok] = np.arange(n_tok) + np.repeat(cached - starts, news)
-        packed[2 * n_tok:3 * n_tok] = np.repeat(np.asarray(rows, dtype=np.int64), news)
+        packed[2 * n_tok:3 * n_tok] = np.fromiter(itertools.chain.from_iterable(new_slots),
+                                                  dtype=np.int64, count=n_tok)
         packed[3 * n_tok:] = np.concatenate([rows, ends_np, news])
         moved = torch.from_numpy(packed).to(self.device)  # the step's one copy
         self.ids = moved[:n_tok]
         self.positions = moved[n_tok:2 * n_tok]
-        # int32 as the table holds them: indexing takes int32 as it takes int64
-        self.write_slots = table[moved[2 * n_tok:3 * n_tok], self.positions]
+        self.write_slots = moved[2 * n_tok:3 * n_tok]
         self.rows, self.ends, self.news = moved[3 * n_tok:].view(3, n_req).unbind()
         self.row_list = [int(r) for r in rows]
         self.contexts: list[int] = ends_np.tolist()
@@ -88,7 +95,8 @@ class TableBatch:
         if len(slots) != len(new_ids):
             raise ValueError(f"{len(new_ids)} requests' ids but {len(slots)} slot lists")
         return cls(new_ids, range(len(slots)), [len(s) for s in slots],
-                   slot_table(slots, fill, device))
+                   slot_table(slots, fill, device),
+                   [s[len(s) - len(i):] for s, i in zip(slots, new_ids)])
 
     def __len__(self) -> int:
         """Requests in the batch."""
@@ -104,16 +112,16 @@ class TableBatch:
         """Each request's KV slots: views of its row of the table (the loop attention)."""
         return [self.table[row, :end] for row, end in zip(self.row_list, self.contexts)]
 
-    def key_slots(self, members: slice | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def key_slots(self, members: slice | np.ndarray) -> torch.Tensor:
         """``members``' slots [B, S_max] (the first S_max of each member's row: past a
-        member's context stale or padding slots, which a mask hides) and their contexts [B],
-        gathered from the table on the device (the padded backend's groups)."""
+        member's context stale or padding slots, which a mask hides), gathered from the
+        table on the device (the padded backend's groups)."""
         if isinstance(members, slice):
             s_max, index = max(self.contexts[members]), members
         else:
             s_max = max(self.contexts[i] for i in members.tolist())
             index = torch.from_numpy(np.ascontiguousarray(members)).to(self.device)
-        return self.table[:, :s_max].index_select(0, self.rows[index]), self.ends[index]
+        return self.table[:, :s_max].index_select(0, self.rows[index])
 
     def ragged_key_slots(self) -> torch.Tensor:
         """Every request's slots end to end [S_total], gathered from the table."""

@@ -6,8 +6,9 @@ joint layer, then makes the one padded call (``minisrv.model.flat.padded_sdpa``)
 ``padded_attention``, the form chapter 03 shows over separate K and V layers, makes too.
 
 Its metadata is built here from the step's ``TableBatch``: each group's key slots gathered
-from the request-to-token table and its mask made on the device, where the contexts'
-lengths are (the teaching form builds the same groups from a ``FlatBatch``'s host lists,
+from the request-to-token table, and its mask's rows picked on the device from a vector of
+zeros then -inf made once, each query's window counted on the host (the teaching form
+builds the same groups from a ``FlatBatch``'s host lists,
 ``minisrv.model.attention_metadata``; both cut them where ``group_bounds`` says).
 """
 
@@ -104,22 +105,19 @@ def padded_groups(batch: TableBatch, dtype: torch.dtype) -> tuple[PaddedGroup, .
 
 def padded_group(batch: TableBatch, lo: int, hi: int, dtype: torch.dtype) -> PaddedGroup:
     """Requests ``lo .. hi - 1`` padded to their longest new-token run and their longest
-    context: their slots gathered from the table, and the mask made on the device from
-    their contexts there and, for prefills, the padded queries' limits (``query_limits``,
-    computed on the host from the new tokens and moved with their rows in one copy)."""
+    context: their slots gathered from the table, and the mask that shows each query the
+    keys before its limit (``_mask``): for decodes its whole context, for prefills what
+    ``query_limits`` says, both counted on the host from the lengths the batch keeps there."""
     new = np.asarray(batch.new_lens[lo:hi], dtype=np.int64)
-    key_slots, ends = batch.key_slots(slice(lo, hi))
-    n_b, s_max, start = len(new), key_slots.shape[1], batch.starts[lo]
+    key_slots = batch.key_slots(slice(lo, hi))
+    start = batch.starts[lo]
     if new.max() == 1:  # decodes: each query sees its whole context
-        return PaddedGroup(slice(start, start + n_b), None, key_slots,
-                           device_bias(ends[:, None], s_max, dtype)[:, None])
+        contexts = np.asarray(batch.contexts[lo:hi], dtype=np.int64)
+        bias, _ = _mask(contexts[:, None], key_slots.shape[1], dtype, batch.device)
+        return PaddedGroup(slice(start, start + len(new)), None, key_slots, bias)
     limit, rows = query_limits(new, np.asarray(batch.cached_lens[lo:hi], dtype=np.int64))
-    packed = limit.reshape(-1) if rows is None else np.concatenate([limit.reshape(-1), rows])
-    moved = torch.from_numpy(packed).to(batch.device)
-    n_q = limit.size
-    return PaddedGroup(slice(start, start + int(new.sum())),
-                       None if rows is None else moved[n_q:], key_slots,
-                       device_bias(moved[:n_q].view(limit.shape), s_max, dtype)[:, None])
+    bias, moved_rows = _mask(limit, key_slots.shape[1], dtype, batch.device, rows)
+    return PaddedGroup(slice(start, start + int(new.sum())), moved_rows, key_slots, bias)
 
 
 def decode_group(batch: TableBatch, members: np.ndarray, start: int,
@@ -127,40 +125,45 @@ def decode_group(batch: TableBatch, members: np.ndarray, start: int,
     """A padded group of the decodes ``members`` (indices into ``batch``) whose queries are
     rows ``start`` on (the split of decodes by context): each member's slots padded to the
     longest, and a bias that shows each query its own context."""
-    key_slots, ends = batch.key_slots(members)
-    return PaddedGroup(slice(start, start + len(members)), None, key_slots,
-                       device_bias(ends[:, None], key_slots.shape[1], dtype)[:, None])
+    key_slots = batch.key_slots(members)
+    contexts = np.asarray(batch.contexts, dtype=np.int64)[members]
+    bias, _ = _mask(contexts[:, None], key_slots.shape[1], dtype, batch.device)
+    return PaddedGroup(slice(start, start + len(members)), None, key_slots, bias)
 
 
-def device_bias(limit: torch.Tensor, s_max: int, dtype: torch.dtype) -> torch.Tensor:
-    """The bias [..., S_max] that shows query ``i`` the keys before ``limit[i]``: 0 there,
-    -inf past it, made where the lengths are (two operators, nothing copied)."""
-    visible = _columns(limit.device, s_max) < limit[..., None]
-    key = (visible.device, dtype)
-    if key not in _LIMITS:
-        _LIMITS[key] = (torch.zeros((), dtype=dtype, device=visible.device),
-                        torch.full((), float("-inf"), dtype=dtype, device=visible.device))
-    zero, minus_inf = _LIMITS[key]
-    return torch.where(visible, zero, minus_inf)
+def _mask(limit: np.ndarray, s_max: int, dtype: torch.dtype, device: torch.device,
+          rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bias [B, 1, T_max, S_max] that shows query ``(b, t)`` the keys before
+    ``limit[b, t]`` (0 there, -inf past it), and the padded ``rows`` on the device.
+
+    Each query's row of ``_windows`` is counted on the host (one number per query, not
+    per key) and moved with the rows in one copy; ONE indexing operator gathers the bias
+    rows, however long the contexts.
+    """
+    windows, m = _windows(device, dtype, s_max)
+    first = (m - limit).reshape(-1)
+    moved = torch.from_numpy(first if rows is None else np.concatenate([first, rows])).to(device)
+    picks = moved[: first.shape[0]].view(limit.shape)
+    return windows[picks][:, None], None if rows is None else moved[first.shape[0]:]
 
 
-_COLUMNS: dict[torch.device, torch.Tensor] = {}
-"""0, 1, 2, ... per device, made once (grown when a longer context asks): the masks compare
-lengths with it, so no step makes its own ``arange``."""
+_ZEROS_THEN_INF: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+"""Per (device, dtype), ``m`` zeros then ``m`` -inf, made once (grown when a longer context
+asks): every row of a mask is a window of it (``_windows``)."""
 
 
-def _columns(device: torch.device, n: int) -> torch.Tensor:
-    """0 .. n - 1 on ``device`` (a view of the cached ``_COLUMNS``)."""
-    have = _COLUMNS.get(device)
-    if have is None or have.shape[0] < n:
-        have = _COLUMNS[device] = torch.arange(max(n, 2 * (0 if have is None else len(have)),
-                                                   512), device=device)
-    return have[:n]
-
-
-_LIMITS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-"""0 and -inf as 0-d tensors per (device, dtype), made once: ``torch.where`` over them is one
-operator (over Python numbers it would make both first, every step)."""
+def _windows(device: torch.device, dtype: torch.dtype, s_max: int) -> tuple[torch.Tensor, int]:
+    """Every mask row of ``s_max`` keys, as windows of ``_ZEROS_THEN_INF`` (a view, nothing
+    copied), and its ``m``: window ``m - L`` holds L zeros, then -inf up to ``s_max``, the
+    row of a query that sees its first L keys (0 <= L <= m)."""
+    key = (device, dtype)
+    have = _ZEROS_THEN_INF.get(key)
+    if have is None or have.shape[0] // 2 < s_max:
+        m = max(s_max, 0 if have is None else have.shape[0], 512)  # at least doubled
+        have = torch.full((2 * m,), float("-inf"), dtype=dtype, device=device)
+        _ZEROS_THEN_INF[key] = have
+        have[:m] = 0  # made where it is used: nothing copied
+    return have.unfold(0, s_max, 1), have.shape[0] // 2
 
 
 SPLIT_ELEMENTS = 1 << 17
