@@ -75,10 +75,13 @@ setup: $(STAMP) dot chromium
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	@# Colab and conda bring their own torch; only a bare environment gets the CPU wheel.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[book,test,train]"
+	@# --no-compile: byte-compiling every installed module (torch alone is thousands) took about
+	@# 40 s of a fresh setup; Python compiles the modules a run imports, once, when it imports them.
+	$(BIN)/python -m pip install -q --no-compile --upgrade pip
+	@# Colab and conda bring their own torch; only a bare environment gets the CPU wheel, in the
+	@# same install as the package (one resolve).
+	torch=$$($(BIN)/python -c "import torch" 2>/dev/null || echo torch==2.13.0); \
+	$(BIN)/python -m pip install -q --no-compile $$torch -e ".[book,test,train]"
 	touch $@
 
 # The graphviz `dot` binary draws the architecture and radix-tree figures.
