@@ -339,15 +339,15 @@ def answers(url: str) -> list[str]:
             ["choices"][0]["text"] for p in DP_PROMPTS]
 
 
-def test_worker_processes_answer_503_while_starting_then_the_same_tokens(server):
+def test_worker_layouts_serve_the_same_tokens_and_stop_cleanly(server):
     """``--dp 2`` (two engines behind the router) and ``--engine-thread`` (the engine in a
     thread of the HTTP process) serve exactly what the default layout (one engine in its own
-    process) serves. Until an engine is up /health says 503, never 200: worker processes
-    take seconds to load, so the first answer is a 503; an engine thread may be up before
-    uvicorn first answers, so its codes need not include one. Then SIGTERM stops both
-    cleanly, their engine processes with them (``stops_cleanly``; no server of its own)."""
+    process) serves. Until an engine is up /health says 503, never 200 (whether uvicorn
+    answers before the engines are up depends on the machine's load, so a 503 need not be
+    seen here: ``test_health_says_starting_until_the_engine_is_built_then_ok`` forces that
+    order). Then SIGTERM stops both cleanly, their engine processes with them
+    (``stops_cleanly``; no server of its own)."""
     with running_servers(("--dp", "2"), ("--engine-thread",), stops_cleanly=True) as started:
-        assert started[0][1][0] == 503
         for url, seen in started:
             assert seen[-1] == 200 and set(seen[:-1]) <= {503}
             assert answers(url) == answers(server)

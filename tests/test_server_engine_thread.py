@@ -33,6 +33,30 @@ def wait_healthy(client: TestClient, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def test_health_says_starting_until_the_engine_is_built_then_ok(citylm) -> None:
+    """/health answers 503 ``starting`` (and a request a 503 with Retry-After) for as long as
+    the engine is being built, and 200 once it is: the builder is held on an event, so the
+    order is forced rather than left to how fast the machine loads a model."""
+    built = threading.Event()
+
+    def builder(config):
+        built.wait(60)
+        return build_engine(dataclasses.replace(config, builder=None))
+
+    args = build_parser().parse_args(["serve", "--engine-thread"])
+    engines = LocalEngine(dataclasses.replace(server_config(args), builder=builder))
+    with TestClient(create_app(engines, load_tokenizer("citylm"), "citylm")) as client:
+        for _ in range(3):
+            r = client.get("/health")
+            assert r.status_code == 503 and r.json() == {"status": "starting"}
+            time.sleep(0.05)
+        r = client.post("/v1/completions", json={"prompt": "FR:", "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        built.set()
+        wait_healthy(client)
+        assert client.get("/health").json() == {"status": "ok"}
+
+
 def test_a_hung_engine_thread_fails_its_request_and_a_new_engine_serves(citylm) -> None:
     model, tok = citylm
     hang, release = threading.Event(), threading.Event()
