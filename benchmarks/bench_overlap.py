@@ -14,8 +14,9 @@ Prints, from one process on the same machine:
 4. measured (``minisrv.experiments.overlap.timed_gain``): blocking vs overlapped
    (``Engine(..., overlap=True)``) tokens/s on a timed simulated device whose steps last 10
    ms or more, the host's share of a blocking step (30% and 60%) set by real scheduling work
-   (DFS-weight ordering a long waiting queue every step, 256 running), the median of several
-   runs held against ``throughput_ratio``'s prediction from the blocking run's lanes; and on
+   (DFS-weight ordering a long waiting queue every step, 256 running), each loop's fastest
+   of several runs held against ``throughput_ratio``'s prediction from the fastest blocking
+   run's lanes; and on
    CityLM as it is (the forward on the CPU in a worker thread), outputs checked against each
    request alone.
 
@@ -131,7 +132,8 @@ def device_plan(name: str, fwd: float, cpu: float) -> None:
 def timed_device_table(repeats: int) -> None:
     """Section 4a: measured overlap gain at each host share against the model's prediction."""
     print(f"\n4. Measured overlap on a timed simulated device (steps >= 10 ms, 256 running, "
-          f"DFS-weight over a long queue; median of {repeats} runs, the loops taking turns)")
+          f"DFS-weight over a long queue; each loop's fastest of {repeats} runs, the loops "
+          f"taking turns)")
     frame = timed_gain((0.3, 0.6), repeats=repeats)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(frame.round(3).T.to_string())
@@ -156,7 +158,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16, help="tokens per request")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="timed device: runs of each loop (the median is kept)")
+                        help="timed device: runs of each loop (the fastest is kept)")
     parser.add_argument("--skip-timed", action="store_true",
                         help="leave out section 4a (the timed device: CPU-only, slow)")
     args = parser.parse_args()

@@ -145,3 +145,22 @@ def test_timed_backend_spins_as_long_as_told() -> None:
     assert engine.generate([[0, 5], [0, 6, 7]], 3) == Engine(
         SimBackend(), kv_capacity=100, max_running=2).generate([[0, 5], [0, 6, 7]], 3)
     assert spinner.busy >= spinner.steps * 2e-3 and spinner.waited > 0
+
+
+def test_model_gain_takes_the_callers_reference_and_warm_up(model, monkeypatch) -> None:
+    """A page that has each request generated alone already passes it in (and its warm
+    model): nothing is generated again, and a wrong reference still fails the check."""
+    reference = [model.reference_generate(p, m) for p, m in zip(PROMPTS, LENGTHS)]
+    calls: list[int] = []
+    generate = model.reference_generate
+    monkeypatch.setattr(model, "reference_generate",
+                        lambda *a, **k: calls.append(1) or generate(*a, **k))
+    frame = model_gain(model, PROMPTS, LENGTHS, repeats=1, reference=reference,
+                       warm_up=False, mode="mixed", max_running=4)
+    assert not calls
+    assert frame["outputs identical to each request alone"].all()
+    wrong = [out[:-1] + [(out[-1] + 1) % 50] for out in reference]
+    frame = model_gain(model, PROMPTS, LENGTHS, repeats=1, reference=wrong, warm_up=False)
+    assert not frame["outputs identical to each request alone"].any()
+    with pytest.raises(ValueError, match="reference"):
+        model_gain(model, PROMPTS, LENGTHS, reference=reference[:-1])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import math
 import numbers
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -155,13 +154,9 @@ def timed_window(waiting: int, device_s: float, overlap: bool, running: int,
                    finished)
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
 def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
                running: int = 256, output_len: int = 32, steps: int = 14, warmup: int = 3,
-               repeats: int = 7) -> pd.DataFrame:
+               repeats: int = 5) -> pd.DataFrame:
     """Blocking vs overlapped on a timed simulated device, one row per target host share.
 
     The device's step lasts ``device_ms`` at least (a memory-bound decode step costs about
@@ -169,16 +164,18 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
     it. The host's share of a blocking step is set by the scheduling work: the length of
     the waiting queue that DFS-weight orders every step (``timed_engine``). A short
     blocking run measures the host's time per waiting request; each share s then gets the
-    queue whose host time should be ``device s / (1 - s)``, and the device step is set
-    from that queue's own measured host time (the median of a first run and of every
-    blocking run so far), so the share lands near its target.
+    queue whose host time should be ``device s / (1 - s)``, and one blocking run of that
+    queue sets the device step from its own host time, so the share lands near its target.
 
-    Both loops then serve the same requests ``repeats`` times, taking turns (a busy moment
-    of a shared machine falls on both alike), each run timed over ``steps`` steps
-    (``timed_window``). Per repeat, the blocking run's lanes (device busy and device idle
-    per step) give the realised host share and ``throughput_ratio``'s prediction, and the
-    two runs' tokens/s the measured gain; each column is the median over the repeats.
-    ``outputs identical``: the requests that finished in both runs got the same tokens.
+    Both loops then serve the same requests ``repeats`` times, taking turns, each run timed
+    over ``steps`` steps (``timed_window``), and each loop is represented by its fastest
+    run (the least of N wall times, as ``timeit`` reports). On a shared machine a run is
+    only ever slowed, and unevenly: a blocking loop preempted while it waits for the device
+    loses nothing, an overlapped one preempted while it forms the next step leaves the
+    device idle. The fastest run of each is the one least disturbed. The fastest blocking
+    run's lanes (device busy and device idle per step) give the realised host share and
+    ``throughput_ratio``'s prediction, the two fastest runs' tokens/s the measured gain.
+    ``outputs identical``: the requests that finished in both loops got the same tokens.
     """
     running = check_int("running", running, minimum=1)
     output_len = check_int("output_len", output_len, minimum=2)
@@ -202,34 +199,33 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
         # a queue a little longer than the estimate: the device step is then set from its
         # measured host time, and stays at least device_ms
         waiting = max(least, round(1.1 * device * share / (1 - share) / per_waiting))
-        hosts = [timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle]
-        runs, step_times = [], []
+        host = timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle
+        step_s = max(device, host * (1 - share) / share)
+        blocks, overs = [], []
         for _ in range(repeats):
-            # the device step follows the host time measured so far (a shared machine's
-            # load moves it), so the share stays near its target
-            step_s = max(device, _median(hosts) * (1 - share) / share)
-            block = timed_window(waiting, step_s, False, running, output_len, warmup, steps)
-            over = timed_window(waiting, step_s, True, running, output_len, warmup, steps)
-            runs.append((block, over))
-            step_times.append(step_s)
-            hosts.append(block.idle)
-        same = all(block.outputs[rid] == out for block, over in runs
+            blocks.append(timed_window(waiting, step_s, False, running, output_len, warmup,
+                                       steps))
+            overs.append(timed_window(waiting, step_s, True, running, output_len, warmup,
+                                      steps))
+        same = all(block.outputs[rid] == out for block in blocks for over in overs
                    for rid, out in over.outputs.items() if rid in block.outputs)
-        measured = [(o.tokens / o.wall) / (b.tokens / b.wall) for b, o in runs]
-        predicted = [throughput_ratio(b.busy, b.idle) for b, _ in runs]
+        block = min(blocks, key=lambda run: run.wall / run.tokens)
+        over = min(overs, key=lambda run: run.wall / run.tokens)
+        measured = (over.tokens / over.wall) / (block.tokens / block.wall)
+        predicted = throughput_ratio(block.busy, block.idle)
         rows.append({
             "target host %": 100 * share,
             "waiting": waiting,
-            "host %": _median([100 * b.idle / b.wall for b, _ in runs]),
-            "device ms": 1e3 * _median(step_times),
-            "host ms, blocking": _median([1e3 * b.idle for b, _ in runs]),
-            "host ms, overlapped": _median([1e3 * o.host for _, o in runs]),
-            "device idle ms, overlapped": _median([1e3 * o.idle for _, o in runs]),
-            "blocking tok/s": _median([b.tokens / b.wall for b, _ in runs]),
-            "overlapped tok/s": _median([o.tokens / o.wall for _, o in runs]),
-            "measured gain": _median(measured),
-            "predicted gain": _median(predicted),
-            "measured / predicted": _median([m / p for m, p in zip(measured, predicted)]),
+            "host %": 100 * block.idle / block.wall,
+            "device ms": 1e3 * step_s,
+            "host ms, blocking": 1e3 * block.idle,
+            "host ms, overlapped": 1e3 * over.host,
+            "device idle ms, overlapped": 1e3 * over.idle,
+            "blocking tok/s": block.tokens / block.wall,
+            "overlapped tok/s": over.tokens / over.wall,
+            "measured gain": measured,
+            "predicted gain": predicted,
+            "measured / predicted": measured / predicted,
             "outputs identical": same,
         })
     return pd.DataFrame(rows).set_index("target host %")
@@ -244,19 +240,29 @@ LOOPS: dict[str, dict[str, bool]] = {
 
 
 def model_gain(model: Any, prompts: Sequence[Sequence[int]], lengths: int | Sequence[int],
-               repeats: int = 2, **options: Any) -> pd.DataFrame:
+               repeats: int = 2, reference: Sequence[Sequence[int]] | None = None,
+               warm_up: bool = True, **options: Any) -> pd.DataFrame:
     """Each loop of ``LOOPS`` on ``model`` as it is, one row per loop (the fastest of
-    ``repeats`` runs after a warm-up, the loops taking turns): tokens/s, the gain over
-    blocking, steps, late-stop tokens, and whether every output equals the request
-    generated alone.
-    ``options`` go to ``Engine`` (the same for every loop)."""
+    ``repeats`` runs, the loops taking turns): tokens/s, the gain over blocking, steps,
+    late-stop tokens, and whether every output equals the request generated alone.
+
+    ``reference``: the outputs of each request generated alone, where the caller has them
+    already (else ``reference_generate`` here). ``warm_up``: serve the workload once with
+    every loop before timing; a caller whose model has just served it may skip that (a
+    run's first forwards, not the loops, pay the warm-up, and the fastest of ``repeats``
+    runs counts anyway). ``options`` go to ``Engine`` (the same for every loop)."""
     repeats = check_int("repeats", repeats, minimum=1)
     counts = [lengths] * len(prompts) if isinstance(lengths, int) else list(lengths)
-    reference = [model.reference_generate(p, m) for p, m in zip(prompts, counts, strict=True)]
+    if reference is None:
+        reference = [model.reference_generate(p, m)
+                     for p, m in zip(prompts, counts, strict=True)]
+    elif len(reference) != len(prompts):
+        raise ValueError(f"reference holds {len(reference)} outputs for {len(prompts)} prompts")
+    reference = [list(ref) for ref in reference]
     best = dict.fromkeys(LOOPS, float("inf"))
     same = dict.fromkeys(LOOPS, True)
     engines: dict[str, Engine] = {}
-    for loop in LOOPS.values():
+    for loop in LOOPS.values() if warm_up else ():
         Engine(model, **loop, **options).generate(prompts, lengths)  # warm-up
     for _ in range(repeats):  # the loops take turns: a busy moment falls on all of them
         for name, loop in LOOPS.items():
