@@ -92,3 +92,21 @@ def test_figure_titles_name_no_machine_and_count_in_the_singular(pool_case) -> N
     assert vb.plot_pool_run(run).axes[0].get_title("left") == vb.pool_run_title(
         run.engine.stats)
     assert vb.pool_run_title(run.engine.stats).startswith("0 retractions, ")
+
+
+def test_every_state_goes_through_the_pages_check_and_captions_show_values(pool_case) -> None:
+    """The page counts the explorer's requests (``check=CHECKS.alone``): every state's
+    outputs reach ``check`` with the reference; a caption shows the run's numbers only."""
+    model, work, ref = pool_case
+    smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
+    seen: list[str] = []
+
+    def check(outputs, reference, what):
+        assert [list(o) for o in outputs] == [list(r) for r in reference]
+        seen.append(what)
+
+    ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
+                          caps=(1, 2), max_running=2, check=check)
+    assert sorted(seen) == [f"pool explorer, pool {smallest}, cap {c}" for c in (1, 2)]
+    assert "identical" not in ex.html and " of 5" not in ex.html
+    assert "tokens recomputed, peak" in ex.html

@@ -7,7 +7,7 @@ times a step, the ``Engine`` runs the pool experiments, and each run is checked 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -181,6 +181,7 @@ def pool_explorer(
     capacities: Sequence[int] = POOL_CAPACITIES,
     caps: Sequence[int] = POOL_CAPS,
     runs: Sequence[PoolRun] = (),
+    check: Callable[..., Any] | None = None,
 ) -> Explorer:
     """``plot_pool_run`` over the pool's capacity and the batch cap, for the page.
 
@@ -190,7 +191,8 @@ def pool_explorer(
     which); a state with a difference stops the build. ``ratio`` and ``decay`` stay fixed;
     the kernel face is ``pool_widget``, which also moves them. ``runs``: runs the chapter has
     already made (``run_pool`` of this workload, ratio and decay, checked); each serves the
-    state of its pool and cap.
+    state of its pool and cap. ``check``: called as ``check(outputs, reference, what=...)``
+    for every state (the book's ``CHECKS.alone``, so the page counts these requests too).
     """
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
     if min(capacities) < smallest:
@@ -212,15 +214,19 @@ def pool_explorer(
             max_running=max_running)
         if run.identical != run.total:
             raise AssertionError(f"pool {capacity}, cap {max_running}: {run.check}")
+        if check is not None:
+            check(run.outputs, reference, what=f"pool explorer, pool {capacity}, cap {max_running}")
         stats = run.engine.stats
+        peak = max(s.kv_used for s in run.engine.trace)
         return Frame([plot_pool_run(run)],
                      {"steps": stats.steps, "retractions": stats.retractions,
                       "recomputed_tokens": stats.wasted_tokens,
-                      "peak_slots": max(s.kv_used for s in run.engine.trace),
+                      "peak_slots": peak,
                       "peak_running": max(s.batch_size + len(s.paused) for s in run.engine.trace),
                       "requests_checked": run.total},
                      caption=f"{stats.steps} steps, {stats.retractions} retraction"
-                             f"{'s' * (stats.retractions != 1)}; {run.check}.")
+                             f"{'s' * (stats.retractions != 1)}, {stats.wasted_tokens} tokens "
+                             f"recomputed, peak {peak} of {capacity} slots used.")
 
     return explorer(draw, [("capacity", "pool capacity (tokens)", list(capacities), capacity),
                            ("max_running", "batch cap", list(caps), max_running)],
