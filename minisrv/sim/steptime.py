@@ -11,13 +11,42 @@ correctness depends on them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 
-__all__ = ["decode_step_seconds"]
+__all__ = ["decode_step_seconds", "decode_step_table"]
+
+
+def _check_context(model: CityLM, context: int) -> None:
+    if context + 1 > model.config.max_seq_len:
+        raise ValueError(f"context {context} leaves no room below max_seq_len")
+
+
+def _decode_step(model: CityLM, batch_size: int, context: int, attention: str,
+                 seed: int) -> Callable[[], None]:
+    """One decode step of ``batch_size`` requests at ``context``, ready to be timed: each
+    request's first ``context`` tokens prefilled into a fresh pool, the step computing one
+    more token for every request (its ``FlatBatch`` built inside, as the engine does)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    seqs = [
+        torch.randint(0, vocab, (context + 1,), generator=gen).tolist() for _ in range(batch_size)
+    ]
+    pool = KVPool.for_model(model, batch_size * (context + 1))
+    slots = [pool.alloc(context + 1) for _ in range(batch_size)]
+    prefix = FlatBatch([s[:context] for s in seqs], [s[:context] for s in slots], model.device)
+    model.forward_flat(prefix, pool, attention=attention, last_only=True)  # only its KV matters
+    last = [s[context:] for s in seqs]
+
+    def step() -> None:
+        flat = FlatBatch(last, slots, model.device)
+        model.forward_flat(flat, pool, attention=attention, last_only=True)
+
+    return step
 
 
 def decode_step_seconds(
@@ -39,33 +68,51 @@ def decode_step_seconds(
     """
     if batch_size < 1 or context < 1 or repeats < 1:
         raise ValueError("batch_size, context and repeats must all be >= 1")
-    if context + 1 > model.config.max_seq_len:
-        raise ValueError(f"context {context} leaves no room below max_seq_len")
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    seqs = [
-        torch.randint(0, vocab, (context + 1,), generator=gen).tolist() for _ in range(batch_size)
-    ]
-    pool = KVPool.for_model(model, batch_size * (context + 1))
-    slots = [pool.alloc(context + 1) for _ in range(batch_size)]
-    prefix = FlatBatch([s[:context] for s in seqs], [s[:context] for s in slots], model.device)
-    model.forward_flat(prefix, pool, attention=attention, last_only=True)  # only its KV matters
-    last = [s[context:] for s in seqs]
-
-    def step() -> None:
-        flat = FlatBatch(last, slots, model.device)
-        model.forward_flat(flat, pool, attention=attention, last_only=True)
-
+    _check_context(model, context)
+    step = _decode_step(model, batch_size, context, attention, seed)
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(repeats):
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    times.sort()
+    times = sorted(_timed(model, step) for _ in range(repeats))
     return times[len(times) // 2]
+
+
+def _timed(model: CityLM, step: Callable[[], None]) -> float:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def decode_step_table(
+    model: CityLM,
+    sizes: Sequence[int],
+    attentions: Sequence[str] = ("padded", "loop"),
+    context: int = 64,
+    *,
+    repeats: int = 15,
+    warmup: int = 3,
+    seed: int = 0,
+) -> dict[str, dict[int, float]]:
+    """Seconds of one decode step for every attention and batch size: ``[attention][size]``.
+
+    The steps take turns: each of the ``repeats`` rounds times every (attention, size) once,
+    and each keeps its fastest time. On a shared machine a timing can only be slowed, never
+    sped up, so the least of N is the least disturbed; and a busy stretch falls on every
+    point of a round alike rather than on the neighbouring sizes of one curve, which the
+    median of consecutive timings, point after point, would draw as a bump.
+    """
+    if repeats < 1 or not sizes or any(b < 1 for b in sizes) or context < 1:
+        raise ValueError("sizes, context and repeats must all be >= 1")
+    _check_context(model, context)
+    steps = {(a, b): _decode_step(model, b, context, a, seed) for a in attentions for b in sizes}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for key, step in steps.items():
+            best[key] = min(best[key], _timed(model, step))
+    return {a: {b: best[a, b] for b in sizes} for a in attentions}
