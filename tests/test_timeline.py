@@ -21,8 +21,8 @@ def notes_run() -> tuple[Engine, list]:
 def test_trace_table_names_who_did_what() -> None:
     engine, reqs = notes_run()
     table = tl.trace_table(engine.trace, reqs)
-    assert list(table.columns) == ["prefill", "decode", "paused", "queued", "finished", "cost"]
-    assert table.loc[0, "prefill"] == "r0, r1" and table.loc[0, "queued"] == "r2"
+    assert list(table.columns) == ["prefill", "decode", "paused", "waiting", "finished", "cost"]
+    assert table.loc[0, "prefill"] == "r0, r1" and table.loc[0, "waiting"] == "r2"
     assert table.loc[3, "prefill"] == "r2" and table.loc[3, "paused"] == "r1"
     assert table.loc[5, "finished"] == "r1, r2"
     assert (table.columns.name, table.index.name) == ("step", None)  # one header row
@@ -32,7 +32,7 @@ def test_trace_table_names_who_did_what() -> None:
 def test_request_states_cover_every_step_of_every_request() -> None:
     engine, reqs = notes_run()
     states = tl.request_states(engine.trace, reqs)
-    assert states[2] == ["queued", "queued", "queued", "prefill", "decode", "decode"]
+    assert states[2] == ["waiting", "waiting", "waiting", "prefill", "decode", "decode"]
     assert states[1] == ["prefill", "decode", "decode", "paused", "decode", "decode"]
     assert states[0] == ["prefill", "decode", "decode", "", "", ""]
 

@@ -33,7 +33,7 @@ from minisrv.viz.style import (
 )
 
 STATE_COLORS: dict[str, str] = {
-    "queued": "#d9d9d9",
+    "waiting": "#d9d9d9",
     "prefill": "#d62728",
     "decode": "#1f77b4",
     "paused": "#ff9f1c",
@@ -90,7 +90,7 @@ def _names(rids: Sequence[int]) -> str:
     return ", ".join(f"r{rid}" for rid in rids) if rids else "-"
 
 
-def _queued_ids(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> list[list[int]]:
+def _waiting_ids(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> list[list[int]]:
     """For every step, the requests that had arrived but were not yet admitted."""
     admitted = {rid: i for i, step in enumerate(trace) for rid in step.prefill}
     return [
@@ -102,11 +102,12 @@ def _queued_ids(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> list[list[i
 def trace_table(
     trace: Sequence[StepRecord], reqs: Sequence[Req] | None = None, cost_label: str = "cost"
 ) -> pd.DataFrame:
-    """One row per step: who prefilled, decoded, sat paused, stayed queued, and finished.
+    """One row per step: who prefilled, decoded, sat paused, stayed in the scheduler's
+    ``waiting`` queue, and finished.
 
-    With ``reqs`` the queued column names the requests; without, it counts them.
+    With ``reqs`` the waiting column names the requests; without, it counts them.
     """
-    queued = _queued_ids(trace, reqs) if reqs is not None else None
+    waiting = _waiting_ids(trace, reqs) if reqs is not None else None
     rows = []
     for i, step in enumerate(trace):
         rows.append(
@@ -115,7 +116,7 @@ def trace_table(
                 "prefill": _names(step.prefill),
                 "decode": _names(step.decode),
                 "paused": _names(step.paused),
-                "queued": _names(queued[i]) if queued is not None else step.queued,
+                "waiting": _names(waiting[i]) if waiting is not None else step.queued,
                 "finished": _names(step.finished),
                 cost_label: _plain(step.cost),
             }
@@ -131,9 +132,9 @@ def _plain(value: float) -> float | int:
 def request_states(trace: Sequence[StepRecord], reqs: Sequence[Req]) -> dict[int, list[str]]:
     """For each request, its state at every step of ``trace`` ("" when not present)."""
     states = {r.rid: [""] * len(trace) for r in reqs}
-    for i, queued in enumerate(_queued_ids(trace, reqs)):
-        for rid in queued:
-            states[rid][i] = "queued"
+    for i, waiting in enumerate(_waiting_ids(trace, reqs)):
+        for rid in waiting:
+            states[rid][i] = "waiting"
     for i, step in enumerate(trace):
         for kind in ("prefill", "decode", "paused"):
             for rid in getattr(step, kind):
