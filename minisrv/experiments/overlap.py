@@ -162,10 +162,12 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
     The device's step lasts ``device_ms`` at least (a memory-bound decode step costs about
     the same at any batch), long enough that timer and wake-up jitter are small next to
     it. The host's share of a blocking step is set by the scheduling work: the length of
-    the waiting queue that DFS-weight orders every step (``timed_engine``). A short
-    blocking run measures the host's time per waiting request; each share s then gets the
-    queue whose host time should be ``device s / (1 - s)``, and one blocking run of that
-    queue sets the device step from its own host time, so the share lands near its target.
+    the waiting queue that DFS-weight orders every step (``timed_engine``). Short blocking
+    runs at two queue lengths measure the host's fixed time per step and its time per
+    waiting request (each the least of three runs); each share s then gets the queue whose
+    host time should be ``device s / (1 - s)``, and the host time of that queue (again the
+    least of three) sets the device step, so the share of the least disturbed runs lands
+    near its target.
 
     Both loops then serve the same requests ``repeats`` times, taking turns, each run timed
     over ``steps`` steps (``timed_window``), and each loop is represented by its fastest
@@ -192,15 +194,26 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
             raise ValueError(f"each host share must lie strictly between 0 and 1, got {share!r}")
     device = device_ms / 1e3
     least = (warmup + steps + 2) * running // output_len + 1  # the queue must not run dry
-    probe = max(least, 1000)
-    per_waiting = timed_window(probe, 1e-3, False, running, output_len, warmup, 5).idle / probe
+
+    def host_time(waiting: int) -> float:
+        """The host's time per blocking step with ``waiting`` queued: the least of three
+        short runs (a loaded moment only ever lengthens one)."""
+        return min(timed_window(waiting, 1e-3, False, running, output_len, warmup, 5).idle
+                   for _ in range(3))
+
+    # the host's time per step is a fixed part (the running batch) plus a part per waiting
+    # request (DFS-weight's pass over the queue): two queue lengths give both
+    small, large = max(least, 500), max(least, 500) + 1000
+    fixed_and_small, fixed_and_large = host_time(small), host_time(large)
+    per_waiting = max((fixed_and_large - fixed_and_small) / (large - small), 1e-9)
+    fixed = max(fixed_and_small - per_waiting * small, 0.0)
     rows = []
     for share in shares:
         # a queue a little longer than the estimate: the device step is then set from its
         # measured host time, and stays at least device_ms
-        waiting = max(least, round(1.1 * device * share / (1 - share) / per_waiting))
-        host = timed_window(waiting, 1e-3, False, running, output_len, warmup, steps).idle
-        step_s = max(device, host * (1 - share) / share)
+        target = 1.1 * device * share / (1 - share)
+        waiting = max(least, round((target - fixed) / per_waiting))
+        step_s = max(device, host_time(waiting) * (1 - share) / share)
         blocks, overs = [], []
         for _ in range(repeats):
             blocks.append(timed_window(waiting, step_s, False, running, output_len, warmup,
