@@ -67,12 +67,13 @@ class AuthorYearLabelStyle(BaseLabelStyle):
 
 
 class AuthorYearSorting(AuthorYearTitleSorting):
-    """Author, year, title, with names read as printed: ``{DeepSeek-AI}`` sorts under D,
-    not after Z (a brace sorts after every letter)."""
+    """By the label the text cites ("Agrawal et al., 2023" before "Agrawal et al., 2024",
+    whoever the co-authors), then author, year and title, with names read as printed:
+    ``{DeepSeek-AI}`` sorts under D, not after Z (a brace sorts after every letter)."""
 
-    def sorting_key(self, entry: Any) -> tuple[str, str, str]:
+    def sorting_key(self, entry: Any) -> tuple[str, str, str, str]:
         author, year, title = super().sorting_key(entry)
-        return _plain(author).lower(), year, title
+        return _plain(author_year_label(entry)).lower(), _plain(author).lower(), year, title
 
 
 class AuthorYearStyle(PlainStyle):
