@@ -294,9 +294,9 @@ def request_sequence(lanes: Sequence[tuple[str, str]] = REQUEST_LANES,
     for src, dst, label in messages:
         if src not in keys or dst not in keys:
             raise ValueError(f"message {label!r} names a lane not in {keys}: {src} -> {dst}")
-    # Labels of a few short lines keep the columns narrow: the diagram's natural width
-    # (about 560 pt) fits the page's column, so its text is drawn at its own size, not
-    # shrunk with a wider drawing to 7 px.
+    # Labels of a few short lines keep the columns narrow: the diagram is 695 pt wide (936
+    # with one-line labels), so the page's column shrinks it by a fifth, not by two fifths,
+    # and its 12 pt labels read at about 12 px, not 7. ranksep leaves each label its row.
     g = graphviz.Digraph("request", **graph_attrs(rankdir="TB", nodesep="0.2",
                                                   ranksep="0.4", splines="line"))
     g.attr("node", shape="point", width="0.01", height="0.01", label="")
