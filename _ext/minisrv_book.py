@@ -174,8 +174,20 @@ def cited_in(app: Any, doctree: Any, docname: str) -> None:
                 para += nodes.Text(", ")
             uri = app.builder.get_relative_uri(docname, citing) + "#" + first[citing]
             title = app.env.titles[citing].astext() if citing in app.env.titles else citing
+            number = app.env.toc_secnumbers.get(citing, {}).get("")
+            if number:  # the chapter's number, as the sidebar shows it
+                title = ".".join(map(str, number)) + ". " + title
             para += nodes.reference("", title, refuri=uri, internal=True)
         entry += para
+
+
+def bibliography_pages(app: Any, env: Any, added: set, changed: set, removed: set) -> list[str]:
+    """The pages holding a bibliography, read again whenever another page changed: their
+    "Cited in" lines depend on every chapter's citations, not on their own source."""
+    if not (added or changed or removed):
+        return []
+    domain = env.get_domain("cite")
+    return sorted({key.docname for key in domain.bibliographies} - set(removed))
 
 
 def _reading_order(env: Any) -> list[str]:
@@ -199,4 +211,5 @@ def setup(app: Any) -> dict[str, Any]:
     app.connect("env-get-updated", number_per_document, priority=900)
     app.connect("html-page-context", one_copy_of_each_script)
     app.connect("doctree-resolved", cited_in)
+    app.connect("env-get-outdated", bibliography_pages)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
