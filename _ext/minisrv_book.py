@@ -9,6 +9,9 @@ Loaded by ``_config.yml`` (``sphinx: local_extensions: {minisrv_book: _ext}``).
    (``bibtex_reference_style: label``): "[Zheng et al., 2024]" in the text links to the entry
    labelled "Zheng et al., 2024", sorted by author and year, instead of one labelled "[3]";
    two works of one first author and year read "2024a" and "2024b" in both places.
+3. Each entry of the bibliography page ends with the pages that cite it, each a link to its
+   first citation there: sphinxcontrib-bibtex draws back-references only within one page,
+   and the book cites from its chapters into one references page.
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ class AuthorYearLabelStyle(BaseLabelStyle):
 
 
 class AuthorYearSorting(AuthorYearTitleSorting):
-    """Author, year, title, with names read as printed: ``{DeepSeek-AI}`` sorts under D,
-    not after Z (a brace sorts after every letter)."""
+    """By the label the text cites ("Agrawal et al., 2023" before "Agrawal et al., 2024",
+    whoever the co-authors), then author, year and title, with names read as printed:
+    ``{DeepSeek-AI}`` sorts under D, not after Z (a brace sorts after every letter)."""
 
-    def sorting_key(self, entry: Any) -> tuple[str, str, str]:
+    def sorting_key(self, entry: Any) -> tuple[str, str, str, str]:
         author, year, title = super().sorting_key(entry)
-        return _plain(author).lower(), year, title
+        return _plain(author_year_label(entry)).lower(), _plain(author).lower(), year, title
 
 
 class AuthorYearStyle(PlainStyle):
@@ -142,9 +146,70 @@ def fill_repository_url(app: Any, docname: str, source: list[str]) -> None:
         source[0] = source[0].replace(REPOSITORY_URL, url)
 
 
+def cited_in(app: Any, doctree: Any, docname: str) -> None:
+    """Append "Cited in: <page>, <page>" to every bibliography entry of ``docname``, each page a
+    link to its first citation of the entry, in reading order (the table of contents')."""
+    from docutils import nodes
+
+    domain = app.env.get_domain("cite")
+    keys = {citation.citation_id: citation.key for citation in domain.citations
+            if citation.bibliography_key.docname == docname}
+    if not keys:
+        return
+    order = {name: i for i, name in enumerate(_reading_order(app.env))}
+    for entry in doctree.findall(nodes.citation):
+        key = next((keys[i] for i in entry["ids"] if i in keys), None)
+        if key is None:
+            continue
+        first: dict[str, str] = {}
+        for ref in domain.citation_refs:
+            if ref.docname != docname and key in {t.key for t in ref.targets}:
+                first.setdefault(ref.docname, ref.citation_ref_id)
+        if not first:
+            continue
+        para = nodes.paragraph(classes=["cited-in"])
+        para += nodes.Text("Cited in: ")
+        for k, citing in enumerate(sorted(first, key=lambda d: order.get(d, len(order)))):
+            if k:
+                para += nodes.Text(", ")
+            uri = app.builder.get_relative_uri(docname, citing) + "#" + first[citing]
+            title = app.env.titles[citing].astext() if citing in app.env.titles else citing
+            number = app.env.toc_secnumbers.get(citing, {}).get("")
+            if number:  # the chapter's number, as the sidebar shows it
+                title = ".".join(map(str, number)) + ". " + title
+            para += nodes.reference("", title, refuri=uri, internal=True)
+        entry += para
+
+
+def bibliography_pages(app: Any, env: Any, added: set, changed: set, removed: set) -> list[str]:
+    """The pages holding a bibliography, read again whenever another page changed: their
+    "Cited in" lines depend on every chapter's citations, not on their own source."""
+    if not (added or changed or removed):
+        return []
+    domain = env.get_domain("cite")
+    return sorted({key.docname for key in domain.bibliographies} - set(removed))
+
+
+def _reading_order(env: Any) -> list[str]:
+    """Documents in the order of the table of contents (the root, then its tree)."""
+    order: list[str] = []
+
+    def walk(doc: str) -> None:
+        if doc in order:
+            return
+        order.append(doc)
+        for child in env.toctree_includes.get(doc, []):
+            walk(child)
+
+    walk(env.config.root_doc)
+    return order
+
+
 def setup(app: Any) -> dict[str, Any]:
     app.connect("config-inited", full_link_text)
     app.connect("source-read", fill_repository_url)
     app.connect("env-get-updated", number_per_document, priority=900)
     app.connect("html-page-context", one_copy_of_each_script)
+    app.connect("doctree-resolved", cited_in)
+    app.connect("env-get-outdated", bibliography_pages)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

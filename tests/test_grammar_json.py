@@ -193,7 +193,7 @@ def test_the_word_level_appendix_checkpoint_cannot_spell_json(tmp_path) -> None:
     model, tokenizer = load_model(write_tiny_llama(tmp_path), "cpu")
     vocab = hf_vocabulary(tokenizer.hf, size=model.config.vocab_size, stop_ids=model.eos_ids)
     assert not vocab.byte_complete
-    with pytest.raises(ValueError, match="cannot spell this json_schema: it needs '{'"):
+    with pytest.raises(ValueError, match="cannot spell JSON: it needs '{'"):
         compile_grammar(vocab, json_schema=RECORD)
     # Its words decode without the spaces between them: a space is what it lacks, not 'w'.
     with pytest.raises(ValueError, match="cannot spell") as err:

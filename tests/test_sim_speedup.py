@@ -17,6 +17,7 @@ from minisrv.sim.speedup import (
     conditional_acceptance,
     expected_tokens_by_position,
     expected_tokens_per_check,
+    positions_reached,
     speculative_speedup,
     speedup_table,
 )
@@ -97,6 +98,7 @@ def test_acceptance_by_position_is_conditional_on_the_guesses_before() -> None:
     assert acceptance_by_position(drafted, accepted, 4) == pytest.approx([3 / 4, 2 / 3, 1, 1])
     assert conditional_acceptance(drafted, accepted) == pytest.approx(7 / 9)
     assert math.isnan(acceptance_by_position([1], [0], 2)[1])  # nothing reached guess 2
+    assert positions_reached(drafted, accepted, 4) == [4, 3, 1, 1]  # the rates' samples
 
 
 def test_rates_by_position_reproduce_the_measured_tokens_per_check() -> None:

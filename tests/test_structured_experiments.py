@@ -93,7 +93,7 @@ def test_records_ebnf_gives_two_parseable_records(citylm, vocab) -> None:
 
 def test_mask_cost_and_the_step_are_positive_and_the_step_grows(vocab) -> None:
     assert st.mask_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
-    assert st.batch_fill_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
+    assert st.fill_cost_us(vocab, 4, repeats=3, regex=st.THREE_CITIES) > 0
     assert 0 < st.decode_step_ms(1) < st.decode_step_ms(64)
 
 

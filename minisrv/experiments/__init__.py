@@ -167,7 +167,7 @@ _PUBLIC = {
     "decode_step_ms": "structured",
     "in_process_server": "structured",
     "json_runs": "structured",
-    "batch_fill_cost_us": "structured",
+    "fill_cost_us": "structured",
     "mask_cost_us": "structured",
     "mask_trace": "structured",
     "step_probabilities": "structured",

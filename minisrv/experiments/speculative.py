@@ -28,6 +28,7 @@ from minisrv.sim.speedup import (
     acceptance_by_position,
     breakeven_batch,
     conditional_acceptance,
+    positions_reached,
     speculative_speedup,
 )
 from minisrv.spec import (
@@ -96,7 +97,8 @@ def acceptance_sweep(
     """One row per (workload, draft, k): ``acceptance``, the per-guess rate the formula takes
     (kept guesses over the guesses the checks reached, ``conditional_acceptance``);
     ``by_position``, that rate for each guess position 1..k given the guesses before it were
-    kept; ``kept_share``, kept guesses over drafted ones; tokens per check (target forwards),
+    kept, and ``reached``, how many checks examined each position (the rate's sample);
+    ``kept_share``, kept guesses over drafted ones; tokens per check (target forwards),
     ``outputs`` (each request's tokens, for a page's own check) and whether they all equal
     ``reference_generate``'s."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -115,6 +117,7 @@ def acceptance_sweep(
                 rows.append({"workload": work, "draft": name, "k": k,
                              "acceptance": conditional_acceptance(each_drafted, each_accepted),
                              "by_position": by_position,
+                             "reached": positions_reached(each_drafted, each_accepted, k),
                              "kept_share": accepted / drafted if drafted else 0.0,
                              "tokens_per_check": (accepted + checks) / checks,
                              "forwards": checks + len(prompts),  # a prefill each, then checks

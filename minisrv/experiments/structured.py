@@ -10,7 +10,7 @@ character by character or compressed into chains (SGLang's compressed finite-sta
 machine). ``step_probabilities`` compares the model's own probability of each chosen token
 with the renormalised one under the mask. ``json_runs`` samples a JSON schema over seeds and
 temperatures and validates every output.
-``mask_cost_us`` times one step's fill and apply, ``batch_fill_cost_us`` XGrammar's batched fill.
+``mask_cost_us`` times one step's fill and apply, ``fill_cost_us`` the fill alone.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ __all__ = [
     "MaskStep",
     "StepProbability",
     "automaton",
-    "batch_fill_cost_us",
     "decode_step_ms",
     "in_process_server",
     "json_runs",
+    "fill_cost_us",
     "mask_cost_us",
     "mask_trace",
     "served_masks",
@@ -346,19 +346,15 @@ def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str
     return _median_us(lambda: processor(logits.clone(), states), repeats)
 
 
-def batch_fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
-                       regex: str | None = None,
-                       json_schema: dict[str, Any] | None = None) -> float:
-    """Median microseconds of XGrammar's own batched fill (``BatchGrammarMatcher``: every row's
-    bitmask in one call, in C++ threads) over the same rows as ``mask_cost_us``: the fill a
-    production server runs, without the apply."""
-    import xgrammar as xgr
-
+def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
+                 regex: str | None = None, json_schema: dict[str, Any] | None = None) -> float:
+    """Median microseconds of the fill alone over the same rows as ``mask_cost_us``
+    (``GrammarLogitsProcessor.fill``: XGrammar's batched fill, every row's bitmask in one
+    call), so that ``mask_cost_us`` minus it is the apply on the logits."""
     grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
-    matchers = [state.matcher for state in _states_in_flight(grammar, vocab, batch)]
-    bitmask = xgr.allocate_token_bitmask(batch, vocab.size)
-    filler = xgr.BatchGrammarMatcher()
-    return _median_us(lambda: filler.batch_fill_next_token_bitmask(matchers, bitmask), repeats)
+    states = _states_in_flight(grammar, vocab, batch)
+    processor = GrammarLogitsProcessor(vocab.size)
+    return _median_us(lambda: processor.fill(states), repeats)
 
 
 def decode_step_ms(batch: int, context: int = 1000) -> float:

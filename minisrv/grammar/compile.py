@@ -20,6 +20,10 @@ from minisrv.grammar.spelling import find_spelling, missing_chars, probe_vocabul
 from minisrv.grammar.vocab import Vocabulary
 
 KINDS = ("regex", "json_schema", "ebnf")
+# What a refusal calls the grammar. JSON is named as JSON, not by the field that carried it:
+# the server turns OpenAI's response_format json_object into json_schema {"type": "object"},
+# and a message naming "json_schema" answered a request that never sent one.
+WHAT = {"regex": "this regex", "json_schema": "JSON", "ebnf": "this EBNF grammar"}
 _LOCK = threading.Lock()  # the engine compiles from a worker thread; one compile at a time
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s]+:\d+: (Check failed: .*? is false: )?")
 
@@ -138,7 +142,7 @@ def _compile_checked(vocab: Vocabulary, kind: str, text: str) -> CompiledGrammar
     missing = missing_chars(probe, vocab, spelling.dead_ends)
     named = ", ".join(repr(c) for c in missing) if missing else "characters outside ASCII"
     raise ValueError(
-        f"the {vocab.name} vocabulary cannot spell this {kind}: it needs {named}, which no "
+        f"the {vocab.name} vocabulary cannot spell {WHAT[kind]}: it needs {named}, which no "
         f"token of the vocabulary provides"
         + (" (no spelling found within the search budget)" if spelling.out_of_budget else "")
     )

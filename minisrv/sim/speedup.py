@@ -47,6 +47,15 @@ def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int],
     return rates
 
 
+def positions_reached(drafted: Sequence[int], accepted: Sequence[int], k: int) -> list[int]:
+    """For i = 1..k, how many checks examined guess i (drafted it and kept 1..i-1): the
+    sample behind ``acceptance_by_position``'s rate i, so that a rate from a handful of checks
+    can be told from one from hundreds."""
+    k = check_int("k", k, minimum=1)
+    return [sum(d >= i and a >= i - 1 for d, a in zip(drafted, accepted, strict=True))
+            for i in range(1, k + 1)]
+
+
 def conditional_acceptance(drafted: Sequence[int], accepted: Sequence[int]) -> float:
     """Kept guesses over the guesses the checks reached (every kept one, plus the first
     rejected one of each check that rejected one): the estimate of the formula's ``a`` when

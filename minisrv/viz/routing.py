@@ -87,9 +87,11 @@ def plot_policy_comparison(results: Mapping[str, ClusterResult], title: str) -> 
 
 @styled
 def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> BookFigure:
-    """Requests in flight on each worker over time, one panel per labelled run."""
+    """Requests in flight on each worker over time, one panel per labelled run, on one y
+    scale (a panel scaled to its own peak made a run with twice the queue look alike)."""
     n = len(results)
-    fig, axes = page_figure(height_in=1.4 + 2.2 * n, rows=n, sharex=True, squeeze=False)
+    fig, axes = page_figure(height_in=1.4 + 2.2 * n, rows=n, sharex=True, sharey=True,
+                            squeeze=False)
     axes = axes[:, 0]
     for ax, (label, r) in zip(axes, results.items(), strict=True):
         for w in range(r.n_workers):

@@ -258,24 +258,24 @@ def comparison_widget(single: pd.DataFrame, repeated: pd.DataFrame,
 REQUEST_LANES: tuple[tuple[str, str], ...] = (
     ("client", "client"),
     ("http", "HTTP process\n(FastAPI handler,\nFrontend)"),
-    ("router", "router\n(DataParallelEngines)"),
-    ("worker", "worker process\n(worker_main)"),
+    ("router", "router\n(DataParallel-\nEngines)"),
+    ("worker", "worker\nprocess\n(worker_main)"),
     ("engine", "engine thread\n(EngineLoop)"),
 )
 """The lanes of ``request_sequence``: who handles a request in ``minisrv serve``, left to right."""
 REQUEST_MESSAGES: tuple[tuple[str, str, str], ...] = (
-    ("client", "http", "POST /v1/completions"),
+    ("client", "http", "POST\n/v1/completions"),
     ("http", "http", "validate the body,\nencode the prompt"),
-    ("http", "router", "submit(key, ids, params)"),
-    ("router", "worker", "Router.route picks a worker;\nSubmit into its inbox"),
+    ("http", "router", "submit(key,\nids, params)"),
+    ("router", "worker", "Router.route\npicks a worker;\nSubmit into\nits inbox"),
     ("worker", "http", "Taken(key)"),
-    ("worker", "engine", "EngineLoop.submit:\na command in its queue"),
-    ("engine", "engine", "between two steps:\nadd_request, then step()"),
-    ("engine", "http", "StepEvents over the worker's pipe:\nevery new token, once per step"),
-    ("http", "client", "data: {chunk} per token\n(textstream detokenizes)"),
-    ("engine", "http", "the last step's events:\nfinish_reason set"),
-    ("http", "client", "last chunk, then\ndata: [DONE]"),
-    ("http", "router", "done(key): the worker's load drops"),
+    ("worker", "engine", "EngineLoop.submit:\na command\nin its queue"),
+    ("engine", "engine", "between two steps:\nadd_request,\nthen step()"),
+    ("engine", "http", "StepEvents over the\nworker's pipe: every\nnew token, once per step"),
+    ("http", "client", "data: {chunk}\nper token\n(detokenized)"),
+    ("engine", "http", "the last step's\nevents:\nfinish_reason set"),
+    ("http", "client", "last chunk,\nthen\ndata: [DONE]"),
+    ("http", "router", "done(key): the\nworker's load\ndrops"),
 )
 """The messages of one streamed completion, in order: (from lane, to lane, label); a message
 from a lane to itself is work done there."""
@@ -294,8 +294,11 @@ def request_sequence(lanes: Sequence[tuple[str, str]] = REQUEST_LANES,
     for src, dst, label in messages:
         if src not in keys or dst not in keys:
             raise ValueError(f"message {label!r} names a lane not in {keys}: {src} -> {dst}")
-    g = graphviz.Digraph("request", **graph_attrs(rankdir="TB", nodesep="0.35",
-                                                  ranksep="0.22", splines="line"))
+    # Labels of a few short lines keep the columns narrow: the diagram is 695 pt wide (936
+    # with one-line labels), so the page's column shrinks it by a fifth, not by two fifths,
+    # and its 12 pt labels read at about 12 px, not 7. ranksep leaves each label its row.
+    g = graphviz.Digraph("request", **graph_attrs(rankdir="TB", nodesep="0.2",
+                                                  ranksep="0.4", splines="line"))
     g.attr("node", shape="point", width="0.01", height="0.01", label="")
     rows = [[f"{key}_{row}" for key in keys] for row in range(len(messages) + 2)]
     with g.subgraph() as top:
@@ -309,7 +312,7 @@ def request_sequence(lanes: Sequence[tuple[str, str]] = REQUEST_LANES,
             for key in keys:
                 if key == src == dst:
                     same.node(f"{key}_{row}", label, shape="box", style="filled",
-                              fillcolor="#fff4e0", width="0", height="0", fontsize="11")
+                              fillcolor="#fff4e0", width="0", height="0", fontsize="12")
                 else:
                     same.node(f"{key}_{row}")
         if src != dst:
