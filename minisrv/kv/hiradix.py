@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from minisrv.checks import check_choice, check_int
-from minisrv.kv.cache import EvictCallback, TreeNode, insert_key
+from minisrv.kv.cache import EvictCallback, HostMatch, TreeNode, insert_key
 from minisrv.kv.events import TreeListener, reports_evicted
 from minisrv.kv.host import HOST_POLICIES, HostPool
 from minisrv.kv.radix import RadixCache, _matched
@@ -58,13 +58,6 @@ class HiTreeNode(TreeNode):
         super().__init__(node_id, key, value, parent, last_access)
         self.host_value: list[int] | None = None  # host slots, one per token, once backed up
         self.hits = 0  # admissions whose cached prefix ran through this node
-
-
-class HostMatch(NamedTuple):
-    """The host-only nodes that continue a device match, and the tokens they hold."""
-
-    nodes: tuple[HiTreeNode, ...]
-    length: int
 
 
 class HiRadixCache(RadixCache):
@@ -195,6 +188,7 @@ class HiRadixCache(RadixCache):
             raise ValueError(f"load of {found.length} tokens got {len(device_slots)} slots")
         offset = 0
         for node in found.nodes:
+            assert isinstance(node, HiTreeNode)
             assert node.host_value is not None and not self.on_device(node)
             slots = list(device_slots[offset:offset + len(node.key)])
             self.host.load(node.host_value, slots)

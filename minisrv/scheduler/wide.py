@@ -48,7 +48,7 @@ class WideDecode(Protocol):
 class JumpForward:
     """Jump-forward's entries: each decode computes its tokens without KV, then samples.
 
-    A request the grammar moved forward holds ``seq_len - len(kv_slots) > 1`` tokens
+    A request the grammar moved forward holds ``seq_len - kv_len > 1`` tokens
     without KV; its entry starts at the first of them (``alloc`` remembers where, then
     takes their slots). The runner appends the grammar's next forced tokens after sampling
     (``ModelRunner.set_jump``), so the scheduler only sees longer results.
@@ -59,14 +59,14 @@ class JumpForward:
 
     def room(self, running: Sequence[Req]) -> int:
         """KV slots the running requests' entries take this step: every token without KV."""
-        return sum(req.seq_len - len(req.kv_slots) for req in running)
+        return sum(req.seq_len - req.kv_len for req in running)
 
     def alloc(self, running: Sequence[Req], memory: KVManager) -> None:
         """Give every running request the slots of its tokens without KV."""
         starts = self._starts
         starts.clear()
         for req in running:
-            starts[req] = start = len(req.kv_slots)
+            starts[req] = start = req.kv_len
             memory.alloc_tokens(req, req.seq_len - start)
 
     def expand(self, batch: Batch) -> Batch:
