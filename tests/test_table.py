@@ -99,7 +99,7 @@ class Driver:
             del req.output[len(req.output) - n:]
             self.memory.truncate(req, n)
         elif name == "prefilled":
-            self.memory.cache_prefilled(req)
+            self.memory.cache_unfinished(req)
         else:
             self.running.remove(req)
             if name == "finish":

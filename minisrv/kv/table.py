@@ -30,7 +30,6 @@ runs steps in launch order, so step i has read it by then (``kv/manager.py`` fre
 once, as SGLang's overlapped scheduler does). The overlapped loop therefore needs up to
 twice ``max_running`` rows (the running requests, plus those of the step in flight that
 left since); the last row is a scratch row of padding slots, for padded decode rows.
-
 """
 
 from __future__ import annotations
@@ -116,11 +115,6 @@ class ReqToTokenTable:
         row = self._row.get(req)
         return [] if row is None else self._slots[row][start:end]
 
-    def length(self, req: Req) -> int:
-        """Positions of ``req`` with a slot (0 for a request holding no row)."""
-        row = self._row.get(req)
-        return 0 if row is None else len(self._slots[row])
-
     # ------------------------------------------------------------------ rows
     def row(self, req: Req) -> int:
         """``req``'s row (KeyError if it holds none)."""
@@ -166,18 +160,18 @@ class ReqToTokenTable:
     def write(self, req: Req, start: int, slots: Sequence[int]) -> None:
         """``slots`` at positions ``start ..`` of ``req``'s row: one copy to the device."""
         row, n = self._row[req], len(slots)
+        host = self._slots[row]
         if start + n > self.width:
             raise ValueError(f"request {req.rid}: position {start + n - 1} is past the "
                              f"table's {self.width} columns")
+        if start > len(host):
+            raise ValueError(f"request {req.rid}: a write at position {start} leaves a gap "
+                             f"after its {len(host)} slots")
         if n and self.tensor is not None:
             import torch
 
             self.tensor[row, start:start + n] = torch.tensor(slots, dtype=torch.int32).to(
                 self.device)
-        host = self._slots[row]
-        if start > len(host):
-            raise ValueError(f"request {req.rid}: write at {start} leaves a gap after "
-                             f"position {len(host) - 1}")
         host[start:start + n] = slots
 
     def append(self, reqs: Sequence[Req], slots: Sequence[int]) -> None:
