@@ -30,9 +30,13 @@ def _admit(memory: KVManager, rid: int, prompt: list[int]) -> Req | None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(cache=st.sampled_from(["radix", "none"]), ops=st.lists(op_st, max_size=40))
-def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple]) -> None:
-    memory = KVManager(SlotAllocator(48), cache)  # type: ignore[arg-type]
+@given(cache=st.sampled_from(["radix", "none"]), ops=st.lists(op_st, max_size=40),
+       page_size=st.sampled_from([1, 4, 16]))
+def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple],
+                                                  page_size: int) -> None:
+    """At every page size: a truncation frees exactly the pages it empties, and nothing
+    leaks (``check_integrity``: every page free, one request's or the cache's)."""
+    memory = KVManager(SlotAllocator(48, page_size), cache)  # type: ignore[arg-type]
     running: list[Req] = []
     for rid, (op, *args) in enumerate(ops):
         if op == "admit":
@@ -41,15 +45,15 @@ def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple]) 
         elif running:
             req = running[args[0] % len(running)]
             if op == "grow":  # a speculative check: k+1 tokens get KV, outputs follow
-                n = min(args[1], memory.free_count)
+                n = args[1] if memory.growth(req, args[1]) <= memory.free_count else 0
                 memory.alloc_tokens(req, n)
                 req.output.extend([1] * n)
             elif op == "truncate":  # the rejected ones go again
-                n = min(args[1], len(req.kv_slots) - req.cached_len, len(req.output))
-                before = memory.free_count
+                n = min(args[1], req.kv_len - req.cached_len, len(req.output))
+                before, k = memory.free_count, req.kv_len
                 memory.truncate(req, n)
                 del req.output[len(req.output) - n:]
-                assert memory.free_count == before + n
+                assert memory.free_count == before + memory.pages(k) - memory.pages(k - n)
             elif op == "finish":
                 running.remove(req)
                 memory.cache_finished(req)
@@ -73,11 +77,11 @@ def test_truncate_rejects_the_shared_prefix_and_changes_nothing() -> None:
     memory.cache_finished(first)
     second = _admit(memory, 1, [1, 2, 3, 4, 5, 6])
     assert second is not None and second.cached_len == 5
-    slots = list(second.kv_slots)
+    slots = memory.slots(second)
     for bad in (2, -1, 1.0, True):
         with pytest.raises(ValueError, match="truncate of request 1"):
             memory.truncate(second, bad)  # type: ignore[arg-type]
-    assert second.kv_slots == slots
+    assert memory.slots(second) == slots
     memory.truncate(second, 1)
-    assert second.kv_slots == slots[:-1]
+    assert memory.slots(second) == slots[:-1]
     memory.check_integrity([second])

@@ -21,6 +21,7 @@ __all__ = [
     "TreeNode",
     "MatchResult",
     "SizeInfo",
+    "HostMatch",
     "PrefixCache",
     "NoCache",
 ]
@@ -80,6 +81,13 @@ class SizeInfo(NamedTuple):
         return self.evictable + self.protected
 
 
+class HostMatch(NamedTuple):
+    """The host-only nodes that continue a device match, and the tokens they hold."""
+
+    nodes: tuple[TreeNode, ...]
+    length: int
+
+
 def insert_key(tokens: Sequence[int], values: Sequence[Any] | None) -> tuple[int, ...]:
     """``tokens`` as a tree key, after checking that ``values`` (if any) gives one KV slot per
     token: a tree told otherwise would hand out slots that belong to other tokens."""
@@ -125,6 +133,34 @@ class PrefixCache(ABC):
     @abstractmethod
     def size_info(self) -> SizeInfo:
         """Evictable and protected token counts."""
+
+    def nodes(self) -> list[TreeNode]:
+        """Every node holding cached KV, root first (a cache without a tree: its root)."""
+        return [self.root]
+
+    # ------------------------------------------------ the host tier's hooks (no-ops here)
+    # A cache with a host tier (``kv/hiradix.py``) overrides these; ``KVManager`` calls
+    # them on every cache, so it never asks which kind it holds.
+    def host_match_length(self, node: TreeNode, tokens: Sequence[int], start: int) -> int:
+        """Tokens of ``tokens`` past ``start`` (a device match ending at ``node``) held in
+        host memory only, without changing anything: none without a host tier."""
+        return 0
+
+    def match_host(self, node: TreeNode, tokens: Sequence[int], start: int) -> HostMatch:
+        """The host-only nodes continuing a device match of ``start`` tokens at ``node``."""
+        return HostMatch((), 0)
+
+    def load(self, found: HostMatch, device_slots: Sequence[Any]) -> TreeNode:
+        """Put ``found``'s nodes back on the device in ``device_slots``; the last node."""
+        raise ValueError("a cache without a host tier has nothing to load")
+
+    def count_hit(self, node: TreeNode) -> None:
+        """An admitted request's cached prefix ends at ``node`` (a host tier counts hits)."""
+        return None
+
+    def check_tiers(self) -> None:
+        """``AssertionError`` if the tiers disagree (one tier: nothing to compare)."""
+        return None
 
     def evictable_size(self) -> int:
         """Tokens that ``evict`` could free right now."""
