@@ -1,8 +1,9 @@
 """The interface every prefix cache implements, and the cache that keeps nothing.
 
 A prefix cache maps token sequences to the KV slots already computed for them. The scheduler
-talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.kv.radix``)
-and ``NoCache`` (no reuse at all: ``Engine(cache="none")``) are interchangeable, as in
+talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.kv.radix``),
+vLLM's block-hash cache (``minisrv.kv.blocks``) and ``NoCache`` (no reuse at all:
+``Engine(cache="none")``) are interchangeable, as in
 mini-sglang's ``kvcache/base.py``. The small result types name each field, so a reader of
 the scheduler sees what a match returns without opening the tree. ``kinds.py`` builds the
 cache ``Engine(cache=...)`` names; ``events.py`` holds what the tree reports to a listener.
@@ -94,12 +95,14 @@ class PrefixCache(ABC):
     """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
 
     Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
-    leading tokens that were already cached. The cache keeps ``values[k:]`` and hands them to
-    ``on_evict`` when it evicts them; ``values[:k]`` duplicate what the tree already holds and
-    stay the caller's to free.
+    leading tokens that were already cached. The cache keeps ``values[k:page_aligned(n)]``
+    (``n = len(tokens)``) and hands them to ``on_evict`` when it evicts them; ``values[:k]``
+    duplicate what the tree already holds and, with what follows the last whole page, stay
+    the caller's to free.
     """
 
     root: TreeNode
+    page_size: int = 1  # an insert keeps whole pages (``BlockCache``: whole blocks)
 
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -125,6 +128,16 @@ class PrefixCache(ABC):
     @abstractmethod
     def size_info(self) -> SizeInfo:
         """Evictable and protected token counts."""
+
+    def page_aligned(self, n_tokens: int) -> int:
+        """How many leading tokens of an ``n_tokens`` insert the cache keeps (the rest of
+        the values stay the caller's to free): all of them in a token-level tree."""
+        return n_tokens
+
+    def nodes(self) -> list[TreeNode]:
+        """Every node holding cached values, the root first (``KVManager`` checks its
+        bookkeeping over them)."""
+        return [self.root]
 
     def evictable_size(self) -> int:
         """Tokens that ``evict`` could free right now."""

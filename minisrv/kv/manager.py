@@ -33,7 +33,6 @@ from minisrv.kv.cache import MatchResult, PrefixCache, TreeNode
 from minisrv.kv.hiradix import HiRadixCache
 from minisrv.kv.host import CopyPlan, HostPool
 from minisrv.kv.kinds import Cache, make_cache
-from minisrv.kv.radix import RadixCache
 from minisrv.kv.table import ReqToTokenTable
 from minisrv.request import Req
 
@@ -53,13 +52,14 @@ class KVManager:
 
     def __init__(self, allocator: SlotAllocator, cache: Cache, host: HostPool | None = None,
                  host_policy: str = "write_through",
-                 table: ReqToTokenTable | None = None) -> None:
+                 table: ReqToTokenTable | None = None, page_size: int = 1) -> None:
         self.kv = allocator
         self.table = table  # None: no pool to index (the simulated GPU)
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
         # With a host tier (``kv/hiradix.py``) the device evicts to host memory instead.
-        self.tree: PrefixCache = (make_cache(cache, on_evict=allocator.free) if host is None
-                                  else HiRadixCache(host, host_policy, on_evict=allocator.free))
+        self.tree: PrefixCache = (
+            make_cache(cache, on_evict=allocator.free, page_size=page_size) if host is None
+            else HiRadixCache(host, host_policy, on_evict=allocator.free))
         self.host = host
         self.evicted_tokens = 0
         self.host_hit_tokens = 0  # matched in the host tier at admission
@@ -208,11 +208,13 @@ class KVManager:
 
         Its KV is not freed but kept for the next turn of a chat or any request with the same
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
-        (with ``NoCache`` that is all of them).
+        (with ``NoCache`` that is all of them), and so are those after the last whole page the
+        cache keeps (``BlockCache`` keeps full blocks only).
         """
         tokens = (*req.prompt, *req.output)[: len(req.kv_slots)]
         already = self.tree.insert(tokens, req.kv_slots, tag=_tag(req))
-        self.kv.free(req.kv_slots[req.cached_len:already])
+        kept = self.tree.page_aligned(len(tokens))
+        self.kv.free([*req.kv_slots[req.cached_len:already], *req.kv_slots[kept:]])
         self._unlock(req)
 
     def release(self, req: Req) -> int:
@@ -276,7 +278,7 @@ class KVManager:
         tree = self.tree
         owned = [s for req in running for s in req.kv_slots[req.cached_len:]]
         shared = [s for req in running for s in req.kv_slots[: req.cached_len]]
-        nodes = tree.nodes() if isinstance(tree, RadixCache) else [tree.root]
+        nodes = tree.nodes()
         cached = [s for node in nodes for s in node.value]
         total = len(owned) + len(cached) + self.kv.free_count
         assert total == self.kv.capacity, (
