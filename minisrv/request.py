@@ -59,7 +59,12 @@ class Req:
     state: ReqState = ReqState.PENDING
     admitted_at: float | None = None  # clock when its prefill step started
     finish_reason: str | None = None  # "length" or "eos"
-    kv_slots: list[int] = field(default_factory=list)  # KV pool slots, in position order
+    # positions 0 .. kv_len - 1 have KV; where it lives is the request-to-token table's
+    # record (``minisrv.kv.table``), the only one
+    kv_len: int = 0
+    # a request driven by hand (a runner without a scheduler's table): its KV slots, in
+    # position order; a scheduled request's stay in its table row, never here
+    kv_slots: list[int] = field(default_factory=list)
     retractions: int = 0  # times it was pushed back to the queue to free memory
     cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
     cache_node: TreeNode | None = None  # the cache node locking that prefix while it runs

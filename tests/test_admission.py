@@ -30,9 +30,9 @@ def check_pool(sched: Scheduler) -> None:
     """Accounting that must hold after every step."""
     kv = sched.memory.kv
     assert kv.free_count + kv.used_count == kv.capacity
-    held = [s for req in sched.queues.running for s in req.kv_slots]
+    held = [s for req in sched.queues.running for s in sched.memory.slots(req)]
     assert len(held) == len(set(held)) == kv.used_count
-    assert all(not req.kv_slots for req in sched.queues.waiting)
+    assert all(not req.kv_len for req in sched.queues.waiting)
 
 
 def serve_checked(engine: Engine, reqs: list[Req]) -> None:

@@ -203,7 +203,7 @@ def test_retract_requeues_running_requests_and_keeps_their_tokens(model) -> None
         engine.step()
     used = engine.scheduler.memory.kv.used_count
     engine.retract([sampled, greedy])
-    assert engine.scheduler.memory.kv.used_count < used and not sampled.kv_slots
+    assert engine.scheduler.memory.kv.used_count < used and not sampled.kv_len
     assert list(engine.scheduler.queues.waiting) == [sampled, greedy]
     engine.scheduler.check_integrity()
     while engine.step().record is not None:

@@ -72,7 +72,7 @@ def test_an_entry_of_several_tokens_keeps_those_before_the_stop_and_frees_the_re
     req = Req(rid=0, prompt=[0, 5, 6, 7], params=SamplingParams(max_new_tokens=9))
     sched.submit(req)
     sched.step()  # prefilled: one output token
-    assert len(req.output) == 1 and len(req.kv_slots) == 4
+    assert len(req.output) == 1 and req.kv_len == 4
     sched.memory.alloc_tokens(req, 3)  # the newest token + 2 drafts
     batch = Batch((Entry(req, 4, 3),))
     sched.backend = _Eos(sched.backend)

@@ -29,13 +29,13 @@ def check_pool(sched: Scheduler) -> None:
     """Every used slot is held by exactly one owner: the tree, or one running request."""
     kv, tree = sched.memory.kv, sched.memory.tree
     cached = tree_slots(sched)
-    own = [s for req in sched.queues.running for s in req.kv_slots[req.cached_len:]]
+    own = [s for req in sched.queues.running for s in sched.memory.slots(req, req.cached_len)]
     assert len(cached) == tree.total_size()
     assert len(set(cached) | set(own)) == len(cached) + len(own) == kv.used_count
     for req in sched.queues.running:  # a running request's cached prefix is the tree's, locked
-        assert set(req.kv_slots[:req.cached_len]) <= set(cached)
+        assert set(sched.memory.slots(req, 0, req.cached_len)) <= set(cached)
         assert req.cache_node is not None
-    assert all(not req.kv_slots for req in sched.queues.waiting)
+    assert all(not req.kv_len for req in sched.queues.waiting)
 
 
 def serve_checked(engine: Engine, reqs: list[Req]) -> None:

@@ -45,7 +45,7 @@ def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple]) 
                 memory.alloc_tokens(req, n)
                 req.output.extend([1] * n)
             elif op == "truncate":  # the rejected ones go again
-                n = min(args[1], len(req.kv_slots) - req.cached_len, len(req.output))
+                n = min(args[1], req.kv_len - req.cached_len, len(req.output))
                 before = memory.free_count
                 memory.truncate(req, n)
                 del req.output[len(req.output) - n:]
@@ -73,11 +73,11 @@ def test_truncate_rejects_the_shared_prefix_and_changes_nothing() -> None:
     memory.cache_finished(first)
     second = _admit(memory, 1, [1, 2, 3, 4, 5, 6])
     assert second is not None and second.cached_len == 5
-    slots = list(second.kv_slots)
+    slots = memory.slots(second)
     for bad in (2, -1, 1.0, True):
         with pytest.raises(ValueError, match="truncate of request 1"):
             memory.truncate(second, bad)  # type: ignore[arg-type]
-    assert second.kv_slots == slots
+    assert memory.slots(second) == slots
     memory.truncate(second, 1)
-    assert second.kv_slots == slots[:-1]
+    assert memory.slots(second) == slots[:-1]
     memory.check_integrity([second])

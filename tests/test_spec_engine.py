@@ -315,12 +315,12 @@ def test_drafts_reach_the_runner_as_one_check_per_request(citylm):
     req = engine.add_request(tok.encode("FR: Paris,"), SamplingParams(24))
     engine.step()  # the prefill: the first token, no guesses
     assert engine.trace[-1].checks == ()
-    held = len(req.kv_slots)
+    held = req.kv_len
     out = engine.step()
     (rid, drafted, accepted), = out.record.checks
     assert (rid, drafted) == (req.rid, 4)
     assert len(out.tokens_of(req)) == accepted + 1
-    assert len(req.kv_slots) == held + accepted + 1 == req.seq_len - 1
+    assert req.kv_len == held + accepted + 1 == req.seq_len - 1
     assert out.record.drafted - out.record.accepted == 4 - accepted  # the KV freed
 
 

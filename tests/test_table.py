@@ -70,7 +70,7 @@ class Driver:
         self.running.append(req)
 
     def grow(self, req: Req, n: int) -> bool:
-        fits = n <= self.memory.free_count and len(req.kv_slots) + n <= CAPACITY
+        fits = n <= self.memory.free_count and req.kv_len + n <= CAPACITY
         if fits:
             req.output.extend([1] * n)
         return fits
@@ -94,7 +94,7 @@ class Driver:
             if self.grow(req, args[1]):
                 self.memory.alloc_tokens(req, args[1])
         elif name == "truncate":
-            n = min(args[1], len(req.kv_slots) - req.cached_len)
+            n = min(args[1], req.kv_len - req.cached_len)
             del req.output[len(req.output) - n:]
             self.memory.truncate(req, n)
         elif name == "prefilled":
@@ -107,7 +107,7 @@ class Driver:
                 self.memory.release(req)
 
     def check(self) -> None:
-        self.memory.check_integrity(self.running)  # the table equals every kv_slots
+        self.memory.check_integrity(self.running)  # the table holds every kv_len
         held = {self.table.row(r) for r in self.running}
         in_flight = set().union(*self.flight) - held
         assert in_flight <= set(self.table.deferred), "a row read in flight was freed"

@@ -23,7 +23,7 @@ class Slots:
         self.next = 0
 
     def alloc_tokens(self, req: Req, n: int) -> None:
-        req.kv_slots.extend(range(self.next, self.next + n))
+        req.kv_len += n
         self.next += n
 
 
@@ -31,7 +31,7 @@ def running(prompt_len: int, output: list[int], with_kv: int) -> Req:
     req = Req(rid=len(output), prompt=list(range(1, prompt_len + 1)),
               params=SamplingParams(max_new_tokens=20))
     req.output.extend(output)
-    req.kv_slots.extend(range(1000, 1000 + with_kv))
+    req.kv_len = with_kv
     return req
 
 
@@ -39,9 +39,9 @@ def test_jump_forward_widens_each_decode_to_its_tokens_without_kv() -> None:
     plain = running(4, [7], with_kv=4)  # its newest token has no KV: a one-token decode
     jumped = running(4, [7, 8, 9, 10], with_kv=4)  # 3 forced tokens appended without KV
     wide, slots = JumpForward(), Slots()
-    assert wide.room([plain, jumped]) == 1 + 4
+    assert [wide.tokens(r) for r in (plain, jumped)] == [1, 4]
     wide.alloc([plain, jumped], slots)
-    assert [len(r.kv_slots) for r in (plain, jumped)] == [plain.seq_len, jumped.seq_len]
+    assert [r.kv_len for r in (plain, jumped)] == [plain.seq_len, jumped.seq_len]
     batch = wide.expand(Batch.of([], [plain, jumped]))
     assert [(e.start, e.n_tokens, e.sample) for e in batch.entries] == [(4, 1, True),
                                                                       (4, 4, True)]

@@ -104,7 +104,7 @@ def step_by_step(model: Any, prompts: Sequence[Sequence[int]],
         requests = tuple(
             RequestAtStep(req.rid, _role(req.rid, record, req.rid in done), req.finished,
                           tuple(out.tokens_of(req)), tuple(req.output),
-                          () if req.finished else tuple(req.kv_slots))
+                          () if req.finished else tuple(engine.scheduler.memory.slots(req)))
             for req in reqs)
         done.update(r.rid for r in requests if r.finished)
         steps.append(StepView(record, requests))

@@ -161,8 +161,8 @@ class BlockCache(PrefixCache):
             values: the KV slot of each token; defaults to ``None`` per token.
 
         Returns:
-            How many leading tokens were cached already (whole blocks). The cache keeps
-            ``values[returned:page_aligned(len(tokens))]``; the caller frees the rest. Every
+            How many leading tokens were cached already (whole blocks). The cache keeps the
+            values from there to the last full block; the caller frees the rest. Every
             block of the run nobody references moves to the queue's tail, deepest first,
             as vLLM frees a finished request's blocks.
         """
@@ -171,7 +171,7 @@ class BlockCache(PrefixCache):
         path = list(self._chain(key))
         already = len(path) * size
         node = path[-1] if path else self.root
-        for start in range(already, self.page_aligned(len(key)), size):
+        for start in range(already, len(key) - size + 1, size):
             block_tokens = key[start:start + size]
             vals = [None] * size if values is None else list(values[start:start + size])
             node = self._add(node, block_tokens, vals)
@@ -192,10 +192,6 @@ class BlockCache(PrefixCache):
             self._by_hash[block_hash] = block
         self._evictable += len(tokens)
         return block
-
-    def page_aligned(self, n_tokens: int) -> int:
-        """``n_tokens`` rounded down to whole blocks: what an insert of them keeps."""
-        return n_tokens // self.page_size * self.page_size
 
     # ------------------------------------------------------------ reference counts
     def lock(self, node: TreeNode, *, tag: str = "") -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "TreeNode",
     "MatchResult",
     "SizeInfo",
+    "HostMatch",
     "PrefixCache",
     "NoCache",
 ]
@@ -81,6 +82,13 @@ class SizeInfo(NamedTuple):
         return self.evictable + self.protected
 
 
+class HostMatch(NamedTuple):
+    """The host-only nodes that continue a device match, and the tokens they hold."""
+
+    nodes: tuple[TreeNode, ...]
+    length: int
+
+
 def insert_key(tokens: Sequence[int], values: Sequence[Any] | None) -> tuple[int, ...]:
     """``tokens`` as a tree key, after checking that ``values`` (if any) gives one KV slot per
     token: a tree told otherwise would hand out slots that belong to other tokens."""
@@ -92,17 +100,17 @@ def insert_key(tokens: Sequence[int], values: Sequence[Any] | None) -> tuple[int
 
 
 class PrefixCache(ABC):
-    """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
+    """The interface the engine uses, so ``RadixCache``, ``BlockCache`` and ``NoCache`` are
+    interchangeable.
 
     Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
-    leading tokens that were already cached. The cache keeps ``values[k:page_aligned(n)]``
-    (``n = len(tokens)``) and hands them to ``on_evict`` when it evicts them; ``values[:k]``
-    duplicate what the tree already holds and, with what follows the last whole page, stay
-    the caller's to free.
+    leading tokens that were already cached. The cache keeps ``values[k:]`` up to the last
+    whole page and hands them to ``on_evict`` when it evicts them; ``values[:k]`` duplicate
+    what the tree already holds and, with a last partial page, stay the caller's to free.
     """
 
     root: TreeNode
-    page_size: int = 1  # an insert keeps whole pages (``BlockCache``: whole blocks)
+    page_size: int = 1  # the cache matches, inserts and evicts whole pages of this many tokens
 
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -129,15 +137,33 @@ class PrefixCache(ABC):
     def size_info(self) -> SizeInfo:
         """Evictable and protected token counts."""
 
-    def page_aligned(self, n_tokens: int) -> int:
-        """How many leading tokens of an ``n_tokens`` insert the cache keeps (the rest of
-        the values stay the caller's to free): all of them in a token-level tree."""
-        return n_tokens
-
     def nodes(self) -> list[TreeNode]:
-        """Every node holding cached values, the root first (``KVManager`` checks its
-        bookkeeping over them)."""
+        """Every node holding cached KV, root first (a cache without a tree: its root)."""
         return [self.root]
+
+    # ------------------------------------------------ the host tier's hooks (no-ops here)
+    # A cache with a host tier (``kv/hiradix.py``) overrides these; ``KVManager`` calls
+    # them on every cache, so it never asks which kind it holds.
+    def host_match_length(self, node: TreeNode, tokens: Sequence[int], start: int) -> int:
+        """Tokens of ``tokens`` past ``start`` (a device match ending at ``node``) held in
+        host memory only, without changing anything: none without a host tier."""
+        return 0
+
+    def match_host(self, node: TreeNode, tokens: Sequence[int], start: int) -> HostMatch:
+        """The host-only nodes continuing a device match of ``start`` tokens at ``node``."""
+        return HostMatch((), 0)
+
+    def load(self, found: HostMatch, device_slots: Sequence[Any]) -> TreeNode:
+        """Put ``found``'s nodes back on the device in ``device_slots``; the last node."""
+        raise ValueError("a cache without a host tier has nothing to load")
+
+    def count_hit(self, node: TreeNode) -> None:
+        """An admitted request's cached prefix ends at ``node`` (a host tier counts hits)."""
+        return None
+
+    def check_tiers(self) -> None:
+        """``AssertionError`` if the tiers disagree (one tier: nothing to compare)."""
+        return None
 
     def evictable_size(self) -> int:
         """Tokens that ``evict`` could free right now."""

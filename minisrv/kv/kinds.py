@@ -24,10 +24,11 @@ found by chained hashes (vLLM V1)."""
 
 def make_cache(kind: Cache, on_evict: EvictCallback | None = None,
                page_size: int = 1) -> PrefixCache:
-    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the slots it evicts.
-    ``page_size`` is the block cache's block: the engine passes its ``page_size``."""
+    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the slots it evicts,
+    ``page_size`` is the unit it caches in (``EngineConfig.page_size``): the radix tree's
+    pages, the block cache's blocks."""
     check_choice("cache", kind, CACHES)
     check_int("page_size", page_size, minimum=1)
     if kind == "blocks":
         return BlockCache(page_size, on_evict=on_evict)
-    return RadixCache(on_evict=on_evict) if kind == "radix" else NoCache()
+    return RadixCache(on_evict=on_evict, page_size=page_size) if kind == "radix" else NoCache()

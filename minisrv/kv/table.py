@@ -12,6 +12,12 @@ node may end anywhere), so a larger page would need copy-on-write at every share
 end; at one token per entry the table is what the allocator already hands out, and a page
 table of any size is this table with its columns grouped.
 
+The table is the only record of where a request's tokens live: each row keeps its slots on
+the host too (``slots``: what the manager frees and the runner ships as a step's new
+slots), the device tensor mirroring them for the kernels; a request holds only lengths
+(``Req.kv_len``). A table built with ``device=None`` keeps the host record alone and grows
+its rows on demand: the simulated GPU's, and a ``KVManager`` driven without a pool.
+
 ``KVManager`` is the only writer: a row is taken at admission and written whenever slots
 are allocated (admission, a decode, a check, a chunk) or swapped for the cache's copy;
 truncation cuts its length. A row is given back when its request finishes, is retracted or
@@ -24,7 +30,6 @@ once, as SGLang's overlapped scheduler does). The overlapped loop therefore need
 twice ``max_running`` rows (the running requests, plus those of the step in flight that
 left since); the last row is a scratch row of padding slots, for padded decode rows.
 
-The simulated GPU has no pool and gets no table (``KVManager(table=None)``).
 """
 
 from __future__ import annotations
@@ -51,33 +56,45 @@ class ReqToTokenTable:
 
     ``scratch_slot`` fills every column nobody wrote (the pool's padding slot), so any entry
     the backends gather, used or stale, indexes the pool. The host side keeps each row's
-    written length (for ``check``) and the last launched step that read it (for reuse).
+    slots (``slots``: the record the manager reads) and the last launched step that read
+    it (for reuse). ``device=None``: the host record alone, no tensor, rows added as
+    requests need them (no torch imported).
     """
 
     def __init__(self, rows: int, width: int, scratch_slot: int,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device | None = "cpu") -> None:
         if rows < 2 or width < 1:
             raise ValueError(f"a table needs >= 2 rows and >= 1 column, got {rows} x {width}")
-        import torch
-
         self.width, self.scratch_slot = width, scratch_slot
-        self.tensor = torch.full((rows, width), scratch_slot, dtype=torch.int32, device=device)
+        self.tensor: torch.Tensor | None = None
+        if device is not None:
+            import torch
+
+            self.tensor = torch.full((rows, width), scratch_slot, dtype=torch.int32,
+                                     device=device)
+        self._rows = rows
         self.scratch_row = rows - 1
         self._free = list(range(rows - 2, -1, -1))  # a stack: the lowest row first
         self._row: dict[Req, int] = {}  # each holder (by identity: Req has eq=False) -> row
-        self._lens = [0] * rows  # columns written per row
+        self._slots: list[list[int]] = [[] for _ in range(rows)]  # each row's slots (host)
         self._last_read = [-1] * rows  # the last launched step that read each row
         self._deferred: list[int] = []  # given back while a step that read them runs
         self.launched_steps = 0  # steps launched so far (the next one's index)
         self.completed_steps = 0  # steps completed (they complete in launch order)
 
+    @classmethod
+    def host_only(cls, scratch_slot: int = -1) -> ReqToTokenTable:
+        """The host record alone: no tensor, rows added on demand, any width."""
+        return cls(2, 1 << 62, scratch_slot, device=None)
+
     @property
     def rows(self) -> int:
         """Rows of the table, the scratch row included."""
-        return self.tensor.shape[0]
+        return self._rows
 
     @property
     def device(self) -> torch.device:
+        assert self.tensor is not None, "a host-only table has no device"
         return self.tensor.device
 
     def place(self, device: str | torch.device) -> None:
@@ -90,6 +107,18 @@ class ReqToTokenTable:
         if self._row:
             raise ValueError("a table moves before any row is taken")
         self.tensor = self.tensor.to(device)
+
+    # ------------------------------------------------------------------ the record
+    def slots(self, req: Req, start: int = 0, end: int | None = None) -> list[int]:
+        """The slots of ``req``'s positions ``start .. end - 1`` (all of them by default),
+        read from the host record (empty for a request holding no row)."""
+        row = self._row.get(req)
+        return [] if row is None else self._slots[row][start:end]
+
+    def length(self, req: Req) -> int:
+        """Positions of ``req`` with a slot (0 for a request holding no row)."""
+        row = self._row.get(req)
+        return 0 if row is None else len(self._slots[row])
 
     # ------------------------------------------------------------------ rows
     def row(self, req: Req) -> int:
@@ -118,12 +147,18 @@ class ReqToTokenTable:
         """A free row for ``req``, holding ``slots`` from position 0 (its admission)."""
         if req in self._row:
             raise ValueError(f"request {req.rid} already holds row {self._row[req]}")
+        if not self._free and self.tensor is None:  # a host record grows on demand
+            self._slots.append([])
+            self._last_read.append(-1)
+            self._free.append(self._rows - 1)
+            self._rows += 1
+            self.scratch_row = self._rows - 1
         if not self._free:
             raise ValueError(f"all {self.rows - 1} rows are taken or in flight: the table "
                              "is sized for max_running (twice it with overlap)")
         row = self._free.pop()
         self._row[req] = row
-        self._lens[row] = 0
+        self._slots[row] = []
         self.write(req, 0, slots)
         return row
 
@@ -133,41 +168,44 @@ class ReqToTokenTable:
         if start + n > self.width:
             raise ValueError(f"request {req.rid}: position {start + n - 1} is past the "
                              f"table's {self.width} columns")
-        if n:
+        if n and self.tensor is not None:
             import torch
 
             self.tensor[row, start:start + n] = torch.tensor(slots, dtype=torch.int32).to(
                 self.device)
-        self._lens[row] = max(self._lens[row], start + n)
+        host = self._slots[row]
+        if start > len(host):
+            raise ValueError(f"request {req.rid}: write at {start} leaves a gap after "
+                             f"position {len(host) - 1}")
+        host[start:start + n] = slots
 
     def append(self, reqs: Sequence[Req], slots: Sequence[int]) -> None:
         """One slot after each request's last position (a decode step): one copy, one
         scatter for all of them."""
         rows = [self._row[req] for req in reqs]
-        cols = [self._lens[row] for row in rows]
+        cols = [len(self._slots[row]) for row in rows]
         if cols and max(cols) >= self.width:
             raise ValueError(f"a request's position reaches past the table's {self.width} "
                              "columns")
-        if rows:
+        if rows and self.tensor is not None:
             import torch
 
             moved = torch.tensor([rows, cols, list(slots)], dtype=torch.long).to(self.device)
             self.tensor[moved[0], moved[1]] = moved[2].to(torch.int32)
-        for row, col in zip(rows, cols, strict=True):
-            self._lens[row] = col + 1
+        for row, slot in zip(rows, slots, strict=True):
+            self._slots[row].append(slot)
 
     def cut(self, req: Req, length: int) -> None:
         """``req``'s row holds its first ``length`` slots only (a truncation): the columns
         past it are never read again, so nothing is written to the device."""
-        row = self._row[req]
-        self._lens[row] = min(self._lens[row], length)
+        del self._slots[self._row[req]][length:]
 
     def give_back(self, req: Req) -> None:
         """``req`` leaves: its row is free again once no launched step may read it."""
         row = self._row.pop(req, None)
         if row is None:
             return
-        self._lens[row] = 0
+        self._slots[row] = []
         if self._last_read[row] >= self.completed_steps:
             self._deferred.append(row)
         else:
@@ -204,23 +242,24 @@ class ReqToTokenTable:
 
     # ------------------------------------------------------------------ invariants
     def check(self, running: Sequence[Req]) -> None:
-        """``AssertionError`` unless every running request's row holds its ``kv_slots``
-        (read back from the device: a check, not the step path), no other request holds a
-        row, and every row is held, deferred or free exactly once."""
+        """``AssertionError`` unless every running request's row holds ``kv_len`` slots, the
+        device row equals the host record (read back: a check, not the step path), no other
+        request holds a row, and every row is held, deferred or free exactly once."""
         held = set(running)
         assert set(self._row) == held, (
             f"{len(self._row)} rows held by {len(held)} running requests")
-        table = self.tensor.cpu()
+        table = None if self.tensor is None else self.tensor.cpu()
         for req in running:
             row = self._row[req]
-            n = len(req.kv_slots)
-            assert self._lens[row] == n, (
-                f"request {req.rid}: row {row} holds {self._lens[row]} slots, it has {n}")
-            assert table[row, :n].tolist() == req.kv_slots, (
-                f"request {req.rid}: row {row} differs from its kv_slots")
+            host = self._slots[row]
+            assert len(host) == req.kv_len, (
+                f"request {req.rid}: row {row} holds {len(host)} slots, it has {req.kv_len}")
+            assert table is None or table[row, :len(host)].tolist() == host, (
+                f"request {req.rid}: row {row} on the device differs from the host record")
         rows = [*self._row.values(), *self._deferred, *self._free]
         assert sorted(rows) == list(range(self.rows - 1)), "a row is lost or counted twice"
         assert all(self.in_flight(row) for row in self._deferred), "a deferred row is idle"
         assert all(not self.in_flight(row) for row in self._free), "a free row is in flight"
-        scratch = table[self.scratch_row]
-        assert bool((scratch == self.scratch_slot).all()), "the scratch row was written"
+        assert not self._slots[self.scratch_row], "the scratch row was written"
+        assert table is None or bool((table[self.scratch_row] == self.scratch_slot).all()), (
+            "the scratch row was written")

@@ -195,11 +195,18 @@ class ModelRunner:
             return StepInputs(None, padded, padded.has_futures, every_row,
                               samples, sampling, params, generators, histories)
         flat = TableBatch(new_ids, table_rows, ends, table,
-                          [e.req.kv_slots[e.start:e.end] for e in entries])
+                          [self.new_slots(e) for e in entries])
         return StepInputs(
             flat, self.attn.prepare(flat), flat.id_range[0] < 0,
             torch.tensor(rows, dtype=torch.long, device=self.model.device),
             samples, sampling, params, generators, histories, checks)
+
+    def new_slots(self, entry: Entry) -> list[int]:
+        """The slots ``entry`` writes: its request's table record, or for a runner driven
+        by hand, its ``kv_slots``."""
+        if self.table is not None:
+            return self.table.slots(entry.req, entry.start, entry.end)
+        return entry.req.kv_slots[entry.start:entry.end]
 
     def step_table(self, entries: Sequence[Entry]) -> tuple[list[int], list[int], torch.Tensor]:
         """Each entry's row of the request-to-token table, its context, and the table: the

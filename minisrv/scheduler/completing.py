@@ -86,7 +86,7 @@ class BatchCompleter:
                 if stop is not None:
                     finished.append(req)
                     break
-            if sample and n_new > 1 and (extra := len(req.kv_slots) - req.seq_len + 1) > 0:
+            if sample and n_new > 1 and (extra := req.kv_len - req.seq_len + 1) > 0:
                 self.memory.truncate(req, extra)  # KV past the newest token
         return finished
 

@@ -186,7 +186,8 @@ def calc_priority(
     _check_tree(policy, tree)
     keys = [tuple(p) for p in prompts]  # once: the radix tree keys on tuples
     real, nodes = _match_all(tree, keys)
-    matched = [min(length, tree.page_aligned(len(p) - 1)) for length, p in zip(real, keys)]
+    page = tree.page_size  # a match is whole pages, so its cap is too
+    matched = [min(length, (len(p) - 1) // page * page) for length, p in zip(real, keys)]
     deprioritized = _in_batch_deprioritized(keys, real) if check else []
     if policy == "dfs-weight":
         order = _dfs_weight_order(tree.root, nodes)

@@ -114,8 +114,8 @@ class RequestQueues:
         places = [*(item[2] for item in self._pending), *self.waiting, *held]
         assert len({id(r) for r in places}) == len(places), "a request is queued twice"
         assert all(r.state == ReqState.RUNNING for r in held), "non-running in batch"
-        assert all(not r.kv_slots for r in self.waiting), "a waiting request holds KV slots"
+        assert all(not r.kv_len for r in self.waiting), "a waiting request holds KV slots"
         assert len(held) <= max_running, "running batch over max_running"
         if (req := self.chunked) is not None:
-            assert len(req.kv_slots) == req.seq_len, "a chunked request lacks its prompt's KV"
+            assert req.kv_len == req.seq_len, "a chunked request lacks its prompt's KV"
             assert req.cached_len <= self.chunks.pos < req.seq_len, "chunk position off"

@@ -78,10 +78,10 @@ class Speculation:
             return 0
         return max(0, min(self.k, req.remaining_new_tokens - 1))
 
-    def room(self, running: Sequence[Req]) -> int:
-        """KV slots the running requests' entries may take this step (an upper bound: a
-        drafter may guess fewer)."""
-        return sum(req.seq_len - len(req.kv_slots) + self.guesses(req) for req in running)
+    def tokens(self, req: Req) -> int:
+        """Tokens ``req``'s entry may give KV this step (an upper bound: a drafter may
+        guess fewer)."""
+        return req.seq_len - req.kv_len + self.guesses(req)
 
     def alloc(self, running: Sequence[Req], memory: KVManager) -> None:
         """Draft for every running request and give each the slots of its entry: every
@@ -105,7 +105,7 @@ class Speculation:
                     raise ValueError(f"the drafter must return a Draft of at most {k} tokens "
                                      f"of the vocabulary (0..{vocab}) for request {req.rid}, "
                                      f"got {draft!r}")
-            planned[req] = (len(req.kv_slots), draft)
+            planned[req] = (req.kv_len, draft)
         for req, (start, draft) in planned.items():
             memory.alloc_tokens(req, req.seq_len - start + (len(draft) if draft else 0))
 
