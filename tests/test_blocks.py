@@ -270,3 +270,19 @@ def test_multi_turn_hits_match_the_model(model, cache, page_size) -> None:
     assert got == expected
     assert engine.stats.cached_prompt_tokens == sum(expected) > 0
     assert engine.scheduler.memory.evicted_tokens == 0
+
+
+def test_the_benchmark_serves_every_cache_the_same_unlimited_hits() -> None:
+    """``bench_radix``'s comparison: with no capacity the radix tree and the block cache at
+    one page size hit the same tokens; with one, the block cache stays within it."""
+    from bench_scripts import load
+
+    bench = load("bench_radix")
+    trace = bench.make_trace(40, seed=1)
+    hits = {name: bench.serve(make(), trace, name)[1] for name, make in bench.caches()
+            if not name.startswith("SGLang")}
+    assert hits["radix tree, page 1"] == hits["blocks, page 1"] > hits["blocks, page 16"]
+    assert hits["radix tree, page 16"] == hits["blocks, page 16"] > 0
+    cache = BlockCache(16)
+    bench.serve(cache, trace, "blocks", capacity=2000)
+    assert cache.total_size() <= 2000 and cache.n_blocks == cache.total_size() // 16
