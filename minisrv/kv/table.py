@@ -6,11 +6,12 @@ backends find a request's KV as ``tensor[row, :length]``, gathered on the device
 ships its new tokens, one row index and one length per request, never the slot lists: the
 host work of a step grows with its new tokens, not with its context.
 
-Pages of one token (a page table with ``page_size`` 1): the pool hands out single slots
-(``kv/allocator.py``) and the prefix cache shares prefixes at token granularity (a radix
-node may end anywhere), so a larger page would need copy-on-write at every shared page's
-end; at one token per entry the table is what the allocator already hands out, and a page
-table of any size is this table with its columns grouped.
+Every token has its own entry, whatever the page size (``EngineConfig.page_size``): the
+allocator hands out pages of consecutive slots (``kv/allocator.py``), position ``i`` of a
+request sits at offset ``i % page_size`` of its page, and the table lists the slot of each
+position, as SGLang's ``req_to_token_pool`` does with any page size, so the attention
+backends read it the same way at every page size. A page table proper would be this
+table's columns grouped ``page_size`` at a time.
 
 The table is the only record of where a request's tokens live: each row keeps its slots on
 the host too (``slots``: what the manager frees and the runner ships as a step's new
@@ -182,18 +183,20 @@ class ReqToTokenTable:
     def append(self, reqs: Sequence[Req], slots: Sequence[int]) -> None:
         """One slot after each request's last position (a decode step): one copy, one
         scatter for all of them."""
-        rows = [self._row[req] for req in reqs]
-        cols = [len(self._slots[row]) for row in rows]
-        if cols and max(cols) >= self.width:
-            raise ValueError(f"a request's position reaches past the table's {self.width} "
-                             "columns")
+        held = self._slots
+        rows = [held[self._row[req]] for req in reqs]  # each row's host record
         if rows and self.tensor is not None:
             import torch
 
-            moved = torch.tensor([rows, cols, list(slots)], dtype=torch.long).to(self.device)
+            cols = list(map(len, rows))
+            if max(cols) >= self.width:
+                raise ValueError(f"a request's position reaches past the table's "
+                                 f"{self.width} columns")
+            index = [self._row[req] for req in reqs]
+            moved = torch.tensor([index, cols, list(slots)], dtype=torch.long).to(self.device)
             self.tensor[moved[0], moved[1]] = moved[2].to(torch.int32)
         for row, slot in zip(rows, slots, strict=True):
-            self._slots[row].append(slot)
+            row.append(slot)
 
     def cut(self, req: Req, length: int) -> None:
         """``req``'s row holds its first ``length`` slots only (a truncation): the columns
@@ -213,12 +216,14 @@ class ReqToTokenTable:
 
     # ------------------------------------------------------------------ steps
     def launched(self, reqs: Sequence[Req]) -> int:
-        """A step that reads the rows of ``reqs`` is launched; its index."""
+        """A step that reads the rows of ``reqs`` is launched; its index. A host record
+        alone is read by no device, so its rows are free again as soon as given back."""
         step = self.launched_steps
-        for req in reqs:
-            row = self._row.get(req)
-            if row is not None:
-                self._last_read[row] = step
+        if self.tensor is not None:
+            for req in reqs:
+                row = self._row.get(req)
+                if row is not None:
+                    self._last_read[row] = step
         self.launched_steps += 1
         return step
 
