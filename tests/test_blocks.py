@@ -286,3 +286,17 @@ def test_the_benchmark_serves_every_cache_the_same_unlimited_hits() -> None:
     cache = BlockCache(16)
     bench.serve(cache, trace, "blocks", capacity=2000)
     assert cache.total_size() <= 2000 and cache.n_blocks == cache.total_size() // 16
+
+
+def test_the_server_flags_choose_the_block_cache() -> None:
+    from minisrv.server.cli import build_parser, server_config
+
+    def config(*flags: str):
+        return server_config(build_parser().parse_args(["serve", *flags]))
+
+    engine = config("--cache", "blocks", "--page-size", "16", "--policy", "lpm").engine
+    assert (engine.cache, engine.page_size, engine.policy) == ("blocks", 16, "lpm")
+    with pytest.raises(ValueError, match="radix tree's nodes"):
+        config("--cache", "blocks", "--policy", "dfs-weight")
+    with pytest.raises(ValueError, match="blocks"):
+        config("--cache", "lru")  # the message lists the caches there are

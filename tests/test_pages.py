@@ -20,7 +20,7 @@ from minisrv.sim import SimBackend
 MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture
 
 PAGE_SIZES = (1, 4, 16)
-CACHES_IN_PAGES = ("radix",)  # the prefix caches that run in pages
+CACHES_IN_PAGES = ("radix", "blocks")  # the prefix caches that run in pages
 
 LOOPS = {  # engine options of each way of serving, on top of BASE
     "blocking": {},
