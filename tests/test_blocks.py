@@ -220,13 +220,20 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         cache.lock(node)
 
 
-def test_lpm_orders_by_whole_blocks_and_dfs_weight_needs_the_tree() -> None:
+@pytest.mark.parametrize("kind", ["blocks", "radix"])
+def test_lpm_orders_by_whole_pages(kind) -> None:
+    prompts = [list(range(5)), list(range(13)), list(range(12)), [9, 9, 9]]
+    cache = make_cache(kind, page_size=4)
+    cache.insert(list(range(12)))
+    result = calc_priority("lpm", cache, prompts, in_batch_prefix_check=False)
+    assert result.matched == [4, 12, 8, 0]  # at most len - 1, rounded down to whole pages
+    assert result.order == [1, 2, 0, 3]
+
+
+def test_dfs_weight_needs_the_tree() -> None:
     cache = make_cache("blocks", page_size=4)
     cache.insert(list(range(12)))
-    prompts = [list(range(5)), list(range(13)), list(range(12)), [9, 9, 9]]
-    result = calc_priority("lpm", cache, prompts, in_batch_prefix_check=False)
-    assert result.matched == [4, 12, 8, 0]  # at most len - 1, rounded down to whole blocks
-    assert result.order == [1, 2, 0, 3]
+    prompts = [list(range(5)), list(range(13))]
     with pytest.raises(ValueError, match="radix tree's nodes"):
         calc_priority("dfs-weight", cache, prompts)
     with pytest.raises(ValueError, match="cache='radix'"):
