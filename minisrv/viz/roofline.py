@@ -103,10 +103,11 @@ def kv_table(
 _CONTEXT_COLORS: dict[int, str] = {
     16: "C4", 32: "C9", 64: "C6", 128: "C0", 256: "C8", 512: "C5", 1024: "C1", 2048: "C3",
     4096: "C3", 8192: "C2", 16384: "C6", 32768: "C4", 65536: "C8", 131072: "C5"}
-"""One colour per context length, the same in every figure, the explorer's states and the
-memory bar (grey and black are the roofs and the weights): any three contexts a figure
-draws (``contexts_around``: an eighth, the context, eight times it) get three colours, and
-the six of the chapter's explorer six."""
+"""A context length's colour, the same in every figure, every state of the explorer and the
+memory bar (grey and black are the roofs and the weights). The six contexts the chapter's
+explorer draws have six colours, and any three contexts one figure draws
+(``contexts_around``: an eighth, the context, eight times it) three; contexts that never
+meet on one page or figure may share one."""
 
 
 def context_color(context_len: int) -> str:
