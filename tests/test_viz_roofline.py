@@ -165,3 +165,42 @@ def test_gpu_explorer_refuses_a_batch_the_run_did_not_time() -> None:
     steps, _ = recorded_gpu_run("h200")
     with pytest.raises(ValueError, match=r"batches \[3\] were not measured"):
         gpu_roofline_explorer(steps, "recorded", batch=3)
+
+
+def _curve_colors(fig) -> dict[int, tuple]:
+    """Context length -> the RGBA colour of its solid curve on the step-time panel."""
+    from matplotlib.colors import to_rgba
+
+    return {int(line.get_label().split()[1].replace(",", "")): to_rgba(line.get_color())
+            for line in fig.axes[0].lines if line.get_label().startswith("context ")}
+
+
+def test_a_context_keeps_its_colour_in_every_figure() -> None:
+    """The explorer's states draw other triples of contexts (1,024 -> 128, 1,024, 8,192;
+    4,096 -> 512, 4,096, 8,192): a colour must mean one context in all of them, and the
+    memory bar's KV the chosen context's colour (issue 50: colours changed with the state)."""
+    from matplotlib.colors import to_rgba
+
+    seen: dict[int, tuple] = {}
+    for context in viz.EXPLORER_CONTEXTS:
+        drawn = viz.contexts_around(context, LLAMA3_8B.max_seq_len)
+        colors = _curve_colors(viz.plot_roofline(LLAMA3_8B, H100, drawn, batch=16))
+        assert sorted(colors) == drawn and len(set(colors.values())) == len(drawn)
+        for ctx, color in colors.items():
+            assert seen.setdefault(ctx, color) == color, ctx
+        bar = viz.plot_memory_budget(LLAMA3_8B, H100, context, 16)
+        kv = [p for p in bar.axes[0].patches if p.get_x() > 0][0]
+        assert to_rgba(kv.get_facecolor()) == seen[context]
+    assert len(set(seen.values())) == len(seen)  # six contexts, six colours
+
+
+def test_a_batch_past_the_wall_is_marked_where_the_server_runs() -> None:
+    """Past the memory wall the explorer reports the wall's batch (``summary_line``): the
+    filled mark sits at the wall, the asked batch hollow beyond it."""
+    fig = viz.plot_roofline(LLAMA3_8B, H100, contexts=(4096,), batch=1024)
+    marks = [line for line in fig.axes[1].lines if line.get_marker() == "o"
+             and line.get_label().startswith("_")]
+    filled = [m.get_xdata()[0] for m in marks if m.get_markerfacecolor() != "white"]
+    hollow = [m.get_xdata()[0] for m in marks if m.get_markerfacecolor() == "white"]
+    assert filled == [viz.running_batch(LLAMA3_8B, H100, 4096, 1024)] == [119]
+    assert hollow == [1024]

@@ -14,7 +14,8 @@ code (``QueuePolicy`` is the scheduler's part that applies it, once per admissio
   order. The length is capped at ``len(prompt) - 1`` because one token must still be computed
   to get the logits of the next. Matching costs time proportional to the queue, so with more
   than ``WAITING_QUEUE_PREFIX_MATCH_MAX`` (128) requests waiting, LPM serves that round in
-  FCFS order without matching at all.
+  FCFS order without matching at all. The name is minisrv's: SGLang writes the number into
+  ``SchedulePolicy._determine_active_policy`` (``len(waiting_queue) > 128``).
 * ``"dfs-weight"``: each request sits at the node where its match ends; a node weighs the
   requests at it plus its children's weights. A depth-first walk from the root visits heavier
   children first (equal weights in the order the branches entered the tree) and emits a
@@ -70,6 +71,7 @@ __all__ = [
     "IN_BATCH_DEPRIORITIZE_THRESHOLD",
     "PriorityResult",
     "QueuePolicy",
+    "cache_aware_order",
     "calc_priority",
     "default_in_batch_check",
     "optimal_hit_rate",
@@ -84,11 +86,14 @@ TREE_POLICIES: frozenset[str] = frozenset({"dfs-weight"})
 # Policies the in-batch prefix check may be combined with (it needs matches against a tree).
 IN_BATCH_POLICIES: frozenset[str] = frozenset({"fcfs", "lpm", "dfs-weight"})
 
-# Past this many waiting requests LPM stops matching (SGLang: the cost of matching the queue).
+# Past this many waiting requests LPM stops matching, for the cost of matching the queue
+# (minisrv's name; SGLang's ``_determine_active_policy`` tests ``len(waiting_queue) > 128``).
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
 # A request is checked against the scratch tree when its real cached prefix is <= this ...
+# (SGLang: IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD, an environment variable of that name)
 IN_BATCH_CHECK_THRESHOLD = 32
-# ... and deprioritized when it shares >= this many tokens with an earlier checked request.
+# ... and deprioritized when it shares >= this many tokens with an earlier checked request
+# (SGLang: IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD, likewise)
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
 
 
@@ -186,19 +191,33 @@ def calc_priority(
     if no_cache or past_max or (policy == "fcfs" and not check):
         return PriorityResult(queue, [], [0] * n)
     _check_tree(policy, tree)
-    keys = [tuple(p) for p in prompts]  # once: the radix tree keys on tuples
-    real, nodes = _match_all(tree, keys)
+    return cache_aware_order(policy, tree, [tuple(p) for p in prompts], check)
+
+
+def cache_aware_order(policy: str, tree: PrefixCache,
+                      prompts: Sequence[tuple[int, ...]],
+                      check: bool) -> PriorityResult:
+    """A round that matches the queue against the tree: LPM, DFS-weight, or
+    FCFS with the in-batch check (``calc_priority`` past its early returns).
+    ``prompts`` are tuples, the cache's keys; ``check`` runs the in-batch
+    prefix check."""
+    real, nodes = _match_all(tree, prompts)  # each path marked just used (LRU)
     page = tree.page_size  # a match is whole pages, so its cap is too
-    matched = [min(length, (len(p) - 1) // page * page) for length, p in zip(real, keys)]
-    deprioritized = _in_batch_deprioritized(keys, real) if check else []
-    if policy == "dfs-weight":
+    matched = [min(n, (len(p) - 1) // page * page)
+               for n, p in zip(real, prompts)]
+    deferred = _in_batch_deprioritized(prompts, real) if check else []
+    if policy == "dfs-weight":  # SGLang computes the deferred set, unused here
         order = _dfs_weight_order(tree.root, nodes)
+        return PriorityResult(order, deferred, matched)
+    queue = range(len(prompts))
+    if policy == "lpm":
+        key = {i: -matched[i] for i in queue}  # longest match first
     else:
-        key = {i: -matched[i] for i in queue} if policy == "lpm" else dict.fromkeys(queue, 0)
-        for i in deprioritized:
-            key[i] = 1  # behind every request with a match (keys <= 0), queue order kept
-        order = sorted(queue, key=key.__getitem__)
-    return PriorityResult(order, deprioritized, matched)
+        key = dict.fromkeys(queue, 0)  # FCFS: queue order
+    for i in deferred:
+        key[i] = 1  # behind every request with a match (keys <= 0)
+    order = sorted(queue, key=key.__getitem__)  # stable: ties keep queue order
+    return PriorityResult(order, deferred, matched)
 
 
 def _check_tree(policy: str, tree: PrefixCache) -> None:

@@ -99,10 +99,11 @@ def plot_tier_sizes(runs: Mapping[int, TierRun], chosen: int | None = None,
         ax.plot(k, values, "o-", color=color)
         if chosen is not None:
             at = sizes.index(chosen)
-            ax.plot(k[at], values[at], "o", ms=13, mfc="none", mec="black", mew=1.5)
+            ax.plot(k[at], values[at], "o", ms=13, mfc="none", mec="black", mew=1.5,
+                    clip_on=False)  # the ring at size 0 sits on the axis
         if history_tokens:
             ax.axvline(history_tokens / 1e3, color="0.4", ls="--", lw=1)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=-0.03 * max(k[-1], 1))  # room for the point at size 0
         ax.set_ylim(bottom=0)
     left.set_ylim(0, 100)
     label_axes(left, "Hit rate", "host tier (thousand tokens)", "% of prompt tokens")

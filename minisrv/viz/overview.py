@@ -92,13 +92,16 @@ COMPONENTS: dict[str, Component] = {
     "overlap": Component("Overlap loop\n(future tokens)", ("scheduler/overlap.py",), "07_overlap"),
     "chunked": Component("Chunked prefill\n(token budget)", ("scheduler/chunked.py",),
                          "03a_chunked_prefill"),
-    "spec": Component("Speculative\ndecoding\n(drafts, checks)", ("spec/",),
-                      "07a_speculative_decoding"),
     "worker": Component("Model worker\n(CityLM forward)", ("model/",), "00_overview"),
+    "spec": Component("Speculative\ndecoding\n(drafts, checks)",
+                      ("spec/", "runner/speculative.py", "scheduler/speculative.py"),
+                      "07a_speculative_decoding"),
     "kvpool": Component("KV pool\n(K and V tensors)", ("kv/pool.py",), "03_selective_batching"),
     "slots": Component("Slot allocator,\nrequest-to-token\nrows",
                        ("kv/allocator.py", "kv/table.py"), "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", ("kv/radix.py",), "04_radix_attention"),
+    "host": Component("Host tier\n(evicted KV\nin CPU memory)", ("kv/host.py", "kv/hiradix.py"),
+                      "04a_host_tier"),
     "attention": Component("Attention backend", ("runner/attention/",), "03_selective_batching"),
     "grammar": Component("Grammar masks\n(structured\noutput)", ("grammar/",),
                          "08a_structured_output"),
@@ -134,7 +137,12 @@ def architecture_diagram() -> graphviz.Digraph:
     SGLang, the scheduler owns the KV bookkeeping (the radix cache, which slots each
     request's tokens occupy, the free slots) and the model worker holds the KV tensors and
     the attention backend: the two are drawn as two frames, the scheduler's above the
-    worker's, joined by the batch going down and the new tokens coming back. No row is more
+    worker's, joined by the batch going down and the new tokens coming back, and by the host
+    tier's copies of KV between the pool and host memory (SGLang's cache controller, in the
+    scheduler's process). Speculative decoding sits in the worker, as SGLang's
+    ``EAGLEWorker`` (``speculative/eagle_worker.py``) wraps the target model's worker and
+    drafts and verifies inside its forward; minisrv's runner verifies there too, while its
+    scheduler asks the drafter for guesses as it forms the step. No row is more
     than three boxes wide, so the drawing fits the page column with every label at 10 pt or
     more (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package
     today; dashed grey boxes are what later chapters add.
@@ -156,10 +164,10 @@ def architecture_diagram() -> graphviz.Digraph:
         row.node("detokenizer")
     frames = {
         "cluster_scheduler": ("scheduler: picks each step, owns the KV bookkeeping",
-                              (("policy", "scheduler", "overlap"), ("chunked", "spec"),
-                               ("radix", "slots"))),
+                              (("policy", "scheduler", "overlap"), ("chunked", "radix"),
+                               ("slots", "host"))),
         "cluster_worker": ("model worker (GPU or CPU): runs the forward, holds the KV",
-                           (("worker",), ("kvpool", "attention", "grammar"))),
+                           (("worker", "spec"), ("attention", "grammar", "kvpool"))),
     }
     for name, (label, rows) in frames.items():
         with g.subgraph(name=name) as frame:
@@ -181,11 +189,14 @@ def architecture_diagram() -> graphviz.Digraph:
     g.edge("detokenizer", "api", label=" text", constraint="false")
     g.edge("policy", "scheduler", arrowhead="none", style="dotted")
     g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
-    g.edge("radix", "worker", label=" next batch", ltail="cluster_scheduler",
+    g.edge("slots", "worker", label=" next batch", ltail="cluster_scheduler",
            lhead="cluster_worker")
     g.edge("worker", "slots", label=" new tokens", ltail="cluster_worker",
            lhead="cluster_scheduler")
     g.edge("worker", "attention", arrowhead="none", style="dotted")
+    g.edge("worker", "spec", arrowhead="none", style="dotted")
+    g.edge("host", "kvpool", label=" KV copies", dir="both", style="dashed",
+           constraint="false")
     return g
 
 

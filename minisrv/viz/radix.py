@@ -328,6 +328,18 @@ def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     return fig
 
 
+def _checked_chat_run(model: Any, tok: Any, capacity: int, sessions: int, turns: int,
+                      built: dict, alone: dict):
+    """``chat_capacity_run``, stopped by an error when an output differs from its request
+    generated alone: a page or widget shows hit rates only of runs that served right."""
+    run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
+    if run.identical != run.requests:
+        raise AssertionError(f"pool {capacity}, {sessions} sessions: "
+                             f"{run.requests - run.identical} outputs differ from the "
+                             "request generated alone")
+    return run
+
+
 def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
                          turns: int = 4, built: dict | None = None):
     """Sliders for pool size, sessions and turns; each change rebuilds and serves the chats
@@ -344,10 +356,8 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     }
 
     def redraw(capacity: int, sessions: int, turns: int) -> None:
-        run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
+        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, alone)
         display(run.table)
-        print(f"outputs equal to each request generated alone: {run.identical} of "
-              f"{run.requests}")
 
     return panel(redraw, controls, per_row=3)
 
@@ -378,16 +388,12 @@ def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: 
     chat_workload(model, tok, counts[-1], turns, built)  # every state is a part of this one
 
     def draw(capacity: int, sessions: int) -> Frame:
-        run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
-        if run.identical != run.requests:
-            raise AssertionError(f"pool {capacity}, {sessions} sessions: "
-                                 f"{run.requests - run.identical} outputs differ from the "
-                                 "request generated alone")
+        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, alone)
         numbers = dict(zip(run.table.columns, run.hit_rates))
         return Frame([run.table], {**numbers, "requests checked": run.requests},
-                     caption=f"{sessions} sessions x {turns} turns in {capacity} tokens: "
-                             f"{run.hit_rates[-1]:.1%} of prompt tokens hit; all "
-                             f"{run.requests} outputs as each request alone.")
+                     caption=f"{sessions} sessions x {turns} turns ({run.requests} requests) "
+                             f"in {capacity} tokens: {run.hit_rates[-1]:.1%} of prompt "
+                             "tokens hit.")
 
     return explorer(draw, [("capacity", "KV capacity (tokens)", sorted(capacities), capacity),
                            ("sessions", "sessions", counts, sessions)],

@@ -100,6 +100,21 @@ def kv_table(
     return one_header_row(pd.DataFrame(rows).set_index("model"))  # "model" in the corner
 
 
+_CONTEXT_COLORS: dict[int, str] = {
+    16: "C4", 32: "C9", 64: "C6", 128: "C0", 256: "C8", 512: "C5", 1024: "C1", 2048: "C3",
+    4096: "C3", 8192: "C2", 16384: "C6", 32768: "C4", 65536: "C8", 131072: "C5"}
+"""A context length's colour, the same in every figure, every state of the explorer and the
+memory bar (grey and black are the roofs and the weights). The six contexts the chapter's
+explorer draws have six colours, and any three contexts one figure draws
+(``contexts_around``: an eighth, the context, eight times it) three; contexts that never
+meet on one page or figure may share one."""
+
+
+def context_color(context_len: int) -> str:
+    """The colour of ``context_len`` in every figure of the chapter (``_CONTEXT_COLORS``)."""
+    return _CONTEXT_COLORS.get(context_len, "C9")
+
+
 def _batch_grid(limit: int) -> np.ndarray:
     """Batch sizes from 1 to ``limit``, spaced evenly on a log axis."""
     return np.unique(np.geomspace(1, max(limit, 2), 160).round().astype(int))
@@ -169,18 +184,24 @@ def plot_roofline(
     walls = {c: _wall(cfg, gpu, c, dtype_bytes) for c in contexts}
     limit = max_batch or max(256, 2 * max(walls.values(), default=0), batch or 1)
     batches = _batch_grid(limit)
-    colors = [f"C{i}" for i in range(len(contexts))]
-    for context, color in zip(contexts, colors, strict=True):
+    for context in contexts:
+        color = context_color(context)
         time_ms, tput, hot = _decode_curves(cfg, gpu, context, batches, dtype_bytes)
         fit_text = f"{walls[context]:,} fit" if walls[context] else "none fits"
         label = f"context {context:,} ({fit_text})"
         _draw_context((ax_time, ax_tput), batches, (time_ms, tput), hot, walls[context], color,
                       label)
         if batch:
-            point = decode_step_cost(cfg, gpu, batch, context, dtype_bytes)
-            face = color if batch <= walls[context] else "white"  # hollow: does not fit
-            ax_time.plot(batch, point.time_s * 1e3, "o", color=color, mfc=face, ms=8)
-            ax_tput.plot(batch, batch / point.time_s, "o", color=color, mfc=face, ms=8)
+            # filled: the batch the server runs, the wall's when the chosen one does not fit
+            # (as summary_line reports it); hollow: a chosen batch past the wall
+            runs = min(batch, walls[context])
+            marks = [(runs, color)] if runs else []
+            if batch > runs:
+                marks.append((batch, "white"))
+            for at, face in marks:
+                point = decode_step_cost(cfg, gpu, at, context, dtype_bytes)
+                ax_time.plot(at, point.time_s * 1e3, "o", color=color, mfc=face, ms=8)
+                ax_tput.plot(at, at / point.time_s, "o", color=color, mfc=face, ms=8)
     weights_ms = weight_bytes(cfg, dtype_bytes) / gpu.bandwidth * 1e3
     compute_ms = 2 * cfg.matmul_param_count * batches / gpu.flops * 1e3
     ax_time.axhline(weights_ms, color="grey", lw=1.5, label="read weights once")
@@ -198,6 +219,13 @@ def plot_roofline(
         Line2D([], [], color="grey", ls=":", lw=1.5, label="would not fit in memory"),
         Line2D([], [], color="grey", lw=7, alpha=0.25, label="compute-bound (else memory-bound)"),
     ]
+    if batch:
+        style += [
+            Line2D([], [], color="grey", ls="", marker="o", ms=8,
+                   label=f"batch {batch:,} (at the wall if past it)"),
+            Line2D([], [], color="grey", ls="", marker="o", mfc="white", ms=8,
+                   label=f"batch {batch:,}: past the wall"),
+        ]
     curves = list(dict(zip(*reversed(ax_time.get_legend_handles_labels()), strict=True)).values())
     legend_below(fig, handles=curves + style, ncol=2)
     return fig
@@ -216,11 +244,16 @@ def plot_memory_budget(
     ax.barh(0, weights, color="0.55", label=f"weights {weights:.3g} GB")
     overflow = weights + kv > capacity
     kv_label = f"KV cache, {batch:,} requests x {context_len:,} tokens each: {kv:.3g} GB"
-    ax.barh(0, kv, left=weights, color="C3" if overflow else "C0", label=kv_label)
+    color = context_color(context_len)  # the context's colour in the roofline figure
+    fits = min(kv, max(capacity - weights, 0))
+    ax.barh(0, fits, left=weights, color=color, label=kv_label)
+    if overflow:  # the same colour, hatched: the part of the cache past the card
+        ax.barh(0, kv - fits, left=weights + fits, color=color, alpha=0.35, hatch="//",
+                edgecolor=color, label=f"past the capacity: {weights + kv - capacity:.3g} GB")
     free = capacity - weights - kv
     if free > 0:
         left = f"{free:.3g} GB" if free >= 1 else f"{free * 1e3:.0f} MB"  # not "0.0524 GB"
-        ax.barh(0, free, left=weights + kv, color="C2", alpha=0.25, label=f"free {left}")
+        ax.barh(0, free, left=weights + kv, color="0.9", label=f"free {left}")
     ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {capacity:.3g} GB")
     ax.set(yticks=[], xlim=(0, max(capacity, weights + kv) * 1.02))
     ax.grid(False, axis="y")
