@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 from minisrv.core import Backend, Capability, JumpForwarder, SamplingBackend
 from minisrv.kv import CACHES, PrefixCache
 from minisrv.metrics import RunMetrics, summarize
-from minisrv.request import Req
+from minisrv.request import Req, ReqState
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import (
     MODES,
@@ -318,10 +318,8 @@ class Engine(ConfigView):
         """
         reqs = self.make_requests(prompts, max_new_tokens, sampling, arrival_steps)
         index = {id(req): i for i, req in enumerate(reqs)}
-        stream = None
-        if on_token is not None:
-            def stream(req: Req, token: int) -> None:
-                on_token(index[id(req)], token)
+        stream = None if on_token is None else (
+            lambda req, token: on_token(index[id(req)], token))
 
         self.serve(reqs, stream)
         return [list(req.output) for req in reqs]
@@ -358,6 +356,8 @@ class Engine(ConfigView):
             for req in reqs:
                 self.add_request(req, checked=True)
             self.run(on_token, total=len(reqs) if progress else None)
+            if stuck := [r.rid for r in reqs if r.state == ReqState.WAITING]:  # not silently
+                raise RuntimeError(f"requests {stuck} were never admitted on an idle engine")
         except BaseException:
             self.abort(reqs)
             raise

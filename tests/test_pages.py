@@ -138,3 +138,25 @@ def test_a_request_needs_whole_pages_to_be_servable() -> None:
     with pytest.raises(ValueError, match="could never be admitted"):
         engine.add_request(list(range(1, 15)), SamplingParams(3))
     engine.add_request(list(range(1, 14)), SamplingParams(3))  # 16 tokens: one page
+
+
+def test_a_request_that_fits_in_one_page_is_admitted_under_the_budget_rule():
+    """SGLang's budget rule counts a request's prompt and its new tokens together in whole
+    pages: the new tokens fill the prompt's last page first. Rounding the two apart asked
+    for two pages of a one-page pool, and the request waited forever on an idle engine."""
+    for prompt, new in (([0], 1), ([0, 1, 2], 1), ([5, 6], 2)):
+        engine = Engine(SimBackend(), kv_capacity=4, page_size=4)
+        assert len(engine.generate([prompt], new)[0]) == new
+
+
+def test_an_idle_engine_with_waiting_requests_raises_rather_than_returning_nothing(
+        monkeypatch):
+    """``generate`` never hands back an empty output for a request it never served: an
+    admission rule that refuses a request on an empty pool is a bug, and it is reported."""
+    from minisrv.scheduler.admission import BudgetAdmission
+
+    monkeypatch.setattr(BudgetAdmission, "need", lambda self, req, fill: float("inf"))
+    engine = Engine(SimBackend(), kv_capacity=8)
+    with pytest.raises(RuntimeError, match="never admitted"):
+        engine.generate([[0, 1]], 2)
+    assert not engine.scheduler.queues.waiting  # withdrawn: the engine stays usable

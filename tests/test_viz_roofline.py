@@ -9,6 +9,7 @@ pytest.importorskip("ipywidgets")
 
 from minisrv.configs import GPUS, H100, L4, LLAMA3_8B, LLAMA3_70B, MODELS  # noqa: E402
 from minisrv.viz import roofline as viz  # noqa: E402
+from minisrv.viz import roofline_explorer as explore  # noqa: E402
 
 
 def test_format_bytes_uses_binary_units() -> None:
@@ -37,7 +38,7 @@ def test_roofline_draws_for_every_model_and_gpu(model, gpu) -> None:
     """Including the combinations where the weights or a single request do not fit."""
     fig = viz.plot_roofline(MODELS[model], GPUS[gpu], contexts=(16, 131072), batch=4096)
     assert len(fig.axes) == 2
-    assert viz.summary_line(MODELS[model], GPUS[gpu], 131072, 4096)
+    assert explore.summary_line(MODELS[model], GPUS[gpu], 131072, 4096)
 
 
 def test_roofline_marks_the_memory_wall_at_max_concurrent_requests() -> None:
@@ -57,12 +58,12 @@ def test_summary_fits_the_column() -> None:
     """Printed above the widget's figures: no line may be clipped at the column's edge."""
     for model in MODELS.values():
         for gpu in GPUS.values():
-            text = viz.summary_line(model, gpu, 131072, 4096)
+            text = explore.summary_line(model, gpu, 131072, 4096)
             assert max(map(len, text.splitlines())) <= 80, text
 
 
 def test_widget_offers_every_model_gpu_and_dtype() -> None:
-    box = viz.roofline_widget()
+    box = explore.roofline_widget()
     controls = [w for row in box.children[:-1] for w in row.children]  # rows above the view
     options = {c.description: list(c.options) for c in controls}
     assert options["model"] == list(MODELS)
@@ -96,7 +97,7 @@ def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> No
     from minisrv.sim.roofline import decode_step_cost
     from minisrv.sim.sizing import max_concurrent_requests
 
-    ex = viz.roofline_explorer(contexts=(128, 8192), batches=(1, 64))
+    ex = explore.roofline_explorer(contexts=(128, 8192), batches=(1, 64))
     assert ex.default == {"context_len": 1024, "batch": 16}  # the chapter's static figures
     assert sorted(ex.states) == [(c, b) for c in (128, 1024, 8192) for b in (1, 16, 64)]
     for (context, batch), state in ex.states.items():
@@ -117,7 +118,7 @@ def test_roofline_explorer_never_reports_more_than_fits() -> None:
     above the chapter's ceiling (476 requests of 1,024 tokens), and one request is singular."""
     from minisrv.sim.roofline import decode_step_cost
 
-    ex = viz.roofline_explorer(contexts=(1024,), batches=(1, 1024))
+    ex = explore.roofline_explorer(contexts=(1024,), batches=(1, 1024))
     over = ex.states[(1024, 1024)]
     ceiling = 476 / decode_step_cost(LLAMA3_8B, H100, 476, 1024).time_s
     assert over["batch_run"] == 476 and over["tokens_per_s"] == pytest.approx(ceiling)
@@ -125,17 +126,17 @@ def test_roofline_explorer_never_reports_more_than_fits() -> None:
     assert "1 request of 1,024 tokens fits" in ex.html and "1 requests" not in ex.html
     assert "do not fit: the wall is at 476" in ex.html
     with pytest.raises(ValueError, match="at most 8,192 tokens, not 32,768"):
-        viz.roofline_explorer(contexts=(32768,))
+        explore.roofline_explorer(contexts=(32768,))
 
 
 def test_contexts_around_stop_at_the_model_s_context() -> None:
-    assert viz.contexts_around(1024) == [128, 1024, 8192]
-    assert viz.contexts_around(8192, LLAMA3_8B.max_seq_len) == [1024, 8192]
+    assert explore.contexts_around(1024) == [128, 1024, 8192]
+    assert explore.contexts_around(8192, LLAMA3_8B.max_seq_len) == [1024, 8192]
 
 
 def test_roofline_explorer_refuses_an_unknown_choice_before_drawing() -> None:
     with pytest.raises(ValueError, match="unknown GPU 'H300'"):
-        viz.roofline_explorer(gpu="H300")
+        explore.roofline_explorer(gpu="H300")
 
 
 def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None:
@@ -182,8 +183,8 @@ def test_a_context_keeps_its_colour_in_every_figure() -> None:
     from matplotlib.colors import to_rgba
 
     seen: dict[int, tuple] = {}
-    for context in viz.EXPLORER_CONTEXTS:
-        drawn = viz.contexts_around(context, LLAMA3_8B.max_seq_len)
+    for context in explore.EXPLORER_CONTEXTS:
+        drawn = explore.contexts_around(context, LLAMA3_8B.max_seq_len)
         colors = _curve_colors(viz.plot_roofline(LLAMA3_8B, H100, drawn, batch=16))
         assert sorted(colors) == drawn and len(set(colors.values())) == len(drawn)
         for ctx, color in colors.items():
@@ -202,5 +203,5 @@ def test_a_batch_past_the_wall_is_marked_where_the_server_runs() -> None:
              and line.get_label().startswith("_")]
     filled = [m.get_xdata()[0] for m in marks if m.get_markerfacecolor() != "white"]
     hollow = [m.get_xdata()[0] for m in marks if m.get_markerfacecolor() == "white"]
-    assert filled == [viz.running_batch(LLAMA3_8B, H100, 4096, 1024)] == [119]
+    assert filled == [explore.running_batch(LLAMA3_8B, H100, 4096, 1024)] == [119]
     assert hollow == [1024]

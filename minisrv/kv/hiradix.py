@@ -108,7 +108,7 @@ class HiRadixCache(RadixCache):
 
     def _next(self, node: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode | None:
         """A device match goes on only through children on the device."""
-        child = node.children.get(self._page(key, pos))
+        child = node.children.get(self._pages.at(key, pos))
         return child if child is not None and child.value else None
 
     # ----------------------------------------------------------------- insert
@@ -120,13 +120,13 @@ class HiRadixCache(RadixCache):
         Returns the tokens already cached *on the device*: the caller keeps and frees
         ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
         """
-        key = self._whole_pages(insert_key(tokens, values))
+        key = self._pages.whole(insert_key(tokens, values))
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         vals = [None] * len(key) if values is None else list(values[:len(key)])
         pos, path_ids, split_ids = length, list(path), list(split)
-        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
-            matched = self._matched(child, key, pos)
+        while pos < len(key) and (child := node.children.get(self._pages.at(key, pos))) is not None:
+            matched = self._pages.matched(child.key, key, pos)
             cut = matched < len(child.key)
             if cut:
                 child = self._split(child, matched)
@@ -159,11 +159,11 @@ class HiRadixCache(RadixCache):
     def match_host(self, node: TreeNode, tokens: Sequence[int], start: int) -> HostMatch:
         """The host-only nodes that continue ``tokens`` below ``node`` (where a device match
         of ``start`` tokens ended), splitting the last edge if the match ends inside it."""
-        key = self._whole_pages(tuple(tokens))
+        key = self._pages.whole(tuple(tokens))
         found: list[HiTreeNode] = []
         pos = start
-        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
-            matched = self._matched(child, key, pos)
+        while pos < len(key) and (child := node.children.get(self._pages.at(key, pos))) is not None:
+            matched = self._pages.matched(child.key, key, pos)
             if matched < len(child.key):
                 child = self._split(child, matched)
             assert isinstance(child, HiTreeNode)
@@ -176,9 +176,9 @@ class HiRadixCache(RadixCache):
 
     def host_match_length(self, node: TreeNode, tokens: Sequence[int], start: int) -> int:
         """How many tokens ``match_host`` would find, without splitting or touching a node."""
-        key, pos = self._whole_pages(tuple(tokens)), start
-        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
-            matched = self._matched(child, key, pos)
+        key, pos = self._pages.whole(tuple(tokens)), start
+        while pos < len(key) and (child := node.children.get(self._pages.at(key, pos))) is not None:
+            matched = self._pages.matched(child.key, key, pos)
             pos, node = pos + matched, child
             if matched < len(child.key):
                 break
@@ -298,7 +298,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             assert parent is not None
             freed += self._free_host(node)
-            del parent.children[self._page(node.key, 0)]
+            del parent.children[self._pages.at(node.key, 0)]
             node.removed, node.parent = True, None
             self.n_nodes -= 1
             self._shape += 1

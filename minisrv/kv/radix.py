@@ -47,6 +47,7 @@ from typing import Any
 from minisrv.checks import check_int
 from minisrv.kv.cache import EvictCallback, MatchResult, PrefixCache, SizeInfo, TreeNode, insert_key
 from minisrv.kv.events import NodeView, TreeEvent, TreeListener, reports_evicted, reports_path
+from minisrv.kv.pages import Pages
 
 __all__ = ["RadixCache"]
 
@@ -75,6 +76,7 @@ class RadixCache(PrefixCache):
     def __init__(self, on_evict: EvictCallback | None = None,
                  listener: TreeListener | None = None, page_size: int = 1) -> None:
         self.page_size = check_int("page_size", page_size, minimum=1)
+        self._pages = Pages(self.page_size)
         self.on_evict = on_evict
         self.listener = listener
         self._ids = itertools.count()
@@ -123,7 +125,7 @@ class RadixCache(PrefixCache):
             rest of the whole pages; the caller frees ``values[:returned]``, which duplicate
             the tree's own (and keeps any last partial page's, which the tree never takes).
         """
-        key = self._whole_pages(insert_key(tokens, values))
+        key = self._pages.whole(insert_key(tokens, values))
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         inserted: tuple[int, ...] = ()
@@ -137,28 +139,12 @@ class RadixCache(PrefixCache):
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
         """A new evictable leaf below ``parent`` for the edge ``key``."""
         leaf = self.node_type(next(self._ids), key, values, parent, self.clock)
-        parent.children[self._page(key, 0)] = leaf
+        parent.children[self._pages.at(key, 0)] = leaf
         self.n_nodes += 1
         self._shape += 1
         self._evictable += len(leaf.key)
         self._push(leaf)
         return leaf
-
-    def _whole_pages(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        """``key`` without its last partial page."""
-        cut = len(key) % self.page_size
-        return key[:len(key) - cut] if cut else key
-
-    def _page(self, key: tuple[int, ...], pos: int) -> Any:
-        """What ``children`` are keyed by: the token at ``pos`` (pages of one token) or the
-        page starting there (a tuple, shorter than a page where ``key`` ends first)."""
-        return key[pos] if self.page_size == 1 else key[pos:pos + self.page_size]
-
-    def _matched(self, child: TreeNode, key: tuple[int, ...], pos: int) -> int:
-        """Leading tokens of ``child``'s edge that equal ``key[pos:]``, in whole pages (at
-        least one page: the child was found by its first one)."""
-        matched = _matched(child.key, key, pos)
-        return matched - matched % self.page_size
 
     def _walk(self, key: tuple[int, ...], collect: bool
               ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
@@ -172,7 +158,7 @@ class RadixCache(PrefixCache):
         path: list[int] = []
         split: list[int] = []
         while pos < len(key) and (child := self._next(node, key, pos)) is not None:
-            matched = self._matched(child, key, pos)
+            matched = self._pages.matched(child.key, key, pos)
             cut = matched < len(child.key)  # the match ends inside this edge
             if cut:
                 child = self._split(child, matched)
@@ -192,7 +178,7 @@ class RadixCache(PrefixCache):
         no node added, split or removed since, only ``_rewalk`` the path found then."""
         if key is self._last[0] and self._shape == self._last[1]:
             return self._rewalk(*self._last[2:])
-        node, length, values, path, split = self._walk(self._whole_pages(key), collect=True)
+        node, length, values, path, split = self._walk(self._pages.whole(key), collect=True)
         self._last = (key, self._shape, node, length, path)
         return node, length, values, path, split
 
@@ -217,7 +203,7 @@ class RadixCache(PrefixCache):
     def _next(self, node: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode | None:
         """The child of ``node`` whose edge starts with ``key``'s page at ``pos``, where a
         match may go on."""
-        return node.children.get(self._page(key, pos))
+        return node.children.get(self._pages.at(key, pos))
 
     def _touch(self, node: TreeNode) -> None:
         """``node`` was just used: renew its LRU stamp; a leaf goes back on the heap."""
@@ -240,8 +226,8 @@ class RadixCache(PrefixCache):
         child.key = child.key[at:]
         child.value = child.value[at:]
         child.parent = upper
-        upper.children[self._page(child.key, 0)] = child
-        parent.children[self._page(upper.key, 0)] = upper
+        upper.children[self._pages.at(child.key, 0)] = child
+        parent.children[self._pages.at(upper.key, 0)] = upper
         self.n_nodes += 1
         self._shape += 1
         return upper
@@ -319,7 +305,7 @@ class RadixCache(PrefixCache):
         """Take the unlocked leaf ``node`` out of the tree (its values are not freed here)."""
         parent = node.parent
         assert parent is not None  # the root is never evicted
-        del parent.children[self._page(node.key, 0)]
+        del parent.children[self._pages.at(node.key, 0)]
         node.removed = True
         node.parent = None
         self.n_nodes -= 1
@@ -363,7 +349,7 @@ class RadixCache(PrefixCache):
         while stack:
             node = stack.pop()
             out.append(node)
-            stack.extend(sorted(node.children.values(), key=lambda c: self._page(c.key, 0),
+            stack.extend(sorted(node.children.values(), key=lambda c: self._pages.at(c.key, 0),
                                 reverse=True))
         return out
 
@@ -412,14 +398,3 @@ class RadixCache(PrefixCache):
         return (f"RadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
                 f"protected={info.protected}{page})")
 
-
-def _matched(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-    """How many leading tokens of ``edge`` equal ``key[pos:]`` (at least one: the child was
-    found by its first token). A whole-edge match is one tuple comparison."""
-    n = len(edge)
-    if key[pos:pos + n] == edge:
-        return n
-    matched, limit = 1, min(n, len(key) - pos)
-    while matched < limit and edge[matched] == key[pos + matched]:
-        matched += 1
-    return matched

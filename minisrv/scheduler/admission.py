@@ -63,7 +63,8 @@ class PrefillAdder:
 
 class AdmissionRule(ABC):
     """How memory is promised; ``reserved`` (worst cases of running requests) is kept by
-    both rules, for the trace. ``fill`` and every count are KV slots of whole pages of
+    both rules, for the trace. ``fill`` is the tokens a request prefills (its match is whole
+    pages, so they start a page); every count of memory is KV slots of whole pages of
     ``page_size`` (a request's last page may be partly filled, but it is taken whole)."""
 
     def __init__(self, page_size: int = 1) -> None:
@@ -141,9 +142,11 @@ class BudgetAdmission(AdmissionRule):
         return memory.available() - expected * self.new_token_ratio
 
     def need(self, req: Req, fill: int) -> float:
-        """Its uncached tokens (prompt, and any output kept from before a retraction) plus
-        its remaining ``max_new_tokens``, clipped."""
-        return fill + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS)
+        """The whole pages of its uncached tokens (prompt, and any output kept from before a
+        retraction) plus its remaining ``max_new_tokens``, clipped: the new tokens fill the
+        prompt's last page before they take another (rounding the two apart would refuse
+        forever a request that fits in one page)."""
+        return self.pages(fill + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS))
 
     def after_decode_prepared(self, running: Sequence[Req], retracted: Sequence[Req]) -> None:
         """Decay the ratio; after a retraction, re-estimate it from what the survivors have

@@ -96,7 +96,7 @@ class BatchFormer:
         while queues.waiting and adder.has_place:
             req = queues.waiting[0]
             match = self.memory.match(req)
-            fill = self.memory.pages(req.seq_len - match.length)  # its new pages' slots
+            fill = req.seq_len - match.length  # tokens to prefill (a match is whole pages)
             if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
                 self.memory.drop_match(req, match)
                 return

@@ -334,9 +334,8 @@ def _checked_chat_run(model: Any, tok: Any, capacity: int, sessions: int, turns:
     generated alone: a page or widget shows hit rates only of runs that served right."""
     run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
     if run.identical != run.requests:
-        raise AssertionError(f"pool {capacity}, {sessions} sessions: "
-                             f"{run.requests - run.identical} outputs differ from the "
-                             "request generated alone")
+        differ = run.requests - run.identical
+        raise AssertionError(f"pool {capacity}, {sessions} sessions: {differ} outputs differ")
     return run
 
 
