@@ -39,7 +39,7 @@ def test_jump_forward_widens_each_decode_to_its_tokens_without_kv() -> None:
     plain = running(4, [7], with_kv=4)  # its newest token has no KV: a one-token decode
     jumped = running(4, [7, 8, 9, 10], with_kv=4)  # 3 forced tokens appended without KV
     wide, slots = JumpForward(), Slots()
-    assert wide.room([plain, jumped]) == 1 + 4
+    assert [wide.tokens(r) for r in (plain, jumped)] == [1, 4]
     wide.alloc([plain, jumped], slots)
     assert [r.kv_len for r in (plain, jumped)] == [plain.seq_len, jumped.seq_len]
     batch = wide.expand(Batch.of([], [plain, jumped]))

@@ -40,7 +40,7 @@ from minisrv.checks import check_choice, check_int
 from minisrv.kv.cache import EvictCallback, HostMatch, TreeNode, insert_key
 from minisrv.kv.events import TreeListener, reports_evicted
 from minisrv.kv.host import HOST_POLICIES, HostPool
-from minisrv.kv.radix import RadixCache, _matched
+from minisrv.kv.radix import RadixCache
 
 __all__ = ["HiRadixCache", "HiTreeNode", "HostMatch"]
 
@@ -78,8 +78,11 @@ class HiRadixCache(RadixCache):
 
     def __init__(self, host: HostPool, policy: str = "write_through",
                  on_evict: EvictCallback | None = None,
-                 listener: TreeListener | None = None) -> None:
-        super().__init__(on_evict, listener)
+                 listener: TreeListener | None = None, page_size: int = 1) -> None:
+        super().__init__(on_evict, listener, page_size)
+        if host.allocator.page_size != self.page_size:
+            raise ValueError(f"the host pool's pages hold {host.allocator.page_size} tokens, "
+                             f"the tree's {self.page_size}")
         self.host = host
         self.policy = check_choice("host_cache_policy", policy, HOST_POLICIES)
         self.backups = 0
@@ -103,9 +106,9 @@ class HiRadixCache(RadixCache):
         """Tokens with a host copy (host slots in use)."""
         return self.host.used_count
 
-    def _next(self, node: TreeNode, token: int) -> TreeNode | None:
+    def _next(self, node: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode | None:
         """A device match goes on only through children on the device."""
-        child = node.children.get(token)
+        child = node.children.get(self._page(key, pos))
         return child if child is not None and child.value else None
 
     # ----------------------------------------------------------------- insert
@@ -117,13 +120,13 @@ class HiRadixCache(RadixCache):
         Returns the tokens already cached *on the device*: the caller keeps and frees
         ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
         """
-        key = insert_key(tokens, values)
+        key = self._whole_pages(insert_key(tokens, values))
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
-        vals = [None] * len(key) if values is None else list(values)
+        vals = [None] * len(key) if values is None else list(values[:len(key)])
         pos, path_ids, split_ids = length, list(path), list(split)
-        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
-            matched = _matched(child.key, key, pos)
+        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
+            matched = self._matched(child, key, pos)
             cut = matched < len(child.key)
             if cut:
                 child = self._split(child, matched)
@@ -156,11 +159,11 @@ class HiRadixCache(RadixCache):
     def match_host(self, node: TreeNode, tokens: Sequence[int], start: int) -> HostMatch:
         """The host-only nodes that continue ``tokens`` below ``node`` (where a device match
         of ``start`` tokens ended), splitting the last edge if the match ends inside it."""
-        key = tuple(tokens)
+        key = self._whole_pages(tuple(tokens))
         found: list[HiTreeNode] = []
         pos = start
-        while pos < len(key) and (child := node.children.get(key[pos])) is not None:
-            matched = _matched(child.key, key, pos)
+        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
+            matched = self._matched(child, key, pos)
             if matched < len(child.key):
                 child = self._split(child, matched)
             assert isinstance(child, HiTreeNode)
@@ -173,9 +176,9 @@ class HiRadixCache(RadixCache):
 
     def host_match_length(self, node: TreeNode, tokens: Sequence[int], start: int) -> int:
         """How many tokens ``match_host`` would find, without splitting or touching a node."""
-        pos = start
-        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
-            matched = _matched(child.key, tuple(tokens), pos)
+        key, pos = self._whole_pages(tuple(tokens)), start
+        while pos < len(key) and (child := node.children.get(self._page(key, pos))) is not None:
+            matched = self._matched(child, key, pos)
             pos, node = pos + matched, child
             if matched < len(child.key):
                 break
@@ -295,7 +298,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             assert parent is not None
             freed += self._free_host(node)
-            del parent.children[node.key[0]]
+            del parent.children[self._page(node.key, 0)]
             node.removed, node.parent = True, None
             self.n_nodes -= 1
             self._shape += 1

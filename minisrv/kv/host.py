@@ -7,6 +7,7 @@ a later request matches them: a copy of ``n`` tokens costs ``n`` x bytes per tok
 link of some 55 GB/s, usually far less than the prefill that would recompute them.
 
 ``HostPool`` is that second pool: ``capacity`` token slots with their own ``SlotAllocator``
+(in pages of the device's ``page_size``: the tree backs up and loads back whole pages)
 and, next to a real model's ``KVPool``, a tensor of the same layout (pinned memory on CUDA,
 so copies can run on a copy stream; pageable memory, with one warning, where pinning fails).
 A simulated GPU has no tensors: the pool then counts slots only, as the device pool does.
@@ -71,10 +72,10 @@ class HostPool:
     """
 
     def __init__(self, capacity: int, like: Any = None,
-                 on_copy: CopyListener | None = None) -> None:
+                 on_copy: CopyListener | None = None, page_size: int = 1) -> None:
         check_int("host_cache_tokens", capacity, minimum=1)
         self.on_copy = on_copy
-        self.allocator = SlotAllocator(capacity)
+        self.allocator = SlotAllocator(capacity, page_size)  # the tree backs up whole pages
         self.device_pool = like
         self.kv = None if like is None else _host_tensor(like.kv, capacity)
         self.pinned = self.kv is not None and self.kv.is_pinned()
@@ -199,4 +200,5 @@ def make_host_pool(config: Any, backend: Backend) -> HostPool | None:
             if Capability.LENDS_KV_POOL in declared else None)
     on_copy = (cast(HostTimedBackend, backend).charge_host_copies
                if Capability.TIMES_HOST_COPIES in declared else None)
-    return HostPool(config.host_cache_tokens, like=like, on_copy=on_copy)
+    return HostPool(config.host_cache_tokens, like=like, on_copy=on_copy,
+                    page_size=config.page_size)

@@ -19,7 +19,9 @@ CACHES: tuple[Cache, ...] = ("none", "radix")
 """``Engine(cache=...)``: RadixAttention's tree, or no prefix cache at all."""
 
 
-def make_cache(kind: Cache, on_evict: EvictCallback | None = None) -> PrefixCache:
-    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the radix tree's slots."""
+def make_cache(kind: Cache, on_evict: EvictCallback | None = None,
+               page_size: int = 1) -> PrefixCache:
+    """The cache named by ``Engine(cache=...)``; ``on_evict`` frees the radix tree's slots,
+    ``page_size`` is the unit it caches in (``EngineConfig.page_size``)."""
     check_choice("cache", kind, CACHES)
-    return RadixCache(on_evict=on_evict) if kind == "radix" else NoCache()
+    return RadixCache(on_evict=on_evict, page_size=page_size) if kind == "radix" else NoCache()

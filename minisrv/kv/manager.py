@@ -21,6 +21,14 @@ request leaves (reused once the steps that read it have completed: ``launched`` 
 ``completed`` are told by the loops). Without a pool (the simulated GPU) the table keeps
 its host record alone.
 
+**Pages.** The allocator hands out pages of ``page_size`` slots (``kv/allocator.py``) and
+the table maps every token to its slot, position ``i`` at offset ``i % page_size`` of its
+page. The cache holds whole pages; a request owns the pages past its cached prefix, the
+last one maybe partly filled (the next tokens fill it before a new page is taken), and a
+page goes back when its last token does: at finish (the partial page the cache does not
+take), abort, retraction, and a truncation that empties it. ``growth`` and ``room`` say
+what more tokens cost in slots of whole pages, which is what the scheduler counts.
+
 The manager asks the cache nothing about its kind: a cache with a host tier answers the
 contract's host hooks (``PrefixCache.match_host``, ``load``, ``count_hit``), every other
 cache their no-ops.
@@ -32,6 +40,8 @@ cache their no-ops.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from minisrv.kv.allocator import SlotAllocator
 from minisrv.kv.cache import MatchResult, PrefixCache, TreeNode
@@ -59,12 +69,14 @@ class KVManager:
                  host_policy: str = "write_through",
                  table: ReqToTokenTable | None = None) -> None:
         self.kv = allocator
+        self.page_size = ps = allocator.page_size
         # None: no pool to index (the simulated GPU): the host record alone
         self.table = ReqToTokenTable.host_only() if table is None else table
         # The prefix cache owns the slots of the prefixes it keeps; evicting one frees them.
         # With a host tier (``kv/hiradix.py``) the device evicts to host memory instead.
-        self.tree: PrefixCache = (make_cache(cache, on_evict=allocator.free) if host is None
-                                  else HiRadixCache(host, host_policy, on_evict=allocator.free))
+        self.tree: PrefixCache = (
+            make_cache(cache, on_evict=allocator.free, page_size=ps) if host is None
+            else HiRadixCache(host, host_policy, on_evict=allocator.free, page_size=ps))
         self.host = host
         self.evicted_tokens = 0
         self.host_hit_tokens = 0  # matched in the host tier at admission
@@ -88,6 +100,37 @@ class KVManager:
     def available(self) -> int:
         """Slots a new request could get: free ones plus cached prefixes nobody uses."""
         return self.kv.free_count + self.tree.evictable_size()
+
+    # ------------------------------------------------------------------ pages
+    def pages(self, n_tokens: int) -> int:
+        """Slots of the whole pages ``n_tokens`` tokens take from a page boundary."""
+        ps = self.page_size
+        return n_tokens if ps == 1 else -(-n_tokens // ps) * ps
+
+    def growth(self, req: Req, n: int) -> int:
+        """Slots of the new pages that ``n`` more tokens of ``req`` take (its last page's
+        free slots first)."""
+        return n if self.page_size == 1 else self.pages(req.kv_len + n) - self.pages(req.kv_len)
+
+    def room(self, reqs: Sequence[Req], tokens: Callable[[Req], int] | None = None) -> int:
+        """Slots of the new pages that giving each of ``reqs`` ``tokens(req)`` more tokens
+        takes (one each by default: a decode step)."""
+        if self.page_size == 1:
+            return len(reqs) if tokens is None else sum(map(tokens, reqs))
+        return sum(self.growth(req, 1 if tokens is None else tokens(req)) for req in reqs)
+
+    def _extend(self, req: Req, n: int) -> list[int]:
+        """Slots for ``req``'s next ``n`` tokens: the rest of its last page, then new pages
+        (the caller made room)."""
+        ps, k = self.page_size, req.kv_len
+        if ps == 1:
+            return self.kv.alloc(n)
+        room = min(-k % ps, n)
+        head = []
+        if room:
+            last = self.table.slots(req, k - 1, k)[0]
+            head = list(range(last + 1, last + 1 + room))
+        return [*head, *self.kv.alloc(self.pages(n - room))[:n - room]]
 
     def evict(self, n_tokens: int, tag: str) -> int:
         """Evict at least ``n_tokens`` cached tokens if possible; return how many were freed."""
@@ -117,12 +160,13 @@ class KVManager:
         """Give ``req`` the matched prefix plus fresh slots for the rest; False (changing
         nothing) when even evicting every unused prefix leaves too few slots."""
         fill = req.seq_len - match.length
+        need = self.pages(fill)  # the match ends on a page boundary
         host_hit = self.tree.host_match_length(match.node, self._query(req), match.length)
-        if fill > self.kv.free_count:
-            self.evict(fill - self.kv.free_count, _tag(req))
-        if fill > self.kv.free_count:
+        if need > self.kv.free_count:
+            self.evict(need - self.kv.free_count, _tag(req))
+        if need > self.kv.free_count:
             return False
-        self.table.take(req, [*match.values, *self.kv.alloc(fill)])
+        self.table.take(req, [*match.values, *self.kv.alloc(need)[:fill]])
         req.kv_len = req.seq_len
         req.cached_len, req.cache_node = match.length, match.node
         self._load_host_part(req, host_hit)
@@ -164,14 +208,23 @@ class KVManager:
     def alloc_decode(self, reqs: Sequence[Req]) -> None:
         """A slot each for the newest token of ``reqs``, in one allocation (the caller made
         room); ``alloc_tokens`` gives one request several (a speculative check)."""
-        self.table.append(reqs, self.kv.alloc(len(reqs)))
+        ps = self.page_size
+        if ps == 1:
+            slots = self.kv.alloc(len(reqs))
+        else:  # a new page for those whose last page is full, the next slot for the others
+            full = [req for req in reqs if req.kv_len % ps == 0]
+            pages = iter(self.kv.alloc(len(full) * ps)[::ps])
+            slots = [next(pages) if req.kv_len % ps == 0
+                     else self.table.slots(req, req.kv_len - 1, req.kv_len)[0] + 1
+                     for req in reqs]
+        self.table.append(reqs, slots)
         for req in reqs:
             req.kv_len += 1
 
     def alloc_tokens(self, req: Req, n: int) -> None:
         """``n`` slots for ``req``'s next ``n`` tokens (a speculative check's k+1, a chunk);
         the caller made room."""
-        self.table.write(req, req.kv_len, self.kv.alloc(n))
+        self.table.write(req, req.kv_len, self._extend(req, n))
         req.kv_len += n
 
     # ------------------------------------------------------------------ handing KV over
@@ -182,7 +235,8 @@ class KVManager:
 
         Where the tree already held some of these tokens (another request prefilled the same
         text meanwhile), ``req``'s duplicate slots are freed and its table row takes the
-        tree's instead; then ``req`` locks the longer prefix and releases the old lock.
+        tree's instead; then ``req`` locks the longer prefix and releases the old lock. The
+        cache takes whole pages: a last partial page stays ``req``'s.
         """
         tree, tag = self.tree, _tag(req)
         end = req.kv_len if end is None else end
@@ -203,12 +257,14 @@ class KVManager:
 
         Its KV is not freed but kept for the next turn of a chat or any request with the same
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
-        (with ``NoCache`` that is all of them).
+        (with ``NoCache`` that is all of them), and so is a last partial page, which the
+        cache does not take.
         """
         tokens = req.all_tokens[: req.kv_len]
         slots = self.table.slots(req)
         already = self.tree.insert(tokens, slots, tag=_tag(req))
-        self.kv.free(slots[req.cached_len:already])
+        whole = req.kv_len - req.kv_len % self.page_size
+        self.kv.free([*slots[req.cached_len:already], *slots[max(already, whole):]])
         self._unlock(req)
 
     def release(self, req: Req) -> int:
@@ -220,7 +276,8 @@ class KVManager:
         return len(owned)
 
     def truncate(self, req: Req, n: int) -> None:
-        """Free the KV of ``req``'s last ``n`` tokens (tokens computed and then rejected).
+        """Free the KV of ``req``'s last ``n`` tokens (tokens computed and then rejected):
+        the pages left empty go back, a page still holding one of its tokens stays.
 
         Only slots ``req`` owns can go: ValueError, changing nothing, if ``n`` reaches into
         the cached prefix it shares with the tree.
@@ -230,7 +287,7 @@ class KVManager:
             raise ValueError(f"truncate of request {req.rid}: n must be an int in 0..{owned} "
                              f"(the slots it owns), got {n!r}")
         if n:
-            self.kv.free(self.table.slots(req, req.kv_len - n))
+            self.kv.free(self.table.slots(req, self.pages(req.kv_len - n)))
             req.kv_len -= n
             self.table.cut(req, req.kv_len)
 
@@ -258,24 +315,37 @@ class KVManager:
     def check_integrity(self, running: Sequence[Req]) -> None:
         """Raise ``AssertionError`` naming the broken rule if the bookkeeping is off.
 
-        * every slot is free, owned by one running request, or owned by the tree, never two
-          of these: owned + cached + free == capacity;
+        * every page is free, owned by one running request, or owned by the tree, never two
+          of these: owned + cached + free == capacity (in slots of pages);
+        * position ``i`` of a request sits at offset ``i % page_size`` of its page, and the
+          tree's nodes hold whole pages;
         * the tree's evictable + protected sizes add up to the tokens it holds;
         * every node's lock count equals the running requests whose prefix passes through it
           (so no locked node is left without a running owner).
         """
         tree = self.tree
-        table = self.table
-        owned = [s for req in running for s in table.slots(req, req.cached_len)]
+        table, ps = self.table, self.page_size
+        owned_by = [table.slots(req, req.cached_len) for req in running]
+        owned = [s for slots in owned_by for s in slots]
         shared = [s for req in running for s in table.slots(req, 0, req.cached_len)]
         nodes = tree.nodes()
         cached = [s for node in nodes for s in node.value]
-        total = len(owned) + len(cached) + self.kv.free_count
+        n_owned = sum(len({s // ps for s in slots}) for slots in owned_by) * ps
+        n_cached = len(cached)
+        total = n_owned + n_cached + self.kv.free_count
         assert total == self.kv.capacity, (
-            f"slots leaked or double-counted: {len(owned)} owned by requests + {len(cached)} "
+            f"slots leaked or double-counted: {n_owned} owned by requests + {n_cached} "
             f"cached + {self.kv.free_count} free = {total} != capacity {self.kv.capacity}"
         )
-        assert len(set(owned) | set(cached)) == len(owned) + len(cached), "a slot has two owners"
+        pages = [s // ps for s in (*owned, *cached)]
+        assert len(set(pages)) * ps == n_owned + n_cached and len(set(owned)) == len(owned), (
+            "a slot has two owners")
+        for req in running:
+            at = np.asarray(table.slots(req), dtype=np.int64) % ps
+            assert (at == np.arange(len(at)) % ps).all(), (
+                f"request {req.rid}: a position off its offset in its page")
+        assert all(len(n.value) % ps == 0 and all(v % ps == i % ps for i, v in enumerate(n.value))
+                   for n in nodes), "a tree node holds part of a page"
         assert all(self.kv.is_used(s) for s in owned), "a request holds a free slot"
         assert all(self.kv.is_used(s) for s in cached), "the tree holds a free slot"
         assert set(shared) <= set(cached), "a request reads a prefix slot the tree does not hold"

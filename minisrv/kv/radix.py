@@ -17,6 +17,12 @@ Three rules keep the tree safe to share:
   last access) until ``n`` tokens are free; a parent that becomes an unlocked leaf joins the
   heap. The root is never evicted.
 
+**Pages.** With ``page_size`` > 1 the tree matches, inserts, locks and evicts whole pages,
+as SGLang's does (``mem_cache/radix_cache.py``: children keyed by their first page, keys
+compared page by page, a match cut to whole pages): every edge holds a multiple of
+``page_size`` tokens, a query's last partial page is never matched and an insert keeps
+only the whole pages of what it is given. At ``page_size`` 1 nothing of this shows.
+
 The tree runs standalone (values may be ``None`` or any ints; nothing is allocated), which
 is how the book draws it and the tests drive it; the engine passes real KV slot ids and an
 ``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
@@ -53,6 +59,7 @@ class RadixCache(PrefixCache):
             a function that frees those KV slots); ``None`` in standalone mode.
         listener: told about every operation (a ``TreeListener``, e.g. the book's
             ``TreeRecorder``); ``None`` costs nothing. It may be set later, too.
+        page_size: tokens per page, the unit the tree matches, splits and evicts in.
 
     Costs: ``match_prefix`` and ``insert`` are O(length of the query) plus one dict lookup
     per edge; ``lock``/``unlock`` O(depth); ``evict`` O(log n) per removed leaf. Eviction
@@ -66,7 +73,8 @@ class RadixCache(PrefixCache):
     node_type: type[TreeNode] = TreeNode  # a tree with more per node (the host tier) extends it
 
     def __init__(self, on_evict: EvictCallback | None = None,
-                 listener: TreeListener | None = None) -> None:
+                 listener: TreeListener | None = None, page_size: int = 1) -> None:
+        self.page_size = check_int("page_size", page_size, minimum=1)
         self.on_evict = on_evict
         self.listener = listener
         self._ids = itertools.count()
@@ -112,14 +120,15 @@ class RadixCache(PrefixCache):
 
         Returns:
             How many leading tokens were already cached. The tree keeps the values of the
-            rest; the caller frees ``values[:returned]``, which duplicate the tree's own.
+            rest of the whole pages; the caller frees ``values[:returned]``, which duplicate
+            the tree's own (and keeps any last partial page's, which the tree never takes).
         """
-        key = insert_key(tokens, values)
+        key = self._whole_pages(insert_key(tokens, values))
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
         inserted: tuple[int, ...] = ()
         if length < len(key):
-            vals = [None] * (len(key) - length) if values is None else list(values[length:])
+            vals = [None] * (len(key) - length) if values is None else list(values[length:len(key)])
             inserted = (self._add_leaf(node, key[length:], vals).id,)
             path = path + inserted
         self._report("insert", tag, length, path, split, inserted=inserted)
@@ -128,12 +137,28 @@ class RadixCache(PrefixCache):
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
         """A new evictable leaf below ``parent`` for the edge ``key``."""
         leaf = self.node_type(next(self._ids), key, values, parent, self.clock)
-        parent.children[key[0]] = leaf
+        parent.children[self._page(key, 0)] = leaf
         self.n_nodes += 1
         self._shape += 1
         self._evictable += len(leaf.key)
         self._push(leaf)
         return leaf
+
+    def _whole_pages(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        """``key`` without its last partial page."""
+        cut = len(key) % self.page_size
+        return key[:len(key) - cut] if cut else key
+
+    def _page(self, key: tuple[int, ...], pos: int) -> Any:
+        """What ``children`` are keyed by: the token at ``pos`` (pages of one token) or the
+        page starting there (a tuple, shorter than a page where ``key`` ends first)."""
+        return key[pos] if self.page_size == 1 else key[pos:pos + self.page_size]
+
+    def _matched(self, child: TreeNode, key: tuple[int, ...], pos: int) -> int:
+        """Leading tokens of ``child``'s edge that equal ``key[pos:]``, in whole pages (at
+        least one page: the child was found by its first one)."""
+        matched = _matched(child.key, key, pos)
+        return matched - matched % self.page_size
 
     def _walk(self, key: tuple[int, ...], collect: bool
               ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
@@ -146,8 +171,8 @@ class RadixCache(PrefixCache):
         values: list[Any] = []
         path: list[int] = []
         split: list[int] = []
-        while pos < len(key) and (child := self._next(node, key[pos])) is not None:
-            matched = _matched(child.key, key, pos)
+        while pos < len(key) and (child := self._next(node, key, pos)) is not None:
+            matched = self._matched(child, key, pos)
             cut = matched < len(child.key)  # the match ends inside this edge
             if cut:
                 child = self._split(child, matched)
@@ -167,7 +192,7 @@ class RadixCache(PrefixCache):
         no node added, split or removed since, only ``_rewalk`` the path found then."""
         if key is self._last[0] and self._shape == self._last[1]:
             return self._rewalk(*self._last[2:])
-        node, length, values, path, split = self._walk(key, collect=True)
+        node, length, values, path, split = self._walk(self._whole_pages(key), collect=True)
         self._last = (key, self._shape, node, length, path)
         return node, length, values, path, split
 
@@ -189,9 +214,10 @@ class RadixCache(PrefixCache):
             values.extend(walker.value)
         return node, length, values, path, ()
 
-    def _next(self, node: TreeNode, token: int) -> TreeNode | None:
-        """The child of ``node`` whose edge starts with ``token``, where a match may go on."""
-        return node.children.get(token)
+    def _next(self, node: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode | None:
+        """The child of ``node`` whose edge starts with ``key``'s page at ``pos``, where a
+        match may go on."""
+        return node.children.get(self._page(key, pos))
 
     def _touch(self, node: TreeNode) -> None:
         """``node`` was just used: renew its LRU stamp; a leaf goes back on the heap."""
@@ -214,8 +240,8 @@ class RadixCache(PrefixCache):
         child.key = child.key[at:]
         child.value = child.value[at:]
         child.parent = upper
-        upper.children[child.key[0]] = child
-        parent.children[upper.key[0]] = upper
+        upper.children[self._page(child.key, 0)] = child
+        parent.children[self._page(upper.key, 0)] = upper
         self.n_nodes += 1
         self._shape += 1
         return upper
@@ -293,7 +319,7 @@ class RadixCache(PrefixCache):
         """Take the unlocked leaf ``node`` out of the tree (its values are not freed here)."""
         parent = node.parent
         assert parent is not None  # the root is never evicted
-        del parent.children[node.key[0]]
+        del parent.children[self._page(node.key, 0)]
         node.removed = True
         node.parent = None
         self.n_nodes -= 1
@@ -337,7 +363,8 @@ class RadixCache(PrefixCache):
         while stack:
             node = stack.pop()
             out.append(node)
-            stack.extend(sorted(node.children.values(), key=lambda c: c.key[0], reverse=True))
+            stack.extend(sorted(node.children.values(), key=lambda c: self._page(c.key, 0),
+                                reverse=True))
         return out
 
     def cached_sequences(self) -> list[tuple[int, ...]]:
@@ -381,8 +408,9 @@ class RadixCache(PrefixCache):
 
     def __repr__(self) -> str:
         info = self.size_info()
+        page = "" if self.page_size == 1 else f", page_size={self.page_size}"
         return (f"RadixCache(nodes={self.n_nodes}, evictable={info.evictable}, "
-                f"protected={info.protected})")
+                f"protected={info.protected}{page})")
 
 
 def _matched(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:

@@ -58,15 +58,25 @@ class PrefillAdder:
         """Count ``req`` as admitted in this step."""
         self.places -= 1
         self.budget -= self.rule.need(req, fill)
-        self.rule.reserved += req.kv_reservation
+        self.rule.reserved += self.rule.reservation(req)
 
 
 class AdmissionRule(ABC):
     """How memory is promised; ``reserved`` (worst cases of running requests) is kept by
-    both rules, for the trace."""
+    both rules, for the trace. ``fill`` and every count are KV slots of whole pages of
+    ``page_size`` (a request's last page may be partly filled, but it is taken whole)."""
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int = 1) -> None:
         self.reserved = 0  # KV tokens promised to running requests, worst case
+        self.page_size = page_size
+
+    def pages(self, n_tokens: int) -> int:
+        """Slots of the whole pages ``n_tokens`` tokens take."""
+        return -(-n_tokens // self.page_size) * self.page_size
+
+    def reservation(self, req: Req) -> int:
+        """KV slots ``req`` may ever take: its ``kv_reservation`` in whole pages."""
+        return self.pages(req.kv_reservation)
 
     @property
     def ratio(self) -> float:
@@ -87,7 +97,7 @@ class AdmissionRule(ABC):
 
     def released(self, req: Req) -> None:
         """``req`` left the running batch (finished, aborted or retracted)."""
-        self.reserved -= req.kv_reservation
+        self.reserved -= self.reservation(req)
 
     def after_decode_prepared(self, running: Sequence[Req], retracted: Sequence[Req]) -> None:
         """Called once per decoding step, after any retraction (SGLang updates its ratio)."""
@@ -97,22 +107,23 @@ class AdmissionRule(ABC):
 class ReserveAdmission(AdmissionRule):
     """Admit a request only if its worst case fits beside everyone else's."""
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
+    def __init__(self, capacity: int, page_size: int = 1) -> None:
+        super().__init__(page_size)
+        self.capacity = capacity - capacity % page_size  # whole pages
 
     def budget(self, running: Sequence[Req], memory: KVManager) -> float:
         return self.capacity - self.reserved
 
     def need(self, req: Req, fill: int) -> float:
-        return req.kv_reservation
+        return self.reservation(req)
 
 
 class BudgetAdmission(AdmissionRule):
     """SGLang's estimate: admit while the expected need of everyone fits in free memory."""
 
-    def __init__(self, new_token_ratio: float, ratio_decay: float, min_ratio: float) -> None:
-        super().__init__()
+    def __init__(self, new_token_ratio: float, ratio_decay: float, min_ratio: float,
+                 page_size: int = 1) -> None:
+        super().__init__(page_size)
         self.init_ratio, self.ratio_decay, self.min_ratio = new_token_ratio, ratio_decay, min_ratio
         self.new_token_ratio = new_token_ratio
 
@@ -150,5 +161,6 @@ class BudgetAdmission(AdmissionRule):
 def make_admission(config: EngineConfig) -> AdmissionRule:
     """The rule named by ``config.admission``."""
     if config.admission == "reserve":
-        return ReserveAdmission(config.kv_capacity)
-    return BudgetAdmission(config.new_token_ratio, config.ratio_decay, config.min_ratio)
+        return ReserveAdmission(config.kv_capacity, config.page_size)
+    return BudgetAdmission(config.new_token_ratio, config.ratio_decay, config.min_ratio,
+                           config.page_size)

@@ -76,10 +76,15 @@ class EngineConfig:
     jump_forward: bool = False  # constrained requests append the tokens their grammar forces
     host_cache_tokens: int = 0  # token slots of the host tier (evicted prefixes kept); 0: none
     host_cache_policy: str = "write_through"  # when the host tier gets a copy (kv/host.py)
+    page_size: int = 1  # KV slots per page: the allocator's and the prefix cache's unit
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)
         check_int("max_running", self.max_running, minimum=1)
+        check_int("page_size", self.page_size, minimum=1)
+        if self.kv_capacity < self.page_size:
+            raise ValueError(f"kv_capacity={self.kv_capacity} holds no page of "
+                             f"page_size={self.page_size} slots")
         check_choice("policy", self.policy, POLICIES)
         check_choice("cache", self.cache, CACHES)
         check_choice("mode", self.mode, MODES)
@@ -124,6 +129,9 @@ class EngineConfig:
     def _check_host_tier(self) -> None:
         """A host tier keeps what the radix tree evicts, so it needs the tree."""
         check_int("host_cache_tokens", self.host_cache_tokens, minimum=0)
+        if 0 < self.host_cache_tokens < self.page_size:
+            raise ValueError(f"host_cache_tokens={self.host_cache_tokens} holds no page of "
+                             f"page_size={self.page_size} slots")
         check_choice("host_cache_policy", self.host_cache_policy, HOST_POLICIES)
         if self.host_cache_tokens and self.cache != "radix":
             raise ValueError(f"host_cache_tokens={self.host_cache_tokens} needs cache='radix': "

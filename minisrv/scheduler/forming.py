@@ -96,7 +96,7 @@ class BatchFormer:
         while queues.waiting and adder.has_place:
             req = queues.waiting[0]
             match = self.memory.match(req)
-            fill = req.seq_len - match.length
+            fill = self.memory.pages(req.seq_len - match.length)  # its new pages' slots
             if not (adder.fits(req, fill) and self.memory.allocate(req, match)):
                 self.memory.drop_match(req, match)
                 return
@@ -175,9 +175,10 @@ class BatchFormer:
         return list(running), tuple(retracted)
 
     def decode_tokens(self, running: list[Req]) -> int:
-        """KV slots the running requests' decodes take this step: one token each, or with
-        wider entries (``wide.py``) each one's tokens without KV plus its guesses."""
-        return len(running) if self.wide is None else self.wide.room(running)
+        """KV slots the running requests' decodes take this step, in whole pages: one token
+        each, or with wider entries (``wide.py``) each one's tokens without KV plus its
+        guesses (``KVManager.room``: a token that fits its request's last page takes none)."""
+        return self.memory.room(running, None if self.wide is None else self.wide.tokens)
 
     @staticmethod
     def retraction_victim(running: list[Req]) -> Req:

@@ -210,10 +210,11 @@ def make_memory(config: EngineConfig, backend: Backend) -> KVManager:
     """
     pool = backend.attach_kv(config.kv_capacity)
     allocator = pool or SlotAllocator(config.kv_capacity)
+    allocator.set_page_size(config.page_size)
     table = None if pool is None else ReqToTokenTable(
         table_rows(config.max_running, config.overlap),
         min(backend.max_context or config.kv_capacity, config.kv_capacity),
-        scratch_slot=pool.capacity)
+        scratch_slot=pool.size)
     backend.attach_table(table)
     return KVManager(allocator, config.cache, make_host_pool(config, backend),
                      config.host_cache_policy, table)

@@ -116,7 +116,8 @@ def check_request(req: Req, config: EngineConfig, backend: Backend) -> None:
         raise ValueError(
             f"request {req.rid}: prompt holds token ids outside the vocabulary (0..{vocab - 1})"
         )
-    if req.kv_reservation > config.kv_capacity:
+    pages = -(-req.kv_reservation // config.page_size)  # a page is taken whole
+    if pages > config.kv_capacity // config.page_size:
         raise ValueError(
             f"request {req.rid} needs {req.prompt_len} prompt + {req.max_new_tokens} new "
             f"= {req.kv_reservation} KV tokens but kv_capacity is {config.kv_capacity}: "

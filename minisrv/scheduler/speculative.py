@@ -78,10 +78,10 @@ class Speculation:
             return 0
         return max(0, min(self.k, req.remaining_new_tokens - 1))
 
-    def room(self, running: Sequence[Req]) -> int:
-        """KV slots the running requests' entries may take this step (an upper bound: a
-        drafter may guess fewer)."""
-        return sum(req.seq_len - req.kv_len + self.guesses(req) for req in running)
+    def tokens(self, req: Req) -> int:
+        """Tokens ``req``'s entry may give KV this step (an upper bound: a drafter may
+        guess fewer)."""
+        return req.seq_len - req.kv_len + self.guesses(req)
 
     def alloc(self, running: Sequence[Req], memory: KVManager) -> None:
         """Draft for every running request and give each the slots of its entry: every

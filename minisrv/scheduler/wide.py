@@ -7,10 +7,11 @@ it by the tokens a grammar forced after the last step: they were appended withou
 the next entry computes every token from the first one without KV through the newest, and
 samples after them as a plain decode does. Nothing is guessed, nothing is checked.
 
-The scheduler drives either through the same four calls (``WideDecode``): the KV room the
-step's decodes may take (``room``), their slots (``alloc``, before the step is formed),
-the widened entries (``expand``), and forgetting a request (``release``); ``count`` adds a
-step's checks to the totals. ``make_wide`` picks the one an ``EngineConfig`` asks for.
+The scheduler drives either through the same four calls (``WideDecode``): the tokens each
+request's entry may give KV this step (``tokens``: the scheduler counts their pages), their
+slots (``alloc``, before the step is formed), the widened entries (``expand``), and
+forgetting a request (``release``); ``count`` adds a step's checks to the totals.
+``make_wide`` picks the one an ``EngineConfig`` asks for.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ __all__ = ["JumpForward", "WideDecode", "make_wide"]
 class WideDecode(Protocol):
     """What the scheduler asks of a feature that widens decode entries."""
 
-    def room(self, running: Sequence[Req]) -> int: ...
+    def tokens(self, req: Req) -> int: ...
 
     def alloc(self, running: Sequence[Req], memory: KVManager) -> None: ...
 
@@ -57,9 +58,9 @@ class JumpForward:
     def __init__(self) -> None:
         self._starts: dict[Req, int] = {}  # req -> its entry's first position, this step
 
-    def room(self, running: Sequence[Req]) -> int:
-        """KV slots the running requests' entries take this step: every token without KV."""
-        return sum(req.seq_len - req.kv_len for req in running)
+    def tokens(self, req: Req) -> int:
+        """Tokens ``req``'s entry gives KV this step: every token without KV."""
+        return req.seq_len - req.kv_len
 
     def alloc(self, running: Sequence[Req], memory: KVManager) -> None:
         """Give every running request the slots of its tokens without KV."""
