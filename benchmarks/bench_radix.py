@@ -7,6 +7,12 @@ node per token (the obvious first implementation). Both must agree on every matc
 the script prints operations per second and their ratio, then the radix tree's speed with a
 capacity that forces LRU eviction (which the naive trie cannot do without a scan).
 
+Then the same trace goes through each prefix cache as the engine uses it: a request matches
+its prompt without the last token (whose logits must be computed), then inserts prompt +
+output. The table gives matches per second and the tokens hit: the radix tree at page 1,
+vLLM's block-hash cache (``BlockCache``) at page sizes 1 and 16 (vLLM's default block), and
+SGLang's own radix tree at pages 1 and 16 where ``sglang`` imports.
+
     python benchmarks/bench_radix.py [--requests 10000] [--seed 0]
 """
 
@@ -19,7 +25,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from minisrv.kv import RadixCache
+from minisrv.kv import BlockCache, RadixCache
 
 VOCAB = 128
 
@@ -94,6 +100,57 @@ def replay(cache: Any, trace: list[tuple[list[int], list[int]]], desc: str,
     return time.perf_counter() - start, lengths
 
 
+class SGLangTree:
+    """SGLang's ``RadixCache`` (0.5's parameter objects) behind ``match_prefix`` / ``insert``,
+    with tensors of slot ids as its values."""
+
+    def __init__(self, page_size: int) -> None:
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache as SGLangRadixCache
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        self.torch, self.key = torch, RadixKey
+        self.params = MatchPrefixParams, InsertParams
+        self.tree = SGLangRadixCache.create_simulated(page_size=page_size)
+
+    def match_prefix(self, tokens: list[int]) -> tuple[int, Any]:
+        found = self.tree.match_prefix(self.params[0](key=self.key(tokens)))
+        return len(found.device_indices), found.last_device_node
+
+    def insert(self, tokens: list[int], values: list[int]) -> int:
+        done = self.tree.insert(self.params[1](key=self.key(tokens),
+                                               value=self.torch.tensor(values)))
+        return done.prefix_len
+
+
+def caches() -> list[tuple[str, Any]]:
+    """(name, a fresh cache) for every cache compared; SGLang's where it imports."""
+    out: list[tuple[str, Any]] = [("radix tree, page 1", RadixCache()),
+                                  ("blocks, page 1", BlockCache(1)),
+                                  ("blocks, page 16", BlockCache(16))]
+    try:
+        out += [(f"SGLang radix, page {p}", SGLangTree(p)) for p in (1, 16)]
+    except ImportError as error:
+        print(f"SGLang's tree left out: {error}")
+    return out
+
+
+def serve(cache: Any, trace: list[tuple[list[int], list[int]]], desc: str
+          ) -> tuple[float, int]:
+    """Seconds spent matching each prompt but its last token, and the tokens those matches
+    hit, when every request then inserts prompt + output (slot ids as values)."""
+    hit, seconds, slot = 0, 0.0, 0
+    for prompt, output in tqdm(trace, desc=desc, mininterval=1.0):
+        start = time.perf_counter()
+        hit += cache.match_prefix(prompt[:-1])[0]
+        seconds += time.perf_counter() - start
+        full = prompt + output
+        cache.insert(full, list(range(slot, slot + len(full))))
+        slot += len(full)
+    return seconds, hit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
@@ -120,6 +177,13 @@ def main() -> None:
     hit = sum(evict_len) / sum(len(p) for p, _ in trace)
     print(f"radix tree, capacity {capacity:,} tokens with LRU eviction: "
           f"{ops / evict_s:,.0f} ops/s, hit rate {hit:.1%}")
+
+    prompts = sum(len(p) for p, _ in trace)
+    print(f"\n{'cache':<22} {'matches/s':>10} {'hit tokens':>11} {'hit rate':>9}")
+    for name, cache in caches():
+        seconds, hit_tokens = serve(cache, trace, name)
+        print(f"{name:<22} {len(trace) / seconds:>10,.0f} {hit_tokens:>11,} "
+              f"{hit_tokens / prompts:>9.1%}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ _PUBLIC = {
     "EngineConfig": "minisrv.scheduler",
     "Router": "minisrv.router",
     "RadixCache": "minisrv.kv",
+    "BlockCache": "minisrv.kv",
     "calc_priority": "minisrv.scheduler",
     "optimal_hit_rate": "minisrv.scheduler",
     "simulate": "minisrv.sim",

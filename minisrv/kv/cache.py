@@ -1,8 +1,9 @@
 """The interface every prefix cache implements, and the cache that keeps nothing.
 
 A prefix cache maps token sequences to the KV slots already computed for them. The scheduler
-talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.kv.radix``)
-and ``NoCache`` (no reuse at all: ``Engine(cache="none")``) are interchangeable, as in
+talks to it through ``PrefixCache`` alone, so RadixAttention's tree (``minisrv.kv.radix``),
+vLLM's block-hash cache (``minisrv.kv.blocks``) and ``NoCache`` (no reuse at all:
+``Engine(cache="none")``) are interchangeable, as in
 mini-sglang's ``kvcache/base.py``. The small result types name each field, so a reader of
 the scheduler sees what a match returns without opening the tree. ``kinds.py`` builds the
 cache ``Engine(cache=...)`` names; ``events.py`` holds what the tree reports to a listener.
@@ -99,15 +100,17 @@ def insert_key(tokens: Sequence[int], values: Sequence[Any] | None) -> tuple[int
 
 
 class PrefixCache(ABC):
-    """The interface the engine uses, so ``RadixCache`` and ``NoCache`` are interchangeable.
+    """The interface the engine uses, so ``RadixCache``, ``BlockCache`` and ``NoCache`` are
+    interchangeable.
 
     Ownership of values (KV slots): ``insert(tokens, values)`` returns ``k``, the number of
-    leading tokens that were already cached. The cache keeps ``values[k:]`` and hands them to
-    ``on_evict`` when it evicts them; ``values[:k]`` duplicate what the tree already holds and
-    stay the caller's to free.
+    leading tokens that were already cached. The cache keeps ``values[k:]`` up to the last
+    whole page and hands them to ``on_evict`` when it evicts them; ``values[:k]`` duplicate
+    what the tree already holds and, with a last partial page, stay the caller's to free.
     """
 
     root: TreeNode
+    page_size: int = 1  # the cache matches, inserts and evicts whole pages of this many tokens
 
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:

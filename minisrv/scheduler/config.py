@@ -16,7 +16,7 @@ from typing import Any, Literal
 from minisrv.checks import check_choice, check_int, check_number
 from minisrv.kv import CACHES, Cache
 from minisrv.kv.host import HOST_POLICIES
-from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, Policy
+from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, TREE_POLICIES, Policy
 
 __all__ = [
     "ADMISSIONS",
@@ -57,7 +57,7 @@ class EngineConfig:
     policy: Policy = "fcfs"  # order in which waiting requests are considered (policy.py)
     in_batch_prefix_check: bool | None = None  # None: on for the cache-aware policies
     seed: int | None = None  # the random policy's generator
-    cache: Cache = "none"  # "radix": reuse cached prefixes (RadixAttention)
+    cache: Cache = "none"  # "radix": RadixAttention's tree; "blocks": vLLM's block hashes
     mode: Mode = "prefill-first"  # how a step is formed
     overlap: bool = False  # form step i+1 on the CPU while the device computes step i
     skip_finishing_decode: bool = False  # overlap: leave requests ending on length out of i+1
@@ -87,6 +87,10 @@ class EngineConfig:
                              f"page_size={self.page_size} slots")
         check_choice("policy", self.policy, POLICIES)
         check_choice("cache", self.cache, CACHES)
+        if self.cache == "blocks" and self.policy in TREE_POLICIES:
+            raise ValueError(f"policy={self.policy!r} walks the radix tree's nodes and "
+                             f"cache='blocks' keeps a hash table of blocks, not a tree; use "
+                             f"cache='radix', or policy='lpm' (it needs only match lengths)")
         check_choice("mode", self.mode, MODES)
         check_choice("admission", self.admission, ADMISSIONS)
         check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)

@@ -25,6 +25,13 @@ code (``QueuePolicy`` is the scheduler's part that applies it, once per admissio
 
 Cache-aware policies given a ``NoCache`` become FCFS, as in SGLang: there is nothing to match.
 
+**Which policies need a tree.** LPM needs only a match length, which vLLM's block-hash cache
+(``BlockCache``, ``cache="blocks"``) gives as well as the radix tree: a run of whole blocks,
+so with ``len(prompt) - 1`` rounded down to whole blocks as its cap. DFS-weight walks the
+tree's children from the root; a hash table of blocks has none, so DFS-weight refuses it.
+The in-batch check matches the waiting prompts against a scratch radix tree of their own,
+whichever cache serves them.
+
 **In-batch prefix check.** A cold prefix (not in the tree) shared by several waiting requests
 would otherwise be prefilled by all of them in the same batch, since none can reuse KV that
 does not exist yet. So a scratch tree, empty at the start of each round, receives the prompts
@@ -48,13 +55,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, get_args
 
-from minisrv.kv import NoCache, PrefixCache, RadixCache, TreeNode
+from minisrv.kv import BlockCache, NoCache, PrefixCache, RadixCache, TreeNode
 from minisrv.request import Req
 
 __all__ = [
     "Policy",
     "POLICIES",
     "CACHE_AWARE",
+    "TREE_POLICIES",
     "IN_BATCH_POLICIES",
     "WAITING_QUEUE_PREFIX_MATCH_MAX",
     "IN_BATCH_CHECK_THRESHOLD",
@@ -70,6 +78,8 @@ __all__ = [
 Policy = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 CACHE_AWARE: frozenset[str] = frozenset({"lpm", "dfs-weight"})
+# Policies that walk the radix tree's nodes, not only its match lengths.
+TREE_POLICIES: frozenset[str] = frozenset({"dfs-weight"})
 # Policies the in-batch prefix check may be combined with (it needs matches against a tree).
 IN_BATCH_POLICIES: frozenset[str] = frozenset({"fcfs", "lpm", "dfs-weight"})
 
@@ -136,9 +146,11 @@ def calc_priority(
 
     Args:
         policy: one of ``POLICIES``.
-        tree: the prefix cache (``RadixCache``); with ``NoCache`` cache-aware policies are FCFS
-            and the in-batch check is skipped (nothing could be reused a round later).
-            Matching splits nodes and refreshes LRU clocks, as the scheduler's matching does.
+        tree: the prefix cache (``RadixCache``, or ``BlockCache`` for all but DFS-weight);
+            with ``NoCache`` cache-aware policies are FCFS and the in-batch check is skipped
+            (nothing could be reused a round later). The radix tree's matching splits nodes
+            and refreshes LRU clocks, as the scheduler's matching does; the block cache's
+            changes nothing, as vLLM's lookup.
         prompts: the waiting requests' token lists, in queue order (oldest first).
         in_batch_prefix_check: run the in-batch prefix check; ``None`` means the policy's
             default (``default_in_batch_check``: on for LPM and DFS-weight). Allowed with
@@ -171,11 +183,11 @@ def calc_priority(
     past_max = policy == "lpm" and n > WAITING_QUEUE_PREFIX_MATCH_MAX
     if no_cache or past_max or (policy == "fcfs" and not check):
         return PriorityResult(queue, [], [0] * n)
-    if not isinstance(tree, RadixCache):
-        raise ValueError(f"tree must be a RadixCache or NoCache, got {type(tree).__name__}")
+    _check_tree(policy, tree)
     keys = [tuple(p) for p in prompts]  # once: the radix tree keys on tuples
     real, nodes = _match_all(tree, keys)
-    matched = [min(length, len(p) - 1) for length, p in zip(real, keys)]
+    page = tree.page_size  # a match is whole pages, so its cap is too
+    matched = [min(length, (len(p) - 1) // page * page) for length, p in zip(real, keys)]
     deprioritized = _in_batch_deprioritized(keys, real) if check else []
     if policy == "dfs-weight":
         order = _dfs_weight_order(tree.root, nodes)
@@ -185,6 +197,20 @@ def calc_priority(
             key[i] = 1  # behind every request with a match (keys <= 0), queue order kept
         order = sorted(queue, key=key.__getitem__)
     return PriorityResult(order, deprioritized, matched)
+
+
+def _check_tree(policy: str, tree: PrefixCache) -> None:
+    """ValueError unless ``tree`` is a cache ``policy`` can order by: a ``RadixCache`` for
+    every policy, a ``BlockCache`` for all but the ones that walk the tree."""
+    if isinstance(tree, RadixCache):
+        return
+    if not isinstance(tree, BlockCache):
+        raise ValueError(f"tree must be a RadixCache, BlockCache or NoCache, got "
+                         f"{type(tree).__name__}")
+    if policy in TREE_POLICIES:
+        raise ValueError(f"policy {policy!r} walks the radix tree's nodes, and the block "
+                         f"cache keeps a hash table of blocks; use cache='radix' or policy "
+                         f"'lpm'")
 
 
 def _check_policy(policy: str) -> None:
@@ -199,7 +225,7 @@ def _longest_output_first(max_new_tokens: Sequence[int] | None, n: int) -> list[
     return sorted(range(n), key=lambda i: -max_new_tokens[i])
 
 
-def _match_all(tree: RadixCache, prompts: Sequence[Sequence[int]]
+def _match_all(tree: PrefixCache, prompts: Sequence[Sequence[int]]
                ) -> tuple[list[int], list[TreeNode]]:
     """Real (uncapped) cached length and end node of every prompt, in queue order."""
     lengths: list[int] = []

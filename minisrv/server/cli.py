@@ -42,7 +42,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=e.max_running,
                    help="cap on the running batch")
     p.add_argument("--policy", default=e.policy, help="waiting-queue order (fcfs, lpm, ...)")
-    p.add_argument("--cache", default=e.cache, help="prefix cache: radix or none")
+    p.add_argument("--cache", default=e.cache,
+                   help="prefix cache: radix (SGLang's tree), blocks (vLLM's block hashes) "
+                        "or none")
     p.add_argument("--mode", default=e.mode, help="step formation (see Engine)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
