@@ -244,17 +244,17 @@ def trace_hits(model: Any, workload: Workload,
                      max(size for _, _, size in settings))
 
 
-PREEMPT_SETTINGS = (("radix", 1, 0), ("radix", 16, 0), ("blocks", 16, 0), ("radix", 1, 2000))
-"""(cache, page size, host tier tokens) of the preemption table: the tree and the block cache
-at their servers' defaults, and the tree with a host tier."""
+PREEMPT_SETTINGS = (("radix", 1, 0), ("radix", 1, 100_000))
+"""(cache, page size, host tier tokens) of the preemption runs: the tree, without and with a
+host tier of 100,000 tokens."""
 
 
-def preemption_runs(model: Any, workload: Workload,
+def preemption_runs(backend: Any, workload: Workload,
                     settings: Sequence[tuple[str, int, int]] = PREEMPT_SETTINGS,
                     **options: Any) -> dict[tuple[str, int, int], PageRun]:
     """``page_run`` of ``workload`` under each (cache, page size, host tier) of ``settings``
     (a pool small enough that requests are retracted, through ``options``)."""
-    return {(cache, size, host): page_run(model, workload, size, cache,
+    return {(cache, size, host): page_run(backend, workload, size, cache,
                                           host_cache_tokens=host, **options)
             for cache, size, host in settings}
 
@@ -264,11 +264,10 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFra
     back from the host tier, per (cache, page size, host tier) of ``runs``."""
     rows = {}
     for (cache, size, host), run in runs.items():
-        label = f"{'tree' if cache == 'radix' else 'blocks'}, {size}"
+        label = {"none": "no cache", "radix": "tree"}.get(cache, cache) + f", {size}"
         rows[label, f"{host:,}" if host else "none"] = {
             "retractions": run.retractions, "thrown away": run.wasted_tokens,
-            "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens,
-            "hit rate": f"{run.hit_rate:.1%}"}
+            "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.names = ["cache, page", "host tier"]
     return frame
