@@ -260,14 +260,16 @@ def preemption_runs(backend: Any, workload: Workload,
 
 
 def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFrame:
-    """Retractions, the computed tokens they threw away, prompt tokens prefilled and loaded
-    back from the host tier, per (cache, page size, host tier) of ``runs``."""
+    """Retractions, the computed tokens they threw away, tokens prefilled (recomputations
+    included) and loaded back from the host tier, one row per (cache, page size, host tier)
+    of ``runs``."""
+    names = {"none": "no prefix cache", "radix": "radix tree", "blocks": "block cache"}
     rows = {}
     for (cache, size, host), run in runs.items():
-        label = {"none": "no cache", "radix": "tree"}.get(cache, cache) + f", {size}"
-        rows[label, f"{host:,}" if host else "none"] = {
-            "retractions": run.retractions, "thrown away": run.wasted_tokens,
-            "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
+        label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
+        label += f", host tier of {host:,}" if host else ""
+        rows[label] = {"retractions": run.retractions, "thrown away": run.wasted_tokens,
+                       "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
-    frame.index.names = ["cache, page", "host tier"]
+    frame.index.name = "cache"
     return frame
