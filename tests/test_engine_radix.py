@@ -26,12 +26,14 @@ def tree_slots(sched: Scheduler) -> list[int]:
 
 
 def check_pool(sched: Scheduler) -> None:
-    """Every used slot is held by exactly one owner: the tree, or one running request."""
+    """Every used slot is held by exactly one owner: the tree, or one running request; every
+    used page is the tree's or holds a running request's tokens."""
     kv, tree = sched.memory.kv, sched.memory.tree
     cached = tree_slots(sched)
     own = [s for req in sched.queues.running for s in sched.memory.slots(req, req.cached_len)]
     assert len(cached) == tree.total_size()
-    assert len(set(cached) | set(own)) == len(cached) + len(own) == kv.used_count
+    assert len(set(cached) | set(own)) == len(cached) + len(own)
+    assert len({s // kv.page_size for s in (*cached, *own)}) * kv.page_size == kv.used_count
     for req in sched.queues.running:  # a running request's cached prefix is the tree's, locked
         assert set(sched.memory.slots(req, 0, req.cached_len)) <= set(cached)
         assert req.cache_node is not None
@@ -122,12 +124,16 @@ def test_a_small_pool_evicts_old_prefixes_and_records_the_tree(model) -> None:
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 20), st.integers(1, 30)),
                      min_size=1, max_size=12),
-       slack=st.integers(0, 60), mode=st.sampled_from(MODES))
-def test_the_simulator_with_the_cache_keeps_the_accounting(lens, slack, mode) -> None:
+       slack=st.integers(0, 60), mode=st.sampled_from(MODES),
+       page_size=st.sampled_from([1, 4, 16]))
+def test_the_simulator_with_the_cache_keeps_the_accounting(lens, slack, mode,
+                                                           page_size) -> None:
+    """The simulated GPU runs the same scheduler, so its books hold in pages too."""
     prompts = [[7 + k] * 10 + [3] * p for k, p, _ in lens]
     capacity = max(len(p) + m for p, (_, _, m) in zip(prompts, lens)) + slack
+    capacity += -capacity % page_size  # the longest request's pages fit
     engine = Engine(SimBackend(LLAMA3_8B), kv_capacity=capacity, max_running=4, mode=mode,
-                    new_token_ratio=0.3, cache="radix")
+                    new_token_ratio=0.3, cache="radix", page_size=page_size)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for _, _, m in lens]
     reqs = engine.make_requests(prompts, None, params)
     serve_checked(engine, reqs)

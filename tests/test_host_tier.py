@@ -151,11 +151,15 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "evict", "evict_hos
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=ops, policy=st.sampled_from(HOST_POLICIES), host=st.integers(4, 60))
-def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host) -> None:
+@given(ops=ops, policy=st.sampled_from(HOST_POLICIES), host=st.integers(4, 60),
+       page_size=st.sampled_from([1, 4]))
+def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host,
+                                                             page_size) -> None:
     """Requests admitted (match, evict-to-host, load back), finished (cached) and evicted
-    in any order: no slot of either pool leaked or shared, no locked node evicted."""
-    memory = KVManager(SlotAllocator(48), "radix", HostPool(host), policy)
+    in any order: no slot of either pool leaked or shared, no locked node evicted; in
+    pages, both pools move whole pages."""
+    memory = KVManager(SlotAllocator(48, page_size), "radix", HostPool(host, page_size=page_size),
+                       policy)
     running: list[Req] = []
     rid = 0
     for op, seed, size in ops:
@@ -171,7 +175,7 @@ def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host) 
                 memory.drop_match(req, match)
         elif op == "finish" and running:
             req = running.pop(seed % len(running))
-            if not memory.free_count and not memory.evict(1, "test"):
+            if memory.growth(req, 1) > memory.free_count and not memory.evict(1, "test"):
                 memory.release(req)  # no room for its last token: retracted, as the engine would
             else:
                 req.output.append(size % 4)

@@ -30,9 +30,13 @@ def _admit(memory: KVManager, rid: int, prompt: list[int]) -> Req | None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(cache=st.sampled_from(["radix", "none"]), ops=st.lists(op_st, max_size=40))
-def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple]) -> None:
-    memory = KVManager(SlotAllocator(48), cache)  # type: ignore[arg-type]
+@given(cache=st.sampled_from(["radix", "none"]), ops=st.lists(op_st, max_size=40),
+       page_size=st.sampled_from([1, 4, 16]))
+def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple],
+                                                  page_size: int) -> None:
+    """At every page size: a truncation frees exactly the pages it empties, and nothing
+    leaks (``check_integrity``: every page free, one request's or the cache's)."""
+    memory = KVManager(SlotAllocator(48, page_size), cache)  # type: ignore[arg-type]
     running: list[Req] = []
     for rid, (op, *args) in enumerate(ops):
         if op == "admit":
@@ -41,15 +45,15 @@ def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple]) 
         elif running:
             req = running[args[0] % len(running)]
             if op == "grow":  # a speculative check: k+1 tokens get KV, outputs follow
-                n = min(args[1], memory.free_count)
+                n = args[1] if memory.growth(req, args[1]) <= memory.free_count else 0
                 memory.alloc_tokens(req, n)
                 req.output.extend([1] * n)
             elif op == "truncate":  # the rejected ones go again
                 n = min(args[1], req.kv_len - req.cached_len, len(req.output))
-                before = memory.free_count
+                before, k = memory.free_count, req.kv_len
                 memory.truncate(req, n)
                 del req.output[len(req.output) - n:]
-                assert memory.free_count == before + n
+                assert memory.free_count == before + memory.pages(k) - memory.pages(k - n)
             elif op == "finish":
                 running.remove(req)
                 memory.cache_finished(req)

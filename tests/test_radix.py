@@ -1,8 +1,10 @@
 """The radix cache against a plain oracle: the set of every cached prefix.
 
 A radix tree is only an efficient encoding of "which token prefixes have KV". The oracle
-keeps that set explicitly (prefix tuple -> value of its last token) and the state machine
-checks, after every random operation, that the tree answers exactly as the set would.
+keeps that set explicitly (prefix tuple -> values of its last page) and the state machine
+checks, after every random operation, that the tree answers exactly as the set would. With
+pages of ``PAGE`` tokens the set holds whole-page prefixes only: an insert keeps the whole
+pages of its tokens, a match is the longest run of whole pages in the set.
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ def chars(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def closure(seq: tuple[int, ...]) -> set[tuple[int, ...]]:
-    """Every non-empty prefix of ``seq``."""
-    return {seq[:i] for i in range(1, len(seq) + 1)}
+def closure(seq: tuple[int, ...], page: int = 1) -> set[tuple[int, ...]]:
+    """Every non-empty prefix of ``seq`` made of whole pages."""
+    return {seq[:i] for i in range(page, len(seq) + 1, page)}
 
 
-def lcp_with(prefixes: dict[tuple[int, ...], int], tokens: list[int]) -> int:
+def lcp_with(prefixes: dict[tuple[int, ...], object], tokens: list[int], page: int = 1) -> int:
     n = 0
-    while n < len(tokens) and tuple(tokens[: n + 1]) in prefixes:
-        n += 1
+    while n + page <= len(tokens) and tuple(tokens[: n + page]) in prefixes:
+        n += page
     return n
 
 
@@ -37,35 +39,41 @@ tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=9)
 class RadixMachine(RuleBasedStateMachine):
     """Random insert / match / lock / unlock / evict against the prefix-set oracle."""
 
+    PAGE = 1  # tokens per page
+
     def __init__(self) -> None:
         super().__init__()
         self.freed: list[int] = []
-        self.cache = RadixCache(on_evict=self.freed.extend)
-        self.prefixes: dict[tuple[int, ...], int] = {}  # cached prefix -> its last value
+        self.cache = RadixCache(on_evict=self.freed.extend, page_size=self.PAGE)
+        # cached prefix -> the values of its last page
+        self.prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.locks: list[tuple[object, tuple[int, ...]]] = []  # (node, prefix it ends)
         self.next_value = 0
 
     def protected_prefixes(self) -> set[tuple[int, ...]]:
         out: set[tuple[int, ...]] = set()
         for _, prefix in self.locks:
-            out |= closure(prefix)
+            out |= closure(prefix, self.PAGE)
         return out
 
     @rule(tokens=tokens_st)
     def insert(self, tokens: list[int]) -> None:
         values = list(range(self.next_value, self.next_value + len(tokens)))
         self.next_value += len(tokens)
-        expected = lcp_with(self.prefixes, tokens)
+        page = self.PAGE
+        expected = lcp_with(self.prefixes, tokens, page)
         assert self.cache.insert(tokens, values) == expected
-        for i in range(expected, len(tokens)):
-            self.prefixes[tuple(tokens[: i + 1])] = values[i]
+        for i in range(expected + page, len(tokens) + 1, page):
+            self.prefixes[tuple(tokens[:i])] = tuple(values[i - page:i])
 
     @rule(tokens=tokens_st)
     def match(self, tokens: list[int]) -> None:
         result = self.cache.match_prefix(tokens)
-        expected = lcp_with(self.prefixes, tokens)
+        page = self.PAGE
+        expected = lcp_with(self.prefixes, tokens, page)
         assert result.length == expected
-        assert result.values == [self.prefixes[tuple(tokens[: i + 1])] for i in range(expected)]
+        assert result.values == [v for i in range(page, expected + 1, page)
+                                 for v in self.prefixes[tuple(tokens[:i])]]
         assert self.cache.prefix_of(result.node) == tuple(tokens[:expected])
 
     @rule(tokens=tokens_st)
@@ -87,10 +95,11 @@ class RadixMachine(RuleBasedStateMachine):
         self.freed.clear()
         freed = self.cache.evict(n)
         after = {p: before[p] for p in map(tuple, self._cached_prefixes())}
-        assert freed == len(before) - len(after)
+        assert freed == (len(before) - len(after)) * self.PAGE
         assert freed >= min(n, evictable)
         assert self.protected_prefixes() <= set(after)  # a locked prefix is never evicted
-        assert sorted(self.freed) == sorted(before[p] for p in before if p not in after)
+        assert sorted(self.freed) == sorted(v for p in before if p not in after
+                                            for v in before[p])
         self.prefixes = after
 
     @rule()
@@ -104,14 +113,15 @@ class RadixMachine(RuleBasedStateMachine):
     def _cached_prefixes(self) -> set[tuple[int, ...]]:
         out: set[tuple[int, ...]] = set()
         for seq in self.cache.cached_sequences():
-            out |= closure(seq)
+            out |= closure(seq, self.PAGE)
         return out
 
     @invariant()
     def sizes_add_up(self) -> None:
-        info = self.cache.size_info()
-        assert info.evictable + info.protected == self.cache.total_size() == len(self.prefixes)
-        assert info.protected == len(self.protected_prefixes())
+        info, page = self.cache.size_info(), self.PAGE
+        assert (info.evictable + info.protected == self.cache.total_size()
+                == len(self.prefixes) * page)
+        assert info.protected == len(self.protected_prefixes()) * page
 
     @invariant()
     def tree_is_the_oracle(self) -> None:
@@ -120,6 +130,17 @@ class RadixMachine(RuleBasedStateMachine):
 
 TestRadixMachine = RadixMachine.TestCase
 TestRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class PagedRadixMachine(RadixMachine):
+    """The same operations on a tree of pages of two tokens (SGLang's ``page_size``)."""
+
+    PAGE = 2
+
+
+TestPagedRadixMachine = PagedRadixMachine.TestCase
+TestPagedRadixMachine.settings = settings(max_examples=60, stateful_step_count=40,
+                                          deadline=None)
 
 
 def test_notes_exercise_6() -> None:

@@ -1,12 +1,14 @@
 """KV memory, one owner: the pool, its slot allocator, the prefix caches and ``KVManager``.
 
-* ``allocator.py``: ``SlotAllocator``, which token slots are free;
+* ``allocator.py``: ``SlotAllocator``, which pages of token slots are free
+  (``page_size`` slots each, 1 by default: ``EngineConfig.page_size``);
 * ``pool.py``: ``KVPool``, the K and V tensors those slots index;
 * ``cache.py``: ``PrefixCache``, the interface, its result types and ``NoCache``;
 * ``radix.py``: ``RadixCache``, RadixAttention's tree; ``events.py``: what it reports;
 * ``blocks.py``: ``BlockCache``, vLLM V1's full blocks found by chained hashes;
 * ``kinds.py``: ``CACHES`` and ``make_cache`` for ``Engine(cache=...)``;
-* ``table.py``: ``ReqToTokenTable``, each running request's slots on the device;
+* ``table.py``: ``ReqToTokenTable``, each running request's slots (the only record of
+  them), on the host and mirrored on the device;
 * ``manager.py``: ``KVManager``, the only code that moves a request's slots.
 """
 

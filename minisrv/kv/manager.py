@@ -228,7 +228,7 @@ class KVManager:
         req.kv_len += n
 
     # ------------------------------------------------------------------ handing KV over
-    def cache_prefilled(self, req: Req, end: int | None = None) -> None:
+    def cache_unfinished(self, req: Req, end: int | None = None) -> None:
         """Right after ``req``'s prefill (or a chunk of it: its KV up to ``end``), put its KV
         in the cache and switch ``req`` to the cache's copy (SGLang's
         ``cache_unfinished_req``).
@@ -340,12 +340,13 @@ class KVManager:
         pages = [s // ps for s in (*owned, *cached)]
         assert len(set(pages)) * ps == n_owned + n_cached and len(set(owned)) == len(owned), (
             "a slot has two owners")
-        for req in running:
-            at = np.asarray(table.slots(req), dtype=np.int64) % ps
-            assert (at == np.arange(len(at)) % ps).all(), (
-                f"request {req.rid}: a position off its offset in its page")
-        assert all(len(n.value) % ps == 0 and all(v % ps == i % ps for i, v in enumerate(n.value))
-                   for n in nodes), "a tree node holds part of a page"
+        if ps > 1:  # pages of one slot: every position is at offset 0 of its page
+            for values, what in [*((table.slots(r), f"request {r.rid}") for r in running),
+                                 *((n.value, f"node {n.id}") for n in nodes)]:
+                at = np.asarray(values, dtype=np.int64) % ps
+                assert (at == np.arange(len(at)) % ps).all(), (
+                    f"{what}: a position off its offset in its page")
+            assert all(len(n.value) % ps == 0 for n in nodes), "a tree node holds part of a page"
         assert all(self.kv.is_used(s) for s in owned), "a request holds a free slot"
         assert all(self.kv.is_used(s) for s in cached), "the tree holds a free slot"
         assert set(shared) <= set(cached), "a request reads a prefix slot the tree does not hold"

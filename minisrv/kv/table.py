@@ -6,11 +6,12 @@ backends find a request's KV as ``tensor[row, :length]``, gathered on the device
 ships its new tokens, one row index and one length per request, never the slot lists: the
 host work of a step grows with its new tokens, not with its context.
 
-Pages of one token (a page table with ``page_size`` 1): the pool hands out single slots
-(``kv/allocator.py``) and the prefix cache shares prefixes at token granularity (a radix
-node may end anywhere), so a larger page would need copy-on-write at every shared page's
-end; at one token per entry the table is what the allocator already hands out, and a page
-table of any size is this table with its columns grouped.
+Every token has its own entry, whatever the page size (``EngineConfig.page_size``): the
+allocator hands out pages of consecutive slots (``kv/allocator.py``), position ``i`` of a
+request sits at offset ``i % page_size`` of its page, and the table lists the slot of each
+position, as SGLang's ``req_to_token_pool`` does with any page size, so the attention
+backends read it the same way at every page size. A page table proper would be this
+table's columns grouped ``page_size`` at a time.
 
 The table is the only record of where a request's tokens live: each row keeps its slots on
 the host too (``slots``: what the manager frees and the runner ships as a step's new
@@ -29,7 +30,6 @@ runs steps in launch order, so step i has read it by then (``kv/manager.py`` fre
 once, as SGLang's overlapped scheduler does). The overlapped loop therefore needs up to
 twice ``max_running`` rows (the running requests, plus those of the step in flight that
 left since); the last row is a scratch row of padding slots, for padded decode rows.
-
 """
 
 from __future__ import annotations
@@ -115,11 +115,6 @@ class ReqToTokenTable:
         row = self._row.get(req)
         return [] if row is None else self._slots[row][start:end]
 
-    def length(self, req: Req) -> int:
-        """Positions of ``req`` with a slot (0 for a request holding no row)."""
-        row = self._row.get(req)
-        return 0 if row is None else len(self._slots[row])
-
     # ------------------------------------------------------------------ rows
     def row(self, req: Req) -> int:
         """``req``'s row (KeyError if it holds none)."""
@@ -165,35 +160,37 @@ class ReqToTokenTable:
     def write(self, req: Req, start: int, slots: Sequence[int]) -> None:
         """``slots`` at positions ``start ..`` of ``req``'s row: one copy to the device."""
         row, n = self._row[req], len(slots)
+        host = self._slots[row]
         if start + n > self.width:
             raise ValueError(f"request {req.rid}: position {start + n - 1} is past the "
                              f"table's {self.width} columns")
+        if start > len(host):
+            raise ValueError(f"request {req.rid}: a write at position {start} leaves a gap "
+                             f"after its {len(host)} slots")
         if n and self.tensor is not None:
             import torch
 
             self.tensor[row, start:start + n] = torch.tensor(slots, dtype=torch.int32).to(
                 self.device)
-        host = self._slots[row]
-        if start > len(host):
-            raise ValueError(f"request {req.rid}: write at {start} leaves a gap after "
-                             f"position {len(host) - 1}")
         host[start:start + n] = slots
 
     def append(self, reqs: Sequence[Req], slots: Sequence[int]) -> None:
         """One slot after each request's last position (a decode step): one copy, one
         scatter for all of them."""
-        rows = [self._row[req] for req in reqs]
-        cols = [len(self._slots[row]) for row in rows]
-        if cols and max(cols) >= self.width:
-            raise ValueError(f"a request's position reaches past the table's {self.width} "
-                             "columns")
+        held = self._slots
+        rows = [held[self._row[req]] for req in reqs]  # each row's host record
         if rows and self.tensor is not None:
             import torch
 
-            moved = torch.tensor([rows, cols, list(slots)], dtype=torch.long).to(self.device)
+            cols = list(map(len, rows))
+            if max(cols) >= self.width:
+                raise ValueError(f"a request's position reaches past the table's "
+                                 f"{self.width} columns")
+            index = [self._row[req] for req in reqs]
+            moved = torch.tensor([index, cols, list(slots)], dtype=torch.long).to(self.device)
             self.tensor[moved[0], moved[1]] = moved[2].to(torch.int32)
         for row, slot in zip(rows, slots, strict=True):
-            self._slots[row].append(slot)
+            row.append(slot)
 
     def cut(self, req: Req, length: int) -> None:
         """``req``'s row holds its first ``length`` slots only (a truncation): the columns
@@ -213,12 +210,14 @@ class ReqToTokenTable:
 
     # ------------------------------------------------------------------ steps
     def launched(self, reqs: Sequence[Req]) -> int:
-        """A step that reads the rows of ``reqs`` is launched; its index."""
+        """A step that reads the rows of ``reqs`` is launched; its index. A host record
+        alone is read by no device, so its rows are free again as soon as given back."""
         step = self.launched_steps
-        for req in reqs:
-            row = self._row.get(req)
-            if row is not None:
-                self._last_read[row] = step
+        if self.tensor is not None:
+            for req in reqs:
+                row = self._row.get(req)
+                if row is not None:
+                    self._last_read[row] = step
         self.launched_steps += 1
         return step
 

@@ -75,7 +75,7 @@ class ChunkedPrefill:
         ends = self.ends
         if not ends or ends[0][0] is not req:
             return False
-        memory.cache_prefilled(req, ends.popleft()[1])
+        memory.cache_unfinished(req, ends.popleft()[1])
         return True
 
     def drop(self, req: Req) -> None:

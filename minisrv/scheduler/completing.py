@@ -104,7 +104,7 @@ class BatchCompleter:
         for req in prefilled:
             if id(req) not in done and req.state == ReqState.RUNNING and (
                     not queues.chunks.completed(req, memory)):
-                memory.cache_prefilled(req)
+                memory.cache_unfinished(req)
         requeued = False  # a request retracted while its last token was computed
         for req in finished:
             requeued |= req.state == ReqState.WAITING

@@ -49,6 +49,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
                    help="at most this many new tokens a step; long prompts go in chunks")
+    p.add_argument("--page-size", type=int, default=e.page_size,
+                   help="KV slots per page: the allocator's and the prefix cache's unit")
     p.add_argument("--host-cache-tokens", type=int, default=e.host_cache_tokens,
                    help="token slots of the KV host tier (evicted prefixes kept in host "
                         "memory; each --dp worker has its own); 0: none")
@@ -134,7 +136,7 @@ def server_config(args: argparse.Namespace) -> Any:
                   chunked_prefill_size=args.chunked_prefill_size,
                   speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
                   jump_forward=args.jump_forward, host_cache_tokens=args.host_cache_tokens,
-                  host_cache_policy=args.host_cache_policy)
+                  host_cache_policy=args.host_cache_policy, page_size=args.page_size)
     if args.kv_capacity is not None:
         engine["kv_capacity"] = args.kv_capacity
     config = EngineOptions(model=args.model, device=args.device, threads=args.threads,
