@@ -9,9 +9,9 @@ capacity that forces LRU eviction (which the naive trie cannot do without a scan
 
 Then the same trace goes through each prefix cache as the engine uses it: a request matches
 its prompt without the last token (whose logits must be computed), then inserts prompt +
-output. The table gives matches per second and the tokens hit: the radix tree at page 1,
-vLLM's block-hash cache (``BlockCache``) at page sizes 1 and 16 (vLLM's default block), and
-SGLang's own radix tree at pages 1 and 16 where ``sglang`` imports.
+output. The table gives matches per second and the tokens hit: the radix tree and vLLM's
+block-hash cache (``BlockCache``) at page sizes 1 and 16 (vLLM's default block), and SGLang's
+own radix tree at pages 1 and 16 where ``sglang`` imports.
 
     python benchmarks/bench_radix.py [--requests 10000] [--seed 0]
 """
@@ -102,7 +102,8 @@ def replay(cache: Any, trace: list[tuple[list[int], list[int]]], desc: str,
 
 class SGLangTree:
     """SGLang's ``RadixCache`` (0.5's parameter objects) behind ``match_prefix`` / ``insert``,
-    with tensors of slot ids as its values."""
+    with tensors of slot ids as its values. Its simulated mode has no allocator to give
+    evicted slots back to, so it runs only without a capacity."""
 
     def __init__(self, page_size: int) -> None:
         import torch
@@ -125,27 +126,33 @@ class SGLangTree:
 
 
 def caches() -> list[tuple[str, Any]]:
-    """(name, a fresh cache) for every cache compared; SGLang's where it imports."""
-    out: list[tuple[str, Any]] = [("radix tree, page 1", RadixCache()),
-                                  ("blocks, page 1", BlockCache(1)),
-                                  ("blocks, page 16", BlockCache(16))]
+    """(name, a maker of a fresh cache) for every cache compared; SGLang's where it imports."""
+    out: list[tuple[str, Any]] = [("radix tree, page 1", RadixCache),
+                                  ("radix tree, page 16", lambda: RadixCache(page_size=16)),
+                                  ("blocks, page 1", lambda: BlockCache(1)),
+                                  ("blocks, page 16", lambda: BlockCache(16))]
     try:
-        out += [(f"SGLang radix, page {p}", SGLangTree(p)) for p in (1, 16)]
+        SGLangTree(1)
     except ImportError as error:
         print(f"SGLang's tree left out: {error}")
+    else:
+        out += [(f"SGLang radix, page {p}", lambda p=p: SGLangTree(p)) for p in (1, 16)]
     return out
 
 
-def serve(cache: Any, trace: list[tuple[list[int], list[int]]], desc: str
-          ) -> tuple[float, int]:
+def serve(cache: Any, trace: list[tuple[list[int], list[int]]], desc: str,
+          capacity: int | None = None) -> tuple[float, int]:
     """Seconds spent matching each prompt but its last token, and the tokens those matches
-    hit, when every request then inserts prompt + output (slot ids as values)."""
+    hit, when every request then inserts prompt + output (slot ids as values), first
+    evicting what a cache of ``capacity`` tokens must."""
     hit, seconds, slot = 0, 0.0, 0
     for prompt, output in tqdm(trace, desc=desc, mininterval=1.0):
         start = time.perf_counter()
         hit += cache.match_prefix(prompt[:-1])[0]
         seconds += time.perf_counter() - start
         full = prompt + output
+        if capacity is not None and (over := cache.total_size() + len(full) - capacity) > 0:
+            cache.evict(over)
         cache.insert(full, list(range(slot, slot + len(full))))
         slot += len(full)
     return seconds, hit
@@ -179,11 +186,14 @@ def main() -> None:
           f"{ops / evict_s:,.0f} ops/s, hit rate {hit:.1%}")
 
     prompts = sum(len(p) for p, _ in trace)
-    print(f"\n{'cache':<22} {'matches/s':>10} {'hit tokens':>11} {'hit rate':>9}")
-    for name, cache in caches():
-        seconds, hit_tokens = serve(cache, trace, name)
+    print(f"\n{'cache':<22} {'matches/s':>10} {'hit tokens':>11} {'hit rate':>9} "
+          f"{'at ' + format(capacity, ',') + ' tokens':>17}")
+    for name, make in caches():
+        seconds, hit_tokens = serve(make(), trace, name)
+        small = "" if isinstance(make(), SGLangTree) else \
+            f"{serve(make(), trace, f'{name}, {capacity:,}', capacity)[1] / prompts:.1%}"
         print(f"{name:<22} {len(trace) / seconds:>10,.0f} {hit_tokens:>11,} "
-              f"{hit_tokens / prompts:>9.1%}")
+              f"{hit_tokens / prompts:>9.1%} {small:>17}")
 
 
 if __name__ == "__main__":

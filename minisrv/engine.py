@@ -100,7 +100,10 @@ class Engine(ConfigView):
 
     ``cache="radix"`` reuses the KV of prefixes computed for earlier requests (RadixAttention,
     ``minisrv.kv.radix``). To watch the tree change, attach the book's recorder to
-    ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``).
+    ``engine.tree`` (``minisrv.viz.radix.TreeRecorder``). ``cache="blocks"`` reuses them as
+    vLLM V1 does, in full blocks of ``page_size`` tokens found by chained hashes
+    (``minisrv.kv.blocks``; vLLM's blocks hold 16, ``page_size=16``); DFS-weight needs the
+    tree and refuses it.
     """
 
     def __init__(self, model: Any, config: EngineConfig | None = None, **options: Any) -> None:
@@ -137,7 +140,8 @@ class Engine(ConfigView):
 
     @property
     def tree(self) -> PrefixCache:
-        """The prefix cache (a ``RadixCache``, or ``NoCache`` for ``cache="none"``)."""
+        """The prefix cache (a ``RadixCache``, a ``BlockCache`` for ``cache="blocks"``, or
+        ``NoCache`` for ``cache="none"``)."""
         return self.scheduler.memory.tree
 
     @property

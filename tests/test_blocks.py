@@ -15,7 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from minisrv.engine import Engine
 from minisrv.kv import BlockCache, RadixCache, make_cache
+from minisrv.sampling import SamplingParams
 from minisrv.scheduler import EngineConfig, calc_priority
 
 Prefix = tuple[int, ...]
@@ -166,7 +168,7 @@ class CacheModel(RuleBasedStateMachine):
 
 def machine(name: str, page: int, make) -> type:
     test = type(name, (CacheModel,), {"page": page, "make": make}).TestCase
-    test.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    test.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
     return test
 
 
@@ -218,15 +220,90 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         cache.lock(node)
 
 
-def test_lpm_orders_by_whole_blocks_and_dfs_weight_needs_the_tree() -> None:
+@pytest.mark.parametrize("kind", ["blocks", "radix"])
+def test_lpm_orders_by_whole_pages(kind) -> None:
+    prompts = [list(range(5)), list(range(13)), list(range(12)), [9, 9, 9]]
+    cache = make_cache(kind, page_size=4)
+    cache.insert(list(range(12)))
+    result = calc_priority("lpm", cache, prompts, in_batch_prefix_check=False)
+    assert result.matched == [4, 12, 8, 0]  # at most len - 1, rounded down to whole pages
+    assert result.order == [1, 2, 0, 3]
+
+
+def test_dfs_weight_needs_the_tree() -> None:
     cache = make_cache("blocks", page_size=4)
     cache.insert(list(range(12)))
-    prompts = [list(range(5)), list(range(13)), list(range(12)), [9, 9, 9]]
-    result = calc_priority("lpm", cache, prompts, in_batch_prefix_check=False)
-    assert result.matched == [4, 12, 8, 0]  # at most len - 1, rounded down to whole blocks
-    assert result.order == [1, 2, 0, 3]
+    prompts = [list(range(5)), list(range(13))]
     with pytest.raises(ValueError, match="radix tree's nodes"):
         calc_priority("dfs-weight", cache, prompts)
     with pytest.raises(ValueError, match="cache='radix'"):
         EngineConfig(cache="blocks", policy="dfs-weight")
     assert EngineConfig(cache="blocks", policy="lpm").cache == "blocks"
+
+
+def model_hit(inserted: list[list[int]], prompt: list[int], page: int) -> int:
+    """The hit a prompt must get from a cache that never evicted: the longest prefix of the
+    prompt but its last token that one inserted sequence starts with, in whole pages."""
+    best = 0
+    for seq in inserted:
+        n = 0
+        while n < min(len(seq), len(prompt) - 1) and seq[n] == prompt[n]:
+            n += 1
+        best = max(best, n // page * page)
+    return best
+
+
+@pytest.mark.parametrize("cache", ["blocks", "radix"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multi_turn_hits_match_the_model(model, cache, page_size) -> None:
+    """Three chats behind one 20-token system prompt, three turns each, served one request
+    at a time into a pool that never evicts: every request's hit is the model's, and both
+    caches hit the same tokens (their difference is in what they evict, and when)."""
+    system = [0, *range(3, 22)]
+    engine = Engine(model, cache=cache, page_size=page_size, kv_capacity=512, max_running=1,
+                    debug=True)
+    history = [list(system) for _ in range(3)]
+    inserted: list[list[int]] = []
+    expected, got = [], []
+    for turn in range(3):
+        for chat in range(3):
+            prompt = history[chat] + [30 + 7 * chat + turn] * (5 + 3 * chat)
+            req = engine.make_requests([prompt], None, SamplingParams(6, ignore_eos=True))[0]
+            engine.serve([req])
+            expected.append(model_hit(inserted, prompt, page_size))
+            got.append(req.cached_prompt_tokens)
+            history[chat] = prompt + req.output
+            inserted.append(history[chat][:-1])  # the last token's KV is never computed
+    assert got == expected
+    assert engine.stats.cached_prompt_tokens == sum(expected) > 0
+    assert engine.scheduler.memory.evicted_tokens == 0
+
+
+def test_the_benchmark_serves_every_cache_the_same_unlimited_hits() -> None:
+    """``bench_radix``'s comparison: with no capacity the radix tree and the block cache at
+    one page size hit the same tokens; with one, the block cache stays within it."""
+    from bench_scripts import load
+
+    bench = load("bench_radix")
+    trace = bench.make_trace(40, seed=1)
+    hits = {name: bench.serve(make(), trace, name)[1] for name, make in bench.caches()
+            if not name.startswith("SGLang")}
+    assert hits["radix tree, page 1"] == hits["blocks, page 1"] > hits["blocks, page 16"]
+    assert hits["radix tree, page 16"] == hits["blocks, page 16"] > 0
+    cache = BlockCache(16)
+    bench.serve(cache, trace, "blocks", capacity=2000)
+    assert cache.total_size() <= 2000 and cache.n_blocks == cache.total_size() // 16
+
+
+def test_the_server_flags_choose_the_block_cache() -> None:
+    from minisrv.server.cli import build_parser, server_config
+
+    def config(*flags: str):
+        return server_config(build_parser().parse_args(["serve", *flags]))
+
+    engine = config("--cache", "blocks", "--page-size", "16", "--policy", "lpm").engine
+    assert (engine.cache, engine.page_size, engine.policy) == ("blocks", 16, "lpm")
+    with pytest.raises(ValueError, match="radix tree's nodes"):
+        config("--cache", "blocks", "--policy", "dfs-weight")
+    with pytest.raises(ValueError, match="blocks"):
+        config("--cache", "lru")  # the message lists the caches there are

@@ -5,7 +5,7 @@ to FCFS past 128 waiting requests exactly as the policy module says."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import prefix_sharing, prompts_of
 
@@ -14,7 +14,12 @@ from minisrv.engine import Engine
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES
-from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, WAITING_QUEUE_PREFIX_MATCH_MAX
+from minisrv.scheduler.policy import (
+    IN_BATCH_POLICIES,
+    POLICIES,
+    TREE_POLICIES,
+    WAITING_QUEUE_PREFIX_MATCH_MAX,
+)
 from minisrv.sim import SimBackend
 
 MODEL_SEED = 3  # the random CityLM of conftest's `model` fixture
@@ -45,11 +50,12 @@ prefix_lists, spec = prefix_sharing(max_prefix=40, max_suffix=5, max_new=12, max
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prefixes=prefix_lists, spec=spec, data=st.data(),
-       policy=st.sampled_from(POLICIES), cache=st.sampled_from(["radix", "none"]),
+       policy=st.sampled_from(POLICIES), cache=st.sampled_from(["radix", "blocks", "none"]),
        mode=st.sampled_from(MODES), slack=st.integers(0, 40), max_running=st.integers(1, 5))
 def test_every_policy_gives_each_request_its_tokens_alone(
     model, prefixes, spec, data, policy, cache, mode, slack, max_running
 ) -> None:
+    assume(not (cache == "blocks" and policy in TREE_POLICIES))  # refused: no tree to walk
     check = data.draw(st.sampled_from(checks_for(policy)), label="in_batch_prefix_check")
     prompts = prompts_of(prefixes, spec)
     longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))

@@ -10,7 +10,6 @@ from strategies import prefix_sharing, prompts_of
 
 from minisrv.configs import LLAMA3_8B
 from minisrv.engine import Engine
-from minisrv.kv import RadixCache
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
@@ -20,9 +19,7 @@ MODEL_SEED = 2  # the random CityLM of conftest's `model` fixture
 
 
 def tree_slots(sched: Scheduler) -> list[int]:
-    tree = sched.memory.tree
-    return [v for node in tree.nodes()[1:] for v in node.value] if isinstance(
-        tree, RadixCache) else []
+    return [v for node in sched.memory.tree.nodes()[1:] for v in node.value]
 
 
 def check_pool(sched: Scheduler) -> None:
@@ -125,15 +122,16 @@ def test_a_small_pool_evicts_old_prefixes_and_records_the_tree(model) -> None:
 @given(lens=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 20), st.integers(1, 30)),
                      min_size=1, max_size=12),
        slack=st.integers(0, 60), mode=st.sampled_from(MODES),
-       page_size=st.sampled_from([1, 4, 16]))
-def test_the_simulator_with_the_cache_keeps_the_accounting(lens, slack, mode,
-                                                           page_size) -> None:
-    """The simulated GPU runs the same scheduler, so its books hold in pages too."""
+       page_size=st.sampled_from([1, 4, 16]), cache=st.sampled_from(["radix", "blocks"]))
+def test_the_simulator_with_the_cache_keeps_the_accounting(lens, slack, mode, page_size,
+                                                           cache) -> None:
+    """The simulated GPU runs the same scheduler, so its books hold in pages too, with the
+    radix tree or vLLM's block cache."""
     prompts = [[7 + k] * 10 + [3] * p for k, p, _ in lens]
     capacity = max(len(p) + m for p, (_, _, m) in zip(prompts, lens)) + slack
     capacity += -capacity % page_size  # the longest request's pages fit
     engine = Engine(SimBackend(LLAMA3_8B), kv_capacity=capacity, max_running=4, mode=mode,
-                    new_token_ratio=0.3, cache="radix", page_size=page_size)
+                    new_token_ratio=0.3, cache=cache, page_size=page_size)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for _, _, m in lens]
     reqs = engine.make_requests(prompts, None, params)
     serve_checked(engine, reqs)

@@ -30,8 +30,8 @@ def _admit(memory: KVManager, rid: int, prompt: list[int]) -> Req | None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(cache=st.sampled_from(["radix", "none"]), ops=st.lists(op_st, max_size=40),
-       page_size=st.sampled_from([1, 4, 16]))
+@given(cache=st.sampled_from(["radix", "blocks", "none"]),
+       ops=st.lists(op_st, max_size=40), page_size=st.sampled_from([1, 4, 16]))
 def test_truncate_after_any_history_leaks_no_slot(cache: str, ops: list[tuple],
                                                   page_size: int) -> None:
     """At every page size: a truncation frees exactly the pages it empties, and nothing

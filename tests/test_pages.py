@@ -20,7 +20,7 @@ from minisrv.sim import SimBackend
 MODEL_SEED = 1  # the random CityLM of conftest's `model` fixture
 
 PAGE_SIZES = (1, 4, 16)
-CACHES_IN_PAGES = ("radix",)  # the prefix caches that run in pages
+CACHES_IN_PAGES = ("radix", "blocks")  # the prefix caches that run in pages
 
 LOOPS = {  # engine options of each way of serving, on top of BASE
     "blocking": {},
@@ -29,6 +29,7 @@ LOOPS = {  # engine options of each way of serving, on top of BASE
     "retraction": {"kv_capacity": 64},
     "ngram": {"speculative": "ngram", "num_draft_tokens": 3},
     "host": {"kv_capacity": 64, "host_cache_tokens": 256},
+    "lpm": {"policy": "lpm"},  # the queue ordered by match lengths in whole pages
 }
 BASE = {"kv_capacity": 400, "max_running": 4, "debug": True}
 

@@ -192,7 +192,8 @@ class RowSpy:
 
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), overlap=st.booleans(), cache=st.sampled_from(["radix", "none"]),
+@given(data=st.data(), overlap=st.booleans(),
+       cache=st.sampled_from(["radix", "blocks", "none"]),
        chunk=st.sampled_from([None, 4]), kv_capacity=st.sampled_from([24, 200]),
        max_running=st.integers(1, 3))
 def test_engine_tokens_through_the_table_equal_each_request_alone(

@@ -98,3 +98,14 @@ def test_the_radix_tree_standalone() -> None:
         print(cache.match_prefix([1, 2, 3, 9]).length, cache.match_prefix([7]).length)
     """)
     assert out.split() == ["3", "0"]
+
+
+def test_the_block_cache_standalone() -> None:
+    out = run_without_torch("""
+        from minisrv.kv import BlockCache
+
+        cache = BlockCache(page_size=2)
+        cache.insert([1, 2, 3, 4, 5])
+        print(cache.match_prefix([1, 2, 3, 9]).length, cache.match_prefix([1, 2, 3, 4]).length)
+    """)
+    assert out.split() == ["2", "4"]

@@ -3,7 +3,7 @@
 RadixAttention (``radix.py``) keeps cached prefixes in a tree whose edges are token runs of
 any length. vLLM V1 keeps no tree. Its KV lives in blocks of ``page_size`` tokens (16 by
 default), and a *full* block is cached under a hash of its tokens and of its parent block's
-hash; the first block's parent hash is a fixed seed. Two prompts share a block exactly when
+hash; the first block's parent hash is a seed. Two prompts share a block exactly when
 they share every token up to its end, so a dict from hash to block finds a prompt's cached
 prefix one block at a time, and a hit is a run of full blocks: the tokens after the last
 full block are always computed again. This module follows these vLLM files:
@@ -35,20 +35,21 @@ How minisrv's version fits the ``PrefixCache`` contract, and where it departs fr
   tokens were cached already), so each cached prefix has exactly one block.
 * **Eviction only when allocation needs it.** ``KVManager.allocate`` takes never-cached free
   slots first and calls ``evict`` only for the rest; ``evict`` pops blocks from the queue's
-  head. A block's descendants are never freed after it (a reference on a block holds its
-  parent; an unlock and an insert append a chain deepest first), so the head is never a
-  parent of a cached block and the cached set stays closed under prefixes: no block is
-  cached whose parent is not.
+  head. A block never joins the queue after its cached descendants (a reference on a block
+  holds its parent; an unlock and an insert append a chain deepest first), so the head is
+  never the parent of a cached block and the cached set stays closed under prefixes: no
+  block is cached whose parent is not.
 * **Matching changes nothing.** A match neither moves blocks in the queue nor takes
   references (``get_computed_blocks`` does not either): only locks and inserts count as use.
   The radix tree instead renews the LRU stamp of every node a match walks.
 * **The hash** is Python's ``hash`` of ``(parent hash, block tokens)``. It is computed in C
-  and is stable within the process (ints hash to themselves and tuples combine their items;
-  ``PYTHONHASHSEED`` only salts strings and bytes), and the cache never leaves the process.
-  vLLM hashes with SHA-256 because its hashes leave the process (KV events, connectors) and
-  must resist crafted collisions, which Python's tuple hash does not. So a hit here is
-  confirmed by comparing the block's own tokens and parent: a collision is a miss, never a
-  wrong KV, and a block whose hash is taken is indexed by ``(parent, tokens)`` instead.
+  and is stable within the process (small ints hash to themselves and tuples combine their
+  items; ``PYTHONHASHSEED`` only salts strings and bytes), which is all it needs: the cache
+  never leaves the process. vLLM's hashes do (KV events, connectors), and it hashes with
+  SHA-256 by default (``kv_cache_utils.py``: block hashes are SHA-256 bytes, the seed
+  random). Python's tuple hash resists no crafted collision, so a hit here is confirmed by
+  comparing the block's own tokens and parent: a collision is a miss, never a wrong KV, and
+  a block whose hash is taken is indexed by ``(parent, tokens)`` instead.
 
 Which scheduling policies work on it: FCFS, LPM (its match length is a run of blocks) and the
 cache-agnostic ones. DFS-weight walks the tree's children from the root, which a hash table
@@ -101,6 +102,9 @@ class BlockCache(PrefixCache):
             standalone.
         hash_fn: hashes ``(parent hash, block tokens)`` to an int; Python's ``hash`` unless
             a test wants collisions.
+
+    Every operation takes the contract's ``tag`` (the request it serves), which the radix
+    tree passes to its listener; the block cache reports to none and ignores it.
 
     Costs: ``match_prefix`` and ``insert`` hash and look up one block per ``page_size``
     tokens; ``lock``/``unlock`` O(blocks in the hit); ``evict`` O(1) per block (the queue is
@@ -168,7 +172,7 @@ class BlockCache(PrefixCache):
         """
         key = insert_key(tokens, values)
         size = self.page_size
-        path = list(self._chain(key))
+        path = self._chain(key)
         already = len(path) * size
         node = path[-1] if path else self.root
         for start in range(already, len(key) - size + 1, size):

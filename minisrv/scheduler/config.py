@@ -77,6 +77,7 @@ class EngineConfig:
     host_cache_tokens: int = 0  # token slots of the host tier (evicted prefixes kept); 0: none
     host_cache_policy: str = "write_through"  # when the host tier gets a copy (kv/host.py)
     page_size: int = 1  # KV slots per page: the allocator's and the prefix cache's unit
+    #                     (cache="blocks": vLLM's block; its default there is 16)
 
     def __post_init__(self) -> None:
         check_int("kv_capacity", self.kv_capacity, minimum=1)

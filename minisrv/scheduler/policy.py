@@ -27,7 +27,8 @@ Cache-aware policies given a ``NoCache`` become FCFS, as in SGLang: there is not
 
 **Which policies need a tree.** LPM needs only a match length, which vLLM's block-hash cache
 (``BlockCache``, ``cache="blocks"``) gives as well as the radix tree: a run of whole blocks,
-so with ``len(prompt) - 1`` rounded down to whole blocks as its cap. DFS-weight walks the
+capped at ``len(prompt) - 1`` rounded down to whole blocks (so is the radix tree's in pages,
+``page_size`` > 1). DFS-weight walks the
 tree's children from the root; a hash table of blocks has none, so DFS-weight refuses it.
 The in-batch check matches the waiting prompts against a scratch radix tree of their own,
 whichever cache serves them.
@@ -96,8 +97,9 @@ class PriorityResult(NamedTuple):
 
     order: list[int]  # indices into ``prompts``, in the order they would be admitted
     deprioritized: list[int]  # indices the in-batch check deferred, in queue order
-    matched: list[int]  # per prompt (input order): cached prefix, capped at len - 1; 0 when
-    #                     the round made no match (FCFS/LOF/random, LPM past 128 waiting)
+    matched: list[int]  # per prompt (input order): cached prefix, capped at len - 1 (in
+    #                     whole pages where page_size > 1); 0 when the round made no match
+    #                     (FCFS/LOF/random, LPM past 128 waiting)
 
 
 class QueuePolicy:
