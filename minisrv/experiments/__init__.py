@@ -13,6 +13,8 @@ larger than the chapter does by passing other arguments.
 * ``host_tier`` (the host tier): chats with and without it, the simulated H100's long chats,
   the load-back break-even;
 * ``radix`` (RadixAttention): serving with and without the cache, hit rates per chat turn;
+* ``pages`` (KV memory in pages): empty slots per page size read from the allocator, key
+  runs per tile, hits of the radix tree against vLLM's block cache, retraction runs;
 * ``cache_aware`` (cache-aware scheduling): policies, capacities, rounds, scheduling cost;
 * ``routing`` (routing across workers): ``simulate_cluster`` and ``serve_cluster``;
 * ``overlap``, ``lanes``, ``breakdown`` (zero-overhead scheduling): measured waste and gain,
@@ -186,6 +188,25 @@ _PUBLIC = {
     "roofline_step_times": "gpu",
     "step_time_sweep": "gpu",
     "write_tiny_llama": "gpu",
+    "BLOCK_SIZE": "pages",
+    "CACHE_SETTINGS": "pages",
+    "KEY_TILE": "pages",
+    "PAGE_SIZES": "pages",
+    "PREEMPT_SETTINGS": "pages",
+    "PageRun": "pages",
+    "TRACE_SETTINGS": "pages",
+    "TraceHits": "pages",
+    "first_requests": "pages",
+    "hit_table": "pages",
+    "key_runs": "pages",
+    "occupancy_table": "pages",
+    "page_run": "pages",
+    "preemption_runs": "pages",
+    "preemption_table": "pages",
+    "served_runs": "pages",
+    "table_sizes": "pages",
+    "tile_runs": "pages",
+    "trace_hits": "pages",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,0 +1,275 @@
+"""The pages chapter's runs: what a page of KV costs (slots no token fills), what it buys (a
+shorter table, longer runs of consecutive slots for the attention kernel to load), what it
+loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache, and
+retraction with and without a host tier.
+
+Each function builds fresh engines, serves a workload and returns plain results (named
+tuples, DataFrames); ``minisrv.viz.pages`` only draws them. Every CityLM run keeps its
+outputs so that the chapter checks each against the request generated alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from minisrv.configs import LLAMA3_8B, ModelConfig
+from minisrv.engine import Engine
+from minisrv.metrics import summarize
+from minisrv.sampling import SamplingParams
+from minisrv.workloads import Workload
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CACHE_SETTINGS",
+    "KEY_TILE",
+    "PAGE_SIZES",
+    "PREEMPT_SETTINGS",
+    "PageRun",
+    "TRACE_SETTINGS",
+    "TraceHits",
+    "first_requests",
+    "hit_table",
+    "key_runs",
+    "occupancy_table",
+    "page_run",
+    "preemption_runs",
+    "preemption_table",
+    "served_runs",
+    "table_sizes",
+    "tile_runs",
+    "trace_hits",
+]
+
+PAGE_SIZES = (1, 4, 16, 64)
+"""The page sizes the chapter compares: SGLang's default (1), two between, and the 64 that
+SGLang forces for FlashMLA and TRT-LLM's MLA kernels."""
+
+BLOCK_SIZE = 16
+"""vLLM's default block: the page size its block-hash prefix cache is compared at."""
+
+KEY_TILE = 32
+"""Key positions the Triton decode kernel loads at a time (``triton_ops.DECODE_BLOCK_N``)."""
+
+
+class PageRun(NamedTuple):
+    """One serving run at one page size, with what the allocator held at every step."""
+
+    page_size: int
+    cache: str
+    hit_rate: float  # prompt tokens found in the prefix cache at first admission / all
+    prefill_tokens: int  # prompt tokens computed (recomputations after retraction included)
+    waste: float  # slots handed out that hold no token / slots handed out, over all steps
+    wasted_per_request: float  # mean empty slots per running request
+    mean_batch: float  # requests computing a token per step, on average
+    retractions: int
+    wasted_tokens: int  # KV thrown away by retractions
+    cached_prompt: list[int]  # per request: prompt tokens found in the cache at admission
+    outputs: list[list[int]]  # per request, in workload order
+    throughput: float  # output tokens per step (CityLM) or per second (simulated GPU)
+    loaded_tokens: int  # host tier: prompt tokens copied back instead of computed
+    tile_runs: list[int]  # CityLM: runs of consecutive slots per full tile of key positions
+
+
+def first_requests(workload: Workload, n: int) -> Workload:
+    """The first ``n`` requests of ``workload``, arrivals unchanged."""
+    return Workload(workload.name, workload.prompts[:n], workload.output_lens[:n],
+                    workload.arrivals[:n], f"the first {n} requests of {workload.name}")
+
+
+def _empty_slots(engine: Engine) -> tuple[int, int]:
+    """(slots handed out that hold no token, requests holding KV) right now, read from the
+    allocator: every slot it has handed out is a cached prefix's (whole pages, all full) or
+    a running request's; what the request's tokens past its cached prefix do not fill is
+    the empty end of its last page."""
+    memory = engine.scheduler.memory
+    holders = [*engine.scheduler.queues.running, *engine.scheduler.queues.finishing]
+    own = sum(req.kv_len - req.cached_len for req in holders)
+    return memory.kv.used_count - memory.tree.total_size() - own, len(holders)
+
+
+def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "none",
+             **options: Any) -> PageRun:
+    """Serve ``workload`` on ``backend`` (CityLM or a ``SimBackend``) with pages of
+    ``page_size`` tokens; ``options`` are ``EngineConfig``'s (``kv_capacity``,
+    ``max_running``, ...). After every step the allocator is read (``_empty_slots``), and
+    each reading is weighted by the step's duration."""
+    engine = Engine(backend, page_size=page_size, cache=cache, **options)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in workload.output_lens]
+    reqs = engine.make_requests(workload.prompts, None, params, workload.arrivals)
+    for req in reqs:
+        engine.add_request(req)
+    empty = held = holders = 0.0
+    table = engine.scheduler.memory.table
+    device_table = getattr(table, "tensor", None) is not None  # the simulated GPU's is not
+    tiles: list[int] = []
+    while (out := engine.step()).record is not None:
+        slots, n = _empty_slots(engine)
+        weight = out.record.duration
+        empty += weight * slots
+        held += weight * engine.scheduler.memory.kv.used_count
+        holders += weight * n
+        if device_table:
+            for req in engine.scheduler.queues.running:
+                full = req.kv_len // KEY_TILE * KEY_TILE
+                tiles += tile_runs(table.slots(req, 0, full)) if full else []
+    metrics = summarize(reqs, engine.trace, engine.max_running)
+    stats = engine.stats
+    return PageRun(page_size, cache, stats.hit_rate, stats.prefill_tokens,
+                   empty / held if held else 0.0, empty / holders if holders else 0.0,
+                   metrics.mean_batch, stats.retractions, stats.wasted_tokens,
+                   [req.cached_prompt_tokens for req in reqs], [list(r.output) for r in reqs],
+                   metrics.throughput, stats.loaded_tokens, tiles)
+
+
+def occupancy_table(runs: Mapping[int, PageRun], kv_capacity: int) -> pd.DataFrame:
+    """One row per page size: the share of handed-out slots that hold no token, the empty
+    slots per running request, the mean batch in a pool of ``kv_capacity`` tokens and the
+    throughput, from ``page_run``'s readings."""
+    rows = {size: {"empty slots (%)": 100 * run.waste,
+                   "empty per request": run.wasted_per_request,
+                   "mean batch": run.mean_batch,
+                   "retractions": run.retractions,
+                   "throughput (tok/s)": run.throughput}
+            for size, run in sorted(runs.items())}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.index.name = f"page size (pool {kv_capacity:,} tokens)"
+    return table
+
+
+def table_sizes(cfg: ModelConfig = LLAMA3_8B, rows: int = 64,
+                page_sizes: Sequence[int] = PAGE_SIZES, entry_bytes: int = 4) -> pd.DataFrame:
+    """Bytes of a request-to-token table (an entry per token, SGLang's ``req_to_token``) and
+    of a block list (an entry per page, vLLM's block table) for ``rows`` requests of the
+    model's longest context, beside the KV those requests can hold."""
+    width = cfg.max_seq_len
+    kv = rows * width * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+    table = {}
+    for p in page_sizes:
+        table[p] = {"token table (KiB)": rows * width * entry_bytes / 1024,
+                    "block list (KiB)": rows * math.ceil(width / p) * entry_bytes / 1024,
+                    "KV it indexes (GiB)": kv / 2**30}
+    frame = pd.DataFrame.from_dict(table, orient="index")
+    frame.index.name = "page size"
+    return frame
+
+
+def tile_runs(slots: Sequence[int], tile: int = KEY_TILE) -> list[int]:
+    """For each tile of ``tile`` consecutive positions, how many runs of consecutive slots
+    its keys sit in: 1 when the tile is one stretch of the pool, ``tile`` when every key is
+    somewhere else."""
+    runs = []
+    for start in range(0, len(slots), tile):
+        part = np.asarray(slots[start:start + tile])
+        runs.append(1 + int(np.count_nonzero(np.diff(part) != 1)))
+    return runs
+
+
+def key_runs(runs: Mapping[int, PageRun]) -> pd.DataFrame:
+    """One row per page size of ``runs`` (CityLM runs, by page size): how many runs of
+    consecutive slots a full tile of ``KEY_TILE`` key positions sits in, on average, over the
+    rows of every running request after every step."""
+    rows = {size: {"runs per 32-key tile": float(np.mean(run.tile_runs)),
+                   "tiles read": len(run.tile_runs)} for size, run in sorted(runs.items())}
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    frame.index.name = "page size"
+    return frame
+
+
+CACHE_SETTINGS = (("radix", 1), ("radix", 4), ("radix", 16), ("blocks", BLOCK_SIZE))
+"""The (cache, page size) pairs the hit table compares: the tree at 1, 4 and 16 tokens
+against vLLM's blocks of 16."""
+
+
+def served_runs(model: Any, workloads: Mapping[str, Workload],
+                settings: Sequence[tuple[str, int]], runs: dict | None = None,
+                **options: Any) -> dict[tuple[str, str, int], PageRun]:
+    """``page_run`` of every workload at every (cache, page size) of ``settings`` on CityLM,
+    keyed (workload, cache, page size). ``runs``: runs already served with the same
+    ``options`` (taken, not served again; the new ones are added to it)."""
+    runs = {} if runs is None else runs
+    for name, workload in workloads.items():
+        for cache, size in settings:
+            if (name, cache, size) not in runs:
+                runs[name, cache, size] = page_run(model, workload, size, cache, **options)
+    return runs
+
+
+def hit_table(model: Any, workloads: Mapping[str, Workload],
+              settings: Sequence[tuple[str, int]] = CACHE_SETTINGS, runs: dict | None = None,
+              **options: Any) -> pd.DataFrame:
+    """Hit rate and prefilled tokens of each workload under each (cache, page size)."""
+    runs = served_runs(model, workloads, settings, runs, **options)
+    table = {}
+    for name in workloads:
+        for cache, size in settings:
+            run = runs[name, cache, size]
+            label = "tree" if cache == "radix" else "blocks"
+            table[name, f"{label}, {size}"] = {"hit rate": f"{run.hit_rate:.1%}",
+                                               "prefilled": run.prefill_tokens}
+    frame = pd.DataFrame.from_dict(table, orient="index")
+    frame.index.names = ["workload", "cache, page"]
+    return frame
+
+
+class TraceHits(NamedTuple):
+    """One small trace served under several caches: each prompt and what each cache found."""
+
+    prompts: list[list[int]]
+    hits: dict[str, list[int]]  # a cache's label -> prompt tokens it found, per request
+    outputs: dict[str, list[list[int]]]  # a cache's label -> outputs, per request
+    page_size: int  # the larger page of the comparison (where its boundaries are drawn)
+
+
+TRACE_SETTINGS = (("tree, pages of 1", "radix", 1), ("tree, pages of 16", "radix", 16),
+                  ("blocks of 16", "blocks", 16))
+"""The caches the trace goes through: the tree at SGLang's default page, the tree at vLLM's
+block size, and vLLM's block-hash cache."""
+
+
+def trace_hits(model: Any, workload: Workload,
+               settings: Sequence[tuple[str, str, int]] = TRACE_SETTINGS,
+               **options: Any) -> TraceHits:
+    """Serve ``workload`` once per (label, cache, page size) of ``settings`` and keep, per
+    request, how many prompt tokens the cache found at its admission."""
+    hits, outputs = {}, {}
+    for label, cache, size in settings:
+        run = page_run(model, workload, size, cache, **options)
+        hits[label], outputs[label] = run.cached_prompt, run.outputs
+    return TraceHits([list(p) for p in workload.prompts], hits, outputs,
+                     max(size for _, _, size in settings))
+
+
+PREEMPT_SETTINGS = (("radix", 1, 0), ("radix", 1, 100_000))
+"""(cache, page size, host tier tokens) of the preemption runs: the tree, without and with a
+host tier of 100,000 tokens."""
+
+
+def preemption_runs(backend: Any, workload: Workload,
+                    settings: Sequence[tuple[str, int, int]] = PREEMPT_SETTINGS,
+                    **options: Any) -> dict[tuple[str, int, int], PageRun]:
+    """``page_run`` of ``workload`` under each (cache, page size, host tier) of ``settings``
+    (a pool small enough that requests are retracted, through ``options``)."""
+    return {(cache, size, host): page_run(backend, workload, size, cache,
+                                          host_cache_tokens=host, **options)
+            for cache, size, host in settings}
+
+
+def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFrame:
+    """Retractions, the computed tokens they threw away, tokens prefilled (recomputations
+    included) and loaded back from the host tier, one row per (cache, page size, host tier)
+    of ``runs``."""
+    names = {"none": "no prefix cache", "radix": "radix tree", "blocks": "block cache"}
+    rows = {}
+    for (cache, size, host), run in runs.items():
+        label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
+        label += f", host tier of {host:,}" if host else ""
+        rows[label] = {"retractions": run.retractions, "thrown away": run.wasted_tokens,
+                       "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    frame.index.name = "cache"
+    return frame

@@ -1,0 +1,168 @@
+"""Drawings of the pages chapter: what the allocator held per page size, one trace through
+the radix tree and the block cache, and the explorer over page size and workload."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+from matplotlib.patches import Patch
+
+from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
+from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.widgets import panel, slider
+
+__all__ = ["CACHE_COLORS", "page_explorer", "page_widget", "plot_occupancy", "plot_page_state",
+           "plot_trace_hits"]
+
+CACHE_COLORS = {"radix": "#4c6ef5", "blocks": "#e8590c"}
+"""The tree in blue, vLLM's block cache in orange, in every figure of the chapter."""
+TRACE_COLORS = ("#4c6ef5", "#74c0fc", "#e8590c")
+"""The trace's three caches: the tree at pages of 1, at pages of 16, the blocks of 16."""
+
+
+def _page_axis(ax: Any, sizes: Sequence[int], chosen: int | None = None) -> None:
+    ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
+    ax.set_xlim(-0.6, len(sizes) - 0.4)
+    if chosen is not None:
+        at = list(sizes).index(chosen)
+        ax.axvspan(at - 0.45, at + 0.45, color="#fff3bf", zorder=0)
+
+
+@styled
+def plot_occupancy(table: pd.DataFrame, title: str = "") -> BookFigure:
+    """The share of handed-out slots that hold no token and the mean batch, per page size
+    (``occupancy_table``)."""
+    sizes = list(table.index)
+    fig, (left, right) = page_figure(2.8, 1, 2)
+    x = range(len(sizes))
+    left.bar(x, table["empty slots (%)"], color="#868e96")
+    right.bar(x, table["mean batch"], color=CACHE_COLORS["radix"])
+    for ax in (left, right):
+        _page_axis(ax, sizes)
+    label_axes(left, "Slots handed out, holding no token", "page size (tokens)", "%")
+    label_axes(right, "Requests per step", "page size (tokens)", "mean batch")
+    if title:
+        fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+@styled
+def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
+    """One group of bars per request of ``trace`` (named by ``labels``), one bar per cache:
+    the solid part is the prompt the cache found, the pale part what it computed. Dotted
+    lines mark the boundaries of ``trace.page_size``."""
+    caches = list(trace.hits)
+    n = len(trace.prompts)
+    fig, ax = page_figure(0.55 + 0.62 * n)
+    height = 0.8 / len(caches)
+    for i, prompt in enumerate(trace.prompts):
+        for k, cache in enumerate(caches):
+            y = i + (k - (len(caches) - 1) / 2) * height
+            hit = trace.hits[cache][i]
+            color = TRACE_COLORS[k % len(TRACE_COLORS)]
+            ax.barh(y, hit, height * 0.9, color=color)
+            ax.barh(y, len(prompt) - hit, height * 0.9, left=hit, color=color, alpha=0.18)
+    longest = max(map(len, trace.prompts))
+    for boundary in range(trace.page_size, longest + 1, trace.page_size):
+        ax.axvline(boundary, color="0.35", ls=":", lw=1)
+    ax.set_yticks(range(n), list(labels))
+    ax.invert_yaxis()
+    ax.set_xlim(0, longest + 1)
+    ax.grid(axis="y", visible=False)
+    label_axes(ax, None, "prompt tokens", None)
+    handles = [Patch(color=TRACE_COLORS[k % len(TRACE_COLORS)], label=f"{cache}: found")
+               for k, cache in enumerate(caches)]
+    handles.append(Patch(color="#4c6ef5", alpha=0.18, label="computed (pale)"))
+    legend_below(fig, handles, ncol=2)
+    return fig
+
+
+@styled
+def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int],
+                    chosen: int | None = None, title: str = "") -> BookFigure:
+    """Three panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
+    share of slots holding no token (tree), the hit rate of the tree and of the block cache,
+    and the mean batch (tree); ``chosen`` shaded."""
+    fig, axes = page_figure(2.9, 1, 3)
+    x = list(range(len(sizes)))
+    axes[0].bar(x, [100 * runs["radix", s].waste for s in sizes], color="#868e96")
+    width = 0.38
+    for k, cache in enumerate(("radix", "blocks")):
+        axes[1].bar([i + (k - 0.5) * width for i in x],
+                    [100 * runs[cache, s].hit_rate for s in sizes], width,
+                    color=CACHE_COLORS[cache], label="radix tree" if k == 0 else "block cache")
+    axes[2].bar(x, [runs["radix", s].mean_batch for s in sizes], color=CACHE_COLORS["radix"])
+    for ax in axes:
+        _page_axis(ax, sizes, chosen)
+    axes[1].set_ylim(0, 100)
+    label_axes(axes[0], "Empty slots", "page size", "% of handed out")
+    label_axes(axes[1], "Hit rate", "page size", "% of prompt tokens")
+    label_axes(axes[2], "Batch", "page size", "mean requests per step")
+    legend_below(fig, ncol=2)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def _state_numbers(runs: Mapping[tuple[str, int], PageRun], size: int) -> dict[str, float]:
+    tree, blocks = runs["radix", size], runs["blocks", size]
+    return {"page size": size, "empty slots (tree)": tree.waste,
+            "hit rate (tree)": tree.hit_rate, "hit rate (blocks)": blocks.hit_rate,
+            "mean batch (tree)": tree.mean_batch, "mean batch (blocks)": blocks.mean_batch}
+
+
+def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
+                  sizes: Sequence[int] = PAGE_SIZES, start: tuple[str, int] | None = None,
+                  runs: dict | None = None, **options: Any) -> Explorer:
+    """Every workload of ``workloads`` served by the radix tree and the block cache at every
+    page size of ``sizes`` (``served_runs`` with ``options``, reusing ``runs`` and adding
+    the new ones to it); a state draws one workload's runs (``plot_page_state``) with its
+    page size shaded. ``start``: the first state, (workload, page size)."""
+    settings = [(cache, s) for s in sizes for cache in ("radix", "blocks")]
+    runs = served_runs(model, workloads, settings, runs, **options)
+    names = list(workloads)
+    first = start or (names[0], sizes[len(sizes) // 2])
+
+    def draw(workload: str, size: int) -> Frame:
+        mine = {(cache, s): runs[workload, cache, s] for cache, s in settings}
+        numbers = _state_numbers(mine, size)
+        return Frame([plot_page_state(mine, sizes, size, f"{workload}, pool "
+                                      f"{options.get('kv_capacity', 4000):,} tokens")],
+                     numbers,
+                     caption=f"{workload}, pages of {size}: the tree hits "
+                             f"{numbers['hit rate (tree)']:.1%} of prompt tokens, the block "
+                             f"cache {numbers['hit rate (blocks)']:.1%}; "
+                             f"{numbers['empty slots (tree)']:.1%} of handed-out slots hold no "
+                             f"token")
+
+    return explorer(draw, [("workload", "workload", names, first[0]),
+                           ("size", "page size (tokens)", list(sizes), first[1])],
+                    live=lambda: page_widget(model, workloads, first[1], **options))
+
+
+def page_widget(model: Any, workloads: Mapping[str, Any], size: int = 16,
+                **options: Any) -> Any:
+    """A workload, any page size and pool: each change serves the workload with the tree
+    and with the block cache again and prints their numbers (a kernel)."""
+    import ipywidgets as widgets
+
+    controls = {
+        "workload": widgets.Dropdown(options=list(workloads), description="workload"),
+        "size": slider(size, 1, 128, "page size (tokens)"),
+        "capacity": slider(options.get("kv_capacity", 512), 128, 4096, "pool (tokens)",
+                           step=64),
+    }
+    rest = {k: v for k, v in options.items() if k != "kv_capacity"}
+
+    def redraw(workload: str, size: int, capacity: int) -> None:
+        for cache in ("radix", "blocks"):
+            run = page_run(model, workloads[workload], size, cache, kv_capacity=capacity,
+                           **rest)
+            print(f"{cache:>6}: hit rate {run.hit_rate:.1%}, {run.prefill_tokens} tokens "
+                  f"prefilled, {run.waste:.1%} of slots empty, mean batch "
+                  f"{run.mean_batch:.2f}, {run.retractions} retractions")
+
+    return panel(redraw, controls, per_row=3)

@@ -1,0 +1,57 @@
+"""The pages chapter's measurements: the allocator's empty slots, key runs per tile, and the
+two prefix caches at one page size (``minisrv.experiments.pages``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minisrv.experiments import pages as pg
+from minisrv.sim import SimBackend
+from minisrv.workloads import Workload, gpu_scale_workload
+
+
+def test_tile_runs_counts_the_breaks_in_consecutive_slots() -> None:
+    assert pg.tile_runs(list(range(64))) == [1, 1]
+    assert pg.tile_runs([5, 6, 7, 1, 2, 40], tile=3) == [1, 2]
+    assert pg.tile_runs(list(range(0, 64, 2)), tile=32) == [32]
+
+
+def _small_gpu_workload() -> Workload:
+    return pg.first_requests(gpu_scale_workload(n=2000, rate=64.0, seed=0), 40)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_empty_slots_read_from_the_allocator_are_the_last_pages_ends(page_size: int) -> None:
+    """Every reading of ``page_run`` is slots handed out minus tokens held; with no prefix
+    cache that is, per running request, its last page's empty end: 0 at pages of one token,
+    and between 0 and P - 1 per request otherwise, about (P - 1) / 2 on average."""
+    run = pg.page_run(SimBackend(), _small_gpu_workload(), page_size, kv_capacity=8192,
+                      max_running=16)
+    assert 0 <= run.wasted_per_request <= page_size - 1
+    if page_size == 1:
+        assert run.waste == 0.0
+    else:
+        assert run.wasted_per_request == pytest.approx((page_size - 1) / 2, rel=0.25)
+        assert 0 < run.waste < 1
+
+
+def test_the_block_cache_finds_what_the_tree_finds_at_the_same_page_in_a_roomy_pool() -> None:
+    """Prompts sharing a 40-token prefix, served in a pool that holds them all: both caches
+    keep whole pages of 16, so both find 32 tokens of every prompt after the first."""
+    shared = list(range(1000, 1040))
+    prompts = [shared + [2000 + i, 2001 + i] for i in range(6)]
+    work = Workload("shared", prompts, [4] * 6, [float(i) for i in range(6)])
+    runs = {cache: pg.page_run(SimBackend(), work, 16, cache, kv_capacity=4096, max_running=4)
+            for cache in ("radix", "blocks")}
+    assert runs["radix"].cached_prompt == runs["blocks"].cached_prompt == [0] + [32] * 5
+    tree1 = pg.page_run(SimBackend(), work, 1, "radix", kv_capacity=4096, max_running=4)
+    assert tree1.cached_prompt == [0] + [40] * 5
+
+
+def test_table_sizes_count_an_entry_per_token_and_per_page() -> None:
+    table = pg.table_sizes(rows=2, page_sizes=(1, 16))
+    width = 8192  # LLaMA-3-8B's context
+    assert table.loc[1, "token table (KiB)"] == 2 * width * 4 / 1024
+    assert table.loc[16, "block list (KiB)"] == 2 * math.ceil(width / 16) * 4 / 1024
