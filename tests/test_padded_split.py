@@ -36,6 +36,19 @@ def test_cuts_are_ordered_few_and_never_cost_more_than_none(lengths: list[int],
     assert padded_slots(ordered, cuts) + extra <= padded_slots(ordered, []) + 1e-9
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=80), st.floats(0, 2000))
+def test_no_cut_where_the_padding_cannot_pay_for_one(lengths: list[int],
+                                                     split_cost: float) -> None:
+    """``PaddedAttention.prepare`` skips sorting and ``length_cuts`` when a step's decodes
+    pad no more slots than two groups cost: a cut saves at most that padding, so
+    ``length_cuts`` would make none there."""
+    ordered = np.sort(np.asarray(lengths))
+    padding = len(ordered) * int(ordered[-1]) - int(ordered.sum())
+    if padding <= 2 * split_cost:
+        assert length_cuts(ordered, split_cost) == []
+
+
 def test_cuts_split_two_clusters_and_leave_equal_lengths_alone() -> None:
     assert length_cuts(np.array([4] * 10 + [90] * 10), split_cost=10) == [10]
     assert length_cuts(np.full(30, 50), split_cost=0) == []
