@@ -113,11 +113,10 @@ def count_ops(call: Callable[[], Any]) -> OpCounter:
     return counter
 
 
-def decode_step(model: CityLM, table: bool = False) -> Callable[[], Any]:
-    """One decode step of ``BATCH`` requests at context ``CONTEXT``: ``ModelRunner.prepare``
-    on the scheduler's batch, then ``compute`` (the flat forward with padded attention over
-    the pool, greedy sampling, the tokens back as one list); with ``table`` as the engine
-    runs it, each request's slots read through its row of the request-to-token table."""
+def decode_batch(model: CityLM, table: bool = False) -> tuple[ModelRunner, Batch]:
+    """A runner and its batch of ``BATCH`` decodes at context ``CONTEXT`` (padded
+    attention); with ``table`` as the engine runs it, each request's slots read through its
+    row of the request-to-token table."""
     runner = ModelRunner(model, "padded")
     allocator = runner.attach_kv(BATCH * (CONTEXT + 1))
     kv_table = ReqToTokenTable(BATCH + 1, CONTEXT, allocator.capacity) if table else None
@@ -135,7 +134,14 @@ def decode_step(model: CityLM, table: bool = False) -> Callable[[], Any]:
         req.kv_slots += runner.pool.alloc(1)
     if kv_table is not None:
         kv_table.append(reqs, [req.kv_slots[-1] for req in reqs])
-    batch = Batch.of([], reqs)
+    return runner, Batch.of([], reqs)
+
+
+def decode_step(model: CityLM, table: bool = False) -> Callable[[], Any]:
+    """One decode step of ``decode_batch``: ``ModelRunner.prepare`` on the scheduler's
+    batch, then ``compute`` (the flat forward with padded attention over the pool, greedy
+    sampling, the tokens back as one list)."""
+    runner, batch = decode_batch(model, table)
     return lambda: runner.compute(runner.prepare(batch))
 
 
@@ -168,13 +174,21 @@ def test_a_runner_driven_by_hand_dispatches_the_engines_operators(citylm: CityLM
     """Without the scheduler's table a runner builds one of its own from the slot lists on
     the host (``slot_table``), and the device then does what it does for the engine: the
     same operators, the table's 2 per step among them (the key slots' gather, and the
-    mask's rows: an ``index`` beside the rotary table's; no compare, no select)."""
+    mask's rows: an ``index_select`` beside the rotary table's; no compare, no select)."""
     plain, tabled = count_ops(decode_step(citylm)), count_ops(decode_step(citylm, True))
     assert plain.ops == tabled.ops
-    assert tabled.ops["index"] == 2 and tabled.ops["index_select"] == CITYLM.n_layers + 1
+    # each layer's keys and values, the key slots, the mask's rows, the rotary rows
+    assert tabled.ops["index_select"] == CITYLM.n_layers + 3 and "index" not in tabled.ops
     assert "lt" not in tabled.ops and "where" not in tabled.ops
     assert tabled.ops["scaled_dot_product_attention"] == CITYLM.n_layers
     assert "item" not in tabled.ops  # no read-back
+
+
+def test_a_step_of_decodes_moves_no_sample_rows(citylm: CityLM) -> None:
+    """Every row of a step of decodes is sampled, in order: ``prepare`` builds no tensor of
+    rows to pick (on a GPU, one copy less per step), and ``forward`` picks none."""
+    runner, batch = decode_batch(citylm, True)
+    assert runner.prepare(batch).sample_rows is None
 
 
 def test_the_counter_counts_copies_and_skips_views() -> None:

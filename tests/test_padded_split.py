@@ -36,6 +36,35 @@ def test_cuts_are_ordered_few_and_never_cost_more_than_none(lengths: list[int],
     assert padded_slots(ordered, cuts) + extra <= padded_slots(ordered, []) + 1e-9
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=80), st.floats(0, 2000))
+def test_no_cut_where_the_padding_cannot_pay_for_one(lengths: list[int],
+                                                     split_cost: float) -> None:
+    """``PaddedAttention.prepare`` skips sorting and ``length_cuts`` when a step's decodes
+    pad no more slots than two groups cost: a cut saves at most that padding, so
+    ``length_cuts`` would make none there."""
+    ordered = np.sort(np.asarray(lengths))
+    padding = len(ordered) * int(ordered[-1]) - int(ordered.sum())
+    if padding <= 2 * split_cost:
+        assert length_cuts(ordered, split_cost) == []
+
+
+def test_a_step_whose_padding_cannot_pay_for_a_cut_is_not_sorted(monkeypatch) -> None:
+    """64 decodes of contexts 30 and one of 40 pad 630 slots, less than two groups cost at
+    CityLM's heads (2 x 2048 slots): ``prepare`` neither sorts them nor asks ``length_cuts``
+    (the host work of a CPU decode step); a wide spread still gets its cut."""
+    from minisrv.runner.attention import padded
+
+    attn = PaddedAttention("cpu", torch.float32, 32, 2)
+    asked = []
+    monkeypatch.setattr(padded, "length_cuts", lambda *a: asked.append(a) or [])
+    for contexts, cut in (([30] * 63 + [40], False), ([2] * 32 + [500] * 32, True)):
+        slots = [list(range(i * 512, i * 512 + c)) for i, c in enumerate(contexts)]
+        attn.prepare(TableBatch.of_slots([[0]] * len(slots), slots))
+        assert bool(asked) == cut, contexts
+        asked.clear()
+
+
 def test_cuts_split_two_clusters_and_leave_equal_lengths_alone() -> None:
     assert length_cuts(np.array([4] * 10 + [90] * 10), split_cost=10) == [10]
     assert length_cuts(np.full(30, 50), split_cost=0) == []

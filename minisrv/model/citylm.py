@@ -135,7 +135,7 @@ class CityLM(nn.Module):
         if table is None:  # first use on this device and dtype: every position's row, once
             table = self._rope_on[key] = rope_table(
                 self.inv_freq, self.config.max_seq_len, self.dtype, positions.device)
-        rows = table[positions]
+        rows = table.index_select(0, positions)  # on the CPU about half of table[positions]
         return rows[:, 0], rows[:, 1]
 
     def check_ids(self, ids: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class StepInputs(NamedTuple):
     flat: TableBatch | None  # ids (futures < 0), positions, write slots; None: padded decode
     metadata: Any  # the attention backend's, built before layer 0 (padded: a PaddedDecode)
     has_futures: bool  # some input id is a future id, to resolve on the device
-    sample_rows: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_rows: torch.Tensor | None  # flat rows whose logits are sampled; None: all
     samples: tuple[bool, ...]  # per entry: whether it samples a token
     reqs: list[Req]  # the sampling entries' requests (for the logits processors)
     params: list[SamplingParams]
@@ -171,54 +171,61 @@ class ModelRunner:
         """
         if self.pool is None:
             raise ValueError("ModelRunner has no KV pool: the scheduler calls attach_kv first")
-        entries, checks = batch.entries, None
-        if batch.drafts is not None:
+        entries, checks, plain = batch.entries, None, batch.drafts is None
+        # one pass over the entries: what the table batch and the sampler read of each
+        new_ids, new_slots, ends, rows, sampling, n_rows = [], [], [], [], [], 0
+        for req, start, n_tokens, sample in entries:
+            end = start + n_tokens
+            new_slots.append(self.new_slots(req, start, end))
+            ends.append(end)
+            if plain:
+                new_ids.append(req.tokens(start, end))
+                n_rows += n_tokens
+                if sample:
+                    rows.append(n_rows - 1)
+                    sampling.append(req)
+        if plain:
+            samples = tuple(e.sample for e in entries)
+        else:
             new_ids, rows, sampling, checks = plan_checks(batch, self.sampler)
             samples = tuple(kind > 0 for kind in checks.kinds)
-        else:
-            new_ids, rows, row = [], [], -1
-            for entry in entries:
-                new_ids.append(entry.req.tokens(entry.start, entry.end))
-                row += entry.n_tokens
-                if entry.sample:
-                    rows.append(row)
-            sampling = [e.req for e in entries if e.sample]
-            samples = tuple(e.sample for e in entries)
         params, generators = [req.params for req in sampling], self.sampler.generators(sampling)
         histories = self.sampler.histories(sampling)
-        table_rows, ends, table = self.step_table(entries)
+        table_rows, table = self.step_table(entries, ends)
         graphs = self.graphs
-        if (graphs is not None and checks is None and all(samples)
+        if (graphs is not None and checks is None and len(rows) == n_rows
                 and graphs.fits([e.n_tokens for e in entries], ends)):
             padded = graphs.prepare([ids[0] for ids in new_ids], table_rows, ends, table)
-            every_row = torch.arange(padded.n, device=self.model.device)
-            return StepInputs(None, padded, padded.has_futures, every_row,
+            return StepInputs(None, padded, padded.has_futures, None,
                               samples, sampling, params, generators, histories)
-        flat = TableBatch(new_ids, table_rows, ends, table,
-                          [self.new_slots(e) for e in entries])
+        flat = TableBatch(new_ids, table_rows, ends, table, new_slots)
+        # every row sampled in order (a step of decodes): no rows to pick, nothing to copy
+        every_row = checks is None and len(rows) == n_rows
         return StepInputs(
             flat, self.attn.prepare(flat), flat.id_range[0] < 0,
-            torch.tensor(rows, dtype=torch.long, device=self.model.device),
+            None if every_row else torch.tensor(rows, dtype=torch.long,
+                                                device=self.model.device),
             samples, sampling, params, generators, histories, checks)
 
-    def new_slots(self, entry: Entry) -> list[int]:
-        """The slots ``entry`` writes: its request's table record, or for a runner driven
-        by hand, its ``kv_slots``."""
+    def new_slots(self, req: Req, start: int, end: int) -> list[int]:
+        """The slots ``req`` writes for tokens ``start:end``: its record in the table, or for
+        a runner driven by hand, its ``kv_slots``."""
         if self.table is not None:
-            return self.table.slots(entry.req, entry.start, entry.end)
-        return entry.req.kv_slots[entry.start:entry.end]
+            return self.table.slots(req, start, end)
+        return req.kv_slots[start:end]
 
-    def step_table(self, entries: Sequence[Entry]) -> tuple[list[int], list[int], torch.Tensor]:
-        """Each entry's row of the request-to-token table, its context, and the table: the
-        scheduler's (nothing per context copied), or, for a runner driven by hand, one
-        built from the requests' slot lists (``slot_table``, its last row a scratch row)."""
-        ends = [e.end for e in entries]
+    def step_table(self, entries: Sequence[Entry], ends: Sequence[int]
+                   ) -> tuple[list[int], torch.Tensor]:
+        """Each entry's row of the request-to-token table, and the table: the scheduler's
+        (nothing per context copied), or, for a runner driven by hand, one built from the
+        requests' slot lists (``slot_table``, its last row a scratch row)."""
         if self.table is not None:
-            return [self.table.row(e.req) for e in entries], ends, self.table.tensor
+            row = self.table.row
+            return [row(req) for req, *_ in entries], self.table.tensor
         assert self.pool is not None  # prepare checked
-        slots = [e.req.kv_slots[:e.end] for e in entries]
-        return list(range(len(entries))), ends, slot_table(slots, self.pool.scratch_slot,
-                                                           self.model.device)
+        slots = [req.kv_slots[:end] for (req, *_), end in zip(entries, ends)]
+        return list(range(len(entries))), slot_table(slots, self.pool.scratch_slot,
+                                                     self.model.device)
 
     def compute(
         self,
@@ -283,9 +290,7 @@ class ModelRunner:
             return attn.forward(q, kv, metadata)
 
         x = self.model.run_layers(ids, step.flat.positions, attend)
-        # rows ascend, one per sampled entry, unless checks order them plain first: as
-        # many as the batch has, without checks, is every row in order (a step of decodes)
-        if step.checks is not None or step.sample_rows.shape[0] != x.shape[0]:
+        if step.sample_rows is not None:  # None: every row, in order (a step of decodes)
             x = x[step.sample_rows]
         return self.model.lm_head(self.model.norm(x))
 

@@ -74,18 +74,23 @@ class TableBatch:
         packed[n_tok:2 * n_tok] = np.arange(n_tok) + np.repeat(cached - starts, news)
         packed[2 * n_tok:3 * n_tok] = np.fromiter(itertools.chain.from_iterable(new_slots),
                                                   dtype=np.int64, count=n_tok)
-        packed[3 * n_tok:] = np.concatenate([rows, ends_np, news])
+        per_req = packed[3 * n_tok:].reshape(3, n_req)
+        per_req[0], per_req[1], per_req[2] = rows, ends_np, news
         moved = torch.from_numpy(packed).to(self.device)  # the step's one copy
         self.ids = moved[:n_tok]
         self.positions = moved[n_tok:2 * n_tok]
         self.write_slots = moved[2 * n_tok:3 * n_tok]
         self.rows, self.ends, self.news = moved[3 * n_tok:].view(3, n_req).unbind()
-        self.row_list = [int(r) for r in rows]
+        # the same lengths on the host, as arrays (the backends' metadata slices them) and
+        # as lists (Python reads them one by one)
+        self.host_news, self.host_ends, self.host_cached = news, ends_np, cached
+        self.row_list: list[int] = per_req[0].tolist()
         self.contexts: list[int] = ends_np.tolist()
         self.new_lens: list[int] = news.tolist()
         self.cached_lens: list[int] = cached.tolist()
         self.starts: list[int] = starts.tolist()
-        self.id_range = (int(packed[:n_tok].min()), int(packed[:n_tok].max()))
+        ids = packed[:n_tok]
+        self.id_range = (int(ids.min()), int(ids.max()))
 
     @classmethod
     def of_slots(cls, new_ids: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],

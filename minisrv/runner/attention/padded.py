@@ -76,7 +76,10 @@ class PaddedAttention:
         if few or math.isinf(self.split_cost):
             return PaddedStep(groups, None, None)
         first = len(batch) - last.key_slots.shape[0]  # the first decode request
-        lens = np.asarray(batch.contexts[first:], dtype=np.int64)
+        lens = batch.host_ends[first:]
+        # a cut saves at most the padding itself, and the first must pay two groups' cost
+        if lens.shape[0] * last.key_slots.shape[1] - int(lens.sum()) <= 2 * self.split_cost:
+            return PaddedStep(groups, None, None)
         order = np.argsort(lens, kind="stable")
         cuts = length_cuts(lens[order], self.split_cost)
         if not cuts:
@@ -108,14 +111,13 @@ def padded_group(batch: TableBatch, lo: int, hi: int, dtype: torch.dtype) -> Pad
     context: their slots gathered from the table, and the mask that shows each query the
     keys before its limit (``_mask``): for decodes its whole context, for prefills what
     ``query_limits`` says, both counted on the host from the lengths the batch keeps there."""
-    new = np.asarray(batch.new_lens[lo:hi], dtype=np.int64)
+    new = batch.host_news[lo:hi]
     key_slots = batch.key_slots(slice(lo, hi))
     start = batch.starts[lo]
-    if new.max() == 1:  # decodes: each query sees its whole context
-        contexts = np.asarray(batch.contexts[lo:hi], dtype=np.int64)
-        bias, _ = _mask(contexts[:, None], key_slots.shape[1], dtype, batch.device)
-        return PaddedGroup(slice(start, start + len(new)), None, key_slots, bias)
-    limit, rows = query_limits(new, np.asarray(batch.cached_lens[lo:hi], dtype=np.int64))
+    if hi - lo == int(new.sum()):  # decodes: each query sees its whole context
+        bias, _ = _mask(batch.host_ends[lo:hi, None], key_slots.shape[1], dtype, batch.device)
+        return PaddedGroup(slice(start, start + hi - lo), None, key_slots, bias)
+    limit, rows = query_limits(new, batch.host_cached[lo:hi])
     bias, moved_rows = _mask(limit, key_slots.shape[1], dtype, batch.device, rows)
     return PaddedGroup(slice(start, start + int(new.sum())), moved_rows, key_slots, bias)
 
@@ -126,8 +128,7 @@ def decode_group(batch: TableBatch, members: np.ndarray, start: int,
     rows ``start`` on (the split of decodes by context): each member's slots padded to the
     longest, and a bias that shows each query its own context."""
     key_slots = batch.key_slots(members)
-    contexts = np.asarray(batch.contexts, dtype=np.int64)[members]
-    bias, _ = _mask(contexts[:, None], key_slots.shape[1], dtype, batch.device)
+    bias, _ = _mask(batch.host_ends[members, None], key_slots.shape[1], dtype, batch.device)
     return PaddedGroup(slice(start, start + len(members)), None, key_slots, bias)
 
 
@@ -143,8 +144,9 @@ def _mask(limit: np.ndarray, s_max: int, dtype: torch.dtype, device: torch.devic
     windows, m = _windows(device, dtype, s_max)
     first = (m - limit).reshape(-1)
     moved = torch.from_numpy(first if rows is None else np.concatenate([first, rows])).to(device)
-    picks = moved[: first.shape[0]].view(limit.shape)
-    return windows[picks][:, None], None if rows is None else moved[first.shape[0]:]
+    picks = moved[: first.shape[0]]  # one index_select: cheaper than indexing on the CPU
+    bias = windows.index_select(0, picks).view(*limit.shape, s_max)[:, None]
+    return bias, None if rows is None else moved[first.shape[0]:]
 
 
 _ZEROS_THEN_INF: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
