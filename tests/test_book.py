@@ -189,6 +189,18 @@ def test_chapter_map_and_readme_picture_list_every_chapter() -> None:
         assert f"chapters/{chapter.file}.ipynb" in intro, f"intro.md's map lacks {chapter.file}"
 
 
+def test_intro_architecture_drawing_is_the_current_one() -> None:
+    """intro.md shows images/architecture.svg; each box there names its part and the chapter
+    number the sidebar gives it (the numbers went stale once when a chapter was inserted)."""
+    from minisrv.viz.overview import COMPONENTS, _component_label
+
+    assert "images/architecture.svg" in (ROOT / "intro.md").read_text()
+    picture = html.unescape((ROOT / "images" / "architecture.svg").read_text())
+    for comp in COMPONENTS.values():
+        for line in _component_label(comp).split("\n"):
+            assert f">{line}<" in picture, "regenerate: python -m minisrv.viz.overview"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_checks_the_numbers_it_quotes(path: Path) -> None:
     """Quoted numbers come from cells whose output nbval compares (tag nbval-check-output);

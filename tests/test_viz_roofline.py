@@ -21,11 +21,12 @@ def test_format_bytes_uses_binary_units() -> None:
 
 def test_kv_table_has_one_row_per_model_and_the_pitfall_ratio() -> None:
     table = viz.kv_table()
-    assert list(table.index) == list(MODELS)
+    assert list(table.index) == [name.replace("(all heads)", "(all heads, counterfactual)")
+                                 for name in MODELS]
     assert table.loc["LLaMA-3-8B", "KV / token"] == "128 KiB"
-    assert table.loc["LLaMA-3-70B", "all heads / true"] == "8x"
+    assert table.loc["LLaMA-3-70B", viz.ALL_HEADS_COLUMN] == "8x"
     # MLA: 128 heads x (192-wide key + 128-wide value) against the 576-number latent
-    assert table.loc["DeepSeek-V3", "all heads / true"] == "71.1x"
+    assert table.loc["DeepSeek-V3", viz.ALL_HEADS_COLUMN] == "71.1x"
     assert table.loc["LLaMA-3-70B", "heads: query / KV"] == "64 / 8"
     assert table.loc["DeepSeek-V3", "heads: query / KV"] == "128 / latent"
     assert table.loc["LLaMA-3-8B", "KV / 32K tokens"] == "4 GiB"
@@ -205,3 +206,14 @@ def test_a_batch_past_the_wall_is_marked_where_the_server_runs() -> None:
     hollow = [m.get_xdata()[0] for m in marks if m.get_markerfacecolor() == "white"]
     assert filled == [explore.running_batch(LLAMA3_8B, H100, 4096, 1024)] == [119]
     assert hollow == [1024]
+
+
+def test_the_legend_names_a_past_the_wall_mark_only_when_one_is_drawn() -> None:
+    """Batch 16 fits at every context of LLaMA-3-8B on an H100, so no hollow mark is drawn and
+    the legend must not list one; batch 1,024 fits at none of them, so it lists it."""
+    def labels(batch: int) -> list[str]:
+        fig = viz.plot_roofline(LLAMA3_8B, H100, batch=batch)
+        return [text.get_text() for text in fig.legends[0].get_texts()]
+
+    assert not any("past the wall" in label for label in labels(16))
+    assert any("past the wall" in label for label in labels(1024))

@@ -69,9 +69,24 @@ def test_the_step_table_says_what_each_request_did(citylm, run) -> None:
     assert list(table.index) == ["r0", "r1", "r2"]
     assert table.loc["r0", "in this step"].startswith("prefill: 4 tokens")
     assert table.loc["r2", "in this step"] == "waits for a place"
-    assert table.loc["r0", "KV slots"] == "0-3"
+    assert table.loc["r0", "KV slots (in token order)"] == "0-3"
     summary = viz.trace_summary(run)
     assert summary.loc[0, "prefill"] == "r0, r1" and summary.loc[0, "waiting"] == "r2"
+
+
+def test_the_table_and_caption_name_a_token_and_a_state_as_the_grid_and_trace_do(citylm,
+                                                                                 run) -> None:
+    """A space is ␣ in the pool's cells, so the table spells it ␣ too (not ``' '``); a request
+    the trace calls paused is "paused" in the caption, not "waits" (that is the queue's word)."""
+    _, tok = citylm
+    outputs = [text for step in range(len(run.steps))
+               for text in viz.step_table(run, step, tok)["output so far"]]
+    assert any("␣" in text for text in outputs) and not any(" " in text for text in outputs)
+    paused = [i for i, view in enumerate(run.steps) if view.record.paused]
+    assert paused
+    for step in paused:
+        caption = viz.step_frame(run, step, tok).caption
+        assert "paused" in caption and "wait" not in caption
 
 
 def test_a_run_that_changed_the_tokens_is_refused(citylm, run) -> None:

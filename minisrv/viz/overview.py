@@ -276,12 +276,15 @@ def generation_table(model, tok, codes, max_new_tokens: int = 160):
     return one_header_row(pd.DataFrame(rows).set_index("country"))
 
 
-def write_readme_picture(path: str = "images/chapters.svg") -> None:
-    """Regenerate the README's chapter map (``python -m minisrv.viz.overview``)."""
+def write_readme_picture(path: str = "images/chapters.svg",
+                         architecture: str = "images/architecture.svg") -> None:
+    """Regenerate the README's chapter map and the intro's architecture drawing
+    (``python -m minisrv.viz.overview``): intro.md is plain Markdown, so it shows a file."""
     from pathlib import Path
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(chapter_map().pipe(format="svg"))
+    for target, graph in ((path, chapter_map()), (architecture, architecture_diagram())):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_bytes(graph.pipe(format="svg"))
 
 
 if __name__ == "__main__":

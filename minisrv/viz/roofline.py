@@ -66,6 +66,11 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
+ALL_HEADS_COLUMN = "KV if every head kept K, V ÷ actual"
+"""``kv_table``'s last column: the cache if every query head kept its own K and V, over the
+cache the model really keeps (the saving GQA, MQA or MLA buys)."""
+
+
 def kv_table(
     models: Sequence[ModelConfig] | None = None, context_len: int = 32768, dtype_bytes: float = 2
 ) -> pd.DataFrame:
@@ -80,9 +85,10 @@ def kv_table(
         per_token = kv_bytes_per_token(cfg, dtype_bytes)
         every_head = (all_heads_numbers_per_token_per_layer(cfg)
                       / kv_numbers_per_token_per_layer(cfg))
+        counterfactual = cfg.name.endswith("(all heads)")  # built by configs.all_heads
         rows.append(
             {
-                "model": cfg.name,
+                "model": f"{cfg.name[:-1]}, counterfactual)" if counterfactual else cfg.name,
                 "attention": cfg.attention.upper(),
                 "layers": cfg.n_layers,
                 "heads: query / KV": _heads(cfg),
@@ -91,7 +97,7 @@ def kv_table(
                 f"KV / {_tokens(context_len)} tokens": format_bytes(
                     kv_bytes_per_request(cfg, context_len, dtype_bytes)
                 ),
-                "all heads / true": f"{every_head:.3g}x",
+                ALL_HEADS_COLUMN: f"{every_head:.3g}x",
             }
         )
     return one_header_row(pd.DataFrame(rows).set_index("model"))  # "model" in the corner
@@ -217,12 +223,13 @@ def plot_roofline(
         Line2D([], [], color="grey", lw=7, alpha=0.25, label="compute-bound (else memory-bound)"),
     ]
     if batch:
-        style += [
-            Line2D([], [], color="grey", ls="", marker="o", ms=8,
-                   label=f"batch {batch:,} (at the wall if past it)"),
-            Line2D([], [], color="grey", ls="", marker="o", mfc="white", ms=8,
-                   label=f"batch {batch:,}: past the wall"),
-        ]
+        past = any(batch > wall for wall in walls.values())  # a hollow mark is drawn
+        style.append(Line2D([], [], color="grey", ls="", marker="o", ms=8,
+                            label=f"batch {batch:,}" + (" (at the wall if past it)" if past
+                                                         else "")))
+        if past:  # the legend names only marks the figure draws
+            style.append(Line2D([], [], color="grey", ls="", marker="o", mfc="white", ms=8,
+                                label=f"batch {batch:,}: past the wall"))
     curves = list(dict(zip(*reversed(ax_time.get_legend_handles_labels()), strict=True)).values())
     legend_below(fig, handles=curves + style, ncol=2)
     return fig

@@ -53,6 +53,12 @@ def _token(tok: Any, token: int) -> str:
     return SHOWN.get(text, text)
 
 
+def _text(tok: Any, tokens: Sequence[int]) -> str:
+    """Decoded text as the pool's cells show it (a space as ␣, a newline as ↵), so the table
+    and the grid spell the same token the same way."""
+    return "".join(SHOWN.get(ch, ch) for ch in tok.decode(list(tokens)))
+
+
 def _name(rid: int) -> str:
     return f"r{rid}"
 
@@ -128,23 +134,24 @@ def _prompt(run: StepByStep, rid: int, tok: Any) -> str:
 
 def _did(req: RequestAtStep, tok: Any) -> str:
     """What a request did in the step, in a few words."""
-    new = repr(tok.decode(list(req.new)))
+    new = _text(tok, req.new)
     did = {"waiting": "waits for a place",
            "prefill": f"prefill: {len(req.slots)} tokens, samples {new}",
            "decode": f"decode: samples {new}",
-           "paused": "sits out the prefill step",
+           "paused": "paused: sits out the prefill step",
            "done": "finished earlier"}[req.role]
     return did + (", finishes" if req.finished and req.role != "done" else "")
 
 
 def step_table(run: StepByStep, step: int, tok: Any) -> pd.DataFrame:
     """One row per request after ``step``: what it did in the step, its text so far and the
-    KV slots it holds (as runs of consecutive slots)."""
+    KV slots it holds, in token order (as runs of consecutive slots), so a slot list that
+    jumps back says a later token landed in a lower slot."""
     from minisrv.experiments.server import slot_ranges
 
     rows = [{"request": _name(req.rid), "prompt": _prompt(run, req.rid, tok),
-             "in this step": _did(req, tok), "output so far": repr(tok.decode(list(req.output))),
-             "KV slots": slot_ranges(req.slots) or "-"}
+             "in this step": _did(req, tok), "output so far": _text(tok, req.output),
+             "KV slots (in token order)": slot_ranges(req.slots) or "-"}
             for req in _step(run, step).requests]
     return one_header_row(pd.DataFrame(rows).set_index("request"))
 
@@ -177,7 +184,7 @@ def _caption(run: StepByStep, step: int) -> str:
     if record.decode:
         parts.append(who(record.decode, "decodes one token", "decode one token each"))
     if record.paused:
-        parts.append(who(record.paused, "waits", "wait"))
+        parts.append(who(record.paused, "is paused", "are paused"))
     if record.finished:
         parts.append(who(record.finished, "finishes", "finish"))
     return (f"Step {step}: {'; '.join(parts)}; {run.steps[step].slots_held} of "
