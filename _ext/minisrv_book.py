@@ -66,14 +66,27 @@ class AuthorYearLabelStyle(BaseLabelStyle):
                 yield label
 
 
+MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+"""Month field prefixes in calendar order (pybtex expands ``nov`` to "November")."""
+
+
+def _month(entry: Any) -> int:
+    """The entry's month, 1 to 12, or 13 without one (after every dated work of its year)."""
+    month = entry.fields.get("month", "").strip().lower()[:3]
+    return MONTHS.index(month) + 1 if month in MONTHS else 13
+
+
 class AuthorYearSorting(AuthorYearTitleSorting):
     """By the label the text cites ("Agrawal et al., 2023" before "Agrawal et al., 2024",
-    whoever the co-authors), then author, year and title, with names read as printed:
-    ``{DeepSeek-AI}`` sorts under D, not after Z (a brace sorts after every letter)."""
+    whoever the co-authors), then author, year, month and title, with names read as printed:
+    ``{DeepSeek-AI}`` sorts under D, not after Z (a brace sorts after every letter). The
+    month puts two works of one label in the order they appeared, so "2024a" is the earlier
+    (EAGLE before EAGLE-2), which the title alone would reverse."""
 
-    def sorting_key(self, entry: Any) -> tuple[str, str, str, str]:
+    def sorting_key(self, entry: Any) -> tuple[str, str, str, int, str]:
         author, year, title = super().sorting_key(entry)
-        return _plain(author_year_label(entry)).lower(), _plain(author).lower(), year, title
+        return (_plain(author_year_label(entry)).lower(), _plain(author).lower(), year,
+                _month(entry), title)
 
 
 class AuthorYearStyle(PlainStyle):

@@ -321,6 +321,10 @@ def test_bibliography_labels_are_the_author_year_citations_and_unique() -> None:
         "DeepSeek-AI, 2024a", "DeepSeek-AI, 2024b"}
     assert {labels["dong2024xgrammar"], labels["dong2024flexattention"]} == {
         "Dong et al., 2025a", "Dong et al., 2025b"}
+    # two works of one label take a and b in the order they appeared (their months), not by
+    # title, where "EAGLE-2" sorts before "EAGLE:"
+    assert (labels["li2024eagle"], labels["li2024eagle2"]) == (
+        "Li et al., 2024a", "Li et al., 2024b")
     assert [e.label for e in entries][:3] == sorted(labels.values(), key=str.lower)[:3]
     lecture = next(e for e in entries if e.key == "li2026llmsys").text.render_as("text")
     text, url = lecture.split("URL: ")

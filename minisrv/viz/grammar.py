@@ -167,7 +167,8 @@ one CityLM disagrees with (its masks part after the third name)."""
 
 
 def _mask_title(regex: str) -> str:
-    return f"The mask of {regex.strip()} over CityLM's vocabulary"
+    # quoted whole: the leading space is part of the regex (the outputs start with one)
+    return f'The mask of "{regex}" over CityLM\'s vocabulary'
 
 
 def _webp_img(pixels: np.ndarray, width_in: float) -> str:
@@ -245,7 +246,9 @@ def _step_caption(run: MaskRun, step: int, tok: Any) -> str:
     mask, prob = run.steps[step - 1], run.probabilities[step - 1]
     share = f"{prob.allowed_mass:.0%}" if prob.allowed_mass >= 0.01 else \
         f"{prob.allowed_mass:.1e}"
-    return (f"Step {step}: {int(mask.allowed.sum())} of {mask.allowed.numel()} tokens "
+    # a slider shared by grammars of different lengths stays at the shorter one's last step
+    last = " (the last)" if step == len(run.steps) else ""
+    return (f"Step {step}{last}: {int(mask.allowed.sum())} of {mask.allowed.numel()} tokens "
             f"allowed, {share} of CityLM's probability; it takes "
             f"{_show(tok.id_to_str(mask.token))!r}, the text so far "
             f"{tok.decode(run.tokens[:step])!r}.")
