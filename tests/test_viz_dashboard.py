@@ -99,3 +99,20 @@ def test_a_state_laid_out_as_the_first_keeps_its_y_labels_on_the_figure() -> Non
             ticks = [t.get_window_extent(renderer) for t in ax.get_yticklabels() if t.get_text()]
             assert 0 <= box.x0 and box.x1 <= width, label.get_text()
             assert all(box.x1 <= t.x0 or box.x0 >= t.x1 for t in ticks), label.get_text()
+
+
+def test_the_sim_run_title_gives_a_short_time_to_first_token_in_ms() -> None:
+    """At a low rate the mean TTFT is tens of ms: "0.0 s" would hide it."""
+    setting = SimSetting(8.0, "prefill-first", n=20)
+    run = setting.run()
+    assert run.metrics.mean_ttft < 1
+    title = dashboard.plot_sim_run(run, setting)._suptitle.get_text()
+    assert title.endswith(f"mean time to first token {run.metrics.mean_ttft * 1e3:.0f} ms")
+
+
+def test_the_rate_sweep_draws_the_doubling_rates_on_a_log2_axis() -> None:
+    from minisrv.viz.timeline import plot_rate_sweep
+
+    fig = plot_rate_sweep(rate_sweep(rates=(8, 16, 32), modes=("prefill-first",), n=30))
+    assert all(ax.get_xscale() == "log" for ax in fig.axes)
+    assert [t.get_text() for t in fig.axes[2].get_xticklabels()] == ["8", "16", "32"]

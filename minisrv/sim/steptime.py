@@ -5,7 +5,8 @@ costs some fixed part (reading the weights, launching kernels, Python) plus a pa
 grows with ``B``. ``decode_step_seconds`` measures one such step with every request at
 the same context length, so the chapter and ``benchmarks/bench_batching.py`` time exactly
 the same thing. Timings vary from run to run and machine to machine; nothing that tests
-correctness depends on them.
+correctness depends on them. ``roofline_decode_step_table`` gives the same table for a
+GPU from the roofline model instead, which is the same on every machine.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from minisrv.configs import GPUSpec, ModelConfig
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
+from minisrv.sim.roofline import decode_step_time
 
-__all__ = ["decode_step_seconds", "decode_step_table"]
+__all__ = ["LAUNCH_SECONDS", "decode_step_seconds", "decode_step_table",
+           "roofline_decode_step_table"]
+
+# What the host pays to start one GPU kernel: a few microseconds without CUDA graphs.
+LAUNCH_SECONDS = 5e-6
 
 
 def _check_context(model: CityLM, context: int) -> None:
@@ -116,3 +123,31 @@ def decode_step_table(
         for key, step in steps.items():
             best[key] = min(best[key], _timed(model, step))
     return {a: {b: best[a, b] for b in sizes} for a in attentions}
+
+
+def roofline_decode_step_table(
+    cfg: ModelConfig,
+    gpu: GPUSpec,
+    sizes: Sequence[int],
+    attentions: Sequence[str] = ("padded", "loop"),
+    context: int = 1024,
+    *,
+    launch_s: float = LAUNCH_SECONDS,
+) -> dict[str, dict[int, float]]:
+    """``decode_step_table``'s table for ``cfg`` on ``gpu``, from the roofline.
+
+    ``[attention][size]`` in seconds.
+
+    One padded (or ragged) attention call per layer costs the roofline step time
+    (``decode_step_time``): the weight read, the KV read and the arithmetic. The per-request
+    loop does the same work but starts ``size - 1`` more attention kernels per layer, each
+    ``launch_s`` of host time the GPU waits for; that is all that tells the two apart here.
+    """
+    if not sizes or any(b < 1 for b in sizes) or launch_s < 0:
+        raise ValueError("sizes must be >= 1 and launch_s >= 0")
+    extra = {"padded": 0, "loop": 1}
+    if unknown := set(attentions) - set(extra):
+        raise ValueError(f"unknown attention {sorted(unknown)}")
+    return {a: {b: decode_step_time(cfg, gpu, b, context)
+                + extra[a] * cfg.n_layers * (b - 1) * launch_s for b in sizes}
+            for a in attentions}

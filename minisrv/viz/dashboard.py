@@ -84,8 +84,13 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
                *right.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
     fig.suptitle(f"{MODE_LABELS.get(mode, mode)}: mean batch {m.mean_batch:.1f}, "
-                 f"mean time to first token {m.mean_ttft:.1f} s", x=0.02, ha="left")
+                 f"mean time to first token {_seconds(m.mean_ttft)}", x=0.02, ha="left")
     return fig
+
+
+def _seconds(value: float) -> str:
+    """A duration as a reader takes it in: milliseconds below a second, else seconds."""
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
 def sim_dashboard(

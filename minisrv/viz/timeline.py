@@ -270,6 +270,11 @@ def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
         if log:
             ax.set_yscale("log")
             plain_log_ticks(ax)  # 0.1, 1, 10 s rather than 10^-1, 10^0, 10^1
+    rates = sorted(sweep["rate"].unique())
+    for ax in axes:  # the rates double from point to point: equal steps on a log axis
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.minorticks_off()
     axes[2].set_title("solid: mean, dashed: p99", loc="left", fontsize=FONT_SIZES["ticks"])
     legend_below(fig, ncol=3)
     fig.suptitle("Static vs continuous batching, LLaMA-3-8B on a simulated H100", x=0.02,
