@@ -39,7 +39,8 @@ def plot_occupancy(table: pd.DataFrame, title: str = "") -> BookFigure:
     fig, (left, right) = page_figure(2.8, 1, 2)
     x = range(len(sizes))
     left.bar(x, table["empty slots (%)"], color="#868e96")
-    right.bar(x, table["mean batch"], color=CACHE_COLORS["radix"])
+    bars = right.bar(x, table["mean batch"], color=CACHE_COLORS["radix"])
+    right.bar_label(bars, fmt="%.2f", fontsize=8)  # the differences are a few percent
     for ax in (left, right):
         _page_axis(ax, sizes)
     label_axes(left, "Slots handed out, holding no token", "page size (tokens)", "%")
@@ -107,40 +108,52 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
     return fig
 
 
-def _state_numbers(runs: Mapping[tuple[str, int], PageRun], size: int) -> dict[str, float]:
-    tree, blocks = runs["radix", size], runs["blocks", size]
-    return {"page size": size, "empty slots (tree)": tree.waste,
-            "hit rate (tree)": tree.hit_rate, "hit rate (blocks)": blocks.hit_rate,
-            "mean batch (tree)": tree.mean_batch, "mean batch (blocks)": blocks.mean_batch}
+def _state_numbers(runs: Mapping[tuple[str, int], PageRun],
+                   sizes: Sequence[int]) -> dict[str, float]:
+    numbers: dict[str, float] = {}
+    for s in sizes:
+        tree, blocks = runs["radix", s], runs["blocks", s]
+        numbers |= {f"empty slots (tree), pages of {s}": tree.waste,
+                    f"hit rate (tree), pages of {s}": tree.hit_rate,
+                    f"hit rate (blocks), pages of {s}": blocks.hit_rate,
+                    f"mean batch (tree), pages of {s}": tree.mean_batch}
+    return numbers
 
 
 def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
-                  sizes: Sequence[int] = PAGE_SIZES, start: tuple[str, int] | None = None,
-                  runs: dict | None = None, **options: Any) -> Explorer:
+                  sizes: Sequence[int] = PAGE_SIZES, pools: Sequence[int] = (768,),
+                  start: tuple[str, int] | None = None,
+                  runs: dict[int, dict] | None = None, **options: Any) -> Explorer:
     """Every workload of ``workloads`` served by the radix tree and the block cache at every
-    page size of ``sizes`` (``served_runs`` with ``options``, reusing ``runs`` and adding
-    the new ones to it); a state draws one workload's runs (``plot_page_state``) with its
-    page size shaded. ``start``: the first state, (workload, page size)."""
+    page size of ``sizes`` in a pool of each of ``pools`` tokens (``served_runs`` with
+    ``options``); a state, (workload, pool), draws that workload's runs at every page size
+    (``plot_page_state``), so moving the pool shows what eviction takes at each page size.
+    ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it).
+    ``start``: the first state, (workload, pool)."""
     settings = [(cache, s) for s in sizes for cache in ("radix", "blocks")]
-    runs = served_runs(model, workloads, settings, runs, **options)
+    runs = {} if runs is None else runs
+    for pool in pools:
+        runs[pool] = served_runs(model, workloads, settings, runs.get(pool),
+                                 **{**options, "kv_capacity": pool})
     names = list(workloads)
-    first = start or (names[0], sizes[len(sizes) // 2])
+    first = start or (names[0], pools[0])
 
-    def draw(workload: str, size: int) -> Frame:
-        mine = {(cache, s): runs[workload, cache, s] for cache, s in settings}
-        numbers = _state_numbers(mine, size)
-        return Frame([plot_page_state(mine, sizes, size, f"{workload}, pool "
-                                      f"{options.get('kv_capacity', 4000):,} tokens")],
+    def draw(workload: str, pool: int) -> Frame:
+        mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
+        numbers = _state_numbers(mine, sizes)
+        hits = ", ".join(f"{numbers[f'hit rate (tree), pages of {s}']:.1%}" for s in sizes)
+        empty = ", ".join(f"{numbers[f'empty slots (tree), pages of {s}']:.1%}"
+                          for s in sizes)
+        return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens")],
                      numbers,
-                     caption=f"{workload}, pages of {size}: the tree hits "
-                             f"{numbers['hit rate (tree)']:.1%} of prompt tokens, the block "
-                             f"cache {numbers['hit rate (blocks)']:.1%}; "
-                             f"{numbers['empty slots (tree)']:.1%} of handed-out slots hold no "
-                             f"token")
+                     caption=f"{workload}, pool of {pool:,} tokens, pages of "
+                             f"{', '.join(map(str, sizes))}: the tree hits {hits} of prompt "
+                             f"tokens; {empty} of handed-out slots hold no token")
 
     return explorer(draw, [("workload", "workload", names, first[0]),
-                           ("size", "page size (tokens)", list(sizes), first[1])],
-                    live=lambda: page_widget(model, workloads, first[1], **options))
+                           ("pool", "pool (tokens)", list(pools), first[1])],
+                    live=lambda: page_widget(model, workloads, 16,
+                                             **{**options, "kv_capacity": first[1]}))
 
 
 def page_widget(model: Any, workloads: Mapping[str, Any], size: int = 16,
