@@ -45,11 +45,14 @@ def plot_spike(runs: Sequence[SpikeRun], title: str = "") -> BookFigure:
     """Every inter-token gap of the chats as a segment over the time it spans, one colour per
     run (chunk size and mode); the long prompt's arrival marked."""
     fig, ax = page_figure(height_in=3.4)
-    for run, color in zip(runs, COLORS, strict=False):
+    # Runs can share a gap's height and span (no chunking and prefill-first both stall the
+    # chats for the whole prefill): each later run is drawn wider and below, so all show.
+    for i, (run, color) in enumerate(zip(runs, COLORS, strict=False)):
         chats = run.result.requests[:-1]
         times = np.concatenate([r.token_times[1:] for r in chats])
         gaps = np.concatenate([np.diff(r.token_times) for r in chats])
-        ax.hlines(1e3 * gaps, times - gaps, times, lw=2, color=color,  # each gap over its span
+        ax.hlines(1e3 * gaps, times - gaps, times, lw=2 + 2 * i, zorder=2 + len(runs) - i,
+                  color=color,  # each gap over its span
                   label=f"{run.name}: worst gap {1e3 * run.max_gap:.0f} ms")
     arrival = runs[0].result.requests[-1].arrival
     ax.axvline(arrival, color="black", ls="--", lw=1, label="the long prompt arrives")
