@@ -317,6 +317,13 @@ def test_drawing_marks_split_inserted_locked_and_evicted_nodes() -> None:
     split_event = recorder.events[1]
     assert COLORS["split"] in to_graphviz(split_event, tok).source
     assert event_caption(split_event).startswith("t=2 · B: match: matched 11 tokens")
+    assert "insert: 0 tokens already cached" in event_caption(recorder.events[0])
+    empty = RadixCache()
+    listener = TreeRecorder(empty)
+    empty.lock(empty.match_prefix(tok.encode("JP:"), tag="C").node, tag="C")
+    # an empty tree: the captions say so rather than "matched 0 tokens", "0 tokens on the path"
+    assert [event_caption(e).split(": ", 2)[-1] for e in listener.events] == [
+        "no cached prefix", "only the root"]
     cache.unlock(node)
     cache.evict(100)
     ghosts = to_graphviz(recorder.events[-1], tok).source

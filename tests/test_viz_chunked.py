@@ -101,3 +101,22 @@ def test_the_step_table_has_one_header_row() -> None:
     table = vc.step_table(steps, 16, {0: "chat JP", 1: "chat DE", 2: "long"})
     assert table.columns.name == "step" and table.index.name is None
     assert table.loc[1].tolist() == ["long", 14, "chat JP, chat DE", "16 / 16"]
+
+
+def test_the_gap_panel_keeps_one_range_across_mixes(sweep) -> None:
+    """An explorer's frames share the first frame's axes, so the gap panel's range must not
+    follow each mix's worst gap: a tick label of another width ("1000") was clipped."""
+    other = chunk_runs(workload=long_prompt_workload(n=N, long_share=0.5))
+    limits = [vc.plot_chunk_choice(runs, 2048).axes[0].get_ylim() for runs in (sweep, other)]
+    assert limits[0] == pytest.approx(limits[1])
+    worst = max(chunk_table(runs)["max_itl"].max() for runs in (sweep, other))
+    assert limits[0][1] > 1e3 * worst
+
+
+def test_the_spike_figure_names_each_run_by_its_mode() -> None:
+    from minisrv.experiments.chunked import spike_run
+
+    mixed, first = spike_run(2048), spike_run(2048, mode="prefill-first")
+    assert (mixed.name, first.name) == ("chunks of 2048", "chunks of 2048, prefill-first")
+    labels = vc.plot_spike([mixed, first]).axes[0].get_legend_handles_labels()[1]
+    assert any(label.startswith("chunks of 2048, prefill-first") for label in labels)

@@ -88,6 +88,8 @@ _PUBLIC = {
     "request_hit_rate": "radix",
     "serve_step": "radix",
     "serve_with_cache": "radix",
+    "shared_header_workload": "radix",
+    "simulated_cache_table": "radix",
     "PolicyRun": "cache_aware",
     "admission_rounds": "cache_aware",
     "capacity_table": "cache_aware",

@@ -100,6 +100,13 @@ class SpikeRun(NamedTuple):
     result: RunResult
     max_gap: float  # the chats' worst inter-token gap (s)
     long_ttft: float  # the long prompt's time to first token (s)
+    mode: str = "mixed"
+
+    @property
+    def name(self) -> str:
+        """``no chunking``, ``chunks of N``, the mode added when it is not ``mixed``."""
+        name = "no chunking" if self.chunk is None else f"chunks of {self.chunk}"
+        return name if self.mode == "mixed" else f"{name}, {self.mode}"
 
 
 def spike_run(chunk: int | None = None, mode: str = "mixed", **workload_args) -> SpikeRun:
@@ -108,7 +115,7 @@ def spike_run(chunk: int | None = None, mode: str = "mixed", **workload_args) ->
     result = simulate(spike_workload(**workload_args), cfg=LLAMA3_8B_LONG, mode=mode,
                       max_running=MAX_RUNNING, chunked_prefill_size=chunk)
     chats, long = result.requests[:-1], result.requests[-1]
-    return SpikeRun(chunk, result, float(itl_values(chats).max()), long.ttft)
+    return SpikeRun(chunk, result, float(itl_values(chats).max()), long.ttft, mode)
 
 
 def chunk_runs(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),

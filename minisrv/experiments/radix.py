@@ -8,6 +8,7 @@ tuples or DataFrames); ``minisrv.viz.radix`` only draws them. Progress bars are 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -32,6 +33,8 @@ __all__ = [
     "request_hit_rate",
     "serve_step",
     "serve_with_cache",
+    "shared_header_workload",
+    "simulated_cache_table",
 ]
 
 
@@ -186,3 +189,41 @@ def request_hit_rate(reqs: Sequence[Req]) -> float:
     """The hit rate of any group of requests (one turn of a chat, one worker's share):
     their cached prompt tokens at first admission over their prompt tokens."""
     return hit_rate(sum(r.cached_prompt_tokens for r in reqs), sum(r.prompt_len for r in reqs))
+
+
+def shared_header_workload(header: int = 2048, n: int = 200, question: int = 64,
+                           output_len: int = 128, rate: float = 20.0, seed: int = 0
+                           ) -> Workload:
+    """``n`` users of one ``header``-token system prompt, each with a ``question``-token
+    question of its own and ``output_len`` tokens to generate, arriving ``rate`` a second
+    (evenly spaced): the shared-prompt pattern at GPU scale, for the simulator."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shared = list(range(10, 10 + header))
+    prompts = [shared + [int(t) for t in rng.integers(10, 100_000, question)]
+               for _ in range(n)]
+    return Workload("shared header", prompts, [output_len] * n,
+                    [i / rate for i in range(n)],
+                    f"{n} users of one {header}-token header, {rate:g} a second")
+
+
+def simulated_cache_table(rate: float = 20.0, **workload_args: Any) -> pd.DataFrame:
+    """``shared_header_workload`` on the simulated H100 serving LLaMA-3-8B (64 running at
+    most), with ``cache="none"`` and ``cache="radix"``, one row each: the hit rate, the mean
+    and p99 time to first token with users arriving ``rate`` a second, and the throughput
+    with all of them arriving at once (the GPU never idle)."""
+    from minisrv.sim import simulate
+
+    paced = shared_header_workload(rate=rate, **workload_args)
+    at_once = dataclasses.replace(paced, arrivals=[0.0] * len(paced))
+    rows = {}
+    for cache in ("none", "radix"):
+        result = simulate(paced, cache=cache, max_running=64)
+        m = result.metrics
+        rows[cache] = {"hit rate": request_hit_rate(result.requests),
+                       "mean TTFT (ms)": 1e3 * m.mean_ttft,
+                       "p99 TTFT (ms)": 1e3 * m.p99_ttft,
+                       "throughput, all at once (tok/s)": simulate(
+                           at_once, cache=cache, max_running=64).metrics.throughput}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("cache")

@@ -43,15 +43,17 @@ COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 @styled
 def plot_spike(runs: Sequence[SpikeRun], title: str = "") -> BookFigure:
     """Every inter-token gap of the chats as a segment over the time it spans, one colour per
-    chunk size; the long prompt's arrival marked."""
+    run (chunk size and mode); the long prompt's arrival marked."""
     fig, ax = page_figure(height_in=3.4)
-    for run, color in zip(runs, COLORS, strict=False):
+    # Runs can share a gap's height and span (no chunking and prefill-first both stall the
+    # chats for the whole prefill): each later run is drawn wider and below, so all show.
+    for i, (run, color) in enumerate(zip(runs, COLORS, strict=False)):
         chats = run.result.requests[:-1]
         times = np.concatenate([r.token_times[1:] for r in chats])
         gaps = np.concatenate([np.diff(r.token_times) for r in chats])
-        name = "no chunking" if run.chunk is None else f"chunks of {run.chunk}"
-        ax.hlines(1e3 * gaps, times - gaps, times, lw=2, color=color,  # each gap over its span
-                  label=f"{name}: worst gap {1e3 * run.max_gap:.0f} ms")
+        ax.hlines(1e3 * gaps, times - gaps, times, lw=2 + 2 * i, zorder=2 + len(runs) - i,
+                  color=color,  # each gap over its span
+                  label=f"{run.name}: worst gap {1e3 * run.max_gap:.0f} ms")
     arrival = runs[0].result.requests[-1].arrival
     ax.axvline(arrival, color="black", ls="--", lw=1, label="the long prompt arrives")
     ax.set_yscale("log")
@@ -140,6 +142,10 @@ def plot_chunk_choice(runs: Mapping[int | None, RunResult], chunk: int,
                   mec="black", mew=1.5)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
+    # One range for every workload an explorer steps through: its frames share the first
+    # frame's layout, so tick labels of another width (a "1000" appearing) would be clipped.
+    shown = 1e3 * table[["max_itl", "p99_itl"]].to_numpy()
+    left.set_ylim(min(3.0, 0.8 * shown.min()), max(3000.0, 1.25 * shown.max()))
     plain_log_ticks(left)  # before the chunk sizes' own labels, which it would replace
     left.set_xticks(list(sizes["chunk"]), [_size_label(c) for c in sizes["chunk"]])
     left.minorticks_off()

@@ -232,13 +232,13 @@ def event_caption(event: RecordedEvent) -> str:
     """One line saying what the operation did, e.g. ``"t=3 · A: insert · 17 cached, +1 leaf"``."""
     who = f"{event.label}: " if event.label else ""
     if event.op == "match":
-        what = f"matched {event.length} tokens"
+        what = f"matched {event.length} tokens" if event.length else "no cached prefix"
     elif event.op == "insert":
         what = f"{event.length} tokens already cached"
     elif event.op == "evict":
         what = f"freed {event.length} tokens ({len(event.evicted)} nodes)"
-    else:
-        what = f"{event.length} tokens on the path"
+    else:  # lock, unlock: a request with no cached prefix holds only the root
+        what = f"{event.length} tokens on the path" if event.length else "only the root"
     extras = []
     if event.split:
         extras.append(f"{len(event.split)} split")
