@@ -227,9 +227,14 @@ class Engine(ConfigView):
             self._grammars = grammars
             return grammars
 
-    def step(self) -> StepOutput:
-        """Run one step of the loop (blocking or overlapped) and say what it produced."""
-        return self._step(collect=True)
+    def step(self, tokens: bool = True) -> StepOutput:
+        """Run one step of the loop (blocking or overlapped) and say what it produced.
+
+        ``tokens=False`` leaves the output's ``tokens`` and ``logprobs`` empty, for a caller
+        that reads only the record and the finished requests (a simulated cluster: gathering
+        every token of thousands of requests that nobody reads costs real time).
+        """
+        return self._step(collect=tokens)
 
     def _step(self, collect: bool) -> StepOutput:
         """``step``; without ``collect`` the tokens are not gathered (a simulation of
