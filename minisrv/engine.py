@@ -227,18 +227,15 @@ class Engine(ConfigView):
             self._grammars = grammars
             return grammars
 
-    def step(self) -> StepOutput:
-        """Run one step of the loop (blocking or overlapped) and say what it produced."""
-        return self._step(collect=True)
-
-    def _step(self, collect: bool) -> StepOutput:
-        """``step``; without ``collect`` the tokens are not gathered (a simulation of
-        thousands of requests that nobody streams need not pay for it)."""
-        tokens: list[tuple[Req, int]] = []
+    def step(self, tokens: bool = True) -> StepOutput:
+        """Run one step of the loop (blocking or overlapped) and say what it produced;
+        ``tokens=False`` leaves its ``tokens`` and ``logprobs`` empty (a simulation, or a
+        cluster's engine, that nobody streams need not pay for gathering them)."""
+        produced: list[tuple[Req, int]] = []
         logprobs: dict[Req, list[Any]] = {}
         sched = self.scheduler
-        if collect:
-            sched.completer.on_token = self._collector(tokens, logprobs)
+        if tokens:
+            sched.completer.on_token = self._collector(produced, logprobs)
         try:
             record = self.loop.step()
         finally:
@@ -247,7 +244,7 @@ class Engine(ConfigView):
             return StepOutput(None)
         live = self._live
         finished = [req for rid in record.finished if (req := live.pop(rid, None)) is not None]
-        return StepOutput(record, tokens, finished, logprobs)
+        return StepOutput(record, produced, finished, logprobs)
 
     def _collector(self, tokens: list[tuple[Req, int]],
                    logprobs: dict[Req, list[Any]]) -> Callable[[Req, int], None]:
@@ -375,7 +372,7 @@ class Engine(ConfigView):
         try:
             overlapped = isinstance(self.loop, OverlapLoop)  # its device thread needs the GIL
             with short_switch_interval() if overlapped else nullcontext():
-                while (out := self._step(collect=on_token is not None)).record is not None:
+                while (out := self.step(tokens=on_token is not None)).record is not None:
                     if on_token is not None:
                         for req, token in out.tokens:
                             on_token(req, token)

@@ -196,7 +196,7 @@ class _ClusterLoop:
         self._record(t)
 
     def _step(self, w: int) -> None:
-        record = self.engines[w].step().record
+        record = self.engines[w].step(tokens=False).record
         self.wake[w] = math.inf
         if record is None:
             raise RuntimeError(f"worker {w} has requests but could not step")

@@ -225,6 +225,8 @@ class ReqToTokenTable:
         """The oldest ``steps`` launched steps have completed: rows they alone read are
         free again."""
         self.completed_steps = min(self.completed_steps + steps, self.launched_steps)
+        if not self._deferred:  # the host record alone never defers a row
+            return
         done = self.completed_steps
         ready = [row for row in self._deferred if self._last_read[row] < done]
         if ready:

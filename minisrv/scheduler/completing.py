@@ -18,7 +18,7 @@ from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.queues import RequestQueues
 from minisrv.scheduler.recorder import StepRecorder
 
-__all__ = ["BatchCompleter"]
+__all__ = ["BatchCompleter", "accept_token"]
 
 
 class BatchCompleter:
@@ -60,27 +60,18 @@ class BatchCompleter:
         already follow. The stop itself is the request's rule (``Req.stop_reason``): the
         model's end-of-sequence ids unless ignored, then ``max_new_tokens``.
         """
-        output = req.output
-        if position == len(output):
-            output.append(token)
-        else:
-            output[position] = token
-        req.token_times.append(self.recorder.clock)
-        reason = req.stop_reason(token, position, self.backend.eos_ids)
-        if reason is not None:
-            req.finish_reason = reason
-        return reason
+        return accept_token(req, token, position, self.recorder.clock, self.backend.eos_ids)
 
     def append_tokens(self, entries: tuple[Entry, ...], results: list[list[int]]) -> list[Req]:
         """Append each entry's tokens to its request and stream them, up to the first that
         stops it (``accept``); return the requests that finished. Tokens computed past the end
         of a request (the rest of a speculative check) are dropped, their KV freed
         (``truncate``)."""
-        accept, on_token = self.accept, self.on_token
+        on_token, clock, eos_ids = self.on_token, self.recorder.clock, self.backend.eos_ids
         finished = []
         for (req, _, n_new, sample), tokens in zip(entries, results, strict=True):
             for token in tokens:
-                stop = accept(req, token, len(req.output))
+                stop = accept_token(req, token, len(req.output), clock, eos_ids)
                 if on_token is not None:
                     on_token(req, token)
                 if stop is not None:
@@ -130,3 +121,20 @@ class BatchCompleter:
             # the step in flight still samples with a late one's generator
             self.lifecycle.leave(req, ReqState.FINISHED, release=not late)
         self.recorder.stats.finished += 1
+
+
+def accept_token(req: Req, token: int, position: int, clock: float,
+                 eos_ids: tuple[int, ...]) -> str | None:
+    """``BatchCompleter.accept`` with the step's clock and the backend's end-of-sequence ids
+    read once per step, not once per token: a GPU-scale simulation appends hundreds of
+    thousands of tokens."""
+    output = req.output
+    if position == len(output):
+        output.append(token)
+    else:
+        output[position] = token
+    req.token_times.append(clock)
+    reason = req.stop_reason(token, position, eos_ids)
+    if reason is not None:
+        req.finish_reason = reason
+    return reason

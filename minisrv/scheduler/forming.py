@@ -90,6 +90,8 @@ class BatchFormer:
         asking for no more (its token budget spent).
         """
         queues = self.queues
+        if not queues.waiting or len(queues.running) >= self.max_running:
+            return  # nobody waits, or no seat is free: no budget to work out
         adder = self.admission.adder(queues.running, self.memory, self.max_running)
         if queues.waiting and adder.has_place:
             queues.waiting = self.policy.prioritize(queues.waiting, self.memory.tree)

@@ -120,13 +120,18 @@ class QueuePolicy:
         self.rng = random.Random(seed)
 
     def prioritize(self, waiting: deque[Req], tree: PrefixCache) -> deque[Req]:
-        """``waiting`` in the order of this round (FCFS without the in-batch check: as is)."""
+        """``waiting`` in the order of this round (FCFS without the in-batch check: as is).
+
+        Only the order is read here, so a round computes nothing the order does without:
+        DFS-weight's in-batch set (reported by ``calc_priority``, not used in its order),
+        and the output limits that only LOF sorts by."""
         if self.policy == "fcfs" and not self.check:
             return waiting
         queue = list(waiting)
-        result = calc_priority(self.policy, tree, [r.all_tokens for r in queue],
-                               in_batch_prefix_check=self.check, seed=self.rng,
-                               max_new_tokens=[r.max_new_tokens for r in queue])
+        result = calc_priority(
+            self.policy, tree, [r.all_tokens for r in queue],
+            in_batch_prefix_check=self.check and self.policy != "dfs-weight", seed=self.rng,
+            max_new_tokens=[r.max_new_tokens for r in queue] if self.policy == "lof" else None)
         return deque(queue[i] for i in result.order)
 
 

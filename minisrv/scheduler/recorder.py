@@ -39,14 +39,15 @@ class StepRecorder:
 
     def trace_fields(self, batch: Batch) -> dict[str, Any]:
         """The trace fields known before the backend runs the step (both loops' launch)."""
-        queues = self.queues
-        computing = {id(req) for req in batch.reqs}
+        queues, reqs, k = self.queues, batch.reqs, batch.n_prefill
+        computing = set(reqs)  # by identity: Req has eq=False
+        rids = [req.rid for req in reqs]
         return {
             "start": self.clock,
-            "prefill": tuple(req.rid for req in batch.prefill),
-            "decode": tuple(req.rid for req in batch.decode),
-            "paused": tuple(r.rid for r in (*queues.finishing, *queues.running)
-                            if id(r) not in computing),
+            "prefill": tuple(rids[:k]),
+            "decode": tuple(rids[k:]),
+            "paused": tuple([r.rid for r in (*queues.finishing, *queues.running)
+                             if r not in computing]),
             "kv_reserved": self.admission.reserved,
             "kv_used": self.memory.kv.used_count,
             "new_token_ratio": self.admission.ratio,

@@ -115,10 +115,10 @@ class SchedulerStats:
     def count_step(self, batch: Batch, result: BatchResult, prefill_tokens: int) -> None:
         """Add one executed step to the totals."""
         self.steps += 1
-        self.prefill_steps += bool(batch.prefill)
+        self.prefill_steps += batch.n_prefill > 0
         self.prefill_tokens += prefill_tokens
-        self.decode_tokens += len(batch.decode)
-        self.generated_tokens += len(result.next_tokens)
+        self.decode_tokens += len(batch) - batch.n_prefill
+        self.generated_tokens += sum(map(len, result.tokens))
         self.jump_forward_tokens += result.jumped
         self.busy_time += result.elapsed
         self.cost += result.cost

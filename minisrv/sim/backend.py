@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.core import Batch, BatchResult, Capability
-from minisrv.kvsize import kv_bytes_per_token
+from minisrv.kvsize import check_dtype_bytes, kv_bytes_per_token
 from minisrv.request import Req
-from minisrv.sim.roofline import step_cost_from_totals
+from minisrv.sim.roofline import model_rates, rates_step_cost
 from minisrv.sim.sizing import kv_budget_bytes
 
 if TYPE_CHECKING:  # the simulated GPU touches no tensor
@@ -42,7 +42,9 @@ class SimBackend:
     ``dtype_bytes`` is the width of weights and KV; ``token_ids`` the ids its dummy tokens
     take (default: the model's vocabulary). Requests always run to their
     ``max_new_tokens`` (there is no ``<eos>``), which is how a workload fixes output lengths.
-    The tokens it emits are deterministic dummies, so runs are reproducible.
+    The tokens it emits are deterministic dummies, so runs are reproducible. The model, GPU
+    and width are fixed at construction: their rates are worked out then, once, not at each
+    of the tens of thousands of steps a simulation asks for.
     """
 
     time_unit = "s"
@@ -59,6 +61,7 @@ class SimBackend:
         self.cfg = cfg
         self.gpu = gpu
         self.dtype_bytes = dtype_bytes
+        self._rates = model_rates(cfg, check_dtype_bytes(dtype_bytes))  # ValueError if bad
         self.max_context: int | None = cfg.max_seq_len or None
         self.vocab_size: int | None = cfg.vocab_size or None
         # the ids the dummy tokens take: the model's vocabulary, or (for a server that
@@ -78,7 +81,7 @@ class SimBackend:
 
     def host_copy_seconds(self, tokens: int) -> float:
         """How long ``tokens`` tokens' KV takes from host memory to the device."""
-        return tokens * kv_bytes_per_token(self.cfg, self.dtype_bytes) / self.gpu.host_bandwidth
+        return tokens * self._rates.kv_token / self.gpu.host_bandwidth
 
     def attach_kv(self, capacity: int) -> None:
         """No KV is stored: the scheduler's slot counts are the whole simulation of memory."""
@@ -111,13 +114,11 @@ class SimBackend:
         ids, vocab = self._ids, len(self._ids)
         tokens: list[list[int]] = []
         new = attended = cached = 0
-        for entry in batch.entries:
-            start, n = entry.start, entry.n_tokens
+        for req, start, n, sample in batch.entries:
             new += n
             cached += start  # prefix KV read from the cache, not computed
             attended += n * start + n * (n + 1) // 2  # the prefix, then causal
-            tokens.append([ids[(entry.req.rid * 7919 + start + n) % vocab]] if entry.sample
-                          else [])
+            tokens.append([ids[(req.rid * 7919 + start + n) % vocab]] if sample else [])
         loaded, self._loaded = self._loaded, 0
         return SimStep(tokens, new, attended, cached, loaded)
 
@@ -136,11 +137,9 @@ class SimBackend:
         spend the host's time on a write that nothing reads (on a GPU the store is the
         device's work).
         """
-        cost = step_cost_from_totals(
-            self.cfg, self.gpu, step.new, step.attended, step.cached, self.dtype_bytes
-        )
+        cost = rates_step_cost(self._rates, self.gpu, step.new, step.attended, step.cached)
         time_s = cost.time_s + self.host_copy_seconds(step.loaded)
-        return BatchResult([list(t) for t in step.tokens], cost=time_s, elapsed=time_s)
+        return BatchResult(step.tokens, cost=time_s, elapsed=time_s)
 
     def release(self, req: Req) -> None:
         """Nothing to free: the simulator keeps no per-request state."""

@@ -68,15 +68,23 @@ def attention_flops_per_pair(cfg: ModelConfig) -> int:
     return cfg.n_layers * cfg.n_heads * 2 * (qk + v)
 
 
+class ModelRates(NamedTuple):
+    """What a step's cost multiplies its totals by (``model_rates``)."""
+
+    per_token: float  # FLOPs per new token: 2 x the active parameters it multiplies by
+    per_pair: float  # FLOPs per attended (query, key) pair
+    weights: float  # bytes of the weights, read once per step
+    kv_token: float  # KV bytes per token, read from the cache or written
+
+
 @functools.lru_cache(maxsize=64)
-def _model_rates(cfg: ModelConfig, dtype_bytes: float) -> tuple[float, float, float, float]:
-    """FLOPs per new token (2 x the active parameters a token multiplies by, the embedding
-    lookup excluded), FLOPs per attended pair, weight bytes and
-    KV bytes per token: what a step's cost multiplies its totals by. They depend only on the
-    model and the width, so they are worked out once, not on each of the tens of thousands
-    of steps a simulation asks for."""
-    return (2.0 * cfg.matmul_param_count, float(attention_flops_per_pair(cfg)),
-            weight_bytes(cfg, dtype_bytes), float(kv_bytes_per_token(cfg, dtype_bytes)))
+def model_rates(cfg: ModelConfig, dtype_bytes: float) -> ModelRates:
+    """The rates of ``cfg`` at ``dtype_bytes`` (the embedding lookup does no arithmetic, so
+    ``per_token`` leaves it out). They depend only on the model and the width, so they are
+    worked out once, not on each of the tens of thousands of steps a simulation asks for."""
+    dtype_bytes = check_dtype_bytes(dtype_bytes)
+    return ModelRates(2.0 * cfg.matmul_param_count, float(attention_flops_per_pair(cfg)),
+                      weight_bytes(cfg, dtype_bytes), float(kv_bytes_per_token(cfg, dtype_bytes)))
 
 
 def step_cost_from_totals(
@@ -102,9 +110,17 @@ def step_cost_from_totals(
         )
     if cached_tokens < 0:
         raise ValueError(f"cached_tokens must be >= 0, got {cached_tokens}")
-    per_token, per_pair, weights, kv_token = _model_rates(cfg, check_dtype_bytes(dtype_bytes))
-    flops = per_token * new_tokens + per_pair * attended_pairs
-    traffic = weights + kv_token * (cached_tokens + new_tokens)
+    return rates_step_cost(model_rates(cfg, check_dtype_bytes(dtype_bytes)), gpu, new_tokens,
+                           attended_pairs, cached_tokens)
+
+
+def rates_step_cost(rates: ModelRates, gpu: GPUSpec, new_tokens: int, attended_pairs: int,
+                    cached_tokens: int) -> StepCost:
+    """``step_cost_from_totals``'s arithmetic, for totals known to be valid and the model's
+    rates worked out beforehand: the simulated GPU's every step (``SimBackend``), whose
+    totals come from a batch and whose model and width were checked once."""
+    flops = rates.per_token * new_tokens + rates.per_pair * attended_pairs
+    traffic = rates.weights + rates.kv_token * (cached_tokens + new_tokens)
     compute_s = flops / gpu.flops
     memory_s = traffic / gpu.bandwidth
     return StepCost(max(compute_s, memory_s), compute_s, memory_s, flops, traffic)
