@@ -141,6 +141,7 @@ def test_the_engine_serves_the_same_tokens_in_fewer_steps(citylm, draft_model) -
                                            k=4, max_new_tokens=20)}
     table = engine_table(runs)
     assert table["equals alone"].all() and (table["tokens"] == 60).all()
+    assert all(run.seconds > 0 for run in runs.values())  # engine.run() was timed
     assert table.loc["CityDraft", "steps"] < table.loc["plain", "steps"] == 20
     assert table.loc["CityDraft", "KV freed"] == (table.loc["CityDraft", "guesses"]
                                                   - table.loc["CityDraft", "kept"])

@@ -233,7 +233,8 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
             "device ms": 1e3 * step_s,
             "host ms, blocking": 1e3 * block.idle,
             "host ms, overlapped": 1e3 * over.host,
-            "device idle ms, overlapped": 1e3 * over.idle,
+            # wall minus busy: timer jitter can take a fully busy device a hair below 0
+            "device idle ms, overlapped": max(0.0, 1e3 * over.idle),
             "blocking tok/s": block.tokens / block.wall,
             "overlapped tok/s": over.tokens / over.wall,
             "measured gain": measured,
@@ -256,8 +257,10 @@ def model_gain(model: Any, prompts: Sequence[Sequence[int]], lengths: int | Sequ
                repeats: int = 2, reference: Sequence[Sequence[int]] | None = None,
                warm_up: bool = True, **options: Any) -> pd.DataFrame:
     """Each loop of ``LOOPS`` on ``model`` as it is, one row per loop (the fastest of
-    ``repeats`` runs, the loops taking turns): tokens/s, the gain over blocking, steps,
-    late-stop tokens, and whether every output equals the request generated alone.
+    ``repeats`` runs, the loops taking turns): tokens/s, the gain over blocking, the lowest
+    and highest gain of one run over the blocking run of its turn (the spread that noise
+    alone gives), steps, late-stop tokens, and whether every output equals the request
+    generated alone.
 
     ``reference``: the outputs of each request generated alone, where the caller has them
     already (else ``reference_generate`` here). ``warm_up``: serve the workload once with
@@ -272,7 +275,7 @@ def model_gain(model: Any, prompts: Sequence[Sequence[int]], lengths: int | Sequ
     elif len(reference) != len(prompts):
         raise ValueError(f"reference holds {len(reference)} outputs for {len(prompts)} prompts")
     reference = [list(ref) for ref in reference]
-    best = dict.fromkeys(LOOPS, float("inf"))
+    walls: dict[str, list[float]] = {name: [] for name in LOOPS}
     same = dict.fromkeys(LOOPS, True)
     engines: dict[str, Engine] = {}
     for loop in LOOPS.values() if warm_up else ():
@@ -282,11 +285,17 @@ def model_gain(model: Any, prompts: Sequence[Sequence[int]], lengths: int | Sequ
             engines[name] = engine = Engine(model, **loop, **options)
             start = time.perf_counter()
             outputs = engine.generate(prompts, lengths)
-            best[name] = min(best[name], time.perf_counter() - start)
+            walls[name].append(time.perf_counter() - start)
             same[name] = same[name] and outputs == reference
+    rate = {name: [engine.stats.generated_tokens / wall for wall in walls[name]]
+            for name, engine in engines.items()}
+    turns = {name: [r / b for r, b in zip(rate[name], rate["blocking"], strict=True)]
+             for name in engines}
     rows = {
         name: {
-            "tokens/s": engine.stats.generated_tokens / best[name],
+            "tokens/s": max(rate[name]),
+            "gain, lowest run": min(turns[name]),
+            "gain, highest run": max(turns[name]),
             "steps": engine.stats.steps,
             "late-stop tokens": engine.stats.late_stop_tokens,
             "outputs identical to each request alone": same[name],

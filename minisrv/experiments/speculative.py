@@ -11,6 +11,7 @@ speculation must give exactly what decoding alone gives. The GPU numbers are the
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -276,6 +277,7 @@ class EngineRun(NamedTuple):
     engine: Engine
     requests: list[Req]
     identical: bool  # every request's tokens equal reference_generate's
+    seconds: float  # wall-clock time of engine.run(), the comparison with reference excluded
 
 
 def serve_speculative(model: CityLM, prompts: Sequence[Sequence[int]],
@@ -287,9 +289,11 @@ def serve_speculative(model: CityLM, prompts: Sequence[Sequence[int]],
     engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, **extra)
     requests = [engine.add_request(list(p), SamplingParams(max_new_tokens=max_new_tokens))
                 for p in prompts]
+    start = time.perf_counter()
     engine.run()
+    seconds = time.perf_counter() - start
     alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
-    return EngineRun(engine, requests, [r.output for r in requests] == alone)
+    return EngineRun(engine, requests, [r.output for r in requests] == alone, seconds)
 
 
 def engine_table(runs: Mapping[str, EngineRun]) -> pd.DataFrame:

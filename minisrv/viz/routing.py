@@ -101,8 +101,10 @@ def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> Bo
         label_axes(ax, f"{label}: load ratio {r.load_ratio:.2f}; requests {counts}",
                    None, "requests in flight")
     axes[-1].set_xlabel(f"time ({next(iter(results.values())).time_unit})")
-    # One row of up to eight workers: two rows of four under the axis label crowded it.
-    legend_below(fig, ncol=min(8, max(r.n_workers for r in results.values())))
+    # One row of up to six workers; eight in one row ran past the figure's edges and lost
+    # workers 0 and 7, so more than six take two rows.
+    workers = max(r.n_workers for r in results.values())
+    legend_below(fig, ncol=workers if workers <= 6 else (workers + 1) // 2)
     fig.suptitle(title, x=0.02, ha="left")
     return fig
 

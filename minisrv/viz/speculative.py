@@ -191,6 +191,9 @@ def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> Boo
         fits = max_concurrent_requests(LLAMA3_8B, H100, int(context))
         if fits <= part["batch"].max():
             ax.axvline(fits, color="grey", ls=":", lw=1.5, label="largest batch in 80 GB")
+            # batches past it do not fit: a veil over their curves, kept for the trend
+            ax.axvspan(fits, part["batch"].max(), color="0.92", alpha=0.75, lw=0, zorder=3,
+                       label="does not fit")
         ax.set_xscale("log", base=2)
         label_axes(ax, f"context {context} tokens", "batch size (requests)",
                    "speed-up (x)" if ax is axes[0] else None)
