@@ -110,6 +110,24 @@ def test_timed_gain_reports_both_loops_lane_by_lane() -> None:
             timed_gain(**{name: value})
 
 
+def test_a_probe_slowed_by_load_never_sizes_a_queue_that_runs_dry(monkeypatch) -> None:
+    """When load slows the probes of the long queue, the host's time per waiting request
+    looks huge and the queue for a share falls to its least: that least must still feed
+    the probes that measure it (CI once saw "13 waiting requests run dry")."""
+    import minisrv.experiments.overlap as overlap
+
+    real = overlap.timed_window
+
+    def loaded(waiting, *args, **kwargs):
+        window = real(waiting, *args, **kwargs)
+        return window._replace(wall=window.wall + 1.0) if waiting > 1000 else window
+
+    monkeypatch.setattr(overlap, "timed_window", loaded)
+    frame = overlap.timed_gain(shares=(0.5,), device_ms=1.0, running=8, output_len=4,
+                               steps=3, warmup=1, repeats=1)
+    assert frame.loc[50.0, "waiting"] >= (1 + 5 + 2) * 8 // 4
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def testtimed_window_keeps_the_batch_full(overlap) -> None:
     """Every timed step decodes the whole batch: as many requests join as finish."""

@@ -193,12 +193,15 @@ def timed_gain(shares: Sequence[float] = (0.3, 0.6), device_ms: float = 10.0,
         if not 0 < share < 1:
             raise ValueError(f"each host share must lie strictly between 0 and 1, got {share!r}")
     device = device_ms / 1e3
-    least = (warmup + steps + 2) * running // output_len + 1  # the queue must not run dry
+    probe = 5  # steps of each short run that measures the host's time
+    # the queue must not run dry in a timed window nor in a probe (a loaded probe can make
+    # the estimate ask for the shortest queue)
+    least = (warmup + max(steps, probe) + 2) * running // output_len + 1
 
     def host_time(waiting: int) -> float:
         """The host's time per blocking step with ``waiting`` queued: the least of three
         short runs (a loaded moment only ever lengthens one)."""
-        return min(timed_window(waiting, 1e-3, False, running, output_len, warmup, 5).idle
+        return min(timed_window(waiting, 1e-3, False, running, output_len, warmup, probe).idle
                    for _ in range(3))
 
     # the host's time per step is a fixed part (the running batch) plus a part per waiting
