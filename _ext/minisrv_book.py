@@ -90,10 +90,28 @@ class AuthorYearSorting(AuthorYearTitleSorting):
 
 
 class AuthorYearStyle(PlainStyle):
-    """pybtex's ``plain`` entries, sorted by author and year, under author-year labels."""
+    """pybtex's ``plain`` entries, sorted by author and year, under author-year labels. A
+    ``@misc`` entry with a ``kind`` field (blog, repository, lecture, ...) shows it after its
+    title, "(blog)", so a reader tells a blog post or a code folder from a paper at a glance."""
 
     default_label_style = STYLE_NAME
     default_sorting_style = STYLE_NAME
+
+    def get_misc_template(self, e: Any) -> Any:
+        from pybtex.style.formatting import toplevel
+        from pybtex.style.formatting.unsrt import date
+        from pybtex.style.template import field, join, optional, optional_field, sentence
+
+        return toplevel[
+            optional[sentence[self.format_names("author")]],
+            sentence[join(sep=" ")[
+                optional[self.format_title(e, "title", as_sentence=False)],
+                optional[join["(", field("kind"), ")"]],
+            ]],
+            sentence[optional[field("howpublished")], optional[date]],
+            sentence[optional_field("note")],
+            self.format_web_refs(e),
+        ]
 
 
 register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
@@ -187,6 +205,8 @@ def cited_in(app: Any, doctree: Any, docname: str) -> None:
                 para += nodes.Text(", ")
             uri = app.builder.get_relative_uri(docname, citing) + "#" + first[citing]
             title = app.env.titles[citing].astext() if citing in app.env.titles else citing
+            if citing == app.config.root_doc:  # the book's own title would read as a self-citation
+                title = "Introduction"
             number = app.env.toc_secnumbers.get(citing, {}).get("")
             if number:  # the chapter's number, as the sidebar shows it
                 title = ".".join(map(str, number)) + ". " + title

@@ -354,6 +354,20 @@ def test_bibliography_fields_hold_no_latex_commands() -> None:
     assert not re.findall(r"\\[a-zA-Z]{2,}", text)
 
 
+def test_every_misc_entry_says_what_kind_of_work_it_is() -> None:
+    """A blog post, a repository or a lecture reads "(blog)", "(repository)", "(lecture)"
+    after its title, so a reader does not take it for a paper (issue 50, references)."""
+    from pybtex.database import parse_file
+
+    ext = _book_extension()
+    bib = parse_file(str(ROOT / "references.bib"))
+    misc = [k for k, e in bib.entries.items() if e.type == "misc"]
+    assert misc and not [k for k in misc if not bib.entries[k].fields.get("kind")]
+    style = ext.AuthorYearStyle()
+    entry = next(style.format_entries([bib.entries["li2026llmsys"]]))
+    assert "SGLang (lecture). 11-868" in entry.text.render_as("text")
+
+
 def test_links_keep_their_full_text() -> None:
     """The theme would print a GitHub URL as "owner/repo" behind an icon (the sgl-router
     entry showed as a bare icon); the book's extension turns that off."""
