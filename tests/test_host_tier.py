@@ -287,6 +287,22 @@ def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -
     assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged
 
 
+def test_the_sim_table_names_the_selective_rule_as_minisrvs() -> None:
+    """The selective row counts hits at admission (minisrv), not at insert (SGLang): the
+    shown table says so in the row itself, and leaves the other policies' names alone."""
+    import pandas as pd
+
+    from minisrv.viz.hosttier import SELECTIVE_LABEL, sim_table_view
+
+    index = pd.MultiIndex.from_tuples([("1M", "write_through"), ("1M", "write_through_selective")],
+                                      names=["host tier", "policy"])
+    table = pd.DataFrame({"hit rate": [0.7, 0.1], "mean TTFT (s)": [1.0, 2.0],
+                          "throughput (tok/s)": [1.0, 2.0], "loaded (M tokens)": [0.0, 0.0],
+                          "backed up (M tokens)": [0.0, 0.0]}, index=index)
+    policies = [policy for _, policy in sim_table_view(table).index]
+    assert policies == ["write_through", SELECTIVE_LABEL] and "minisrv" in SELECTIVE_LABEL
+
+
 def test_the_size_explorer_draws_hit_rate_against_every_tier_size() -> None:
     """Every state is a figure of the hit rate and TTFT of all the sizes, its own ringed (not
     a one-row table); the runs are served once and reused, the numbers are each run's own."""

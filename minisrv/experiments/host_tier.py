@@ -191,13 +191,14 @@ def break_even(lengths: Sequence[int] = (16, 64, 128, 256, 512, 1024, 4096, 1638
                gpu: GPUSpec = H100) -> pd.DataFrame:
     """A prompt of a ``n``-token prefix and ``suffix`` new tokens, its prefix either loaded
     from the host (copy, then a prefill of the suffix) or recomputed (a prefill of all):
-    times in ms and how many times faster loading is."""
+    times in ms and how many times faster loading is (recompute over load + prefill: the
+    suffix's prefill is paid either way)."""
     rows = {}
     for n in lengths:
         load = load_seconds(n, cfg, gpu) + prefill_seconds(suffix, n, cfg, gpu)
         recompute = prefill_seconds(n + suffix, 0, cfg, gpu)
         rows[n] = {"load + prefill (ms)": 1e3 * load, "recompute (ms)": 1e3 * recompute,
-                   "recompute / load": recompute / load}
+                   "recompute / (load + prefill)": recompute / load}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("prefix tokens")
 
 

@@ -46,13 +46,15 @@ def plot_spike(runs: Sequence[SpikeRun], title: str = "") -> BookFigure:
     run (chunk size and mode); the long prompt's arrival marked."""
     fig, ax = page_figure(height_in=3.4)
     # Runs can share a gap's height and span (no chunking and prefill-first both stall the
-    # chats for the whole prefill): each later run is drawn wider and below, so all show.
+    # chats for the whole prefill): each later run is drawn wider, paler and below, and the
+    # first dashed on top, so all show.
     for i, (run, color) in enumerate(zip(runs, COLORS, strict=False)):
         chats = run.result.requests[:-1]
         times = np.concatenate([r.token_times[1:] for r in chats])
         gaps = np.concatenate([np.diff(r.token_times) for r in chats])
-        ax.hlines(1e3 * gaps, times - gaps, times, lw=2 + 2 * i, zorder=2 + len(runs) - i,
-                  color=color,  # each gap over its span
+        ax.hlines(1e3 * gaps, times - gaps, times, lw=2.5 + 2 * i, zorder=2 + len(runs) - i,
+                  color=color, alpha=1.0 if i == 0 else 0.55,  # each gap over its span
+                  linestyles=(0, (3, 1.5)) if i == 0 else "solid",
                   label=f"{run.name}: worst gap {1e3 * run.max_gap:.0f} ms")
     arrival = runs[0].result.requests[-1].arrival
     ax.axvline(arrival, color="black", ls="--", lw=1, label="the long prompt arrives")
@@ -105,7 +107,10 @@ def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
     data = throughput if throughput is not None else sweep
     labels = ["none" if pd.isna(c) else f"{int(c) // 1024}K" if c >= 1024 else str(int(c))
               for c in data["chunk"]]
-    right.bar(labels, data["throughput"], color=COLORS[2])
+    bars = right.bar(labels, data["throughput"], color=COLORS[2])
+    right.bar_label(bars, [f"{v:,.0f}" for v in data["throughput"]], rotation=90,
+                    padding=2, fontsize=8)
+    right.margins(y=0.25)  # room above the tallest bar for its label
     right.tick_params(axis="x", rotation=60)
     label_axes(right, "Throughput", "chunk size (tokens)", "output tokens / s")
     legend_below(fig, ncol=2)
@@ -152,7 +157,7 @@ def plot_chunk_choice(runs: Mapping[int | None, RunResult], chunk: int,
     label_axes(left, f"Chunks of {chunk}: worst gap {1e3 * table.loc[chunk, 'max_itl']:.0f} ms",
                "chunk size (tokens)", "inter-token gap (ms)")
     for size, color, name in ((None, "#7f7f7f", "no chunking"),
-                              (chunk, COLORS[0], f"chunks of {chunk}")):
+                              (chunk, COLORS[3], f"chunks of {chunk}")):
         gaps = np.sort(itl_values(runs[size].requests)) * 1e3
         longer = 1.0 - np.arange(len(gaps)) / len(gaps)
         right.step(gaps, longer, where="post", color=color, lw=1.5, label=name)

@@ -390,7 +390,8 @@ def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: 
         run = _checked_chat_run(model, tok, capacity, sessions, turns, built, alone)
         numbers = dict(zip(run.table.columns, run.hit_rates))
         return Frame([run.table], {**numbers, "requests checked": run.requests},
-                     caption=f"{sessions} sessions x {turns} turns ({run.requests} requests) "
+                     caption=f"{sessions} session{'s' * (sessions != 1)} x {turns} turns "
+                             f"({run.requests} requests) "
                              f"in {capacity} tokens: {run.hit_rates[-1]:.1%} of prompt "
                              "tokens hit.")
 
