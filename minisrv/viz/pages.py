@@ -141,14 +141,16 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     def draw(workload: str, pool: int) -> Frame:
         mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
         numbers = _state_numbers(mine, sizes)
-        hits = ", ".join(f"{numbers[f'hit rate (tree), pages of {s}']:.1%}" for s in sizes)
+        hits = {cache: ", ".join(f"{numbers[f'hit rate ({cache}), pages of {s}']:.1%}"
+                                 for s in sizes) for cache in ("tree", "blocks")}
         empty = ", ".join(f"{numbers[f'empty slots (tree), pages of {s}']:.1%}"
                           for s in sizes)
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens")],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
-                             f"{', '.join(map(str, sizes))}: the tree hits {hits} of prompt "
-                             f"tokens; {empty} of handed-out slots hold no token")
+                             f"{', '.join(map(str, sizes))}: the tree hits {hits['tree']} "
+                             f"of prompt tokens, the block cache {hits['blocks']}; {empty} "
+                             "of handed-out slots hold no token")
 
     return explorer(draw, [("workload", "workload", names, first[0]),
                            ("pool", "pool (tokens)", list(pools), first[1])],
