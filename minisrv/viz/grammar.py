@@ -113,7 +113,9 @@ def draw_automaton(machine: Automaton, title: str | None = None) -> graphviz.Dig
         dot.node(str(s), shape="doublecircle" if accepting else "circle",
                  style="filled", fillcolor="#d3f9d8" if s == 0 else "white")
     for a, text, b in machine.edges:
-        shown = _show(text) if len(text) == 1 else text.replace(" ", "␣")  # a space is seen
+        # a space shown quoted: graphviz's fonts draw "␣" too small to read
+        shown = _show(text) if len(text) == 1 else text
+        shown = "' '" if text == " " else shown.replace(" ", "·")
         dot.edge(str(a), str(b), label=f" {shown} ",
                  penwidth="2" if len(text) > 1 else "1")
     return dot
