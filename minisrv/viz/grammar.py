@@ -113,7 +113,10 @@ def draw_automaton(machine: Automaton, title: str | None = None) -> graphviz.Dig
         dot.node(str(s), shape="doublecircle" if accepting else "circle",
                  style="filled", fillcolor="#d3f9d8" if s == 0 else "white")
     for a, text, b in machine.edges:
-        dot.edge(str(a), str(b), label=f" {_show(text) if len(text) == 1 else text} ",
+        # a space shown quoted: graphviz's fonts draw "␣" too small to read
+        shown = _show(text) if len(text) == 1 else text
+        shown = "' '" if text == " " else shown.replace(" ", "·")
+        dot.edge(str(a), str(b), label=f" {shown} ",
                  penwidth="2" if len(text) > 1 else "1")
     return dot
 
@@ -277,7 +280,8 @@ def mask_explorer(model: Any, tok: Any, prompt: str = "FR:",
     checked against the request generated alone (``served_masks``; a difference raises).
     Each step's frame is ``plot_masks(..., shown=step)`` cut from two renderings
     (``step_images``), with a row of numbers for the step; the default state, every step of
-    the first grammar, is the chapter's figure. The kernel face is ``mask_widget``.
+    the first grammar (its last step, not the slider's end), is the chapter's figure. The
+    kernel face is ``mask_widget``.
     """
     grammars = dict(MASK_GRAMMARS if grammars is None else grammars)
     if steps < 1:
@@ -297,7 +301,7 @@ def mask_explorer(model: Any, tok: Any, prompt: str = "FR:",
                      caption=_step_caption(run, at, tok))
 
     return explorer(draw, [("grammar", "grammar", list(grammars), first),
-                           ("step", "step", list(range(1, steps + 1)), steps)],
+                           ("step", "step", list(range(1, steps + 1)), shown[first])],
                     live=lambda: mask_widget(model, tok, prompt, grammars, max_new_tokens))
 
 
