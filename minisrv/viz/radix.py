@@ -391,9 +391,8 @@ def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: 
         numbers = dict(zip(run.table.columns, run.hit_rates))
         return Frame([run.table], {**numbers, "requests checked": run.requests},
                      caption=f"{sessions} session{'s' * (sessions != 1)} x {turns} turns "
-                             f"({run.requests} requests) "
-                             f"in {capacity} tokens: {run.hit_rates[-1]:.1%} of prompt "
-                             "tokens hit.")
+                             f"({run.requests} requests) in {capacity} tokens: "
+                             f"{run.hit_rates[-1]:.1%} of prompt tokens hit.")
 
     return explorer(draw, [("capacity", "KV capacity (tokens)", sorted(capacities), capacity),
                            ("sessions", "sessions", counts, sessions)],
