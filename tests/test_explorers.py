@@ -234,15 +234,22 @@ def test_the_built_page_loads_nothing_from_a_network(built) -> None:
 # ------------------------------------------------------------------ listings in the book
 
 def test_a_long_listing_line_keeps_its_indentation_and_scrolls_in_chromium() -> None:
-    """In the built chunked-prefill chapter, the ``show_source`` listing whose lines run past
-    the column is one line per source line (no wrap), and its block scrolls sideways."""
+    """In the built chunked-prefill chapter every code block keeps one row per source line
+    (no wrap) and scrolls sideways where a line is wider than the column. The book's code
+    font fits its listings (up to 100 characters at 1280 px), so a line of 200 characters
+    is added to the page's widest listing to see the overflow rule act."""
     page_file = ROOT / "_build" / "html" / "chapters" / "03a_chunked_prefill.html"
     if not page_file.is_file():
         pytest.skip("the book is not built: make book")
     with offline_page() as (page, _):
         page.goto(page_file.as_uri())
-        blocks = page.evaluate("""() => [...document.querySelectorAll(
-            'div.cell_output pre, div.cell_input pre')].map(pre => {
+        blocks = page.evaluate("""() => {
+            const pres = [...document.querySelectorAll('div.cell_output pre, div.cell_input pre')];
+            const widest = pres.reduce((a, b) => b.textContent.length > a.textContent.length
+                                                 ? b : a);
+            widest.textContent = widest.textContent.replace(/\\n$/, '') + '\\n    ' +
+                                 'x'.repeat(200);
+            return pres.map(pre => {
               const style = getComputedStyle(pre);
               const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
               const lineHeight = parseFloat(style.lineHeight) ||
@@ -252,10 +259,12 @@ def test_a_long_listing_line_keeps_its_indentation_and_scrolls_in_chromium() -> 
                       rows: Math.round((pre.clientHeight - parseFloat(style.paddingTop)
                                         - parseFloat(style.paddingBottom)) / lineHeight),
                       scrolls: pre.scrollWidth > pre.clientWidth};
-            })""")
-    wide = [b for b in blocks if b["longest"] > 90]
-    assert wide, "no listing of the page runs past the column"
-    for block in wide:
-        assert block["whiteSpace"] == "pre" and block["overflowX"] in ("auto", "scroll")
-        assert block["scrolls"], block
+            });
+        }""")
+    wide = [b for b in blocks if b["longest"] > 100]
+    assert wide, "the widened listing is not on the page"
+    for block in blocks:
+        assert block["whiteSpace"] == "pre" and block["overflowX"] in ("auto", "scroll"), block
         assert block["rows"] <= block["lines"] + 1, block  # one row per line: nothing wrapped
+    for block in wide:
+        assert block["scrolls"], block
