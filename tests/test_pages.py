@@ -160,3 +160,14 @@ def test_an_idle_engine_with_waiting_requests_raises_rather_than_returning_nothi
     with pytest.raises(RuntimeError, match="never admitted"):
         engine.generate([[0, 1]], 2)
     assert not engine.scheduler.queues.waiting  # withdrawn: the engine stays usable
+
+
+def test_the_page_size_changes_only_while_every_page_is_free():
+    allocator = SlotAllocator(16, page_size=1)
+    allocator.set_page_size(4)
+    slots = allocator.alloc(4)
+    with pytest.raises(ValueError, match="no page is handed out"):
+        allocator.set_page_size(8)
+    allocator.free(slots)
+    allocator.set_page_size(8)
+    assert allocator.n_pages == 2 and allocator.free_count == 16

@@ -37,6 +37,7 @@ class SlotAllocator:
 
     def __init__(self, capacity: int, page_size: int = 1) -> None:
         self.size = check_int("capacity", capacity, minimum=1)  # as asked, whole pages or not
+        self._used = np.zeros(0, dtype=bool)  # no page handed out yet
         self.set_page_size(page_size)
 
     def set_page_size(self, page_size: int) -> None:
@@ -46,7 +47,7 @@ class SlotAllocator:
         capacity = self.size
         if capacity < page_size:
             raise ValueError(f"capacity {capacity} holds no page of {page_size} slots")
-        if getattr(self, "_n_free", None) not in (None, getattr(self, "n_pages", None)):
+        if self._used.any():
             raise ValueError("the page size changes only while no page is handed out")
         self.page_size = page_size
         self.n_pages = capacity // page_size
