@@ -55,3 +55,21 @@ def test_table_sizes_count_an_entry_per_token_and_per_page() -> None:
     width = 8192  # LLaMA-3-8B's context
     assert table.loc[1, "token table (KiB)"] == 2 * width * 4 / 1024
     assert table.loc[16, "block list (KiB)"] == 2 * math.ceil(width / 16) * 4 / 1024
+
+
+def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -> None:
+    """A menu of one entry chooses nothing: one workload gives the pool control alone, two
+    give both, and each state's numbers are its own pool's runs."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.pages import page_explorer
+
+    prompts = [list(range(1000, 1040)) + [2000 + i, 2001 + i] for i in range(6)]
+    work = Workload("shared", prompts, [4] * 6, [float(i) for i in range(6)])
+    options = {"sizes": (1, 16), "pools": (256, 4096), "max_running": 4}
+    runs: dict = {}
+    one = page_explorer(SimBackend(), None, {"shared": work}, runs=runs, **options)
+    assert [c.name for c in one.controls] == ["pool"]
+    state = one.metrics(pool=256)
+    assert state["hit rate (tree), pages of 16"] == runs[256]["shared", "radix", 16].hit_rate
+    two = page_explorer(SimBackend(), None, {"shared": work, "again": work}, **options)
+    assert [c.name for c in two.controls] == ["workload", "pool"]

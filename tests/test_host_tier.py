@@ -60,8 +60,7 @@ def test_outputs_equal_each_request_alone_with_the_host_tier(model, policy, loop
         assert output == model.reference_generate(prompt, 6, ignore_eos=True)
     stats = engine.stats
     assert stats.evicted_tokens > 0  # the device pool was too small for the chats
-    if policy != "write_through_selective":  # a chat's turns hit each node once: no backups
-        assert stats.loaded_tokens > 0
+    assert stats.loaded_tokens > 0  # every policy copies histories before they are needed
     assert stats.loaded_tokens <= stats.host_hit_tokens
     assert stats.cached_prompt_tokens >= stats.loaded_tokens
 
@@ -125,7 +124,6 @@ def scripted(policy: str) -> HiRadixCache:
                 node = tree.load(found, fresh[:found.length])
                 tree.lock(node)
                 tree.unlock(match.node)
-            tree.count_hit(node)
             values = [*match.values, *fresh]
             already = tree.insert(tokens, values)
             device.free(values[match.length + found.length:already])
@@ -138,12 +136,30 @@ def test_the_three_policies_back_up_what_they_promise() -> None:
     through, selective, back = (scripted(p) for p in HOST_POLICIES)
     # write_through: every node, when cached: 6 inserts of 4 new tokens each
     assert (through.backups, through.backed_up_tokens) == (6, 24)
-    # selective: only the turn-1 nodes, at their second hit (turn 3)
-    assert (selective.backups, selective.backed_up_tokens) == (2, 8)
+    # selective (SGLang's count at insert): each node at the next turn's insert walking
+    # through it, turn 1's at turn 2, turn 2's at turn 3; chat 0's third turn, evicted with
+    # one count and no copy, is dropped (under a count at admission: turn 1's nodes only)
+    assert (selective.backups, selective.backed_up_tokens) == (4, 16)
+    assert [selective.tier_of(n) for n in selective.nodes()[1:]] == ["both"] * 4 + ["device"]
     # write_back: only the node the device evicted, which now lives on the host alone
     assert (back.backups, back.backed_up_tokens) == (1, 4)
     assert [back.tier_of(n) for n in back.nodes()[1:]].count("host") == 1
     assert [through.tier_of(n) for n in through.nodes()[1:]].count("both") == 5
+
+
+def test_selective_backs_a_prompt_up_when_its_request_finishes(model) -> None:
+    """SGLang inserts a request twice, after its prefill and when it finishes: under
+    ``write_through_selective`` the second insert is the prompt's second count, so the prompt
+    gets its host copy at once, and the answer (counted once) waits for the next turn."""
+    engine = Engine(model, kv_capacity=90, max_running=4, cache="radix",
+                    host_cache_tokens=400, host_cache_policy="write_through_selective")
+    prompt = [1, *range(20, 32)]
+    req, = engine.make_requests([prompt], None, SamplingParams(max_new_tokens=6,
+                                                                ignore_eos=True))
+    engine.serve([req])
+    tree = engine.scheduler.memory.tree
+    tiers = [(len(node.key), tree.tier_of(node)) for node in tree.nodes()[1:]]
+    assert tiers == [(len(prompt), "both"), (5, "device")]  # 6 sampled, 5 with KV
 
 
 ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "evict", "evict_host"]),
@@ -285,22 +301,6 @@ def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -
     assert shown.loc[("1M", "write_back")].tolist() == ["77.7%", "3.8", 1335, "2.36", "0.75"]
     assert shown.index.names == [None, None] and shown.columns.name == "host tier / policy"
     assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged
-
-
-def test_the_sim_table_names_the_selective_rule_as_minisrvs() -> None:
-    """The selective row counts hits at admission (minisrv), not at insert (SGLang): the
-    shown table says so in the row itself, and leaves the other policies' names alone."""
-    import pandas as pd
-
-    from minisrv.viz.hosttier import SELECTIVE_LABEL, sim_table_view
-
-    index = pd.MultiIndex.from_tuples([("1M", "write_through"), ("1M", "write_through_selective")],
-                                      names=["host tier", "policy"])
-    table = pd.DataFrame({"hit rate": [0.7, 0.1], "mean TTFT (s)": [1.0, 2.0],
-                          "throughput (tok/s)": [1.0, 2.0], "loaded (M tokens)": [0.0, 0.0],
-                          "backed up (M tokens)": [0.0, 0.0]}, index=index)
-    policies = [policy for _, policy in sim_table_view(table).index]
-    assert policies == ["write_through", SELECTIVE_LABEL] and "minisrv" in SELECTIVE_LABEL
 
 
 def test_the_size_explorer_draws_hit_rate_against_every_tier_size() -> None:

@@ -157,10 +157,6 @@ class PrefixCache(ABC):
         """Put ``found``'s nodes back on the device in ``device_slots``; the last node."""
         raise ValueError("a cache without a host tier has nothing to load")
 
-    def count_hit(self, node: TreeNode) -> None:
-        """An admitted request's cached prefix ends at ``node`` (a host tier counts hits)."""
-        return None
-
     def check_tiers(self) -> None:
         """``AssertionError`` if the tiers disagree (one tier: nothing to compare)."""
         return None

@@ -20,10 +20,20 @@ When a node gets its host copy is the write policy (``HOST_POLICIES``):
 
 * ``write_through``: as soon as it is cached (every prefix is backed up, PCIe traffic for
   all of them, and an eviction costs nothing);
-* ``write_through_selective``: once requests have hit it twice (only prefixes that proved
-  popular are copied);
+* ``write_through_selective``: once inserts have walked through it twice (SGLang's rule,
+  below: only prefixes cached again are copied);
 * ``write_back``: only when the device evicts it (the least traffic; the eviction waits for
   its copy).
+
+Hits are counted as SGLang's ``_inc_hit_count_and_check`` counts them
+(``mem_cache/unified_cache/unified_tree_core.py``): each insert adds one to every device node
+it walks through and to the leaf it adds, never to a host-only node it fills again, and
+``write_through_selective`` backs a node up at its second count (SGLang's
+``write_through_threshold``, 1 for ``write_through`` and 2 for the selective policy, in
+``mem_cache/unified_radix_cache.py``). A request inserts twice, after its prefill and when it
+finishes, so its prompt is copied when it finishes and its answer when the next turn's prompt
+is inserted. SGLang does not count the insert of a chunk before a prompt's last one
+(``chunked=True``); minisrv counts every insert.
 
 A device eviction of a node without a host copy drops it, and with it its host-only
 subtree (which no match could reach any more). Copies are queued in the host pool's plan
@@ -45,7 +55,8 @@ from minisrv.kv.radix import RadixCache
 __all__ = ["HiRadixCache", "HiTreeNode", "HostMatch"]
 
 SELECTIVE_HITS = 2
-"""``write_through_selective`` backs a node up once it has been hit this many times."""
+"""``write_through_selective`` backs a node up once inserts have walked through it this many
+times (SGLang's ``write_through_threshold`` for that policy)."""
 
 
 class HiTreeNode(TreeNode):
@@ -57,7 +68,7 @@ class HiTreeNode(TreeNode):
                  parent: TreeNode | None, last_access: int) -> None:
         super().__init__(node_id, key, value, parent, last_access)
         self.host_value: list[int] | None = None  # host slots, one per token, once backed up
-        self.hits = 0  # admissions whose cached prefix ran through this node
+        self.hits = 0  # inserts that walked through this node on the device, or added it
 
 
 class HiRadixCache(RadixCache):
@@ -115,7 +126,8 @@ class HiRadixCache(RadixCache):
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "") -> int:
         """``RadixCache.insert``, where host-only nodes on the path take the new device
-        slots (their KV is on the device again, and on the host as before).
+        slots (their KV is on the device again, and on the host as before), and the device
+        nodes walked through and the new leaf are counted a hit (``_count_insert``).
 
         Returns the tokens already cached *on the device*: the caller keeps and frees
         ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
@@ -123,6 +135,7 @@ class HiRadixCache(RadixCache):
         key = self._pages.whole(insert_key(tokens, values))
         self.clock += 1
         node, length, _, path, split = self._walk(key, collect=False)
+        walked = self._path_to(node)
         vals = [None] * len(key) if values is None else list(values[:len(key)])
         pos, path_ids, split_ids = length, list(path), list(split)
         while pos < len(key) and (child := node.children.get(self._pages.at(key, pos))) is not None:
@@ -141,8 +154,10 @@ class HiRadixCache(RadixCache):
             leaf = self._add_leaf(node, key[pos:], vals[pos:])
             inserted = (leaf.id,)
             path_ids.append(leaf.id)
+            walked.append(leaf)
             if self.policy == "write_through":
                 self._backup(leaf)
+        self._count_insert(walked)
         self._report("insert", tag, length, tuple(path_ids), tuple(split_ids), inserted=inserted)
         return length
 
@@ -207,17 +222,28 @@ class HiRadixCache(RadixCache):
         self._touch(node)
 
     # ----------------------------------------------------------------- hits and backups
-    def count_hit(self, node: TreeNode) -> None:
-        """An admitted request's cached prefix ends at ``node``: every node on the path was
-        hit once more; under ``write_through_selective`` the second hit backs a node up."""
-        walker: TreeNode | None = node
-        while walker is not None and walker is not self.root:
-            assert isinstance(walker, HiTreeNode)
-            walker.hits += 1
-            if (self.policy == "write_through_selective" and walker.host_value is None
-                    and walker.hits >= SELECTIVE_HITS):
-                self._backup(walker)
-            walker = walker.parent
+    def _path_to(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from below the root down to ``node``, top first."""
+        path: list[TreeNode] = []
+        while node is not self.root:
+            path.append(node)
+            assert node.parent is not None
+            node = node.parent
+        return path[::-1]
+
+    def _count_insert(self, walked: Sequence[TreeNode]) -> None:
+        """An insert walked through ``walked`` (device nodes, top first, and the leaf it
+        added): each is hit once more, and under ``write_through_selective`` a node without
+        a host copy is backed up at its second hit, parents before children. ``write_back``
+        counts nothing, as in SGLang."""
+        if self.policy == "write_back":
+            return
+        for node in walked:
+            assert isinstance(node, HiTreeNode)
+            node.hits += 1
+            if (self.policy == "write_through_selective" and node.host_value is None
+                    and node.hits >= SELECTIVE_HITS):
+                self._backup(node)
 
     def _backup(self, node: HiTreeNode) -> bool:
         """Give ``node`` a host copy (host LRU eviction first if the host is short); False,

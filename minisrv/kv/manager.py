@@ -30,7 +30,7 @@ take), abort, retraction, and a truncation that empties it. ``growth`` and ``roo
 what more tokens cost in slots of whole pages, which is what the scheduler counts.
 
 The manager asks the cache nothing about its kind: a cache with a host tier answers the
-contract's host hooks (``PrefixCache.match_host``, ``load``, ``count_hit``), every other
+contract's host hooks (``PrefixCache.match_host``, ``load``), every other
 cache their no-ops.
 
 ``check_integrity`` verifies the bookkeeping; the tests call it after every run, and
@@ -174,9 +174,10 @@ class KVManager:
 
     def _load_host_part(self, req: Req, host_hit: int) -> None:
         """The host tier's part of ``req``'s match: loaded into its first fresh slots (the
-        ones its prefill would have computed), locked as its cached prefix, then counted as
-        a hit. What the host dropped since the match (room for this very allocation) is
-        computed instead: a miss, never a failure. Without a host tier nothing is found."""
+        ones its prefill would have computed) and locked as its cached prefix (the tree counts
+        hits when this request's KV is inserted, not here). What the host dropped since the
+        match (room for this very allocation) is computed instead: a miss, never a failure.
+        Without a host tier nothing is found."""
         tree = self.tree
         found = tree.match_host(req.cache_node, self._query(req), req.cached_len)
         if found.length:
@@ -187,7 +188,6 @@ class KVManager:
             req.cached_len, req.cache_node = start + found.length, node
         self.host_hit_tokens += host_hit
         self.loaded_tokens += found.length
-        tree.count_hit(req.cache_node)
 
     def transfer(self, where: Callable[[Callable[[], None]], None] | None = None) -> CopyPlan:
         """Run the host tier's queued copies (one batched copy each way) before the step

@@ -23,7 +23,7 @@ from minisrv.viz.style import (
 )
 from minisrv.viz.widgets import panel, slider
 
-__all__ = ["SELECTIVE_LABEL", "TIER_COLORS", "host_size_explorer", "host_size_widget",
+__all__ = ["TIER_COLORS", "host_size_explorer", "host_size_widget",
            "plot_sim_tiers", "sim_table_view", "tier_graphviz"]
 
 TIER_COLORS = {
@@ -71,17 +71,10 @@ def plot_sim_tiers(table: pd.DataFrame, title: str = "") -> BookFigure:
     return fig
 
 
-SELECTIVE_LABEL = "write_through_selective (minisrv: 2nd admission hit)"
-"""How the page's table names minisrv's selective rule, so that no reader takes it for
-SGLang's, which counts a node at each insert and so backs a history up a turn earlier."""
-
-
 def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
     """``sim_tier_table`` as the page shows it: the hit rate in percent, TTFT to a tenth of a
     second, throughput in whole tokens, token counts in millions to two places, one header
-    row; ``write_through_selective`` is labelled as minisrv's rule (a node counted at each
-    admission that matches it), which is not SGLang's (counted at each insert). The numbers
-    themselves stay in ``table``."""
+    row. The numbers themselves stay in ``table``."""
     shown = pd.DataFrame({
         "hit rate": table["hit rate"].map("{:.1%}".format),
         "mean TTFT (s)": table["mean TTFT (s)"].map("{:.1f}".format),
@@ -89,7 +82,6 @@ def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
         "loaded (M tokens)": table["loaded (M tokens)"].map("{:.2f}".format),
         "backed up (M tokens)": table["backed up (M tokens)"].map("{:.2f}".format),
     }, index=table.index)
-    shown = shown.rename(index={"write_through_selective": SELECTIVE_LABEL}, level="policy")
     return one_header_row(shown)
 
 

@@ -33,18 +33,15 @@ def _page_axis(ax: Any, sizes: Sequence[int], chosen: int | None = None) -> None
 
 @styled
 def plot_occupancy(table: pd.DataFrame, title: str = "") -> BookFigure:
-    """The share of handed-out slots that hold no token and the mean batch, per page size
-    (``occupancy_table``)."""
+    """The share of handed-out slots that hold no token, per page size (``occupancy_table``).
+    The mean batch, a few percent apart, stays in the table: bars from zero would hide it."""
     sizes = list(table.index)
-    fig, (left, right) = page_figure(2.8, 1, 2)
+    fig, ax = page_figure(2.6)
     x = range(len(sizes))
-    left.bar(x, table["empty slots (%)"], color="#868e96")
-    bars = right.bar(x, table["mean batch"], color=CACHE_COLORS["radix"])
-    right.bar_label(bars, fmt="%.2f", fontsize=8)  # the differences are a few percent
-    for ax in (left, right):
-        _page_axis(ax, sizes)
-    label_axes(left, "Slots handed out, holding no token", "page size (tokens)", "%")
-    label_axes(right, "Requests per step", "page size (tokens)", "mean batch")
+    bars = ax.bar(x, table["empty slots (%)"], color="#868e96")
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    _page_axis(ax, sizes)
+    label_axes(ax, "Slots handed out, holding no token", "page size (tokens)", "%")
     if title:
         fig.suptitle(title, x=0.02, ha="left")
     return fig
@@ -129,7 +126,8 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     ``options``); a state, (workload, pool), draws that workload's runs at every page size
     (``plot_page_state``), so moving the pool shows what eviction takes at each page size.
     ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it).
-    ``start``: the first state, (workload, pool)."""
+    ``start``: the first state, (workload, pool). A single workload gets no control (a
+    menu of one entry chooses nothing)."""
     settings = [(cache, s) for s in sizes for cache in ("radix", "blocks")]
     runs = {} if runs is None else runs
     for pool in pools:
@@ -138,7 +136,7 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     names = list(workloads)
     first = start or (names[0], pools[0])
 
-    def draw(workload: str, pool: int) -> Frame:
+    def draw(pool: int, workload: str = first[0]) -> Frame:
         mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
         numbers = _state_numbers(mine, sizes)
         hits = {cache: ", ".join(f"{numbers[f'hit rate ({cache}), pages of {s}']:.1%}"
@@ -152,8 +150,8 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                              f"of prompt tokens, the block cache {hits['blocks']}; {empty} "
                              "of handed-out slots hold no token")
 
-    return explorer(draw, [("workload", "workload", names, first[0]),
-                           ("pool", "pool (tokens)", list(pools), first[1])],
+    choose = [("workload", "workload", names, first[0])] if len(names) > 1 else []
+    return explorer(draw, [*choose, ("pool", "pool (tokens)", list(pools), first[1])],
                     live=lambda: page_widget(model, workloads, 16,
                                              **{**options, "kv_capacity": first[1]}))
 
