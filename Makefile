@@ -47,11 +47,17 @@ test: setup
 	@# than one worker alone (threads spin while they wait for each other). The chapters go
 	@# first: each is one unit of a minute or more, and the short test files then fill the
 	@# workers' ends, where a chapter drawn last would leave the other worker idle.
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile $(OTHER_CHAPTERS) tests \
-	  --ignore=tests/test_triton_ops.py
 	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
-	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen).
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto tests/test_triton_ops.py
+	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen),
+	@# one process beside the workers, where it takes the time they leave the cores idle (servers
+	@# starting, timeouts awaited); its report follows theirs, and either failing fails.
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist -q \
+	  tests/test_triton_ops.py > .triton-tests.log 2>&1 & triton=$$!; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile $(OTHER_CHAPTERS) tests \
+	  --ignore=tests/test_triton_ops.py; status=$$?; \
+	wait $$triton; triton_status=$$?; echo "tests/test_triton_ops.py, interpreted:"; \
+	cat .triton-tests.log; rm -f .triton-tests.log; \
+	[ $$status = 0 ] && [ $$triton_status = 0 ]
 	$(BIN)/python -m pytest $(TIMED_CHAPTERS)
 
 colab-check: setup
