@@ -81,7 +81,7 @@ def plot_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     left.axhline(ttft_slo_ms, color="black", ls="--", lw=1)
     left.set_yscale("log")
     label_axes(left, "latency against throughput", "output (tok/s)", "TTFT p99 (ms)")
-    left.legend(loc="upper left")
+    left.legend(loc="lower right")  # upper left is where a saturated policy's curve climbs
     rates = sweep.index.unique(level=1)
     right.plot(rates, rates, ":", color="gray", label="offered")
     label_axes(right, f"goodput, TTFT <= {ttft_slo_ms:g} ms", "requests offered per second",
