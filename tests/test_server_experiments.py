@@ -128,28 +128,6 @@ def test_bench_layouts_serve_each_layout_and_tabulate_them(citylm):
     assert {"out tok/s", "ttft median (ms)", "e2e p99 (ms)"} <= set(table.columns)
 
 
-def test_plot_bench_comparisons_draws_two_panels_per_comparison():
-    pytest.importorskip("matplotlib")
-    import pandas as pd
-
-    from minisrv.viz.server import plot_bench_comparisons
-
-    columns = {"out tok/s": [1.0, 2.0, 3.0]}
-    for key in ("ttft", "e2e"):
-        for stat in ("median", "p99"):
-            columns[f"{key} {stat} (ms)"] = [10.0, 20.0, 30.0]
-    table = pd.DataFrame(columns, index=["a", "b", "c"])
-    fig = plot_bench_comparisons(table, {"one": ["a", "b"], "two": ["a", "c"]})
-    assert len(fig.axes) == 4
-    assert fig.axes[0].get_title(loc="left") == "one"
-    fig = plot_bench_comparisons(table, {"only": ["a", "b", "c"]})
-    assert len(fig.axes) == 2
-    with pytest.raises(ValueError, match="not in the table"):
-        plot_bench_comparisons(table, {"one": ["a", "z"]})
-    with pytest.raises(ValueError, match="empty"):
-        plot_bench_comparisons(table, {})
-
-
 def test_running_server_reports_a_server_that_cannot_start():
     with pytest.raises(RuntimeError, match="stopped while starting") as failure:
         with running_server(["--policy", "nope"], startup_s=60):
@@ -157,69 +135,89 @@ def test_running_server_reports_a_server_that_cannot_start():
     assert "nope" in str(failure.value)  # the CLI's own message comes back
 
 
-def _comparison_runs():
-    """A table of runs served once (as ``bench_frame`` gives it) and one of runs repeated
-    three times (as ``sim_server_runs`` does), with numbers chosen by hand."""
+def _repeated_runs():
+    """Runs repeated three times (as ``sim_server_runs`` gives them), numbers chosen by hand."""
     import pandas as pd
 
-    columns = ["out tok/s", "hit rate", "ttft median (ms)", "ttft p99 (ms)",
-               "e2e median (ms)", "e2e p99 (ms)"]
-    single = pd.DataFrame([[100.0, 0.5, 20.0, 40.0, 60.0, 90.0],
-                           [120.0, 0.6, 10.0, 30.0, 50.0, 80.0],
-                           [90.0, 0.0, 25.0, 45.0, 70.0, 95.0]], columns=columns,
-                          index=pd.Index(["FCFS", "LPM", "no cache"], name="run"))
     rows = []
     for repeat, (fast, slow) in enumerate([(300.0, 800.0), (250.0, 810.0), (600.0, 805.0)]):
         rows.append({"configuration": "LPM, radix", "repeat": repeat, "out tok/s": 1500.0,
-                     "hit rate": 0.8, "ttft median (ms)": fast, "ttft p99 (ms)": fast * 2,
-                     "e2e median (ms)": fast + 100, "e2e p99 (ms)": fast + 200})
+                     "hit rate": 0.8, "ttft median (ms)": fast})
         rows.append({"configuration": "FCFS, radix", "repeat": repeat, "out tok/s": 600.0,
-                     "hit rate": 0.0, "ttft median (ms)": slow, "ttft p99 (ms)": slow * 2,
-                     "e2e median (ms)": slow + 100, "e2e p99 (ms)": slow + 200})
-    repeated = pd.DataFrame(rows).set_index(["configuration", "repeat"]).sort_index()
-    return single, repeated
+                     "hit rate": 0.0, "ttft median (ms)": slow})
+    return pd.DataFrame(rows).set_index(["configuration", "repeat"]).sort_index()
 
 
-def test_the_comparison_explorer_is_drawn_from_the_runs_it_is_given():
-    pytest.importorskip("matplotlib")
-    from minisrv.viz.server import _against, comparison_explorer, plot_metric_per_configuration
-
-    single, repeated = _comparison_runs()
-    ex = comparison_explorer(single, repeated, metrics=("ttft median (ms)", "hit rate"))
-    assert ex.default == {"metric": "ttft median (ms)",
-                          "configuration": "simulated H100: LPM, radix"}
-    assert len(ex.states) == 2 * 5
-    state = ex.metrics(**ex.default)
-    assert (state["value"], state["min"], state["max"]) == (300.0, 250.0, 600.0)
-    assert state["beyond FCFS, radix"] == "yes"  # 250-600 against 800-810
-    assert state["ratio FCFS, radix"] == 805.0 / 300.0
+def test_beyond_spread_asks_whether_the_ranges_of_two_configurations_overlap():
+    repeated = _repeated_runs()
     assert beyond_spread(repeated, "ttft median (ms)", "LPM, radix", "FCFS, radix")
-    cpu = ex.metrics(metric="ttft median (ms)", configuration="CityLM on the CPU: LPM")
-    assert cpu == {"value": 10.0, "ratio FCFS": 2.0, "ratio no cache": 2.5}
-    nothing = ex.metrics(metric="hit rate", configuration="simulated H100: FCFS, radix")
-    assert nothing["value"] == 0.0 and "ratio LPM, radix" not in nothing  # no ratio to 0
-    table, _, _ = _against(single, repeated, "simulated H100", "LPM, radix", "hit rate")
-    assert table.index.name is None and table.columns.name == "simulated H100: hit rate"
-    fig = plot_metric_per_configuration(single, repeated, "hit rate")
+    assert not beyond_spread(repeated, "hit rate", "LPM, radix", "LPM, radix")
+    shifted = repeated.copy()
+    shifted.loc[("LPM, radix", 2), "ttft median (ms)"] = 801.0  # inside FCFS's 800-810
+    assert not beyond_spread(shifted, "ttft median (ms)", "LPM, radix", "FCFS, radix")
+
+
+def _rate_sweep():
+    """Two configurations at three rates of a small prefix-heavy workload."""
+    from minisrv.experiments.server import prefix_heavy_requests, rate_sweep
+    from minisrv.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    configs = {"LPM, radix": {"policy": "lpm", "cache": "radix"},
+               "FCFS, radix": {"policy": "fcfs", "cache": "radix"}}
+    return rate_sweep(prompts, 8, (4.0, 64.0, 512.0), configs, kv_capacity=2000)
+
+
+def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_target():
+    from minisrv.experiments.server import goodput
+
+    sweep = _rate_sweep()
+    assert list(sweep.index.unique(level=0)) == ["LPM, radix", "FCFS, radix"]
+    for name in ("LPM, radix", "FCFS, radix"):
+        rows = sweep.xs(name, level=0)
+        assert rows["ttft p99 (ms)"].is_monotonic_increasing  # same gaps, only squeezed
+        assert rows.loc[512.0, "ttft median (ms)"] > 3 * rows.loc[4.0, "ttft median (ms)"]
+        assert all(len(t) == 32 for t in rows["ttfts (ms)"])
+    # at a low rate every request finds the server idle: both serve what is offered
+    low = sweep.xs(4.0, level=1)["out tok/s"]
+    assert low["LPM, radix"] == pytest.approx(low["FCFS, radix"], rel=0.05)
+    everyone = goodput(sweep, 1e9)
+    assert (everyone * sweep["duration (s)"]).round().eq(32).all()  # all met an endless target
+    assert goodput(sweep, 0.0).eq(0).all()  # no TTFT is 0
+    with pytest.raises(ValueError, match="rates > 0"):
+        from minisrv.experiments.server import rate_sweep
+        rate_sweep([[1, 2]], 4, [0.0])
+
+
+def test_the_rate_explorer_is_drawn_from_the_sweep_it_is_given():
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import goodput
+    from minisrv.viz.server import plot_rate_sweep, rate_explorer
+
+    sweep = _rate_sweep()
+    ex = rate_explorer(sweep, (20.0, 200.0), rate=64.0, ttft_slo_ms=200.0)
+    assert ex.default == {"rate": 64.0, "ttft_slo_ms": 200.0}
+    assert len(ex.states) == 3 * 2
+    state = ex.metrics(rate=512.0, ttft_slo_ms=20.0)
+    good = goodput(sweep, 20.0).xs(512.0, level=1)
+    assert state["goodput LPM, radix"] == pytest.approx(good["LPM, radix"])
+    assert state["ttft p99 FCFS, radix"] == sweep.loc[("FCFS, radix", 512.0), "ttft p99 (ms)"]
+    fig = plot_rate_sweep(sweep, 200.0)
     left, right = fig.axes
-    assert right.get_title(loc="left").endswith("runs each") and "\n" in right.get_title(
-        loc="left")  # two lines, so the narrow panel's title is not cut
-    assert [t.get_text() for t in left.get_xticklabels()] == ["FCFS", "LPM", "no cache"]
-    assert len(right.patches) == 2 and left.get_ylim() == (0, 1)
-    with pytest.raises(ValueError, match="not a column"):
-        comparison_explorer(single, repeated, metrics=("req/s",))
-    with pytest.raises(ValueError, match="configuration, repeat"):
-        plot_metric_per_configuration(single, single, "hit rate")
+    assert len(left.lines) == 3 and len(right.lines) == 3  # two curves and the target / rate
+    with pytest.raises(ValueError, match="rate_sweep"):
+        plot_rate_sweep(sweep.drop(columns="ttfts (ms)"), 200.0)
 
 
-def test_the_comparison_widget_builds():
+def test_the_rate_widget_builds():
     pytest.importorskip("ipywidgets")
-    from minisrv.viz.server import comparison_widget
+    from minisrv.viz.server import rate_widget
 
-    single, repeated = _comparison_runs()
-    metric, configuration = comparison_widget(single, repeated).children[0].children
-    assert metric.value == "ttft median (ms)" and "out tok/s" in metric.options
-    assert configuration.value == "simulated H100: LPM, radix"
+    rate, slo = rate_widget(_rate_sweep(), 64.0, 200.0).children[0].children
+    assert rate.value == 64.0 and list(rate.options) == [4.0, 64.0, 512.0]
+    assert slo.value == pytest.approx(200.0)
 
 
 def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
@@ -229,7 +227,7 @@ def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
     from minisrv.experiments.server import spread_summary
     from minisrv.viz.server import plot_spread
 
-    _, repeated = _comparison_runs()
+    repeated = _repeated_runs()
     table = spread_summary(repeated, {"ttft median (ms)": "{:,.0f}", "hit rate": "{:.2f}"})
     assert list(table.columns) == ["ttft median (ms)", "hit rate"]
     assert table.columns.name == "configuration" and table.index.name is None

@@ -8,6 +8,9 @@ against each with ``run_bench``; ``bench_frame`` lays their results out as one t
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
 simulated H100 (``minisrv.sim.served``) with each policy and cache several times, and ``spread`` /
 ``beyond_spread`` say whether their TTFT and throughput differ beyond the run-to-run spread.
+``rate_sweep`` feeds the same engines the workload as a Poisson process at several request
+rates, in simulated time, and ``goodput`` counts the requests per second that meet a TTFT
+target: latency against throughput, the curve a load test is run to find.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import pandas as pd
 
 from minisrv.checks import check_int
@@ -30,8 +34,9 @@ from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "open_server", "prefix_heavy_requests", "read_metrics", "run_sync",
-           "sim_server_runs", "slot_ranges", "spread", "spread_summary", "stream_completion"]
+           "goodput", "open_server", "prefix_heavy_requests", "rate_sweep", "read_metrics",
+           "run_sync", "sim_server_runs", "slot_ranges", "spread", "spread_summary",
+           "stream_completion"]
 
 T = TypeVar("T")
 
@@ -245,3 +250,54 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
     out = pd.DataFrame(cells, index=stats.index)
     out.columns.name, out.index.name = out.index.name, None  # one header row
     return out
+
+
+def rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: Sequence[float],
+               configs: Mapping[str, Mapping[str, str]] = SIM_CONFIGS, kv_capacity: int = 6000,
+               max_running: int = 16, seed: int = 0) -> pd.DataFrame:
+    """Serve ``prompts`` (``output_len`` tokens each) with each of ``configs`` on the engine of
+    the simulated H100 server (``minisrv.sim.served``'s backend without the pacing, so the
+    clock is simulated seconds and no HTTP is involved), the requests arriving as a Poisson
+    process at each of ``rates`` requests per second.
+
+    One row per (configuration, rate): output tokens per second, TTFT median and p99 (ms),
+    the hit rate, the run's duration (s) and every request's TTFT (ms, a tuple, for
+    ``goodput``). Every rate and configuration replays the same exponential gaps (common
+    random numbers), scaled so that the requests arrive over exactly ``len(prompts) / rate``
+    seconds: two points differ by their rate and configuration, not by their draw of
+    arrivals, and a server that keeps up serves the rate it is offered."""
+    from minisrv.engine import Engine
+    from minisrv.sim.served import sim_backend
+    from minisrv.workloads.mixes import Workload
+
+    output_len = check_int("output_len", output_len, minimum=1)
+    if not prompts or not rates or min(rates) <= 0:
+        raise ValueError(f"need prompts and rates > 0, got {len(prompts)} prompts, "
+                         f"rates {list(rates)}")
+    gaps = np.random.default_rng(seed).exponential(1.0, len(prompts))
+    times = np.cumsum(gaps) * len(prompts) / gaps.sum()  # the mean gap is exactly 1
+    rows = []
+    for name, options in configs.items():
+        for rate in rates:
+            engine = Engine(sim_backend().inner, kv_capacity=kv_capacity,
+                            max_running=max_running, **options)
+            workload = Workload(f"poisson {rate:g}/s", [list(p) for p in prompts],
+                                [output_len] * len(prompts), list(times / rate))
+            run = engine.run_workload(workload)
+            ttft = np.array([r.ttft for r in run.requests]) * 1e3
+            rows.append({"configuration": name, "rate": float(rate),
+                         "out tok/s": run.metrics.throughput,
+                         "ttft median (ms)": float(np.median(ttft)),
+                         "ttft p99 (ms)": float(np.percentile(ttft, 99)),
+                         "hit rate": engine.stats.cached_prompt_tokens
+                         / engine.stats.prompt_tokens,
+                         "duration (s)": run.metrics.duration, "ttfts (ms)": tuple(ttft)})
+    return pd.DataFrame(rows).set_index(["configuration", "rate"])
+
+
+def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
+    """Per row of ``rate_sweep``: the requests per second whose TTFT met ``ttft_slo_ms``, as
+    ``minisrv bench --goodput ttft:MS`` (and vLLM's ``--goodput``) counts them: requests
+    that met the target over the run's duration."""
+    met = sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts))
+    return (met / sweep["duration (s)"]).rename(f"goodput at ttft <= {ttft_slo_ms:g} ms")

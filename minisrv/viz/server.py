@@ -1,8 +1,9 @@
-"""Plots for the server chapter: ``minisrv bench`` results of several server layouts, and
-an explorer (with its kernel widget) over the chapter's two HTTP comparisons.
+"""Plots for the server chapter: the repeated runs of ``sim_server_runs`` with their spread,
+the latency-throughput curves and goodput of ``rate_sweep``, and an explorer (with its kernel
+widget) over the request rate and the TTFT target.
 
-Reads the table of ``minisrv.experiments.server.bench_frame`` (one row per run) and the
-repeated runs of ``sim_server_runs``; nothing in the serving core imports this module.
+Reads the tables of ``minisrv.experiments.server``; nothing in the serving core imports this
+module. The sequence diagram of one request (``request_sequence``) is drawn here too.
 """
 
 from __future__ import annotations
@@ -13,97 +14,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from minisrv.experiments.server import beyond_spread
+from minisrv.experiments.server import goodput
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
-__all__ = ["COMPARED_METRICS", "comparison_explorer", "comparison_widget",
-           "plot_bench_comparisons", "plot_metric_per_configuration", "plot_spread"]
+__all__ = ["plot_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
 
-_LATENCIES = (("ttft", "TTFT"), ("e2e", "end to end"))
-_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
-
-
-@styled
-def plot_bench_comparisons(frame: pd.DataFrame,
-                           comparisons: Mapping[str, Sequence[str]]) -> BookFigure:
-    """One row of panels per comparison (title -> the runs compared): output throughput on
-    the left, median and p99 latencies (TTFT, end to end) on the right."""
-    if not comparisons:
-        raise ValueError("comparisons is empty; give at least one title -> runs")
-    missing = [r for runs in comparisons.values() for r in runs if r not in frame.index]
-    if missing:
-        raise ValueError(f"runs {missing} are not in the table; it has {list(frame.index)}")
-    n = len(comparisons)
-    fig, axes = page_figure(2.4 * n + 0.6, rows=n, cols=2,
-                            gridspec_kw={"width_ratios": [1, 2]})
-    axes = np.asarray(axes).reshape(n, 2)
-    for row, (title, runs) in enumerate(comparisons.items()):
-        left, right = axes[row]
-        colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
-        left.bar(range(len(runs)), frame.loc[list(runs), "out tok/s"], color=colors)
-        left.set_xticks(range(len(runs)), runs)
-        label_axes(left, title, None, "output (tok/s)")
-        width = 0.8 / len(runs)
-        groups = [(key, stat) for key, _ in _LATENCIES for stat in ("median", "p99")]
-        x = np.arange(len(groups))
-        for i, run in enumerate(runs):
-            values = [frame.loc[run, f"{key} {stat} (ms)"] for key, stat in groups]
-            right.bar(x + (i - (len(runs) - 1) / 2) * width, values, width,
-                      color=colors[i], label=run)
-        names = dict(_LATENCIES)
-        right.set_xticks(x, [f"{names[k]}\n{s}" for k, s in groups])
-        label_axes(right, None, None, "latency (ms)")
-        right.legend(loc="upper left")
-    return fig
-
-
-
-
-# ------------------------------------------------------------ the comparisons' explorer
-COMPARED_METRICS: tuple[str, ...] = ("ttft median (ms)", "ttft p99 (ms)", "out tok/s",
-                                     "e2e median (ms)", "e2e p99 (ms)", "hit rate")
-"""The columns of ``bench_frame`` the explorer offers: what a user waits for (TTFT, end to
-end), what the server delivers (output tokens per second), and why (the cache's hit rate)."""
-CPU_SIDE, SIM_SIDE = "CityLM on the CPU", "simulated H100"
-_HIGHLIGHT, _OTHER = "#4c72b0", "#b8c4d6"
-
-
-def _check_runs(single: pd.DataFrame, repeated: pd.DataFrame, metric: str) -> None:
-    for name, frame in (("single", single), ("repeated", repeated)):
-        if metric not in frame.columns:
-            raise ValueError(f"{metric!r} is not a column of the {name} runs: "
-                             f"{list(frame.columns)}")
-    if repeated.index.nlevels != 2:
-        raise ValueError("the repeated runs must be indexed by (configuration, repeat), as "
-                         "sim_server_runs returns them")
-
-
-@styled
-def plot_metric_per_configuration(single: pd.DataFrame, repeated: pd.DataFrame,
-                                  metric: str, title: str = "") -> BookFigure:
-    """One metric for every configuration of both comparisons: on the left the runs served
-    once each (``bench_frame``: CityLM on the CPU), on the right the median of the repeated
-    runs (``sim_server_runs``: the simulated H100) with every run as a dot and the spread
-    (min to max) as a whisker."""
-    _check_runs(single, repeated, metric)
-    names = list(repeated.index.unique(level=0))
-    fig, (left, right) = page_figure(3.3, cols=2,
-                                     gridspec_kw={"width_ratios": [len(single), len(names)]})
-    left.bar(range(len(single)), single[metric], color=_HIGHLIGHT)
-    left.set_xticks(range(len(single)), list(single.index))
-    # Two-line titles: on one line the narrower panel's title ran past its axes and was cut.
-    label_axes(left, f"{CPU_SIDE},\none run each", None, metric)
-    _spread_bars(right, repeated, metric)
-    runs = repeated.groupby(level=0).size().max()
-    label_axes(right, f"{SIM_SIDE},\n{runs} runs each", None, None)
-    if metric == "hit rate":
-        for ax in (left, right):
-            ax.set_ylim(0, 1)
-    if title:
-        fig.suptitle(title, x=0.02, ha="left")
-    return fig
+_HIGHLIGHT = "#4c72b0"
+_COLORS = {"LPM, radix": "#4c72b0", "FCFS, radix": "#dd8452", "FCFS, no cache": "#55a868"}
 
 
 def _spread_bars(ax: Any, repeated: pd.DataFrame, metric: str) -> None:
@@ -140,116 +59,99 @@ def plot_spread(repeated: pd.DataFrame, metrics: Mapping[str, str], title: str) 
     return fig
 
 
-def _configurations(single: pd.DataFrame, repeated: pd.DataFrame) -> dict[str, tuple[str, str]]:
-    """Each configuration as the page names it -> (its comparison, its name there)."""
-    out = {f"{CPU_SIDE}: {name}": (CPU_SIDE, name) for name in single.index}
-    out |= {f"{SIM_SIDE}: {name}": (SIM_SIDE, name)
-            for name in repeated.index.unique(level=0)}
-    return out
+# ------------------------------------------------------------ the request-rate explorer
+def _color(name: str) -> str:
+    return _COLORS.get(name, "#8172b3")
 
 
-def _number(value: float, metric: str) -> str:
-    return f"{value:.0%}" if metric == "hit rate" else f"{value:,.1f}"
+@styled
+def plot_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
+    """Left: each configuration's TTFT p99 against its output throughput, one point per
+    request rate of ``rate_sweep`` (the latency-throughput curve), the target as a dashed
+    line; right: its goodput at that TTFT target against the rate offered, beside the rate
+    itself (every request meets the target)."""
+    _check_sweep(sweep)
+    good = goodput(sweep, ttft_slo_ms)
+    fig, (left, right) = page_figure(3.4, cols=2)
+    for name in sweep.index.unique(level=0):
+        rows = sweep.xs(name, level=0)
+        left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "o-", color=_color(name),
+                  label=name)
+        right.plot(rows.index, good.xs(name, level=0), "o-", color=_color(name), label=name)
+    left.axhline(ttft_slo_ms, color="black", ls="--", lw=1)
+    left.set_yscale("log")
+    label_axes(left, "latency against throughput", "output (tok/s)", "TTFT p99 (ms)")
+    left.legend(loc="lower right")  # upper left is where a saturated policy's curve climbs
+    rates = sweep.index.unique(level=1)
+    right.plot(rates, rates, ":", color="gray", label="offered")
+    label_axes(right, f"goodput, TTFT <= {ttft_slo_ms:g} ms", "requests offered per second",
+               "requests per second meeting it")
+    right.legend(loc="upper left")
+    return fig
 
 
-def _against(single: pd.DataFrame, repeated: pd.DataFrame, side: str, chosen: str,
-             metric: str) -> tuple[pd.DataFrame, dict[str, float | str], str]:
-    """The chosen configuration against the others of its comparison on ``metric``: the
-    page's table, the state's numbers, and the caption."""
-    if side == CPU_SIDE:
-        values = single[metric]
-        rows = {name: {"value": _number(v, metric)} for name, v in values.items()}
-        metrics: dict[str, float | str] = {"value": float(values[chosen])}
-        spread = "one run per layout, so no spread to compare with"
-    else:
-        grouped = repeated.groupby(level=0, sort=False)[metric]
-        values, low, high = grouped.median(), grouped.min(), grouped.max()
-        rows = {name: {"median": _number(values[name], metric),
-                       "min": _number(low[name], metric), "max": _number(high[name], metric)}
-                for name in values.index}
-        metrics = {"value": float(values[chosen]), "min": float(low[chosen]),
-                   "max": float(high[chosen])}
-        beyond = []
-        for name in values.index:
-            verdict = "-"
-            if name != chosen:
-                verdict = "yes" if beyond_spread(repeated, metric, chosen, name) else "no"
-                metrics[f"beyond {name}"] = verdict
-                beyond += [name] if verdict == "yes" else []
-            rows[name]["beyond the spread"] = verdict
-        others = len(values) - 1
-        spread = ("beyond the spread of every other configuration" if len(beyond) == others
-                  else "within the spread of every other configuration" if not beyond
-                  else "beyond the spread of " + " and ".join(f'"{n}"' for n in beyond))
-    base = float(values[chosen])
-    for name, v in values.items():
-        ratio = float(v) / base if base else None
-        rows[name][f"relative to {chosen}"] = "-" if ratio is None else f"{ratio:.2f}"
-        if ratio is not None and name != chosen:
-            metrics[f"ratio {name}"] = ratio
-    # One header row: the corner cell names the comparison and the metric (a named index
-    # would add a second, half-empty header row that reads as a row of data).
-    table = pd.DataFrame.from_dict(rows, orient="index").rename_axis(
-        index=None, columns=f"{side}: {metric}")
-    caption = f"{chosen} ({side}), {metric}: {_number(base, metric)}; {spread}."
-    return table, metrics, caption
+def _check_sweep(sweep: pd.DataFrame) -> None:
+    need = {"out tok/s", "ttft median (ms)", "ttft p99 (ms)", "hit rate", "ttfts (ms)",
+            "duration (s)"}
+    if sweep.index.nlevels != 2 or not need <= set(sweep.columns):
+        raise ValueError(f"need rate_sweep's table, indexed by (configuration, rate) with "
+                         f"columns {sorted(need)}; got {list(sweep.columns)}")
 
 
-def comparison_explorer(single: pd.DataFrame, repeated: pd.DataFrame,
-                        metric: str = "ttft median (ms)",
-                        configuration: str = f"{SIM_SIDE}: LPM, radix",
-                        metrics: Sequence[str] = COMPARED_METRICS) -> Explorer:
-    """``plot_metric_per_configuration`` over the metric, and below it the chosen
-    configuration against the others of its comparison, for the page.
-
-    ``single``: the chapter's CityLM runs over HTTP (``bench_frame``, one run per layout);
-    ``repeated``: its simulated-H100 runs (``sim_server_runs``). Nothing is served again:
-    every state is drawn from these runs. The figure depends on the metric alone, so it is
-    drawn once per metric; the table gives each configuration's value and its ratio to the
-    chosen one and, for the repeated runs, whether the two differ beyond the spread
-    (``beyond_spread``). The kernel face is ``comparison_widget``.
-    """
-    metrics = list(metrics)
-    for m in metrics:
-        _check_runs(single, repeated, m)
-    configurations = _configurations(single, repeated)
-    figures = {m: part_html(plot_metric_per_configuration(single, repeated, m))
-               for m in metrics}
-
-    def draw(metric: str, configuration: str) -> Frame:
-        side, chosen = configurations[configuration]
-        table, numbers, caption = _against(single, repeated, side, chosen, metric)
-        return Frame([figures[metric], table], numbers, caption=caption)
-
-    return explorer(draw, [("metric", "metric", metrics, metric),
-                           ("configuration", "compared with", list(configurations),
-                            configuration)],
-                    live=lambda: comparison_widget(single, repeated, metric, configuration))
+def _at_rate(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> pd.DataFrame:
+    """Every configuration at one rate: what the table under the explorer's figure shows."""
+    rows = sweep.xs(rate, level=1)
+    good = goodput(sweep, ttft_slo_ms).xs(rate, level=1)
+    table = pd.DataFrame({"out tok/s": rows["out tok/s"].map("{:,.0f}".format),
+                          "TTFT median (ms)": rows["ttft median (ms)"].map("{:,.0f}".format),
+                          "TTFT p99 (ms)": rows["ttft p99 (ms)"].map("{:,.0f}".format),
+                          "hit rate": rows["hit rate"].map("{:.2f}".format),
+                          f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
+                              good.map("{:.1f}".format)})
+    return table.rename_axis(index=None, columns=f"{rate:g} requests/s offered")
 
 
-def comparison_widget(single: pd.DataFrame, repeated: pd.DataFrame,
-                      metric: str = "ttft median (ms)",
-                      configuration: str = f"{SIM_SIDE}: LPM, radix") -> Any:
-    """Menus for any column of the runs and any configuration; each change redraws
-    ``plot_metric_per_configuration`` and the comparison table from the same runs (nothing
-    is served again). Needs a live kernel (draw the static figure first)."""
+def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
+                  ttft_slo_ms: float) -> Explorer:
+    """``plot_rate_sweep`` for each TTFT target of ``slos_ms`` and, under it, every
+    configuration's numbers at the chosen request rate, drawn from ``rate_sweep``'s table
+    (nothing is simulated again). The figure depends on the target alone, so it is drawn
+    once per target. The kernel face is ``rate_widget``."""
+    _check_sweep(sweep)
+    rates = list(sweep.index.unique(level=1))
+    figures = {slo: part_html(plot_rate_sweep(sweep, slo)) for slo in slos_ms}
+
+    def draw(rate: float, ttft_slo_ms: float) -> Frame:
+        good = goodput(sweep, ttft_slo_ms).xs(rate, level=1)
+        numbers = {f"goodput {name}": float(v) for name, v in good.items()}
+        numbers |= {f"ttft p99 {name}": float(v)
+                    for name, v in sweep.xs(rate, level=1)["ttft p99 (ms)"].items()}
+        best = good.idxmax()
+        caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
+                   + ", ".join(f"{name} {v:.1f}" for name, v in good.items())
+                   + f" requests/s meet it; {best} serves the most.")
+        return Frame([figures[ttft_slo_ms], _at_rate(sweep, rate, ttft_slo_ms)], numbers,
+                     caption=caption)
+
+    return explorer(draw, [("rate", "requests/s", rates, rate),
+                           ("ttft_slo_ms", "TTFT target (ms)", list(slos_ms), ttft_slo_ms)],
+                    live=lambda: rate_widget(sweep, rate, ttft_slo_ms))
+
+
+def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
+    """A menu of the sweep's rates and a slider for any TTFT target; each change redraws
+    ``plot_rate_sweep`` and the table from the same runs. Needs a live kernel."""
     import ipywidgets as widgets
     from IPython.display import display
 
-    columns = [c for c in single.columns if c in repeated.columns
-               and pd.api.types.is_numeric_dtype(single[c])]
-    configurations = _configurations(single, repeated)
-    controls = {"metric": widgets.Dropdown(options=columns, value=metric,
-                                           description="metric"),
-                "configuration": widgets.Dropdown(options=list(configurations),
-                                                  value=configuration,
-                                                  description="compared with")}
+    controls = {"rate": widgets.Dropdown(options=list(sweep.index.unique(level=1)),
+                                         value=rate, description="requests/s"),
+                "ttft_slo_ms": widgets.FloatLogSlider(value=ttft_slo_ms, base=10, min=1,
+                                                      max=3.5, description="TTFT target")}
 
-    def redraw(metric: str, configuration: str) -> None:
-        display(plot_metric_per_configuration(single, repeated, metric))
-        table, _, caption = _against(single, repeated, *configurations[configuration], metric)
-        display(table)
-        print(caption)
+    def redraw(rate: float, ttft_slo_ms: float) -> None:
+        display(plot_rate_sweep(sweep, ttft_slo_ms))
+        display(_at_rate(sweep, rate, ttft_slo_ms))
 
     return panel(redraw, controls)
 
