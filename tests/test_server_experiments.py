@@ -159,7 +159,7 @@ def test_beyond_spread_asks_whether_the_ranges_of_two_configurations_overlap():
 
 def _rate_sweep():
     """Two configurations at three rates of a small prefix-heavy workload."""
-    from minisrv.experiments.server import prefix_heavy_requests, rate_sweep
+    from minisrv.experiments.server import policy_rate_sweep, prefix_heavy_requests
     from minisrv.tokenizer import Tokenizer
 
     tok = Tokenizer()
@@ -167,7 +167,7 @@ def _rate_sweep():
                                                                   n=32)]
     configs = {"LPM, radix": {"policy": "lpm", "cache": "radix"},
                "FCFS, radix": {"policy": "fcfs", "cache": "radix"}}
-    return rate_sweep(prompts, 8, (4.0, 64.0, 512.0), configs, kv_capacity=2000)
+    return policy_rate_sweep(prompts, 8, (4.0, 64.0, 512.0), configs, kv_capacity=2000)
 
 
 def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_target():
@@ -187,14 +187,14 @@ def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_tar
     assert (everyone * sweep["duration (s)"]).round().eq(32).all()  # all met an endless target
     assert goodput(sweep, 0.0).eq(0).all()  # no TTFT is 0
     with pytest.raises(ValueError, match="rates > 0"):
-        from minisrv.experiments.server import rate_sweep
-        rate_sweep([[1, 2]], 4, [0.0])
+        from minisrv.experiments.server import policy_rate_sweep
+        policy_rate_sweep([[1, 2]], 4, [0.0])
 
 
 def test_the_rate_explorer_is_drawn_from_the_sweep_it_is_given():
     pytest.importorskip("matplotlib")
     from minisrv.experiments.server import goodput
-    from minisrv.viz.server import plot_rate_sweep, rate_explorer
+    from minisrv.viz.server import plot_policy_rate_sweep, rate_explorer
 
     sweep = _rate_sweep()
     ex = rate_explorer(sweep, (20.0, 200.0), rate=64.0, ttft_slo_ms=200.0)
@@ -204,11 +204,11 @@ def test_the_rate_explorer_is_drawn_from_the_sweep_it_is_given():
     good = goodput(sweep, 20.0).xs(512.0, level=1)
     assert state["goodput LPM, radix"] == pytest.approx(good["LPM, radix"])
     assert state["ttft p99 FCFS, radix"] == sweep.loc[("FCFS, radix", 512.0), "ttft p99 (ms)"]
-    fig = plot_rate_sweep(sweep, 200.0)
+    fig = plot_policy_rate_sweep(sweep, 200.0)
     left, right = fig.axes
     assert len(left.lines) == 3 and len(right.lines) == 3  # two curves and the target / rate
-    with pytest.raises(ValueError, match="rate_sweep"):
-        plot_rate_sweep(sweep.drop(columns="ttfts (ms)"), 200.0)
+    with pytest.raises(ValueError, match="policy_rate_sweep"):
+        plot_policy_rate_sweep(sweep.drop(columns="ttfts (ms)"), 200.0)
 
 
 def test_the_rate_widget_builds():

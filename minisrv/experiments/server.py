@@ -8,7 +8,7 @@ against each with ``run_bench``; ``bench_frame`` lays their results out as one t
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
 simulated H100 (``minisrv.sim.served``) with each policy and cache several times, and ``spread`` /
 ``beyond_spread`` say whether their TTFT and throughput differ beyond the run-to-run spread.
-``rate_sweep`` feeds the same engines the workload as a Poisson process at several request
+``policy_rate_sweep`` feeds the same engines the workload as a Poisson process at several request
 rates, in simulated time, and ``goodput`` counts the requests per second that meet a TTFT
 target: latency against throughput, the curve a load test is run to find.
 """
@@ -34,7 +34,7 @@ from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "goodput", "open_server", "prefix_heavy_requests", "rate_sweep", "read_metrics",
+           "goodput", "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
            "run_sync", "sim_server_runs", "slot_ranges", "spread", "spread_summary",
            "stream_completion"]
 
@@ -252,7 +252,7 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
     return out
 
 
-def rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: Sequence[float],
+def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: Sequence[float],
                configs: Mapping[str, Mapping[str, str]] = SIM_CONFIGS, kv_capacity: int = 6000,
                max_running: int = 16, seed: int = 0) -> pd.DataFrame:
     """Serve ``prompts`` (``output_len`` tokens each) with each of ``configs`` on the engine of
@@ -296,7 +296,7 @@ def rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: Sequenc
 
 
 def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
-    """Per row of ``rate_sweep``: the requests per second whose TTFT met ``ttft_slo_ms``, as
+    """Per row of ``policy_rate_sweep``: the requests per second whose TTFT met ``ttft_slo_ms``, as
     ``minisrv bench --goodput ttft:MS`` (and vLLM's ``--goodput``) counts them: requests
     that met the target over the run's duration."""
     met = sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts))

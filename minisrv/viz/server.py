@@ -1,5 +1,5 @@
 """Plots for the server chapter: the repeated runs of ``sim_server_runs`` with their spread,
-the latency-throughput curves and goodput of ``rate_sweep``, and an explorer (with its kernel
+the latency-throughput curves and goodput of ``policy_rate_sweep``, and an explorer (with its kernel
 widget) over the request rate and the TTFT target.
 
 Reads the tables of ``minisrv.experiments.server``; nothing in the serving core imports this
@@ -19,7 +19,7 @@ from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
-__all__ = ["plot_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
+__all__ = ["plot_policy_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
 
 _HIGHLIGHT = "#4c72b0"
 _COLORS = {"LPM, radix": "#4c72b0", "FCFS, radix": "#dd8452", "FCFS, no cache": "#55a868"}
@@ -65,9 +65,9 @@ def _color(name: str) -> str:
 
 
 @styled
-def plot_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
+def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     """Left: each configuration's TTFT p99 against its output throughput, one point per
-    request rate of ``rate_sweep`` (the latency-throughput curve), the target as a dashed
+    request rate of ``policy_rate_sweep`` (the latency-throughput curve), the target as a dashed
     line; right: its goodput at that TTFT target against the rate offered, beside the rate
     itself (every request meets the target)."""
     _check_sweep(sweep)
@@ -94,7 +94,7 @@ def _check_sweep(sweep: pd.DataFrame) -> None:
     need = {"out tok/s", "ttft median (ms)", "ttft p99 (ms)", "hit rate", "ttfts (ms)",
             "duration (s)"}
     if sweep.index.nlevels != 2 or not need <= set(sweep.columns):
-        raise ValueError(f"need rate_sweep's table, indexed by (configuration, rate) with "
+        raise ValueError(f"need policy_rate_sweep's table, indexed by (configuration, rate) with "
                          f"columns {sorted(need)}; got {list(sweep.columns)}")
 
 
@@ -113,13 +113,13 @@ def _at_rate(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> pd.DataFra
 
 def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
                   ttft_slo_ms: float) -> Explorer:
-    """``plot_rate_sweep`` for each TTFT target of ``slos_ms`` and, under it, every
-    configuration's numbers at the chosen request rate, drawn from ``rate_sweep``'s table
+    """``plot_policy_rate_sweep`` for each TTFT target of ``slos_ms`` and, under it, every
+    configuration's numbers at the chosen request rate, drawn from ``policy_rate_sweep``'s table
     (nothing is simulated again). The figure depends on the target alone, so it is drawn
     once per target. The kernel face is ``rate_widget``."""
     _check_sweep(sweep)
     rates = list(sweep.index.unique(level=1))
-    figures = {slo: part_html(plot_rate_sweep(sweep, slo)) for slo in slos_ms}
+    figures = {slo: part_html(plot_policy_rate_sweep(sweep, slo)) for slo in slos_ms}
 
     def draw(rate: float, ttft_slo_ms: float) -> Frame:
         good = goodput(sweep, ttft_slo_ms).xs(rate, level=1)
@@ -140,7 +140,7 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
 
 def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
     """A menu of the sweep's rates and a slider for any TTFT target; each change redraws
-    ``plot_rate_sweep`` and the table from the same runs. Needs a live kernel."""
+    ``plot_policy_rate_sweep`` and the table from the same runs. Needs a live kernel."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -150,7 +150,7 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
                                                       max=3.5, description="TTFT target")}
 
     def redraw(rate: float, ttft_slo_ms: float) -> None:
-        display(plot_rate_sweep(sweep, ttft_slo_ms))
+        display(plot_policy_rate_sweep(sweep, ttft_slo_ms))
         display(_at_rate(sweep, rate, ttft_slo_ms))
 
     return panel(redraw, controls)
