@@ -37,6 +37,9 @@ def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
                 stats.steps, stats.retractions, stats.wasted_tokens)
             assert state["requests_checked"] == len(work.prompts)
             assert state["peak_running"] <= cap
+            decodes = [len(s.decode) for s in run.engine.trace if s.decode]
+            assert state["mean_decode_batch"] == pytest.approx(sum(decodes) / len(decodes))
+            assert 1 <= state["mean_decode_batch"] <= cap
     # one at a time takes a step per token; a roomy pool with room for all takes fewer
     assert (ex.metrics(capacity=3 * smallest, max_running=5)["steps"]
             < ex.metrics(capacity=3 * smallest, max_running=1)["steps"])

@@ -25,6 +25,26 @@ def test_the_sim_explorer_shows_each_setting_s_own_run_and_starts_at_the_chapter
         rate=64.0, max_running=64)["throughput"]
 
 
+def test_a_state_whose_smaller_cap_never_held_anyone_back_is_that_run_exactly() -> None:
+    """The explorer takes such states from the smaller cap's run instead of simulating
+    them: they must equal a fresh simulation in every step, request and metric."""
+    low = SimSetting(8.0, max_running=32, n=60)
+    runs = {low: low.run()}
+    assert all(step.queued == 0 for step in runs[low].trace)  # nobody ever waited
+    for cap in (64, 128):
+        setting = low._replace(max_running=cap)
+        taken, fresh = dashboard.unhindered_run(runs, setting), setting.run()
+        assert taken is not None and taken.max_running == cap
+        assert taken.metrics == fresh.metrics and taken.trace == fresh.trace
+        assert [r.output for r in taken.requests] == [r.output for r in fresh.requests]
+    # a run whose cap bound (requests left waiting) serves no larger cap
+    busy = SimSetting(64.0, max_running=16, n=60)
+    bound = {busy: busy.run()}
+    assert any(step.queued for step in bound[busy].trace)
+    assert dashboard.unhindered_run(bound, busy._replace(max_running=64)) is None
+    assert dashboard.unhindered_run(runs, low._replace(rate=16.0, max_running=64)) is None
+
+
 def test_the_sim_explorer_takes_the_mode_as_a_third_control() -> None:
     ex = dashboard.sim_explorer(rates=(64,), caps=(64,), modes=("static", "prefill-first"),
                                 n=40)

@@ -82,13 +82,10 @@ class BatchFormer:
     def admissions(self) -> Iterator[Req]:
         """Admit waiting requests in queue order while a batch place and KV memory are free.
 
-        Each request first looks up its longest cached prefix (``KVManager.match``, which
-        locks it); only the rest is allocated and prefilled. The admission rule decides
-        whether its memory need fits what is left this step; a short pool evicts unlocked
-        cached prefixes (LRU) first. Admission stops at the first request that does not fit
-        (no overtaking), which keeps the queue order fair; a caller stops it earlier by
-        asking for no more (its token budget spent).
-        """
+        Each first locks its longest cached prefix (``KVManager.match``); only the rest is
+        allocated, and a short pool evicts unlocked cached prefixes (LRU) first. Admission
+        stops at the first request that does not fit (no overtaking, so the queue order
+        stays fair) or when the caller asks for no more (its token budget spent)."""
         queues = self.queues
         if not queues.waiting or len(queues.running) >= self.max_running:
             return  # nobody waits, or no seat is free: no budget to work out

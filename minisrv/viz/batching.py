@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from minisrv.experiments.batching import PoolRun, run_pool
@@ -97,35 +96,6 @@ def pool_run_title(stats: Any) -> str:
             f"{stats.wasted_tokens} tokens recomputed, {stats.steps} steps")
 
 
-@styled
-def plot_pool_sweep(sweep: pd.DataFrame) -> BookFigure:
-    """Steps to finish and recomputed tokens per capacity and initial ratio.
-
-    With a ``seed`` column (one run per workload seed) each bar is the mean over the seeds and
-    a black line spans the lowest to the highest run, so a difference can be read against the
-    spread between workloads of the same mix.
-    """
-    fig, (left, right) = page_figure(height_in=3.8, cols=2)
-    labels = list(dict.fromkeys(sweep["initial ratio"]))
-    width = 0.8 / len(labels)
-    capacities = sorted(set(sweep["capacity"]))
-    for i, label in enumerate(labels):
-        runs = sweep[sweep["initial ratio"] == label].groupby("capacity")
-        xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(capacities))]
-        name = "reserve (no estimate)" if label == "reserve" else f"ratio {label}"
-        for ax, column in ((left, "steps"), (right, "recomputed tokens")):
-            stats = runs[column].agg(["mean", "min", "max"]).loc[capacities]
-            ax.bar(xs, stats["mean"], width, label=name if ax is left else None)
-            ax.errorbar(xs, stats["mean"], fmt="none", ecolor="black", elinewidth=1,
-                        yerr=[stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
-    for ax in (left, right):
-        ax.set_xticks(range(len(capacities)), [str(c) for c in capacities])
-    label_axes(left, "Time to finish", "KV pool capacity (tokens)", "steps")
-    label_axes(right, "Waste from retraction", "KV pool capacity (tokens)", "recomputed tokens")
-    legend_below(fig, ncol=3)
-    return fig
-
-
 def pool_widget(
     model: CityLM,
     workload: Workload,
@@ -156,18 +126,18 @@ def pool_widget(
     return panel(redraw, controls)
 
 
-POOL_CAPACITIES: tuple[int, ...] = (100, 120, 160, 240, 400)
+POOL_CAPACITIES: tuple[int, ...] = (100, 120, 240, 400)
 """Pools of the explorer, in tokens: from one barely above its largest request (92 tokens),
 where memory bounds the batch whatever the cap, to one that holds every request at once."""
 
-POOL_CAPS: tuple[int, ...] = (1, 2, 3, 4, 8)
-"""Batch caps of the explorer: one request at a time up to all eight of its workload. In the
-tight pools the steps stop falling after two or three and retractions begin; in the roomy
-ones every step of the cap counts."""
+POOL_CAPS: tuple[int, ...] = (1, 2, 4, 8)
+"""Batch caps of the explorer, doubling from one request at a time up to all eight of its
+workload. In the tight pools the steps stop falling at four and retractions begin; in the
+roomy ones every step of the cap counts."""
 
 POOL_EXPLORER_REQUESTS = 8
 """Requests per state of the explorer: the chapter's sixteen take about a second a run on a
-CPU, eight a third of that, so the page holds 25 runs within its budget."""
+CPU, eight a third of that, so the page holds its 16 runs within its budget."""
 
 
 def pool_explorer(
@@ -218,11 +188,13 @@ def pool_explorer(
             check(run.outputs, reference, what=f"pool explorer, pool {capacity}, cap {max_running}")
         stats = run.engine.stats
         peak = max(s.kv_used for s in run.engine.trace)
+        decodes = [len(s.decode) for s in run.engine.trace if s.decode]
         return Frame([plot_pool_run(run)],
                      {"steps": stats.steps, "retractions": stats.retractions,
                       "recomputed_tokens": stats.wasted_tokens,
                       "peak_slots": peak,
                       "peak_running": max(s.batch_size + len(s.paused) for s in run.engine.trace),
+                      "mean_decode_batch": sum(decodes) / len(decodes),
                       "requests_checked": run.total},
                      caption=f"{stats.steps} steps, {stats.retractions} retraction"
                              f"{'s' * (stats.retractions != 1)}, {stats.wasted_tokens} tokens "
