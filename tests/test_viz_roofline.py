@@ -169,6 +169,32 @@ def test_gpu_explorer_refuses_a_batch_the_run_did_not_time() -> None:
         gpu_roofline_explorer(steps, "recorded", batch=3)
 
 
+def test_gpu_explorer_table_separates_thousands_and_keeps_its_numbers() -> None:
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=(1,))
+    assert "11,928" in ex.html and "11928" not in ex.html  # H100 SXM's tokens/s at batch 1
+    assert ex.states[(512, 1)]["step_us H200"] == pytest.approx(58.5, abs=0.05)  # still a number
+
+
+def test_block_mask_figure_draws_the_tiles_ragged_tiles_makes() -> None:
+    from minisrv.model import ragged_tiles
+    from minisrv.viz.gpu import plot_block_mask
+
+    new, cached = (300, 1, 1, 140), (0, 200, 90, 20)
+    fig = plot_block_mask(new, cached, "a step", block=64)
+    partial, full = ragged_tiles(new, cached, 64)
+    drawn = fig.axes[0].images[0].get_array()
+    assert drawn.shape == partial.shape
+    assert ((drawn == 1) == partial.numpy()).all() and ((drawn == 2) == full.numpy()).all()
+    assert full.any() and partial.any() and (drawn == 0).any()  # all three kinds appear
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == [f"empty: {int((drawn == 0).sum())} tiles",
+                      f"partial: {int(partial.sum())} tiles", f"full: {int(full.sum())} tiles"]
+
+
 def _curve_colors(fig) -> dict[int, tuple]:
     """Context length -> the RGBA colour of its solid curve on the step-time panel."""
     from matplotlib.colors import to_rgba

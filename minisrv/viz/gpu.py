@@ -4,7 +4,8 @@ Measured curves are solid with markers, roofline predictions dashed, and every l
 names the device it describes, because in the book's CI the measurement comes from a CPU
 while the predictions are for GPUs the page was never run on. ``gpu_roofline_widget`` (a
 kernel) and ``gpu_roofline_explorer`` (the page) put the roofline's context and batch under
-controls, beside the same measurement.
+controls, beside the same measurement. ``plot_block_mask`` draws the tiles the ragged
+attention call computes for one step, so the page shows the block mask it counts.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
+from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
 from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import (
     BookFigure,
@@ -27,12 +31,14 @@ from minisrv.viz.style import (
     styled,
 )
 
-__all__ = ["GPU_CONTEXTS", "gpu_roofline_explorer", "gpu_roofline_table", "gpu_roofline_widget",
-           "plot_step_times_vs_roofline"]
+__all__ = ["GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer", "gpu_roofline_table",
+           "gpu_roofline_widget", "plot_block_mask", "plot_step_times_vs_roofline"]
 
 GPU_CONTEXTS: tuple[int, ...] = (32, 128, 512, 2048, 8192)
 """Contexts the page holds: from a few dozen tokens, where a large batch nearly reaches the
 arithmetic roof, to 8K, where each request's cached K/V outweighs the weights' share."""
+TILE_COLORS: dict[str, str] = {"empty": "#f1f3f5", "partial": "#ffa94d", "full": "#4c6ef5"}
+"""The block mask's three kinds of tile: skipped, masked per element, computed without a mask."""
 TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 """The GPUs the chapter's roofline table compares."""
 
@@ -81,6 +87,39 @@ def plot_step_times_vs_roofline(
     return fig
 
 
+@styled
+def plot_block_mask(new_lens: Sequence[int], cached_lens: Sequence[int], title: str,
+                    block: int = FLEX_BLOCK_SIZE) -> BookFigure:
+    """The query x key matrix of one ragged call, tile by tile, as ``ragged_tiles`` makes it:
+    empty tiles (skipped), partial ones (the mask evaluated per element) and full ones
+    (computed without a mask), with thin lines where each request's rows and keys begin.
+
+    Axes are in tokens, so a reader sees how much of the matrix each request owns and how
+    little of it the call computes; the image holds one pixel per tile (0 empty, 1 partial,
+    2 full)."""
+    partial, full = ragged_tiles(new_lens, cached_lens, block)
+    kinds = partial.int() + 2 * full.int()
+    n_q, n_k = kinds.shape
+    fig, ax = page_figure(5.0, width_in=5.4)
+    ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0, vmax=2,
+              extent=(0, n_k * block, n_q * block, 0), interpolation="nearest")
+    rows = cols = 0
+    for new, cached in zip(new_lens, cached_lens, strict=True):
+        if rows:  # where the next request's rows and keys begin
+            ax.axhline(rows, color="black", linewidth=0.4, alpha=0.6)
+            ax.axvline(cols, color="black", linewidth=0.4, alpha=0.6)
+        rows, cols = rows + new, cols + cached + new
+    ax.grid(False)
+    label_axes(ax, title, "key position (every request's keys end to end)",
+               "query row (new tokens end to end)")
+    counts = {"empty": int((kinds == 0).sum()), "partial": int((kinds == 1).sum()),
+              "full": int((kinds == 2).sum())}
+    legend_below(fig, [Patch(facecolor=color, edgecolor="#adb5bd",
+                             label=f"{name}: {counts[name]:,} tiles")
+                       for name, color in TILE_COLORS.items()], ncol=3)
+    return fig
+
+
 def _with(gpu: GPUSpec) -> tuple[GPUSpec, ...]:
     """The table's GPUs, and ``gpu`` after them when it is not one of them."""
     return TABLE_GPUS if gpu in TABLE_GPUS else (*TABLE_GPUS, gpu)
@@ -96,6 +135,12 @@ def gpu_roofline_table(cfg: ModelConfig, batch: int, context: int,
                          "bound by": rows["bound"].to_list(),
                          "tokens/s": (batch / (rows["step_ms"] / 1e3)).round().astype(int)
                          .to_list()}).set_index("GPU (roofline)"))
+
+
+def _shown(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` as the page prints it: thousands separated, step times to 0.1 µs."""
+    return table.assign(**{"step (µs)": table["step (µs)"].map("{:,.1f}".format),
+                           "tokens/s": table["tokens/s"].map("{:,}".format)})
 
 
 def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") -> float | None:
@@ -134,7 +179,7 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, cont
         predicted = roofline_step_times(cfg, [gpu], batches, context)
         display(plot_step_times_vs_roofline(measured, predicted, title))
         table = gpu_roofline_table(cfg, batch, context, _with(gpu))
-        display(table)
+        display(_shown(table))
         print(_caption(cfg, gpu, table, measured, batch, context))
 
     common = {"style": {"description_width": "initial"}, "continuous_update": False}
@@ -173,7 +218,7 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
                                    for g in _with(gpu)}
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
-        return Frame([figures[context], table], metrics,
+        return Frame([figures[context], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
     return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context),
