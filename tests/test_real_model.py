@@ -24,6 +24,7 @@ from minisrv.experiments.gpu import (
     random_model,
     recorded_gpu_run,
     roofline_step_times,
+    show_triton_kernel,
     step_time_sweep,
     write_tiny_llama,
 )
@@ -121,3 +122,18 @@ def test_the_recorded_h200_run_is_shipped_and_labelled() -> None:
     assert {"measured tok/s", "fraction"} <= set(engine.columns)
     with pytest.raises(ValueError, match="no recorded GPU run 'a100'.*'h200'"):
         recorded_gpu_run("a100")
+
+
+def test_a_triton_kernel_is_shown_from_its_file_without_importing_triton() -> None:
+    """The appendix shows the decode kernel where Triton may be missing: the text is the
+    kernel's own, decorator to last line, and reading it imports nothing."""
+    import sys
+
+    loaded = "minisrv.runner.attention.triton_ops" in sys.modules
+    code = show_triton_kernel("_decode_piece_kernel")
+    lines = code.data.splitlines()
+    assert lines[0] == "@triton.jit" and lines[1] == "def _decode_piece_kernel("
+    assert "tl.store(Lse" in code.data and "_decode_merge_kernel" not in code.data
+    assert ("minisrv.runner.attention.triton_ops" in sys.modules) == loaded
+    with pytest.raises(ValueError, match="no function 'nothing'"):
+        show_triton_kernel("nothing")

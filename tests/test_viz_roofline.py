@@ -179,6 +179,19 @@ def test_gpu_explorer_table_separates_thousands_and_keeps_its_numbers() -> None:
     assert ex.states[(512, 1)]["step_us H200"] == pytest.approx(58.5, abs=0.05)  # still a number
 
 
+def test_gpu_explorer_caption_rounds_the_gap_as_the_prose_does() -> None:
+    """The caption says "about 490 times" (two figures), as the appendix and the overlap
+    chapter say it, never the 494 of three figures that contradicts them."""
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=(1, 256))
+    assert "took 28.9 ms, about 490 times that" in ex.html
+    assert "took 50.0 ms, about 73 times that" in ex.html  # 72.8 at batch 256
+    assert "494x" not in ex.html and "494 times" not in ex.html  # the images are base64
+
+
 def test_block_mask_figure_draws_the_tiles_ragged_tiles_makes() -> None:
     from minisrv.model import ragged_tiles
     from minisrv.viz.gpu import plot_block_mask

@@ -191,6 +191,7 @@ _PUBLIC = {
     "random_model": "gpu",
     "recorded_gpu_run": "gpu",
     "roofline_step_times": "gpu",
+    "show_triton_kernel": "gpu",
     "step_time_sweep": "gpu",
     "write_tiny_llama": "gpu",
     "BLOCK_SIZE": "pages",

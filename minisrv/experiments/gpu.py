@@ -7,16 +7,21 @@
   device. Step time depends on shapes, not on weight values, so no download is needed to time.
 * ``step_time_sweep``, ``roofline_step_times`` and ``engine_decode_throughput`` measure decode
   on whatever device the model is on and put the roofline's prediction for a GPU beside it.
+* ``show_triton_kernel`` shows a kernel of ``minisrv.runner.attention.triton_ops`` without
+  importing Triton, which a CPU-only torch does not bring.
 
 Measured times depend on the machine; every returned row says which device it came from.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -43,6 +48,7 @@ __all__ = [
     "random_model",
     "recorded_gpu_run",
     "roofline_step_times",
+    "show_triton_kernel",
     "step_time_sweep",
     "write_tiny_llama",
 ]
@@ -310,3 +316,22 @@ def recorded_gpu_run(gpu: str = "h200") -> tuple[pd.DataFrame, pd.DataFrame]:
     steps["us_per_token"] = steps["step_ms"] * 1e3 / steps["batch"]
     throughput = pd.read_csv(RECORDED / f"{gpu}_engine_throughput.csv")
     return steps, throughput
+
+
+TRITON_OPS = "minisrv.runner.attention.triton_ops"
+
+
+def show_triton_kernel(name: str) -> Any:
+    """The source of function ``name`` in ``triton_ops``, highlighted as ``book.show_source``
+    shows a component. Read from the file, not imported: the module imports Triton, which a
+    CPU-only torch lacks, and a page that only shows a kernel should run there too."""
+    from IPython.display import Code
+
+    origin = importlib.util.find_spec(TRITON_OPS).origin
+    text = Path(origin).read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            lines = text.splitlines()[first - 1 : node.end_lineno]
+            return Code(textwrap.dedent("\n".join(lines)) + "\n", language="python")
+    raise ValueError(f"{TRITON_OPS} defines no function {name!r}")

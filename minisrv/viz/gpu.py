@@ -157,7 +157,8 @@ def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.D
     ms = _measured_ms(measured, batch)
     timed = set(measured["context"])
     if ms is not None and context in timed:
-        text += f"; the measured padded step took {ms:,.1f} ms, {ms * 1e3 / roof_us:,.0f}x that"
+        about = float(f"{ms * 1e3 / roof_us:.2g}")  # two figures, as the prose rounds it
+        text += f"; the measured padded step took {ms:,.1f} ms, about {about:,.0f} times that"
     elif ms is not None:
         text += (f"; the measured steps were timed at context "
                  f"{', '.join(map(str, sorted(timed)))}, not at this one")
