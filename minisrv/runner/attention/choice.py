@@ -8,10 +8,11 @@ Each row says why, from a recorded run where there is one:
 * CUDA, compute capability 8.0 and up, 16- or 32-bit weights, heads of at least 16:
   ``flex``. The one recorded GPU run (``minisrv/measured/h200_engine_throughput.csv``,
   an H200, SmolLM2-135M's shape in bf16) decoded 2.0x faster with flex than padded at batch
-  64 and 0.89x at batch 256 (geometric mean 1.35x); its step sweep, a host-bound one,
-  favoured padded at large batches. The Triton backend has not been measured on a GPU, so
-  it is chosen nowhere until a recorded run puts it ahead (``tests/test_choice.py`` checks
-  this row against the recorded runs).
+  64 and 0.89x at batch 256 (geometric mean 1.35x), a provisional choice; its step sweep
+  favoured padded at large batches, where the compiled flex kernel walks one query tile's
+  key tiles one after another (the GPU appendix reads that from the record). The Triton
+  backend has not been measured on a GPU, so it is chosen nowhere until a recorded run puts
+  it ahead (``tests/test_choice.py`` checks this row against the recorded runs).
 * CUDA below 8.0 (Colab's T4 is 7.5: float16 only, no flex lowering there, and Triton from
   3.3 on without its tensor-core path): ``padded``, the backend that runs there.
 * Anything else (float64, heads under 16, another device): ``padded``.
