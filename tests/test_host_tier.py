@@ -329,6 +329,9 @@ def test_the_size_explorer_draws_hit_rate_against_every_tier_size_and_policy() -
     through = ex.metrics(policy="write_through", size=2)["backed up (tokens)"]
     assert ex.metrics(policy="write_back", size=2)["backed up (tokens)"] < through
     assert ex.html.count("data:image/webp") == 6 and "<table" not in ex.html
+    one = host_size_explorer(chats, (0, 2000), ("write_back",), runs=runs, **options)
+    assert one.default == {"size": 0}  # one policy: no menu
+    assert one.metrics(size=2)["hit rate"] == runs[2000, "write_back"].hit_rate
 
 
 def test_a_busy_step_makes_loading_back_win_from_the_first_tokens() -> None:

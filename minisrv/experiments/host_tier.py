@@ -181,7 +181,7 @@ def load_seconds(n: int, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100,
 
 
 def prefill_step_seconds(prompts: Sequence[tuple[int, int]], cfg: ModelConfig = LLAMA3_8B,
-                 gpu: GPUSpec = H100, dtype_bytes: float = 2) -> float:
+                         gpu: GPUSpec = H100, dtype_bytes: float = 2) -> float:
     """Roofline time of one step that prefills each ``(new, cached)`` of ``prompts``: ``new``
     tokens after ``cached`` ones of the same prompt."""
     new = sum(n for n, _ in prompts)

@@ -77,8 +77,8 @@ class PageRun(NamedTuple):
     outputs: list[list[int]]  # per request, in workload order
     throughput: float  # output tokens per step (CityLM) or per second (simulated GPU)
     loaded_tokens: int  # host tier: prompt tokens copied back instead of computed
-    tile_runs: dict[int, list[int]]  # CityLM, by tile width: runs of consecutive slots per
-    # full tile of key positions
+    tile_runs: dict[int, list[int]]  # by tile width: runs of consecutive slots per full tile
+    # of key positions (``page_run``'s ``tile_every``)
 
 
 def first_requests(workload: Workload, n: int) -> Workload:
@@ -128,7 +128,9 @@ def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "non
         if tile_every and steps % tile_every == 0:
             for req in engine.scheduler.queues.running:
                 row = table.slots(req, 0, req.kv_len)
-                breaks = _breaks(row) if len(row) >= KEY_TILE else None
+                if len(row) < min(KEY_TILES):
+                    continue
+                breaks = _breaks(row)
                 for tile, counts in tiles.items():
                     if len(row) >= tile:
                         counts += _tile_runs(breaks, len(row) // tile, tile)
@@ -204,9 +206,9 @@ def _tile_runs(breaks: np.ndarray, tiles: int, tile: int) -> list[int]:
 
 
 def key_runs(runs: Mapping[int, PageRun]) -> pd.DataFrame:
-    """One row per page size of ``runs`` (CityLM runs, by page size), a column per tile of
+    """One row per page size of ``runs`` (``page_run``'s, by page size), a column per tile of
     ``KEY_TILES``: how many runs of consecutive slots a full tile of that many key positions
-    sits in, on average, over the rows of every running request after every step."""
+    sits in, on average, over the rows of every running request at the steps it counted."""
     rows = {size: {f"runs per {tile}-key tile": float(np.mean(counts))
                    for tile, counts in run.tile_runs.items()}
             for size, run in sorted(runs.items())}

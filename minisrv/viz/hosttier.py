@@ -149,15 +149,12 @@ def host_size_explorer(workload: Any, sizes: Sequence[int],
                 done[size, policy] = sim_tier_run(workload, size, policy, **options)
     first_policy, first_size = start or (policies[0], sizes[0])
 
-    def draw(policy: str, size: int) -> Frame:
+    def draw(size: int, policy: str = first_policy) -> Frame:
         return _frame(size * 1000, policy, done, sizes, policies, history_tokens)
 
-    controls = [("size", "host tier (thousand tokens)", [s // 1000 for s in sizes],
-                 first_size // 1000)]
-    if len(policies) > 1:
-        controls.insert(0, ("policy", "write policy", list(policies), first_policy))
-    else:
-        controls.append(("policy", "write policy", [first_policy], first_policy))
+    choose = [("policy", "write policy", list(policies), first_policy)] if len(policies) > 1 else []
+    controls = [*choose, ("size", "host tier (thousand tokens)", [s // 1000 for s in sizes],
+                          first_size // 1000)]  # a menu of one policy would choose nothing
     return explorer(draw, controls,
                     live=lambda: host_size_widget(workload, first_size, first_policy, **options))
 
