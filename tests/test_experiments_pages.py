@@ -18,6 +18,19 @@ def test_tile_runs_counts_the_breaks_in_consecutive_slots() -> None:
     assert pg.tile_runs(list(range(0, 64, 2)), tile=32) == [32]
 
 
+def test_key_runs_has_a_column_per_tile_width() -> None:
+    """A run records its tiles per width (``KEY_TILES``); the table averages each width in
+    its own column, so the 128-key tile of the Hopper kernels sits beside minisrv's 32."""
+    from types import SimpleNamespace
+
+    assert pg.KEY_TILES == (32, 128)
+    runs = {1: SimpleNamespace(tile_runs={32: [4, 6], 128: [20]}),
+            64: SimpleNamespace(tile_runs={32: [1, 1], 128: [2, 3]})}
+    table = pg.key_runs(runs)
+    assert list(table.columns) == ["runs per 32-key tile", "runs per 128-key tile"]
+    assert table.loc[1].tolist() == [5.0, 20.0] and table.loc[64].tolist() == [1.0, 2.5]
+
+
 def _small_gpu_workload() -> Workload:
     return pg.first_requests(gpu_scale_workload(n=2000, rate=64.0, seed=0), 40)
 

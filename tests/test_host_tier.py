@@ -303,20 +303,56 @@ def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -
     assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged
 
 
-def test_the_size_explorer_draws_hit_rate_against_every_tier_size() -> None:
-    """Every state is a figure of the hit rate and TTFT of all the sizes, its own ringed (not
-    a one-row table); the runs are served once and reused, the numbers are each run's own."""
+def test_the_size_explorer_draws_hit_rate_against_every_tier_size_and_policy() -> None:
+    """Every state is a figure of the hit rate and backups of all the (size, policy) runs, its
+    own ringed (not a one-row table); the runs are served once and reused, size 0 once for
+    every policy, and the numbers are each run's own. The size control counts thousands."""
     pytest.importorskip("matplotlib")
     from minisrv.experiments.host_tier import long_chats, sim_tier_run
     from minisrv.viz.hosttier import host_size_explorer
 
     chats = long_chats(sessions=4, turns=3, low=64, high=128, output=16)
     options = {"device_tokens": 600}
-    runs = {size: sim_tier_run(chats, size, **options) for size in (0, 2000)}
-    ex = host_size_explorer(chats, (0, 1000, 2000), runs=runs, history_tokens=1500, **options)
-    assert ex.default == {"size": 0}
-    for size, run in runs.items():
-        state = ex.metrics(size=size)
+    policies = ("write_through", "write_back")
+    runs = {(0, "write_through"): sim_tier_run(chats, 0, **options),
+            (2000, "write_back"): sim_tier_run(chats, 2000, "write_back", **options)}
+    ex = host_size_explorer(chats, (0, 1000, 2000), policies, runs=runs, history_tokens=1500,
+                            **options)
+    assert ex.default == {"policy": "write_through", "size": 0}
+    for (size, policy), run in runs.items():
+        state = ex.metrics(policy=policy, size=size // 1000)
         assert (state["hit rate"], state["mean TTFT (s)"]) == (run.hit_rate, run.mean_ttft)
-    assert ex.metrics(size=2000)["hit rate"] > ex.metrics(size=0)["hit rate"]
-    assert ex.html.count("data:image/webp") == 3 and "<table" not in ex.html
+        assert state["backed up (tokens)"] == run.backed_up_tokens
+    none = ex.metrics(policy="write_back", size=0)
+    assert none["hit rate"] == ex.metrics(policy="write_through", size=0)["hit rate"]
+    assert ex.metrics(policy="write_back", size=2)["hit rate"] > none["hit rate"]
+    through = ex.metrics(policy="write_through", size=2)["backed up (tokens)"]
+    assert ex.metrics(policy="write_back", size=2)["backed up (tokens)"] < through
+    assert ex.html.count("data:image/webp") == 6 and "<table" not in ex.html
+    one = host_size_explorer(chats, (0, 2000), ("write_back",), runs=runs, **options)
+    assert one.default == {"size": 0}  # one policy: no menu
+    assert one.metrics(size=2)["hit rate"] == runs[2000, "write_back"].hit_rate
+
+
+def test_a_busy_step_makes_loading_back_win_from_the_first_tokens() -> None:
+    """Alone, a short prompt's prefill is memory-bound and recomputing a short prefix is
+    almost free, so loading wins only from a few hundred tokens; in a step that already
+    prefills other prompts each recomputed token costs compute, which a copy of its KV
+    undercuts from the first token. The busy column is each prompt's extra cost in that
+    step, so it differs from the lone column exactly where the lone prefill is memory-bound."""
+    from minisrv.experiments.host_tier import (
+        break_even,
+        break_even_length,
+        prefill_seconds,
+        prefill_step_seconds,
+    )
+
+    alone, busy = break_even_length(), break_even_length(busy=2048)
+    assert 100 < alone < 1000 and busy < 16
+    table = break_even(busy=2048)
+    assert (table.loc[[16, 64, 128], "same, in a busy step"] > 1).all()
+    assert (table.loc[[16, 64, 128], "recompute / (load + prefill)"] < 1).all()
+    assert table["same, in a busy step"].is_monotonic_increasing
+    assert prefill_step_seconds([(100, 20)]) == prefill_seconds(100, 20)
+    both = prefill_step_seconds([(2048, 0), (100, 0)])
+    assert both > prefill_seconds(2048)  # a compute-bound step grows with every token

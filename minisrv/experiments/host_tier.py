@@ -42,6 +42,7 @@ __all__ = [
     "load_seconds",
     "long_chats",
     "prefill_seconds",
+    "prefill_step_seconds",
     "sim_tier_run",
     "sim_tier_runs",
     "sim_tier_table",
@@ -145,7 +146,7 @@ def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_thro
     link's bandwidth."""
     engine = Engine(SimBackend(cfg, gpu), kv_capacity=device_tokens, max_running=max_running,
                     cache="radix", host_cache_tokens=host_tokens, host_cache_policy=policy,
-                    chunked_prefill_size=8192, record_trace=True)
+                    chunked_prefill_size=8192, record_trace=False)
     return _run(engine, workload)[0]
 
 
@@ -179,35 +180,60 @@ def load_seconds(n: int, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100,
     return n * kv_bytes_per_token(cfg, dtype_bytes) / gpu.host_bandwidth
 
 
+def prefill_step_seconds(prompts: Sequence[tuple[int, int]], cfg: ModelConfig = LLAMA3_8B,
+                         gpu: GPUSpec = H100, dtype_bytes: float = 2) -> float:
+    """Roofline time of one step that prefills each ``(new, cached)`` of ``prompts``: ``new``
+    tokens after ``cached`` ones of the same prompt."""
+    new = sum(n for n, _ in prompts)
+    attended = sum(n * c + n * (n + 1) // 2 for n, c in prompts)
+    cached = sum(c for _, c in prompts)
+    return step_cost_from_totals(cfg, gpu, new, attended, cached, dtype_bytes).time_s
+
+
 def prefill_seconds(new: int, cached: int = 0, cfg: ModelConfig = LLAMA3_8B,
                     gpu: GPUSpec = H100, dtype_bytes: float = 2) -> float:
     """Roofline time of one prefill of ``new`` tokens after ``cached`` ones."""
-    attended = new * cached + new * (new + 1) // 2
-    return step_cost_from_totals(cfg, gpu, new, attended, cached, dtype_bytes).time_s
+    return prefill_step_seconds([(new, cached)], cfg, gpu, dtype_bytes)
+
+
+def _costs(n: int, suffix: int, busy: int, cfg: ModelConfig,
+           gpu: GPUSpec) -> tuple[float, float]:
+    """(load + prefill, recompute) of a prompt of an ``n``-token prefix and ``suffix`` new
+    tokens: what it adds to a step that already prefills ``busy`` tokens of other prompts
+    (0: the prompt runs alone)."""
+    others = [(busy, 0)] if busy else []
+    base = prefill_step_seconds(others, cfg, gpu) if busy else 0.0
+    load = load_seconds(n, cfg, gpu) + prefill_step_seconds([*others, (suffix, n)], cfg, gpu) - base
+    recompute = prefill_step_seconds([*others, (n + suffix, 0)], cfg, gpu) - base
+    return load, recompute
 
 
 def break_even(lengths: Sequence[int] = (16, 64, 128, 256, 512, 1024, 4096, 16384),
                suffix: int = 64, cfg: ModelConfig = LLAMA3_8B,
-               gpu: GPUSpec = H100) -> pd.DataFrame:
+               gpu: GPUSpec = H100, busy: int = 2048) -> pd.DataFrame:
     """A prompt of a ``n``-token prefix and ``suffix`` new tokens, its prefix either loaded
     from the host (copy, then a prefill of the suffix) or recomputed (a prefill of all):
     times in ms and how many times faster loading is (recompute over load + prefill: the
-    suffix's prefill is paid either way)."""
+    suffix's prefill is paid either way), for the prompt alone and, in the last column, for
+    the same prompt joining a step that already prefills ``busy`` tokens of other prompts,
+    where each token it adds is charged at the compute-bound rate."""
     rows = {}
     for n in lengths:
-        load = load_seconds(n, cfg, gpu) + prefill_seconds(suffix, n, cfg, gpu)
-        recompute = prefill_seconds(n + suffix, 0, cfg, gpu)
+        load, recompute = _costs(n, suffix, 0, cfg, gpu)
+        busy_load, busy_recompute = _costs(n, suffix, busy, cfg, gpu)
         rows[n] = {"load + prefill (ms)": 1e3 * load, "recompute (ms)": 1e3 * recompute,
-                   "recompute / (load + prefill)": recompute / load}
+                   "recompute / (load + prefill)": recompute / load,
+                   "same, in a busy step": busy_recompute / busy_load}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("prefix tokens")
 
 
 def break_even_length(suffix: int = 64, cfg: ModelConfig = LLAMA3_8B,
-                      gpu: GPUSpec = H100, limit: int = 1 << 16) -> int:
-    """The shortest prefix whose load-back beats recomputing it (``break_even``'s rule)."""
+                      gpu: GPUSpec = H100, limit: int = 1 << 16, busy: int = 0) -> int:
+    """The shortest prefix whose load-back beats recomputing it (``break_even``'s rule), for
+    the prompt alone or, with ``busy``, in a step that prefills ``busy`` other tokens."""
     for n in range(1, limit):
-        if load_seconds(n, cfg, gpu) + prefill_seconds(suffix, n, cfg, gpu) < prefill_seconds(
-                n + suffix, 0, cfg, gpu):
+        load, recompute = _costs(n, suffix, busy, cfg, gpu)
+        if load < recompute:
             return n
     return limit
 

@@ -27,6 +27,7 @@ __all__ = [
     "BLOCK_SIZE",
     "CACHE_SETTINGS",
     "KEY_TILE",
+    "KEY_TILES",
     "PAGE_SIZES",
     "PREEMPT_SETTINGS",
     "PageRun",
@@ -55,6 +56,10 @@ BLOCK_SIZE = 16
 KEY_TILE = 32
 """Key positions the Triton decode kernel loads at a time (``triton_ops.DECODE_BLOCK_N``)."""
 
+KEY_TILES = (KEY_TILE, 128)
+"""The tiles ``page_run`` counts runs of consecutive slots in: minisrv's decode kernel's, and
+the 128 keys of the Hopper attention kernels' tile at head dimension 128."""
+
 
 class PageRun(NamedTuple):
     """One serving run at one page size, with what the allocator held at every step."""
@@ -72,7 +77,8 @@ class PageRun(NamedTuple):
     outputs: list[list[int]]  # per request, in workload order
     throughput: float  # output tokens per step (CityLM) or per second (simulated GPU)
     loaded_tokens: int  # host tier: prompt tokens copied back instead of computed
-    tile_runs: list[int]  # CityLM: runs of consecutive slots per full tile of key positions
+    tile_runs: dict[int, list[int]]  # by tile width: runs of consecutive slots per full tile
+    # of key positions (``page_run``'s ``tile_every``)
 
 
 def first_requests(workload: Workload, n: int) -> Workload:
@@ -93,11 +99,14 @@ def _empty_slots(engine: Engine) -> tuple[int, int]:
 
 
 def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "none",
-             **options: Any) -> PageRun:
+             tile_every: int | None = None, **options: Any) -> PageRun:
     """Serve ``workload`` on ``backend`` (CityLM or a ``SimBackend``) with pages of
     ``page_size`` tokens; ``options`` are ``EngineConfig``'s (``kv_capacity``,
     ``max_running``, ...). After every step the allocator is read (``_empty_slots``), and
-    each reading is weighted by the step's duration."""
+    each reading is weighted by the step's duration. Every ``tile_every`` steps (default:
+    every step on CityLM, never on the simulated GPU, whose long rows make it costly) the
+    table's rows are cut into tiles of ``KEY_TILES`` and their runs counted; the table is
+    minisrv's own whatever computes the tokens."""
     engine = Engine(backend, page_size=page_size, cache=cache, **options)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in workload.output_lens]
     reqs = engine.make_requests(workload.prompts, None, params, workload.arrivals)
@@ -105,18 +114,26 @@ def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "non
         engine.add_request(req)
     empty = held = holders = 0.0
     table = engine.scheduler.memory.table
-    device_table = getattr(table, "tensor", None) is not None  # the simulated GPU's is not
-    tiles: list[int] = []
+    if tile_every is None:
+        tile_every = 1 if getattr(table, "tensor", None) is not None else 0  # CityLM's only
+    tiles: dict[int, list[int]] = {tile: [] for tile in KEY_TILES}
+    steps = 0
     while (out := engine.step()).record is not None:
+        steps += 1
         slots, n = _empty_slots(engine)
         weight = out.record.duration
         empty += weight * slots
         held += weight * engine.scheduler.memory.kv.used_count
         holders += weight * n
-        if device_table:
+        if tile_every and steps % tile_every == 0:
             for req in engine.scheduler.queues.running:
-                full = req.kv_len // KEY_TILE * KEY_TILE
-                tiles += tile_runs(table.slots(req, 0, full)) if full else []
+                row = table.slots(req, 0, req.kv_len)
+                if len(row) < min(KEY_TILES):
+                    continue
+                breaks = _breaks(row)
+                for tile, counts in tiles.items():
+                    if len(row) >= tile:
+                        counts += _tile_runs(breaks, len(row) // tile, tile)
     metrics = summarize(reqs, engine.trace, engine.max_running)
     stats = engine.stats
     return PageRun(page_size, cache, stats.hit_rate, stats.prefill_tokens,
@@ -161,19 +178,39 @@ def table_sizes(cfg: ModelConfig = LLAMA3_8B, rows: int = 64,
 def tile_runs(slots: Sequence[int], tile: int = KEY_TILE) -> list[int]:
     """For each tile of ``tile`` consecutive positions, how many runs of consecutive slots
     its keys sit in: 1 when the tile is one stretch of the pool, ``tile`` when every key is
-    somewhere else."""
-    runs = []
-    for start in range(0, len(slots), tile):
-        part = np.asarray(slots[start:start + tile])
-        runs.append(1 + int(np.count_nonzero(np.diff(part) != 1)))
+    somewhere else (a last, partial tile counted too)."""
+    if not slots:
+        return []
+    breaks = _breaks(slots)
+    full = len(slots) // tile
+    runs = _tile_runs(breaks, full, tile)
+    if len(slots) > full * tile:
+        runs.append(1 + int(np.count_nonzero(breaks[full * tile:len(slots) - 1])))
     return runs
 
 
+def _breaks(slots: Sequence[int]) -> np.ndarray:
+    """``breaks[i]``: position ``i + 1`` is not the slot after position ``i``'s."""
+    return np.diff(np.asarray(slots, dtype=np.int64)) != 1
+
+
+def _tile_runs(breaks: np.ndarray, tiles: int, tile: int) -> list[int]:
+    """Runs of consecutive slots in each of the first ``tiles`` whole tiles, from ``_breaks``
+    of the row: one plus the breaks inside the tile (a break at a tile's last position
+    separates it from the next tile and is not counted)."""
+    inside = np.zeros(tiles * tile, dtype=bool)
+    n = min(len(breaks), tiles * tile)
+    inside[:n] = breaks[:n]
+    inside = inside.reshape(tiles, tile)
+    return (1 + np.count_nonzero(inside[:, :-1], axis=1)).tolist()
+
+
 def key_runs(runs: Mapping[int, PageRun]) -> pd.DataFrame:
-    """One row per page size of ``runs`` (CityLM runs, by page size): how many runs of
-    consecutive slots a full tile of ``KEY_TILE`` key positions sits in, on average, over the
-    rows of every running request after every step."""
-    rows = {size: {"runs per 32-key tile": float(np.mean(run.tile_runs))}
+    """One row per page size of ``runs`` (``page_run``'s, by page size), a column per tile of
+    ``KEY_TILES``: how many runs of consecutive slots a full tile of that many key positions
+    sits in, on average, over the rows of every running request at the steps it counted."""
+    rows = {size: {f"runs per {tile}-key tile": float(np.mean(counts))
+                   for tile, counts in run.tile_runs.items()}
             for size, run in sorted(runs.items())}
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "page size"

@@ -270,25 +270,20 @@ class HiRadixCache(RadixCache):
 
     @reports_evicted
     def evict(self, n_tokens: int, *, tag: str = "") -> int:
-        """Free at least ``n_tokens`` device slots, least recently used device leaves
-        first: a node with a host copy (``write_back`` makes one now) moves to the host,
-        one without is dropped with its host-only subtree. Returns the slots freed."""
+        """Free at least ``n_tokens`` device slots (returned: the slots freed), LRU device
+        leaves first: one with a host copy moves to the host (``write_back`` copies it now),
+        one without is dropped with its host-only subtree."""
         n_tokens = check_int("evict's token count", n_tokens, minimum=0)
         freed = 0
         while freed < n_tokens and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not self._evictable_leaf(node) or stamp != node.last_access:
                 continue  # stale entry
-            assert isinstance(node, HiTreeNode)
-            parent = node.parent
-            slots = node.value
+            parent, slots = node.parent, node.value
             if node.host_value is None and self.policy == "write_back":
                 self._backup(node)
             if node.host_value is not None:
-                node.value = []
-                self._evictable -= len(node.key)
-                self._shape += 1
-                self._push_host(node)
+                self._move_to_host(node)
             else:
                 self._drop_subtree(node)
                 self._remove_leaf(node)
@@ -298,6 +293,14 @@ class HiRadixCache(RadixCache):
             if parent is not None:
                 self._push(parent)
         return freed
+
+    def _move_to_host(self, node: HiTreeNode) -> None:
+        """``node`` gives up its device slots (the caller frees them) and stays in the tree,
+        on the host only, a candidate for the host's LRU."""
+        node.value = []
+        self._evictable -= len(node.key)
+        self._shape += 1
+        self._push_host(node)
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Free the host copies of ``node``'s descendants (all host-only) and cut them off."""

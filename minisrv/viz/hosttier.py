@@ -1,5 +1,6 @@
 """Drawings of the host-tier chapter: the tree coloured by where each node's KV lives, the
-simulated H100's TTFT and throughput per host tier, and the explorer over the tier's size."""
+simulated H100's table, and the explorer over the tier's size and write policy (hit rate and
+tokens copied to the host)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from minisrv.viz.style import (
 )
 from minisrv.viz.widgets import panel, slider
 
-__all__ = ["TIER_COLORS", "host_size_explorer", "host_size_widget",
-           "plot_sim_tiers", "sim_table_view", "tier_graphviz"]
+__all__ = ["POLICY_COLORS", "TIER_COLORS", "host_size_explorer", "host_size_widget",
+           "plot_tier_sizes", "sim_table_view", "tier_graphviz"]
 
 TIER_COLORS = {
     "device": "white",  # on the device only
@@ -53,24 +54,6 @@ def tier_graphviz(views: Sequence[NodeView], tokenizer: Any = None,
     return dot
 
 
-@styled
-def plot_sim_tiers(table: pd.DataFrame, title: str = "") -> BookFigure:
-    """Mean TTFT and throughput of each (host tier, policy) row of ``sim_tier_table``, as
-    horizontal bars that share one row label ("1M, write_through"; "no tier")."""
-    labels = ["no tier" if policy == "-" else f"{size}, {policy}" for size, policy in table.index]
-    fig, (left, right) = page_figure(0.9 + 0.32 * len(labels), 1, 2, sharey=True)
-    rows = list(range(len(labels)))
-    left.barh(rows, table["mean TTFT (s)"], color="#4c6ef5")
-    right.barh(rows, table["throughput (tok/s)"], color="#37b24d")
-    left.set_yticks(rows, labels)
-    left.invert_yaxis()  # the table's order, top down
-    label_axes(left, "Mean time to first token", "seconds", None)
-    label_axes(right, "Throughput", "output tokens / s", None)
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
 def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
     """``sim_tier_table`` as the page shows it: the hit rate in percent, TTFT to a tenth of a
     second, throughput in whole tokens, token counts in millions to two places, one header
@@ -85,73 +68,113 @@ def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
     return one_header_row(shown)
 
 
+POLICY_COLORS = {"write_through": "#4c6ef5", "write_through_selective": "#37b24d",
+                 "write_back": "#e8590c"}
+
+
+def _run_at(runs: Mapping[tuple[int, str], TierRun], size: int, policy: str) -> TierRun:
+    """The run of (``size``, ``policy``); without a tier the policy means nothing, and
+    ``sim_tier_runs`` serves size 0 under one policy only."""
+    if size == 0:
+        return next(run for (s, _), run in runs.items() if s == 0)
+    return runs[size, policy]
+
+
 @styled
-def plot_tier_sizes(runs: Mapping[int, TierRun], chosen: int | None = None,
+def plot_tier_sizes(runs: Mapping[tuple[int, str], TierRun], sizes: Sequence[int],
+                    policies: Sequence[str], chosen: tuple[int, str] | None = None,
                     history_tokens: int = 0) -> BookFigure:
-    """Hit rate and mean time to first token against the host tier's size, one point per run
-    of ``runs`` (size -> run), ``chosen`` ringed; ``history_tokens``, when given, marks what
+    """Hit rate and tokens copied to the host against the host tier's size, a line per write
+    policy (``runs`` keyed (size, policy), as ``sim_tier_runs`` returns them), the chosen
+    policy's line bold and its chosen size ringed; ``history_tokens``, when given, marks what
     the chats' histories hold at the end, past which a larger tier has nothing more to keep."""
-    sizes = sorted(runs)
     fig, (left, right) = page_figure(3.2, 1, 2)
     k = [size / 1e3 for size in sizes]
-    for ax, values, color in ((left, [100 * runs[s].hit_rate for s in sizes], "#4c6ef5"),
-                              (right, [runs[s].mean_ttft for s in sizes], "#e8590c")):
-        ax.plot(k, values, "o-", color=color)
-        if chosen is not None:
-            at = sizes.index(chosen)
-            ax.plot(k[at], values[at], "o", ms=13, mfc="none", mec="black", mew=1.5,
+    for policy in policies:
+        on = chosen is None or policy == chosen[1]
+        line = {"color": POLICY_COLORS.get(policy, "0.3"), "lw": 2.2 if on else 1.0,
+                "alpha": 1.0 if on else 0.45, "ms": 5 if on else 3, "label": policy}
+        at = [_run_at(runs, size, policy) for size in sizes]
+        left.plot(k, [100 * run.hit_rate for run in at], "o-", **line)
+        right.plot(k, [run.backed_up_tokens / 1e6 for run in at], "o-", **line)
+    if chosen is not None:
+        size, policy = chosen
+        run = _run_at(runs, size, policy)
+        for ax, value in ((left, 100 * run.hit_rate), (right, run.backed_up_tokens / 1e6)):
+            ax.plot(size / 1e3, value, "o", ms=13, mfc="none", mec="black", mew=1.5,
                     clip_on=False)  # the ring at size 0 sits on the axis
+    for ax in (left, right):
         if history_tokens:
             ax.axvline(history_tokens / 1e3, color="0.4", ls="--", lw=1)
         ax.set_xlim(left=-0.03 * max(k[-1], 1))  # room for the point at size 0
         ax.set_ylim(bottom=0)
     left.set_ylim(0, 100)
     label_axes(left, "Hit rate", "host tier (thousand tokens)", "% of prompt tokens")
-    label_axes(right, "Mean time to first token", "host tier (thousand tokens)", "seconds")
+    label_axes(right, "Copied to the host", "host tier (thousand tokens)", "million tokens")
+    left.legend(loc="upper left", fontsize="small", frameon=False)
     if history_tokens:
-        right.text(history_tokens / 1e3, right.get_ylim()[1] * 0.95, " final histories",
-                   color="0.3", va="top", fontsize="small")
+        left.text(history_tokens / 1e3, 4, " final histories", color="0.3", fontsize="small")
     return fig
 
 
-def _frame(size: int, runs: Mapping[int, TierRun], history_tokens: int = 0) -> Frame:
-    run = runs[size]
-    numbers = {"host tier (tokens)": size, "hit rate": run.hit_rate,
-               "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput}
-    return Frame([plot_tier_sizes(runs, size, history_tokens)], numbers,
-                 caption=f"host tier of {size:,} tokens: {run.hit_rate:.1%} of prompt tokens "
-                         f"hit, mean TTFT {run.mean_ttft:.1f} s, "
-                         f"{run.throughput:,.0f} tokens/s")
+def _frame(size: int, policy: str, runs: Mapping[tuple[int, str], TierRun],
+           sizes: Sequence[int], policies: Sequence[str], history_tokens: int = 0) -> Frame:
+    run = _run_at(runs, size, policy)
+    numbers = {"host tier (tokens)": size, "policy": policy, "hit rate": run.hit_rate,
+               "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput,
+               "backed up (tokens)": run.backed_up_tokens}
+    tier = f"host tier of {size:,} tokens, {policy}" if size else "no host tier"
+    return Frame([plot_tier_sizes(runs, sizes, policies, (size, policy), history_tokens)],
+                 numbers,
+                 caption=f"{tier}: {run.hit_rate:.1%} of prompt tokens hit, "
+                         f"{run.backed_up_tokens / 1e6:.2f}M tokens copied to the host, "
+                         f"mean TTFT {run.mean_ttft:.1f} s, {run.throughput:,.0f} tokens/s")
 
 
-def host_size_explorer(workload: Any, sizes: Sequence[int], runs: Mapping[int, TierRun] | None
-                       = None, start: int = 0, history_tokens: int = 0,
+def host_size_explorer(workload: Any, sizes: Sequence[int],
+                       policies: Sequence[str] = ("write_through",),
+                       runs: Mapping[tuple[int, str], TierRun] | None = None,
+                       start: tuple[str, int] | None = None, history_tokens: int = 0,
                        **options: Any) -> Explorer:
-    """The simulated chats (``sim_tier_run``, write-through) for every host tier size of
-    ``sizes``: each state draws the hit rate and TTFT of every size (``plot_tier_sizes``) with
-    its own ringed. ``runs``: sizes already served (reused); the rest are served first, since
-    every frame draws them all."""
+    """The simulated chats (``sim_tier_run``) for every write policy of ``policies`` and
+    host tier size of ``sizes``: each state draws the hit rate and the tokens copied to the
+    host of every (size, policy) (``plot_tier_sizes``), its own ringed. The size control
+    counts thousands of tokens (its values are ``size // 1000``). ``runs``: (size, policy)
+    pairs already served (reused); the rest are served first, since every frame draws them
+    all. ``start``: the (policy, size) shown first (default: the first of each)."""
     done = dict(runs or {})
     for size in sizes:
-        if size not in done:
-            done[size] = sim_tier_run(workload, size, **options)
-    shown = {size: done[size] for size in sizes}
+        for policy in policies[:1] if size == 0 else policies:
+            if (size, policy) not in done and not (size == 0 and any(s == 0 for s, _ in done)):
+                done[size, policy] = sim_tier_run(workload, size, policy, **options)
+    first_policy, first_size = start or (policies[0], sizes[0])
 
-    def draw(size: int) -> Frame:
-        return _frame(size, shown, history_tokens)
+    def draw(size: int, policy: str = first_policy) -> Frame:
+        return _frame(size * 1000, policy, done, sizes, policies, history_tokens)
 
-    return explorer(draw, [("size", "host tier (tokens)", list(sizes), start)],
-                    live=lambda: host_size_widget(workload, start, **options))
+    choose = [("policy", "write policy", list(policies), first_policy)] if len(policies) > 1 else []
+    controls = [*choose, ("size", "host tier (thousand tokens)", [s // 1000 for s in sizes],
+                          first_size // 1000)]  # a menu of one policy would choose nothing
+    return explorer(draw, controls,
+                    live=lambda: host_size_widget(workload, first_size, first_policy, **options))
 
 
-def host_size_widget(workload: Any, size: int = 0, **options: Any) -> Any:
-    """A slider over the host tier's size; each change serves the chats again (a kernel)."""
+def host_size_widget(workload: Any, size: int = 0, policy: str = "write_through",
+                     **options: Any) -> Any:
+    """A slider over the host tier's size and a choice of write policy; each change serves
+    the chats again (a kernel)."""
+    import ipywidgets as widgets
     from IPython.display import display
 
-    def redraw(size: int) -> None:
-        frame = _frame(size, {size: sim_tier_run(workload, size, **options)})
+    from minisrv.kv.host import HOST_POLICIES
+
+    def redraw(size: int, policy: str) -> None:
+        runs = {(size, policy): sim_tier_run(workload, size, policy, **options)}
+        frame = _frame(size, policy, runs, [size], [policy])
         display(frame.parts[0])
         print(frame.caption)
 
     return panel(redraw, {"size": slider(size, 0, 4_000_000, "host tier (tokens)",
-                                         step=250_000)})
+                                         step=250_000),
+                          "policy": widgets.Dropdown(options=list(HOST_POLICIES), value=policy,
+                                                     description="write policy")})

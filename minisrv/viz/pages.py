@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import pandas as pd
 from matplotlib.patches import Patch
 
 from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
@@ -14,7 +13,7 @@ from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 
-__all__ = ["CACHE_COLORS", "page_explorer", "page_widget", "plot_occupancy", "plot_page_state",
+__all__ = ["CACHE_COLORS", "page_explorer", "page_widget", "plot_page_state",
            "plot_trace_hits"]
 
 CACHE_COLORS = {"radix": "#4c6ef5", "blocks": "#e8590c"}
@@ -29,22 +28,6 @@ def _page_axis(ax: Any, sizes: Sequence[int], chosen: int | None = None) -> None
     if chosen is not None:
         at = list(sizes).index(chosen)
         ax.axvspan(at - 0.45, at + 0.45, color="#fff3bf", zorder=0)
-
-
-@styled
-def plot_occupancy(table: pd.DataFrame, title: str = "") -> BookFigure:
-    """The share of handed-out slots that hold no token, per page size (``occupancy_table``).
-    The mean batch, a few percent apart, stays in the table: bars from zero would hide it."""
-    sizes = list(table.index)
-    fig, ax = page_figure(2.6)
-    x = range(len(sizes))
-    bars = ax.bar(x, table["empty slots (%)"], color="#868e96")
-    ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    _page_axis(ax, sizes)
-    label_axes(ax, "Slots handed out, holding no token", "page size (tokens)", "%")
-    if title:
-        fig.suptitle(title, x=0.02, ha="left")
-    return fig
 
 
 @styled
@@ -143,12 +126,14 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                  for s in sizes) for cache in ("tree", "blocks")}
         empty = ", ".join(f"{numbers[f'empty slots (tree), pages of {s}']:.1%}"
                           for s in sizes)
+        batch = ", ".join(f"{numbers[f'mean batch (tree), pages of {s}']:.1f}" for s in sizes)
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens")],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
                              f"{', '.join(map(str, sizes))}: the tree hits {hits['tree']} "
                              f"of prompt tokens, the block cache {hits['blocks']}; {empty} "
-                             "of handed-out slots hold no token")
+                             f"of handed-out slots hold no token; the tree runs {batch} "
+                             "requests per step")
 
     choose = [("workload", "workload", names, first[0])] if len(names) > 1 else []
     return explorer(draw, [*choose, ("pool", "pool (tokens)", list(pools), first[1])],
