@@ -25,6 +25,28 @@ def test_the_sim_explorer_shows_each_setting_s_own_run_and_starts_at_the_chapter
         rate=64.0, max_running=64)["throughput"]
 
 
+def test_every_state_of_the_sim_explorer_is_drawn_on_the_same_axes(monkeypatch) -> None:
+    """Switching states must move the curves, not the scales: a cap of 16 beside one of 64
+    had drawn "running requests" from 0 to 16 in one state and to 70 in the next."""
+    seen = []
+    real = dashboard.plot_sim_run
+
+    def spy(run, setting, same_axes_as=()):
+        fig = real(run, setting, same_axes_as)
+        seen.append([(ax.get_xlim(), ax.get_ylim()) for ax in fig.axes])
+        return fig
+
+    monkeypatch.setattr(dashboard, "plot_sim_run", spy)
+    ex = dashboard.sim_explorer(rates=(8, 64), caps=(16, 64), n=40)
+    assert len(seen) == 4 and all(limits == seen[0] for limits in seen)
+    # each state's own numbers say whether its queue ever stood
+    run = SimSetting(64.0, max_running=16, n=40).run()
+    bound = ex.metrics(rate=64.0, max_running=16)
+    assert bound["peak_waiting"] == max(step.queued for step in run.trace) > 0
+    assert bound["peak_running"] == 16 and 0 < bound["waiting_share"] < 1
+    assert ex.metrics(rate=8.0, max_running=64)["waiting_share"] == 0
+
+
 def test_a_state_whose_smaller_cap_never_held_anyone_back_is_that_run_exactly() -> None:
     """The explorer takes such states from the smaller cap's run instead of simulating
     them: they must equal a fresh simulation in every step, request and metric."""
@@ -136,3 +158,37 @@ def test_the_rate_sweep_draws_the_doubling_rates_on_a_log2_axis() -> None:
     fig = plot_rate_sweep(rate_sweep(rates=(8, 16, 32), modes=("prefill-first",), n=30))
     assert all(ax.get_xscale() == "log" for ax in fig.axes)
     assert [t.get_text() for t in fig.axes[2].get_xticklabels()] == ["8", "16", "32"]
+
+
+def test_throughput_at_latency_reads_between_the_rates_that_enclose_the_target() -> None:
+    """Interpolated in the logarithm of the latency: halfway (geometrically) from 1 s to
+    4 s is 2 s, so 2 s reads halfway between the two throughputs."""
+    import pandas as pd
+    import pytest
+
+    from minisrv.experiments.scheduler import throughput_at_latency
+
+    sweep = pd.DataFrame({"rate": [32.0, 8.0, 16.0], "mode": ["m"] * 3,
+                          "mean_latency": [16.0, 1.0, 4.0],
+                          "throughput": [3000.0, 1000.0, 2000.0]})
+    assert throughput_at_latency(sweep, "m", 2.0) == pytest.approx(1500.0)
+    assert throughput_at_latency(sweep, "m", 8.0) == pytest.approx(2500.0)
+    assert throughput_at_latency(sweep, "m", 1.0) == pytest.approx(1000.0)
+    assert throughput_at_latency(sweep, "m", 100.0) == 3000.0  # never reached: the last
+    with pytest.raises(ValueError):
+        throughput_at_latency(sweep, "m", 0.5)  # even the lowest rate waits longer
+
+
+def test_the_latency_throughput_figure_marks_each_mode_where_it_meets_the_target() -> None:
+    import pandas as pd
+
+    from minisrv.experiments.scheduler import throughput_at_latency
+    from minisrv.viz.timeline import plot_latency_throughput
+
+    sweep = pd.DataFrame({"rate": [8.0, 16.0, 8.0, 16.0], "mode": ["static"] * 2 + ["mixed"] * 2,
+                          "mean_latency": [4.0, 30.0, 1.0, 9.0],
+                          "throughput": [1500.0, 2200.0, 1600.0, 3100.0]})
+    fig = plot_latency_throughput(sweep, 4.0)
+    marks = [line for line in fig.axes[0].lines if line.get_marker() == "D"]
+    assert [tuple(m.get_xydata()[0]) for m in marks] == [
+        (throughput_at_latency(sweep, mode, 4.0), 4.0) for mode in ("static", "mixed")]

@@ -6,7 +6,8 @@ tuples or DataFrames; ``minisrv.viz`` only draws them. A reader can re-run any o
 larger than the chapter does by passing other arguments.
 
 * ``overview`` (the server at a glance): a few requests through the engine, step by step;
-* ``scheduler`` (the scheduler loop): ``rate_runs`` and ``rate_sweep`` on the simulated GPU;
+* ``scheduler`` (the scheduler loop): ``rate_runs`` and ``rate_sweep`` on the simulated GPU,
+  ``throughput_at_latency`` read off a sweep;
 * ``chunked`` (chunked prefill): ``spike_run`` and ``chunk_sweep`` on the simulated GPU;
 * ``batching`` (selective batching): flat against separate forwards, the engine against
   each request alone, each request's outputs alone (``alone_outputs``), KV pool sweeps;
@@ -47,6 +48,7 @@ _PUBLIC = {
     "rate_runs": "scheduler",
     "rate_sweep": "scheduler",
     "sweep_table": "scheduler",
+    "throughput_at_latency": "scheduler",
     "CHUNK_SIZES": "chunked",
     "LLAMA3_8B_LONG": "chunked",
     "SGLANG_DEFAULT": "chunked",

@@ -3,8 +3,10 @@ each batching mode, on the simulated GPU.
 
 ``rate_runs`` keeps every run (a figure such as the chapter's dashboard needs the trace, not
 only the metrics); ``sweep_table`` reads one row of metrics from each, and ``rate_sweep`` is
-the two together. The default grid takes a few seconds; a reader can pass more rates, more
-requests or other seeds. Progress bars are off unless ``progress=True``.
+the two together; ``throughput_at_latency`` reads the sweep the way ORCA states its result, as
+the throughput a mode sustains at a given latency. The default grid takes a few seconds; a
+reader can pass more rates, more requests or other seeds. Progress bars are off unless
+``progress=True``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS, gpu_scale
 if TYPE_CHECKING:  # imported where a table is made: a run needs neither pandas nor tqdm
     import pandas as pd
 
-__all__ = ["SimSetting", "rate_runs", "rate_sweep", "sweep_table"]
+__all__ = ["SimSetting", "rate_runs", "rate_sweep", "sweep_table", "throughput_at_latency"]
 
 
 class SimSetting(NamedTuple):
@@ -75,3 +77,28 @@ def rate_sweep(rates: Sequence[float] = (8, 16, 32, 64),
     admission, as in the scheduler-loop chapter): one row per (rate, mode) with the run's
     metrics. Pass more rates, more requests or other seeds to explore."""
     return sweep_table(rate_runs(rates, modes, n, max_running, output_cv, seed, progress))
+
+
+def throughput_at_latency(sweep: pd.DataFrame, mode: str, latency: float) -> float:
+    """The throughput at which ``mode``'s mean latency reaches ``latency`` (seconds), read off
+    ``sweep`` (``sweep_table``) between the two arrival rates whose latencies enclose it.
+
+    Latency grows with the rate, and it grows geometrically once the queue builds, so the
+    reading interpolates throughput linearly in the logarithm of the latency. A target that
+    the mode's lowest rate already exceeds has no answer here (``ValueError``: sweep lower
+    rates); one that its highest rate stays under gives that rate's throughput, the most the
+    sweep shows (a lower bound).
+    """
+    import numpy as np
+
+    rows = sweep[sweep["mode"] == mode].sort_values("rate")
+    lat, tput = rows["mean_latency"].to_numpy(), rows["throughput"].to_numpy()
+    if not len(lat) or lat[0] > latency:
+        raise ValueError(f"{mode}'s lowest rate already waits longer than {latency} s")
+    above = np.flatnonzero(lat > latency)
+    if not above.size:
+        return float(tput[-1])
+    hi = above[0]
+    lo = hi - 1
+    share = (np.log(latency) - np.log(lat[lo])) / (np.log(lat[hi]) - np.log(lat[lo]))
+    return float(tput[lo] + share * (tput[hi] - tput[lo]))

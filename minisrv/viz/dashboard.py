@@ -12,6 +12,7 @@ well at that size.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.ticker import MaxNLocator
@@ -26,21 +27,51 @@ from minisrv.viz.timeline import MODE_COLORS, MODE_LABELS
 from minisrv.viz.widgets import panel, slider
 from minisrv.workloads import GPU_SCALE_BATCH_CAP, GPU_SCALE_REQUESTS
 
-__all__ = ["EXPLORER_CAPS", "EXPLORER_RATES", "EXPLORER_REQUESTS", "plot_sim_run", "sim_dashboard",
-           "sim_explorer", "sim_widget"]
+__all__ = ["EXPLORER_CAPS", "EXPLORER_RATES", "EXPLORER_REQUESTS", "RunAxes", "plot_sim_run",
+           "sim_dashboard", "sim_explorer", "sim_widget"]
+
+
+LATENCY_BINS = 40
+"""Bars of the latency histogram, over the span the shared axes give it."""
+
+
+class RunAxes(NamedTuple):
+    """The axis spans that fit every one of a set of runs (``RunAxes.of``): figures drawn with
+    the same ``RunAxes`` compare at a glance instead of by their tick labels."""
+
+    duration: float  # simulated seconds until the last step ends
+    holding: int  # requests holding a slot (the largest cap counts too)
+    queued: int  # requests waiting
+    latency: float  # the longest latency
+    tallest: int  # the tallest bar of a latency histogram
+
+    @classmethod
+    def of(cls, runs: Sequence[RunResult]) -> RunAxes:
+        """The spans that fit all of ``runs`` (each trace read once)."""
+        longest = max(q.latency for r in runs for q in r.requests)
+        return cls(
+            duration=max(r.trace[-1].start + r.trace[-1].duration for r in runs),
+            holding=max(max([r.max_running, *(s.batch_size + len(s.paused) for s in r.trace)])
+                        for r in runs),
+            queued=max(1, *(s.queued for r in runs for s in r.trace)),
+            latency=longest,
+            tallest=max(int(np.histogram([q.latency for q in r.requests], bins=LATENCY_BINS,
+                                         range=(0, longest))[0].max()) for r in runs))
 
 
 @styled
 def plot_sim_run(run: RunResult, setting: SimSetting,
-                 same_axes_as: Sequence[RunResult] = ()) -> BookFigure:
+                 same_axes_as: Sequence[RunResult] | RunAxes = ()) -> BookFigure:
     """One GPU-scale run: requests holding a slot and requests waiting over time (left), the
     latencies (right); ``setting`` is what produced ``run`` (its rate and spread label it).
 
-    ``same_axes_as``: other runs to be set beside this one; every axis then spans what all of
-    them need, so two modes' figures compare at a glance instead of by their tick labels.
+    ``same_axes_as``: other runs to be set beside this one, or the ``RunAxes`` of a set of runs
+    already worked out (the explorer's 25 states share one); every axis then spans what all
+    of them need, so two modes' figures compare at a glance instead of by their tick labels.
     """
     m, mode, cap = run.metrics, run.mode, run.max_running
-    every = [run, *same_axes_as]
+    spans = (same_axes_as if isinstance(same_axes_as, RunAxes)
+             else RunAxes.of([run, *same_axes_as]))
     fig, (left, right) = page_figure(height_in=4.4, cols=2, width_ratios=[1.5, 1])
     times = [s.start for s in run.trace]
     holding = [s.batch_size + len(s.paused) for s in run.trace]
@@ -58,26 +89,23 @@ def plot_sim_run(run: RunResult, setting: SimSetting,
     queue.grid(False)
     # Both counts start at zero with headroom above their peaks, so neither curve runs into
     # the frame (a twin axis otherwise autoscales its peak onto the top edge).
-    left.set_ylim(0, max(max([r.max_running, *(s.batch_size + len(s.paused) for s in r.trace)])
-                         for r in every) * 1.1)
-    queue.set_ylim(0, max(1, *(s.queued for r in every for s in r.trace)) * 1.1)
+    left.set_ylim(0, spans.holding * 1.1)
+    queue.set_ylim(0, spans.queued * 1.1)
     for axis in (left.yaxis, queue.yaxis):
         axis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
     # The y-labels sit at fixed distances from their axes, room enough for three-digit
     # ticks: an explorer lays every state out as its first, and a cap of 256 beside a first
     # state's cap of 64 had pushed "running requests" off the figure's edge.
     left.yaxis.set_label_coords(-0.11, 0.5)
-    queue.yaxis.set_label_coords(1.11, 0.5)
-    left.set_xlim(0, max(r.trace[-1].start + r.trace[-1].duration for r in every) * 1.02)
+    # four-digit queues (static batching's) need a step further out than three-digit ones
+    queue.yaxis.set_label_coords(1.11 if spans.queued * 1.1 < 1000 else 1.14, 0.5)
+    left.set_xlim(0, spans.duration * 1.02)
     latency = np.array([r.latency for r in run.requests])
-    longest = max(q.latency for r in every for q in r.requests)
-    right.hist(latency, bins=40, range=(0, longest), color=color)
+    right.hist(latency, bins=LATENCY_BINS, range=(0, spans.latency), color=color)
     right.axvline(m.mean_latency, color="black", lw=1, label=f"mean {m.mean_latency:.1f} s")
     right.axvline(m.p99_latency, color="black", ls="--", lw=1, label=f"p99 {m.p99_latency:.1f} s")
-    right.set_xlim(0, longest * 1.02)
-    tallest = max(np.histogram([q.latency for q in r.requests], bins=40, range=(0, longest))[0]
-                  .max() for r in every)
-    right.set_ylim(0, tallest * 1.05)
+    right.set_xlim(0, spans.latency * 1.02)
+    right.set_ylim(0, spans.tallest * 1.05)
     right.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of requests
     right.yaxis.set_label_coords(-0.16, 0.5)
     label_axes(right, f"{m.throughput:,.0f} tok/s", "latency (s)", "requests")
@@ -181,24 +209,40 @@ def sim_explorer(
     Each state is one run of ``n`` requests (``SimSetting.run``, the code of the dashboard
     and of ``sim_widget``) at the output spread given. ``runs``: runs already made (the
     chapter's figure of the default state), found by their setting; any other state is
-    simulated here. The kernel face is ``sim_widget``, which also moves the spread and the
-    mode and serves the chapter's 2,000 requests.
+    simulated here. All states share their axes (``RunAxes``). Each state's numbers add the
+    most requests that held a slot and that waited at once, and the share of its steps' time
+    after which someone still waited: what tells a cap that binds from one that does not.
+    The kernel face is ``sim_widget``, which also moves the spread and the mode and serves
+    the chapter's 2,000 requests.
     """
     runs = {} if runs is None else runs
     modes = [mode] if modes is None else list(modes)
 
+    # Every state is simulated before any is drawn, so that all of them share their axes
+    # (RunAxes): switching states then moves the curves, never the scales under them.
     made = dict(runs)
+    for each_mode in modes:
+        for cap in sorted(caps):  # a smaller cap's unhindered run serves the larger ones
+            for each_rate in rates:
+                setting = SimSetting(float(each_rate), each_mode, int(cap), output_cv, n, seed)
+                if setting not in made:
+                    made[setting] = unhindered_run(made, setting) or setting.run()
+    spans = RunAxes.of([made[SimSetting(float(r), md, int(c), output_cv, n, seed)]
+                        for md in modes for c in caps for r in rates])
 
     def draw(rate: float, max_running: int, mode: str = mode) -> Frame:
         setting = SimSetting(rate, mode, max_running, output_cv, n, seed)
-        if setting not in made:
-            made[setting] = unhindered_run(made, setting) or setting.run()
         run = made[setting]
         m, label = run.metrics, MODE_LABELS.get(mode, mode)
-        return Frame([plot_sim_run(run, setting)],
+        queued = [step.queued for step in run.trace]
+        queued_time = sum(step.duration for step in run.trace if step.queued)
+        return Frame([plot_sim_run(run, setting, same_axes_as=spans)],
                      {"throughput": m.throughput, "mean_batch": m.mean_batch,
                       "mean_latency": m.mean_latency, "p99_latency": m.p99_latency,
-                      "mean_ttft": m.mean_ttft, "steps": m.steps},
+                      "mean_ttft": m.mean_ttft, "steps": m.steps,
+                      "peak_running": max(s.batch_size + len(s.paused) for s in run.trace),
+                      "peak_waiting": max(queued),
+                      "waiting_share": queued_time / sum(s.duration for s in run.trace)},
                      caption=f"{label[0].upper()}{label[1:]} at {rate:g} requests/s, batch cap "
                              f"{max_running}: {m.throughput:,.0f} tokens/s, mean latency "
                              f"{m.mean_latency:.1f} s.")

@@ -282,6 +282,48 @@ def plot_rate_sweep(sweep: pd.DataFrame) -> BookFigure:
     return fig
 
 
+@styled
+def plot_latency_throughput(sweep: pd.DataFrame, target: float) -> BookFigure:
+    """Mean latency against throughput from a rate sweep (``sweep_table``): one curve per mode,
+    a point per arrival rate, and a latency ``target`` (seconds). Where a curve crosses the
+    target is the throughput its mode sustains at that latency (``throughput_at_latency``),
+    the form in which ORCA states its gain; each crossing is marked."""
+    from minisrv.experiments.scheduler import throughput_at_latency
+
+    fig, ax = page_figure(height_in=3.8)
+    ax.axhline(target, color="black", ls="--", lw=1, label=f"latency target {target:.1f} s")
+    # A point's rate is written beside it unless an earlier label sits close by: past its
+    # saturation static batching piles its points up at one throughput.
+    span_x = np.ptp(sweep["throughput"]) or 1.0
+    span_y = np.ptp(np.log10(sweep["mean_latency"])) or 1.0
+    labelled: list[tuple[float, float]] = []
+    for mode, group in sweep.groupby("mode", sort=False):
+        group = group.sort_values("rate")
+        color = MODE_COLORS.get(mode)
+        ax.plot(group["throughput"], group["mean_latency"], "o-", color=color,
+                label=MODE_LABELS.get(mode, mode))
+        for rate, x, y in zip(group["rate"], group["throughput"], group["mean_latency"],
+                              strict=True):
+            here = (x / span_x, np.log10(y) / span_y)
+            if any(abs(here[0] - a) < 0.06 and abs(here[1] - b) < 0.08 for a, b in labelled):
+                continue
+            labelled.append(here)
+            ax.annotate(f"{rate:g}/s", (x, y), textcoords="offset points", xytext=(5, -11),
+                        fontsize=FONT_SIZES["ticks"], color=color)
+        at = throughput_at_latency(sweep, mode, target)
+        ax.plot([at], [target], "D", ms=8, mfc="white", mec=color, mew=2)
+        ax.annotate(f"{at:,.0f} tok/s", (at, target), textcoords="offset points",
+                    xytext=(6, 6), fontsize=FONT_SIZES["ticks"], color=color)
+    ax.set_yscale("log")
+    plain_log_ticks(ax)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+    label_axes(ax, None, "throughput (output tokens/s)", "mean latency (s)")
+    legend_below(fig, ncol=3)
+    fig.suptitle("The rate sweep as latency against throughput (a point per arrival rate)",
+                 x=0.02, ha="left")
+    return fig
+
+
 def itl_points(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
     """(time of token, gap since the request's previous token) for every decoded token."""
     times, gaps = [], []
