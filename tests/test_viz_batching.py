@@ -23,38 +23,43 @@ def pool_case(citylm):
 def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
     model, work, ref = pool_case
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
-    capacities = (smallest, 3 * smallest)
+    capacities, ratios = (smallest, 3 * smallest), (0.0, 0.7)
     kept = run_pool(model, work, ref, capacity=smallest, max_running=2)  # the chapter's figure
     ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=capacities,
-                          caps=(1, 2, 5), max_running=2, runs=[kept])
-    assert ex.default == {"capacity": smallest, "max_running": 2}
+                          caps=(1, 2, 5), max_running=2, ratios=ratios, runs=[kept])
+    assert ex.default == {"capacity": smallest, "max_running": 2, "ratio": 0.7}
     for capacity in capacities:
         for cap in (1, 2, 5):
-            run = run_pool(model, work, ref, capacity=capacity, max_running=cap)
-            stats = run.engine.stats
-            state = ex.metrics(capacity=capacity, max_running=cap)
-            assert (state["steps"], state["retractions"], state["recomputed_tokens"]) == (
-                stats.steps, stats.retractions, stats.wasted_tokens)
-            assert state["requests_checked"] == len(work.prompts)
-            assert state["peak_running"] <= cap
-            decodes = [len(s.decode) for s in run.engine.trace if s.decode]
-            assert state["mean_decode_batch"] == pytest.approx(sum(decodes) / len(decodes))
-            assert 1 <= state["mean_decode_batch"] <= cap
+            for ratio in ratios:
+                run = run_pool(model, work, ref, capacity=capacity, max_running=cap, ratio=ratio)
+                stats = run.engine.stats
+                state = ex.metrics(capacity=capacity, max_running=cap, ratio=ratio)
+                assert (state["steps"], state["retractions"], state["recomputed_tokens"]) == (
+                    stats.steps, stats.retractions, stats.wasted_tokens)
+                assert state["requests_checked"] == len(work.prompts)
+                assert state["peak_running"] <= cap
+                decodes = [len(s.decode) for s in run.engine.trace if s.decode]
+                assert state["mean_decode_batch"] == pytest.approx(sum(decodes) / len(decodes))
+                assert 1 <= state["mean_decode_batch"] <= cap
     # one at a time takes a step per token; a roomy pool with room for all takes fewer
-    assert (ex.metrics(capacity=3 * smallest, max_running=5)["steps"]
-            < ex.metrics(capacity=3 * smallest, max_running=1)["steps"])
+    assert (ex.metrics(capacity=3 * smallest, max_running=5, ratio=0.7)["steps"]
+            < ex.metrics(capacity=3 * smallest, max_running=1, ratio=0.7)["steps"])
+    # the tight pool at a ratio of 0 admits more boldly and retracts at least as often
+    tight = {r: ex.metrics(capacity=smallest, max_running=5, ratio=r) for r in ratios}
+    assert tight[0.0]["retractions"] >= tight[0.7]["retractions"]
 
 
-def test_a_run_of_another_ratio_is_refused(pool_case) -> None:
+def test_a_run_of_another_ratio_or_decay_is_refused(pool_case) -> None:
     model, work, ref = pool_case
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
-    other = run_pool(model, work, ref, capacity=smallest, ratio=0.1)
-    with pytest.raises(ValueError, match="initial ratio 0.7 and decay 0.01"):
-        vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
-                         caps=(8,), runs=[other])
+    for other in (run_pool(model, work, ref, capacity=smallest, ratio=0.1),
+                  run_pool(model, work, ref, capacity=smallest, decay=0.001)):
+        with pytest.raises(ValueError, match=r"decay 0.01 and an initial ratio among \[0.7\]"):
+            vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
+                             caps=(8,), ratios=(0.7,), runs=[other])
 
 
-def test_the_explorer_starts_at_the_chapter_s_figure() -> None:
+def test_the_explorer_and_its_widget_start_at_the_same_state() -> None:
     import inspect
 
     figure = inspect.signature(vb.pool_widget).parameters
@@ -63,6 +68,7 @@ def test_the_explorer_starts_at_the_chapter_s_figure() -> None:
         assert page[name].default == figure[name].default
     assert figure["capacity"].default in vb.POOL_CAPACITIES
     assert figure["max_running"].default in vb.POOL_CAPS
+    assert figure["ratio"].default in vb.POOL_RATIOS
 
 
 def test_a_state_whose_tokens_differ_stops_the_build(pool_case) -> None:
@@ -72,7 +78,7 @@ def test_a_state_whose_tokens_differ_stops_the_build(pool_case) -> None:
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     with pytest.raises(AssertionError, match="identical to each request alone: 4 of 5"):
         vb.pool_explorer(model, work, wrong, capacity=smallest, capacities=(smallest,),
-                         caps=(8,))
+                         caps=(8,), max_running=8, ratios=(0.7,))
 
 
 def test_a_pool_too_small_for_a_request_is_refused_before_any_run(pool_case) -> None:
@@ -80,7 +86,7 @@ def test_a_pool_too_small_for_a_request_is_refused_before_any_run(pool_case) -> 
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     with pytest.raises(ValueError, match=f"choose capacities >= {smallest}"):
         vb.pool_explorer(model, work, ref, capacity=smallest - 1,
-                         capacities=(smallest - 1, smallest), caps=(8,))
+                         capacities=(smallest - 1, smallest), caps=(8,), max_running=8)
 
 
 def test_figure_titles_name_no_machine_and_count_in_the_singular(pool_case) -> None:
@@ -109,7 +115,11 @@ def test_every_state_goes_through_the_pages_check_and_captions_show_values(pool_
         seen.append(what)
 
     ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
-                          caps=(1, 2), max_running=2, check=check)
-    assert sorted(seen) == [f"pool explorer, pool {smallest}, cap {c}" for c in (1, 2)]
+                          caps=(1, 2), max_running=2, ratios=(0.7,), check=check)
+    assert sorted(seen) == [f"pool explorer, pool {smallest}, cap {c}, ratio 0.7"
+                            for c in (1, 2)]
     assert "identical" not in ex.html and " of 5" not in ex.html
-    assert "tokens recomputed, peak" in ex.html
+    # the caption adds what the figure's title (steps, retractions, recomputed) leaves out
+    state = ex.metrics(capacity=smallest, max_running=2, ratio=0.7)
+    assert f"Mean decode batch {state['mean_decode_batch']:.2f} requests; peak" in ex.html
+    assert "tokens recomputed, peak" not in ex.html

@@ -209,13 +209,11 @@ class CityLM(nn.Module):
 
         All new tokens form one [T_total, d] matrix, so embeddings, norms, projections, the
         MLP and the LM head each run once for the whole step. Only attention is per request:
-        each token is rotated by its own position, its K/V are written to its request's
-        slot in ``pool``, and it attends to its own request's slots (``attention="loop"``:
-        one call per request; ``"padded"``: one masked call for all; ``"flex"``: one ragged
-        call for all; which one a device should run is the runner's choice,
-        ``minisrv.runner.attention``'s ``"auto"``). Returns logits
-        [T_total, vocab], or [requests, vocab] for each request's last token with
-        ``last_only`` (all a decoder needs). Checks run before the pool is written.
+        each token is rotated by its own position, its K/V are written to its request's slot
+        in ``pool``, and it attends to its own request's slots (``"loop"``: a call per
+        request; ``"padded"``, ``"flex"``: one for all; ``minisrv.runner.attention`` picks
+        per device). Returns logits [T_total, vocab], or with ``last_only`` [requests, vocab]
+        for each request's last token. Checks run before the pool is written.
         """
         batch = batch.to(self.device)
         self.check_flat(batch, pool, attention)

@@ -169,7 +169,7 @@ class BatchFormer:
         self.admission.after_decode_prepared(running, retracted)
         if self.wide is None:
             memory.alloc_decode(running)
-        else:  # each wide entry's slots (a check's drafts included)
+        else:  # several new tokens a request (later chapters: wide.py)
             self.wide.alloc(running, memory)
         return list(running), tuple(retracted)
 

@@ -100,10 +100,10 @@ def pool_widget(
     model: CityLM,
     workload: Workload,
     reference: Sequence[Sequence[int]],
-    capacity: int = 120,
+    capacity: int = 100,
     ratio: float = 0.7,
     decay: float = 0.01,
-    max_running: int = 8,
+    max_running: int = 4,
 ):
     """Sliders for pool capacity, initial ratio, decay and max running; each change re-serves
     the workload on CityLM (a second or two) and redraws. Needs a live kernel."""
@@ -126,81 +126,93 @@ def pool_widget(
     return panel(redraw, controls)
 
 
-POOL_CAPACITIES: tuple[int, ...] = (100, 120, 240, 400)
-"""Pools of the explorer, in tokens: from one barely above its largest request (92 tokens),
-where memory bounds the batch whatever the cap, to one that holds every request at once."""
+POOL_CAPACITIES: tuple[int, ...] = (100, 400)
+"""Pools of the explorer, in tokens: one barely above its largest request (92 tokens), where
+memory bounds the batch whatever the cap and the ratio decides how often requests are
+retracted, and one that holds every request at once, where only the cap limits."""
 
-POOL_CAPS: tuple[int, ...] = (1, 2, 4, 8)
-"""Batch caps of the explorer, doubling from one request at a time up to all eight of its
-workload. In the tight pools the steps stop falling at four and retractions begin; in the
-roomy ones every step of the cap counts."""
+POOL_CAPS: tuple[int, ...] = (2, 4, 8)
+"""Batch caps of the explorer, doubling up to all eight of its workload (a cap of one, one
+request after another, takes a step per token whatever the pool and the ratio). In the tight
+pool the steps stop falling at four; in the roomy one the cap is what limits."""
+
+POOL_RATIOS: tuple[float, ...] = (0.0, 0.7, 1.0)
+"""Initial ``new_token_ratio`` of the explorer: ignore what running requests may still need,
+SGLang's default, and count all of it."""
 
 POOL_EXPLORER_REQUESTS = 8
 """Requests per state of the explorer: the chapter's sixteen take about a second a run on a
-CPU, eight a third of that, so the page holds its 16 runs within its budget."""
+CPU, eight a third of that, so the page holds its 18 runs within its budget."""
 
 
 def pool_explorer(
     model: CityLM,
     workload: Workload,
     reference: Sequence[Sequence[int]],
-    capacity: int = 120,
+    capacity: int = 100,
     ratio: float = 0.7,
     decay: float = 0.01,
-    max_running: int = 8,
+    max_running: int = 4,
     capacities: Sequence[int] = POOL_CAPACITIES,
     caps: Sequence[int] = POOL_CAPS,
+    ratios: Sequence[float] = POOL_RATIOS,
     runs: Sequence[PoolRun] = (),
     check: Callable[..., Any] | None = None,
 ) -> Explorer:
-    """``plot_pool_run`` over the pool's capacity and the batch cap, for the page.
+    """``plot_pool_run`` over the pool's capacity, the batch cap and the initial ratio, for
+    the page; ``capacity``, ``max_running`` and ``ratio`` pick the state shown first.
 
     Each state serves ``workload`` on CityLM (``run_pool``, the widget's experiment) and
     checks every request's tokens against ``reference``, each request generated alone (one
-    reference serves every state: the pool and cap change when tokens are computed, never
-    which); a state with a difference stops the build. ``ratio`` and ``decay`` stay fixed;
-    the kernel face is ``pool_widget``, which also moves them. ``runs``: runs the chapter has
-    already made (``run_pool`` of this workload, ratio and decay, checked); each serves the
-    state of its pool and cap. ``check``: called as ``check(outputs, reference, what=...)``
-    for every state (the book's ``CHECKS.alone``, so the page counts these requests too).
+    reference serves every state: the pool, cap and ratio change when tokens are computed,
+    never which); a state with a difference stops the build. ``decay`` stays fixed; the
+    kernel face is ``pool_widget``, which also moves it. ``runs``: runs the chapter has
+    already made (``run_pool`` of this workload and decay, checked); each serves the state
+    of its pool, cap and initial ratio. ``check``: called as ``check(outputs, reference,
+    what=...)`` for every state (the book's ``CHECKS.alone``, so the page counts these
+    requests too). A state's caption gives what its figure's title does not: the mean
+    decode batch and the peak of slots used.
     """
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
     if min(capacities) < smallest:
         raise ValueError(f"a pool of {min(capacities)} tokens can never hold the largest "
                          f"request ({smallest} tokens): choose capacities >= {smallest}")
 
-    made: dict[tuple[int, int], PoolRun] = {}
+    made: dict[tuple[int, int, float], PoolRun] = {}
     for run in runs:
         config = run.engine.config
-        if ((config.new_token_ratio, config.ratio_decay) != (ratio, decay)
+        if (config.ratio_decay != decay or config.new_token_ratio not in ratios
                 or [list(out) for out in run.outputs] != [list(ref) for ref in reference]):
             raise ValueError("a run given to pool_explorer did not serve this workload with "
-                             f"initial ratio {ratio:g} and decay {decay:g}")
-        made[config.kv_capacity, config.max_running] = run
+                             f"decay {decay:g} and an initial ratio among {list(ratios)}")
+        made[config.kv_capacity, config.max_running, config.new_token_ratio] = run
 
-    def draw(capacity: int, max_running: int) -> Frame:
-        run = made[capacity, max_running] if (capacity, max_running) in made else run_pool(
+    def draw(capacity: int, max_running: int, ratio: float) -> Frame:
+        key = (capacity, max_running, ratio)
+        run = made[key] if key in made else run_pool(
             model, workload, reference, capacity=capacity, ratio=ratio, decay=decay,
             max_running=max_running)
+        where = f"pool {capacity}, cap {max_running}, ratio {ratio:g}"
         if run.identical != run.total:
-            raise AssertionError(f"pool {capacity}, cap {max_running}: {run.check}")
+            raise AssertionError(f"{where}: {run.check}")
         if check is not None:
-            check(run.outputs, reference, what=f"pool explorer, pool {capacity}, cap {max_running}")
+            check(run.outputs, reference, what=f"pool explorer, {where}")
         stats = run.engine.stats
         peak = max(s.kv_used for s in run.engine.trace)
         decodes = [len(s.decode) for s in run.engine.trace if s.decode]
+        mean_batch = sum(decodes) / len(decodes)
         return Frame([plot_pool_run(run)],
                      {"steps": stats.steps, "retractions": stats.retractions,
                       "recomputed_tokens": stats.wasted_tokens,
                       "peak_slots": peak,
                       "peak_running": max(s.batch_size + len(s.paused) for s in run.engine.trace),
-                      "mean_decode_batch": sum(decodes) / len(decodes),
+                      "mean_decode_batch": mean_batch,
                       "requests_checked": run.total},
-                     caption=f"{stats.steps} steps, {stats.retractions} retraction"
-                             f"{'s' * (stats.retractions != 1)}, {stats.wasted_tokens} tokens "
-                             f"recomputed, peak {peak} of {capacity} slots used.")
+                     caption=f"Mean decode batch {mean_batch:.2f} requests; peak {peak} of "
+                             f"{capacity} slots used.")
 
     return explorer(draw, [("capacity", "pool capacity (tokens)", list(capacities), capacity),
-                           ("max_running", "batch cap", list(caps), max_running)],
+                           ("max_running", "batch cap", list(caps), max_running),
+                           ("ratio", "initial new_token_ratio", list(ratios), ratio)],
                     live=lambda: pool_widget(model, workload, reference, capacity, ratio,
                                              decay, max_running))
