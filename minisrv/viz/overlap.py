@@ -114,7 +114,7 @@ def plot_timelines(
     fig.suptitle(title)
     handles = [
         Patch(facecolor=LANE_COLORS["cpu"], label="CPU: schedule, prepare, process results"),
-        Patch(facecolor=LANE_COLORS["device"], label="device: forward"),
+        Patch(facecolor=LANE_COLORS["device"], label="device: forward, sampling"),
         Patch(facecolor=LANE_COLORS["idle"], edgecolor="#7f7f7f", hatch="///",
               label="device idle"),
     ]
