@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minisrv import sampling
 from minisrv.engine import Engine
-from minisrv.experiments.breakdown import CPU_PARTS, PARTS, time_steps
+from minisrv.experiments.breakdown import CPU_PARTS, DEVICE_PARTS, PARTS, time_steps
 from minisrv.experiments.lanes import late_stop_waste, throughput_ratio, timeline
 from minisrv.runner import ModelBackend
 from minisrv.sim import SimBackend, TimedBackend
@@ -285,7 +285,8 @@ def test_time_steps_times_every_step_and_keeps_the_tokens(model) -> None:
     assert any(s.seconds["prefix match"] > 0 for s in timings.steps)
     assert any(s.seconds["cache insert"] > 0 for s in timings.steps)
     assert 0 < timings.cpu_share < 1
-    assert set(CPU_PARTS) == set(PARTS) - {"forward"}
+    assert set(CPU_PARTS) == set(PARTS) - set(DEVICE_PARTS)
+    assert set(DEVICE_PARTS) == {"forward", "sample"}  # what ModelRunner.compute runs
 
 
 def test_time_steps_leaves_the_engine_as_it_was(model) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minisrv.engine import Engine
-from minisrv.experiments.breakdown import PARTS
+from minisrv.experiments.breakdown import CPU_PARTS, PARTS
 from minisrv.experiments.lanes import timeline
 from minisrv.tokenizer import Tokenizer
 from minisrv.viz.overlap import (
@@ -81,7 +81,7 @@ def test_cpu_breakdown_table_and_plot(model) -> None:
     whole, cpu_only = fig.axes
     assert whole.get_ylabel() == cpu_only.get_ylabel() == "mean time per step (ms)"
     assert whole.get_title(loc="left") and cpu_only.get_title(loc="left") and fig.get_suptitle()
-    assert len(whole.patches) == 2 * len(PARTS) and len(cpu_only.patches) == 2 * (len(PARTS) - 1)
+    assert len(whole.patches) == 2 * len(PARTS) and len(cpu_only.patches) == 2 * len(CPU_PARTS)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == list(reversed(PARTS))
     shares = [t.get_text() for t in whole.texts]
     assert shares == [f"CPU {s:.1f}%" for s in summary["CPU %"]]

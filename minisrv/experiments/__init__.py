@@ -129,6 +129,7 @@ _PUBLIC = {
     "throughput_ratio": "lanes",
     "timeline": "lanes",
     "CPU_PARTS": "breakdown",
+    "DEVICE_PARTS": "breakdown",
     "PARTS": "breakdown",
     "StepTiming": "breakdown",
     "StepTimings": "breakdown",

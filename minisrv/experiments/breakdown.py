@@ -3,8 +3,9 @@
 ``time_steps`` serves a workload with its engine's public calls shadowed by timing
 wrappers, and reports per step the exclusive time of each part (``PARTS``): receiving,
 scheduling, prefix matching, preparing inputs, the forward, sampling, processing results,
-cache inserts and the loop's own bookkeeping. Everything but the forward is CPU work an
-overlapped loop could hide (``CPU_PARTS``).
+cache inserts and the loop's own bookkeeping. The forward and the sampling are the device's
+work (``DEVICE_PARTS``: the model runner's ``compute`` runs both, on the device's thread or
+stream); the rest is CPU work an overlapped loop could hide (``CPU_PARTS``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CPU_PARTS", "PARTS", "StepTiming", "StepTimings", "time_steps"]
+__all__ = ["CPU_PARTS", "DEVICE_PARTS", "PARTS", "StepTiming", "StepTimings", "time_steps"]
 
 PARTS: tuple[str, ...] = (
     "receive",
@@ -37,14 +38,19 @@ PARTS: tuple[str, ...] = (
 * prepare inputs: ``backend.run`` without the forward and the sampling (building the flat
   batch of ids and KV slots);
 * forward: ``ModelRunner.forward``, the device's work (any other backend: all of its ``run``);
-* sample: ``sample_batch`` over the step's logits (greedy: one argmax, read back to the CPU);
+* sample: ``sample_batch`` over the step's logits (greedy: one argmax), part of the device's
+  work: ``ModelRunner.compute`` samples right after the forward;
 * process results: ``process_batch_result`` (append, stream, stop checks, free) without the
   cache inserts;
 * loop other: the rest of ``scheduler.step()`` (trace record, statistics).
 """
 
-CPU_PARTS: tuple[str, ...] = tuple(p for p in PARTS if p != "forward")
-"""Everything but the forward: the work an overlapped loop can hide behind the device."""
+DEVICE_PARTS: tuple[str, ...] = ("forward", "sample")
+"""The device's work: ``ModelRunner.compute`` runs the forward and then samples, on the
+overlapped loop's device thread (a CUDA stream on a GPU), so overlap cannot hide them."""
+
+CPU_PARTS: tuple[str, ...] = tuple(p for p in PARTS if p not in DEVICE_PARTS)
+"""Everything but the device's work: what an overlapped loop can hide behind the device."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class StepTiming:
 
     @property
     def device(self) -> float:
-        return self.seconds["forward"]
+        return sum(self.seconds[p] for p in DEVICE_PARTS)
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,7 @@ def time_steps(
         patches += [
             (backend, "run", watch.wrap("prepare inputs", backend.run)),
             (backend, "forward", watch.wrap("forward", backend.forward, device=True)),
-            (sampling, "sample_batch", watch.wrap("sample", sampling.sample_batch)),
+            (sampling, "sample_batch", watch.wrap("sample", sampling.sample_batch, device=True)),
         ]
     with ExitStack() as stack:
         for obj, name, fn in patches:

@@ -48,13 +48,14 @@ PART_COLORS: dict[str, str] = {
     "prefix match": "#d94801",
     "prepare inputs": "#a1d99b",
     "forward": "#1f77b4",
-    "sample": "#31a354",
+    "sample": "#6baed6",
     "process results": "#bcbddc",
     "cache insert": "#756bb1",
     "loop other": "#969696",
 }
-"""One colour per part of a step (``minisrv.experiments.PARTS``): the device's blue for the
-forward, oranges for scheduling, greens around the forward, purples for the results."""
+"""One colour per part of a step (``minisrv.experiments.PARTS``): the device's blues for the
+forward and the sampling, oranges for scheduling, green for the inputs, purples for the
+results."""
 
 _LANES = ("device", "CPU")  # bottom to top
 
@@ -113,7 +114,7 @@ def plot_timelines(
     fig.suptitle(title)
     handles = [
         Patch(facecolor=LANE_COLORS["cpu"], label="CPU: schedule, prepare, process results"),
-        Patch(facecolor=LANE_COLORS["device"], label="device: forward"),
+        Patch(facecolor=LANE_COLORS["device"], label="device: forward, sampling"),
         Patch(facecolor=LANE_COLORS["idle"], edgecolor="#7f7f7f", hatch="///",
               label="device idle"),
     ]
@@ -224,10 +225,10 @@ def future_trace_frame(engine: Any, tok: Any = None) -> pd.DataFrame:
         return repr(tok.id_to_str(token)) if tok is not None and token >= 0 else str(token)
 
     def cells(pairs: Any) -> str:
-        return ", ".join(f"r{rid}: {value}" for rid, value in pairs) or "-"
+        return ", ".join(f"r{rid}:\u00a0{value}" for rid, value in pairs) or "-"  # wraps at ","
 
-    def batch(record: Any) -> str:
-        parts = [f"{kind} " + " ".join(f"r{rid}" for rid in rids)
+    def batch(record: Any) -> str:  # no-break spaces: "decode r0 r1" never wraps in a cell
+        parts = [f"{kind}\u00a0" + "\u00a0".join(f"r{rid}" for rid in rids)
                  for kind, rids in (("prefill", record.prefill), ("decode", record.decode))
                  if rids]
         return "; ".join(parts)
