@@ -3,6 +3,7 @@ events with timestamps, benches of several layouts, and their plot."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -211,6 +212,52 @@ def test_the_rate_explorer_is_drawn_from_the_sweep_it_is_given():
         plot_policy_rate_sweep(sweep.drop(columns="ttfts (ms)"), 200.0)
 
 
+def test_the_rate_figure_labels_each_point_with_its_rate_and_keeps_its_legend_off_the_axes():
+    """A reader finds the explorer's chosen rate on the latency curve by its label, and no
+    target line runs through the legend (at a 50 ms target it crossed a legend in the axes)."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.server import plot_policy_rate_sweep
+
+    sweep = _rate_sweep()
+    fig = plot_policy_rate_sweep(sweep, 50.0)
+    left, right = fig.axes
+    labels = sorted(t.get_text() for t in left.texts)
+    assert labels == sorted(["4", "64", "512"] * 2)  # every point of both curves
+    assert left.get_legend() is None and right.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["LPM, radix", "FCFS, radix",
+                                                                 "offered"]
+
+
+def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
+    """Where both policies meet the target for as many requests as each other, the caption said
+    one of them "serves the most" beside two equal numbers."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import goodput
+    from minisrv.viz.server import rate_explorer
+
+    sweep = _rate_sweep()
+    shown = goodput(sweep, 20.0).round(1).unstack(0)
+    assert shown.nunique(axis=1).tolist() == [1, 1, 2]  # ties at 4 and 64 requests/s
+    html = rate_explorer(sweep, (20.0,), rate=4.0, ttft_slo_ms=20.0).html
+    assert "4 requests/s offered, TTFT target 20 ms:" in html
+    assert html.count("both serve alike") == 2
+    assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
+
+
+def test_policy_sweep_table_has_a_row_per_rate_and_three_columns_per_configuration():
+    from minisrv.experiments.server import goodput, policy_sweep_table
+
+    sweep = _rate_sweep()
+    table = policy_sweep_table(sweep, 200.0)
+    assert list(table.index) == ["4", "64", "512"]
+    assert list(table.columns) == [f"{name} {column}" for column in
+                                   ("out tok/s", "TTFT p99 (ms)", "goodput (req/s)")
+                                   for name in ("LPM", "FCFS")]
+    assert table.columns.name == "req/s offered"
+    want = goodput(sweep, 200.0).loc[("FCFS, radix", 512.0)]
+    assert table.loc["512", "FCFS goodput (req/s)"] == round(want)
+
+
 def test_the_rate_widget_builds():
     pytest.importorskip("ipywidgets")
     from minisrv.viz.server import rate_widget
@@ -251,10 +298,21 @@ def test_the_request_sequence_has_a_lane_per_party_and_a_row_per_message():
     source = request_sequence().source
     for key, title in REQUEST_LANES:
         assert title.split("\n")[0] in source and f"{key}_0" in source
-    arrows = [m for m in REQUEST_MESSAGES if m[0] != m[1]]
+    keys = [key for key, _ in REQUEST_LANES]
+    segments = 0
     for row, (src, dst, label) in enumerate(REQUEST_MESSAGES, start=1):
-        if src != dst:
-            assert f"{src}_{row} -> {dst}_{row}" in source, label
-    assert source.count('constraint=false') == len(arrows)
+        if src == dst:
+            continue
+        # an arrow across several lanes is a straight chain of neighbours' edges, its label
+        # and its head on the last one (a labelled edge that skips a lane is drawn kinked)
+        a, b = keys.index(src), keys.index(dst)
+        path = keys[a:b + 1] if a < b else keys[b:a + 1][::-1]
+        for u, v in zip(path, path[1:]):
+            attrs = re.search(rf"\b{u}_{row} -> {v}_{row} \[(.*?)\]$", source, re.S | re.M)[1]
+            assert ("arrowhead=normal" in attrs) == (v == dst), attrs
+            assert (label.split("\n")[0] in attrs) == (v == dst), attrs
+            segments += 1
+    assert segments > sum(m[0] != m[1] for m in REQUEST_MESSAGES)  # some arrow skips a lane
+    assert source.count('constraint=false') == segments
     with pytest.raises(ValueError, match="names a lane"):
         request_sequence(messages=[("client", "nobody", "hello")])

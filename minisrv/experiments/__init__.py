@@ -163,6 +163,7 @@ _PUBLIC = {
     "prefix_heavy_requests": "server",
     "goodput": "server",
     "policy_rate_sweep": "server",
+    "policy_sweep_table": "server",
     "sim_server_runs": "server",
     "spread": "server",
     "spread_summary": "server",

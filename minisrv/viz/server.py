@@ -67,26 +67,32 @@ def _color(name: str) -> str:
 @styled
 def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     """Left: each configuration's TTFT p99 against its output throughput, one point per
-    request rate of ``policy_rate_sweep`` (the latency-throughput curve), the target as a dashed
-    line; right: its goodput at that TTFT target against the rate offered, beside the rate
-    itself (every request meets the target)."""
+    request rate of ``policy_rate_sweep`` (the latency-throughput curve), each point labelled
+    with its rate, the target as a dashed line; right: its goodput at that TTFT target against
+    the rate offered, beside the rate itself (every request meets the target). One legend
+    above both panels, where no curve or target line runs through it."""
     _check_sweep(sweep)
     good = goodput(sweep, ttft_slo_ms)
-    fig, (left, right) = page_figure(3.4, cols=2)
+    fig, (left, right) = page_figure(3.6, cols=2)
     for name in sweep.index.unique(level=0):
         rows = sweep.xs(name, level=0)
-        left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "o-", color=_color(name),
-                  label=name)
+        left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "o-", color=_color(name))
+        for rate, x, y in zip(rows.index, rows["out tok/s"], rows["ttft p99 (ms)"],
+                              strict=True):
+            left.annotate(f"{rate:g}", (x, y), textcoords="offset points", xytext=(5, -10),
+                          fontsize=8, color=_color(name))
         right.plot(rows.index, good.xs(name, level=0), "o-", color=_color(name), label=name)
     left.axhline(ttft_slo_ms, color="black", ls="--", lw=1)
     left.set_yscale("log")
-    label_axes(left, "latency against throughput", "output (tok/s)", "TTFT p99 (ms)")
-    left.legend(loc="lower right")  # upper left is where a saturated policy's curve climbs
+    left.margins(x=0.08, y=0.1)  # room for the labels of the first and last points
+    label_axes(left, "latency against throughput", "output (tok/s); labels: req/s offered",
+               "TTFT p99 (ms)")
     rates = sweep.index.unique(level=1)
     right.plot(rates, rates, ":", color="gray", label="offered")
     label_axes(right, f"goodput, TTFT <= {ttft_slo_ms:g} ms", "requests offered per second",
                "requests per second meeting it")
-    right.legend(loc="upper left")
+    handles, labels = right.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncol=len(handles))
     return fig
 
 
@@ -126,10 +132,13 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
         numbers = {f"goodput {name}": float(v) for name, v in good.items()}
         numbers |= {f"ttft p99 {name}": float(v)
                     for name, v in sweep.xs(rate, level=1)["ttft p99 (ms)"].items()}
-        best = good.idxmax()
+        shown = good.map("{:.1f}".format)  # as the caption prints them: ties read as ties
+        best = shown.astype(float).idxmax()
+        verdict = ("both serve alike" if shown.nunique() == 1
+                   else f"{best} serves the most")
         caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
-                   + ", ".join(f"{name} {v:.1f}" for name, v in good.items())
-                   + f" requests/s meet it; {best} serves the most.")
+                   + ", ".join(f"{name} {v}" for name, v in shown.items())
+                   + f" requests/s meet it; {verdict}.")
         return Frame([figures[ttft_slo_ms], _at_rate(sweep, rate, ttft_slo_ms)], numbers,
                      caption=caption)
 
@@ -159,23 +168,26 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
 # ------------------------------------------------------------ one request through the server
 REQUEST_LANES: tuple[tuple[str, str], ...] = (
     ("client", "client"),
-    ("http", "HTTP process\n(FastAPI handler,\nFrontend)"),
-    ("router", "router\n(DataParallel-\nEngines)"),
+    ("http", "HTTP process:\nFastAPI handler,\nFrontend"),
+    ("router", "HTTP process:\nrouter and pipes\n(DataParallelEngines)"),
     ("worker", "worker\nprocess\n(worker_main)"),
     ("engine", "engine thread\n(EngineLoop)"),
 )
-"""The lanes of ``request_sequence``: who handles a request in ``minisrv serve``, left to right."""
+"""The lanes of ``request_sequence``: who handles a request in ``minisrv serve``, left to right
+(the router and the workers' pipes are read in the HTTP process, by ``DataParallelEngines``)."""
 REQUEST_MESSAGES: tuple[tuple[str, str, str], ...] = (
     ("client", "http", "POST\n/v1/completions"),
     ("http", "http", "validate the body,\nencode the prompt"),
     ("http", "router", "submit(key,\nids, params)"),
     ("router", "worker", "Router.route\npicks a worker;\nSubmit into\nits inbox"),
-    ("worker", "http", "Taken(key)"),
+    ("worker", "router", "Taken(key)"),
     ("worker", "engine", "EngineLoop.submit:\na command\nin its queue"),
     ("engine", "engine", "between two steps:\nadd_request,\nthen step()"),
-    ("engine", "http", "StepEvents over the\nworker's pipe: every\nnew token, once per step"),
+    ("engine", "router", "StepEvents over the\nworker's pipe: every\nnew token, once per step"),
+    ("router", "http", "each token\nto its handler"),
     ("http", "client", "data: {chunk}\nper token\n(detokenized)"),
-    ("engine", "http", "the last step's\nevents:\nfinish_reason set"),
+    ("engine", "router", "the last step's\nevents:\nfinish_reason set"),
+    ("router", "http", "to its handler"),
     ("http", "client", "last chunk,\nthen\ndata: [DONE]"),
     ("http", "router", "done(key): the\nworker's load\ndrops"),
 )
@@ -218,7 +230,13 @@ def request_sequence(lanes: Sequence[tuple[str, str]] = REQUEST_LANES,
                 else:
                     same.node(f"{key}_{row}")
         if src != dst:
-            g.edge(f"{src}_{row}", f"{dst}_{row}", label=label, constraint="false")
+            # One segment per pair of neighbouring lanes, labelled and pointed at the last: a
+            # labelled edge that skips a lane is drawn kinked at its label, a chain stays straight.
+            a, b = keys.index(src), keys.index(dst)
+            path = keys[a:b + 1] if a < b else keys[b:a + 1][::-1]
+            for u, v in zip(path, path[1:]):
+                g.edge(f"{u}_{row}", f"{v}_{row}", label=label if v == dst else "",
+                       arrowhead="normal" if v == dst else "none", constraint="false")
     last = len(messages) + 1
     with g.subgraph() as bottom:
         bottom.attr(rank="same")
