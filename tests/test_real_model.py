@@ -16,6 +16,7 @@ from minisrv.configs import CITYLM, H200, SMOLLM2_135M, T4  # noqa: E402
 from minisrv.engine import Engine  # noqa: E402
 from minisrv.experiments.gpu import (
     DEMO_TEXT,
+    RECORDED_STEP_OPS,
     current_gpu,
     device_label,
     engine_decode_throughput,
@@ -122,6 +123,65 @@ def test_the_recorded_h200_run_is_shipped_and_labelled() -> None:
     assert {"measured tok/s", "fraction"} <= set(engine.columns)
     with pytest.raises(ValueError, match="no recorded GPU run 'a100'.*'h200'"):
         recorded_gpu_run("a100")
+
+
+COUNT_AT_COMMIT = """
+import ast, collections, dataclasses, sys
+from typing import Any
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+tree = ast.parse(open(sys.argv[1]).read())
+keep = [n for n in tree.body if getattr(n, "name", None) in ("_storages", "OpCounter")]
+scope = {"collections": collections, "Any": Any, "torch": torch,
+         "TorchDispatchMode": TorchDispatchMode}
+exec(compile(ast.Module(keep, []), "counter", "exec"), scope)
+from minisrv.configs import SMOLLM2_135M
+from minisrv.kvpool import KVPool
+from minisrv.model import CityLM, FlatBatch
+for layers, batch in ((1, 2), (2, 2), (1, 5)):
+    torch.manual_seed(0)
+    model = CityLM(dataclasses.replace(SMOLLM2_135M, n_layers=layers), eos_id=None).eval()
+    pool = KVPool.for_model(model, batch * 9)
+    slots = [pool.alloc(9) for _ in range(batch)]
+    ids = [[7] * 9 for _ in range(batch)]
+    model.forward_flat(FlatBatch([i[:8] for i in ids], [s[:8] for s in slots]), pool,
+                       attention="padded", last_only=True)
+    def step():  # steptime.decode_step_seconds' timed step as it stood
+        flat = FlatBatch([i[8:] for i in ids], [s[8:] for s in slots], model.device)
+        model.forward_flat(flat, pool, attention="padded", last_only=True)
+    with scope["OpCounter"]() as counter:
+        step()
+    print(counter.total)
+"""
+
+
+def test_the_recorded_runs_operator_count_is_its_commits(tmp_path: Path) -> None:
+    """The appendix bounds the recorded run's launch cost by the operators its step
+    dispatched; that count is recounted here from the code as it stood at the recorded
+    commit (extracted with ``git archive``), with today's ``OpCounter``."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    ops = RECORDED_STEP_OPS
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout: the recorded commit cannot be read")
+    archive = subprocess.run(["git", "-C", str(root), "archive", ops.commit, "minisrv"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"commit {ops.commit} is not in this checkout's history")
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    run = subprocess.run([sys.executable, "-c", COUNT_AT_COMMIT,
+                          str(root / "tests" / "test_op_count.py")],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1",
+                              "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    one, two, wide = map(int, run.stdout.split())
+    assert two - one == ops.per_layer
+    assert wide - one == 3 * ops.per_request
+    assert one == ops.total(1, 2)
 
 
 def test_a_triton_kernel_is_shown_from_its_file_without_importing_triton() -> None:

@@ -39,7 +39,9 @@ from minisrv.sim.steptime import decode_step_seconds
 
 __all__ = [
     "DEMO_TEXT",
+    "RECORDED_STEP_OPS",
     "DecodeRun",
+    "StepOps",
     "current_gpu",
     "device_label",
     "engine_decode_throughput",
@@ -317,6 +319,30 @@ def recorded_gpu_run(gpu: str = "h200") -> tuple[pd.DataFrame, pd.DataFrame]:
     throughput = pd.read_csv(RECORDED / f"{gpu}_engine_throughput.csv")
     return steps, throughput
 
+
+class StepOps(NamedTuple):
+    """Operators one decode step dispatches: ``per_layer`` in each layer, ``per_step`` once,
+    and ``per_request`` for each request of the batch (views left out, counted as
+    ``tests/test_op_count.py``'s ``OpCounter`` counts them)."""
+
+    per_layer: int
+    per_step: int
+    per_request: int
+    commit: str
+
+    def total(self, n_layers: int, batch: int) -> int:
+        """Operators of one step of ``batch`` requests through ``n_layers`` layers."""
+        return n_layers * self.per_layer + self.per_step + batch * self.per_request
+
+
+RECORDED_STEP_OPS = StepOps(per_layer=43, per_step=31, per_request=2, commit="d141db1")
+"""What the decode step of the recorded H200 run dispatched: the padded step that
+``benchmarks/bench_gpu.py`` timed, ``FlatBatch`` built then ``forward_flat``, as the code
+stood at commit ``d141db1`` (2026-11-30, before the fused layers of the next day), counted on
+the CPU with ``tests/test_op_count.py``'s ``OpCounter``. Its unfused q, k, v and gate, up
+products, its hand-written norms and rotary embedding and the grouped heads' K/V repeated
+per layer made 43 per layer; the ``FlatBatch`` built one slot tensor per request (an
+``arange`` and a copy each). ``tests/test_real_model.py`` recounts it from that commit."""
 
 TRITON_OPS = "minisrv.runner.attention.triton_ops"
 
