@@ -311,8 +311,10 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFra
     for (cache, size, host), run in runs.items():
         label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
         label += f", host tier of {host:,} tokens" if host else ""
-        rows[label] = {"retractions": run.retractions, "thrown away": run.wasted_tokens,
-                       "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
+        rows[label] = {"retractions": run.retractions,
+                       "thrown away (tokens)": run.wasted_tokens,
+                       "prefilled (tokens)": run.prefill_tokens,
+                       "loaded back (tokens)": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "cache"
     return frame
