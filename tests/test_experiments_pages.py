@@ -27,8 +27,12 @@ def test_key_runs_has_a_column_per_tile_width() -> None:
     runs = {1: SimpleNamespace(tile_runs={32: [4, 6], 128: [20]}),
             64: SimpleNamespace(tile_runs={32: [1, 1], 128: [2, 3]})}
     table = pg.key_runs(runs)
-    assert list(table.columns) == ["runs per 32-key tile", "runs per 128-key tile"]
-    assert table.loc[1].tolist() == [5.0, 20.0] and table.loc[64].tolist() == [1.0, 2.5]
+    assert list(table.columns) == ["runs per 32-key tile", "runs per 128-key tile",
+                                   "128-key tiles in one run (%)"]
+    assert table.loc[1].tolist() == [5.0, 20.0, 0.0]
+    assert table.loc[64].tolist() == [1.0, 2.5, 0.0]
+    runs[128] = SimpleNamespace(tile_runs={32: [1, 1], 128: [1, 1, 1, 2]})
+    assert pg.key_runs(runs).loc[128, "128-key tiles in one run (%)"] == pytest.approx(75.0)
 
 
 def _small_gpu_workload() -> Workload:
@@ -86,3 +90,17 @@ def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -
     assert state["hit rate (tree), pages of 16"] == runs[256]["shared", "radix", 16].hit_rate
     two = page_explorer(SimBackend(), None, {"shared": work, "again": work}, **options)
     assert [c.name for c in two.controls] == ["workload", "pool"]
+
+
+def test_the_trace_figure_names_each_caches_found_and_computed_bar() -> None:
+    """Each cache draws a solid (found) and a pale (computed) bar in its own colour, so the
+    legend names both parts of every cache, the pale ones included, a column per cache."""
+    from minisrv.viz.pages import plot_trace_hits
+
+    trace = pg.TraceHits([[1] * 20, [1] * 40], {"tree": [0, 16], "blocks": [0, 16]},
+                         {"tree": [[], []], "blocks": [[], []]}, 16)
+    fig = plot_trace_hits(trace, ["a", "b"])
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "tree: found", "tree: computed", "blocks: found", "blocks: computed"]
+    assert legend._ncols == 2

@@ -208,10 +208,16 @@ def _tile_runs(breaks: np.ndarray, tiles: int, tile: int) -> list[int]:
 def key_runs(runs: Mapping[int, PageRun]) -> pd.DataFrame:
     """One row per page size of ``runs`` (``page_run``'s, by page size), a column per tile of
     ``KEY_TILES``: how many runs of consecutive slots a full tile of that many key positions
-    sits in, on average, over the rows of every running request at the steps it counted."""
-    rows = {size: {f"runs per {tile}-key tile": float(np.mean(counts))
-                   for tile, counts in run.tile_runs.items()}
-            for size, run in sorted(runs.items())}
+    sits in, on average, over the rows of every running request at the steps it counted; and
+    for the widest tile the share that lies in one run, which a kernel could fetch as one
+    block (a bulk TMA copy needs more: the page itself a multiple of the tile)."""
+    rows = {}
+    for size, run in sorted(runs.items()):
+        rows[size] = {f"runs per {tile}-key tile": float(np.mean(counts))
+                      for tile, counts in run.tile_runs.items()}
+        wide = max(run.tile_runs)
+        counts = np.asarray(run.tile_runs[wide])
+        rows[size][f"{wide}-key tiles in one run (%)"] = float(100 * np.mean(counts == 1))
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "page size"
     return frame
@@ -247,7 +253,7 @@ def hit_table(model: Any, workloads: Mapping[str, Workload],
             run = runs[name, cache, size]
             label = "tree" if cache == "radix" else "blocks"
             table[name, f"{label}, {size}"] = {"hit rate": f"{run.hit_rate:.1%}",
-                                               "prefilled": run.prefill_tokens}
+                                               "prefilled (tokens)": run.prefill_tokens}
     frame = pd.DataFrame.from_dict(table, orient="index")
     frame.index.names = ["workload", "cache, page"]
     return frame
@@ -304,9 +310,11 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFra
     rows = {}
     for (cache, size, host), run in runs.items():
         label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
-        label += f", host tier of {host:,}" if host else ""
-        rows[label] = {"retractions": run.retractions, "thrown away": run.wasted_tokens,
-                       "prefilled": run.prefill_tokens, "loaded back": run.loaded_tokens}
+        label += f", host tier of {host:,} tokens" if host else ""
+        rows[label] = {"retractions": run.retractions,
+                       "thrown away (tokens)": run.wasted_tokens,
+                       "prefilled (tokens)": run.prefill_tokens,
+                       "loaded back (tokens)": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "cache"
     return frame

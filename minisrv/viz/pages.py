@@ -54,10 +54,12 @@ def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
     ax.set_xlim(0, longest + 1)
     ax.grid(axis="y", visible=False)
     label_axes(ax, None, "prompt tokens", None)
-    handles = [Patch(color=TRACE_COLORS[k % len(TRACE_COLORS)], label=f"{cache}: found")
-               for k, cache in enumerate(caches)]
-    handles.append(Patch(color="#4c6ef5", alpha=0.18, label="computed (pale)"))
-    legend_below(fig, handles, ncol=2)
+    handles = []  # each cache's two parts, its found and its computed (pale) bar
+    for k, cache in enumerate(caches):
+        color = TRACE_COLORS[k % len(TRACE_COLORS)]
+        handles += [Patch(color=color, label=f"{cache}: found"),
+                    Patch(color=color, alpha=0.18, label=f"{cache}: computed")]
+    legend_below(fig, handles, ncol=len(caches))  # a column per cache
     return fig
 
 
