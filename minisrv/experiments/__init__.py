@@ -186,6 +186,8 @@ _PUBLIC = {
     "synthetic_vocabulary": "structured",
     "MaskRun": "structured",
     "served_masks": "structured",
+    "RECORDED_STEP_OPS": "gpu",
+    "StepOps": "gpu",
     "DEMO_TEXT": "gpu",
     "DecodeRun": "gpu",
     "current_gpu": "gpu",
