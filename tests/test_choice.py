@@ -21,7 +21,7 @@ MEASURED = Path(attention_choice.__file__).resolve().parents[2] / "measured"
 
 
 @pytest.mark.parametrize("capability,dtype,head_dim,backend", [
-    ((7, 5), torch.float16, 64, "padded"),  # the T4: no flex lowering below 8.0
+    ((7, 5), torch.float16, 64, "padded"),  # the T4: flex untuned and untimed below 8.0
     ((7, 5), torch.float32, 32, "padded"),
     ((8, 0), torch.bfloat16, 64, "flex"),
     ((8, 0), torch.float16, 128, "flex"),

@@ -160,6 +160,40 @@ def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None
     assert ex.html.count("data:image/webp") == 3  # the figure depends on the context alone
 
 
+def test_gpu_explorer_marks_the_chosen_batch_on_both_panels() -> None:
+    """Each state lays a line over the context's one image at its batch, on each panel: the
+    lines move right with the batch, evenly on the log-2 axis, and no state draws a second
+    image for them."""
+    import re
+
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    batches = (1, 4, 16)
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=batches)
+    assert ex.html.count("data:image/webp") == 1
+    lefts = {}
+    for batch, (_, payload) in zip(batches, _marks_by_state(ex.html), strict=True):
+        found = [float(x) for x in re.findall(r"left:([0-9.]+)%", payload)]
+        assert len(found) == 2  # one line per panel
+        lefts[batch] = found
+    for panel in (0, 1):
+        x1, x4, x16 = (lefts[b][panel] for b in batches)
+        assert x1 < x4 < x16
+        assert x4 - x1 == pytest.approx(x16 - x4, abs=0.02)  # 1, 4, 16 evenly spaced on log 2
+    assert max(lefts[16]) < 100 and lefts[1][1] > 50  # the right panel's lines on its right half
+
+
+def _marks_by_state(page: str) -> list[tuple[int, str]]:
+    """Each state's mark part (the one that closes the figure's box), from the page's JSON."""
+    import json
+
+    data = json.loads(page.split('<script type="application/json">')[1].split("</script>")[0]
+                      .replace("<\\/", "</"))
+    return [(i, data["parts"][state["parts"][1]]) for i, state in enumerate(data["states"])]
+
+
 def test_gpu_explorer_refuses_a_batch_the_run_did_not_time() -> None:
     from minisrv.experiments.gpu import recorded_gpu_run
     from minisrv.viz.gpu import gpu_roofline_explorer

@@ -4,7 +4,8 @@ Measured curves are solid with markers, roofline predictions dashed, and every l
 names the device it describes, because in the book's CI the measurement comes from a CPU
 while the predictions are for GPUs the page was never run on. ``gpu_roofline_widget`` (a
 kernel) and ``gpu_roofline_explorer`` (the page) put the roofline's context and batch under
-controls, beside the same measurement. ``plot_block_mask`` draws the tiles the ragged
+controls, beside the same measurement, with the chosen batch marked on both panels.
+``plot_block_mask`` draws the tiles the ragged
 attention call computes for one step, so the page shows the block mask it counts.
 """
 
@@ -41,17 +42,21 @@ TILE_COLORS: dict[str, str] = {"empty": "#f1f3f5", "partial": "#ffa94d", "full":
 """The block mask's three kinds of tile: skipped, masked per element, computed without a mask."""
 TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 """The GPUs the chapter's roofline table compares."""
+MARK_COLOR = "#495057"
+"""The chosen batch's mark on the step-time figure: a dark gray no curve of it uses."""
 
 
 @styled
 def plot_step_times_vs_roofline(
-    measured: pd.DataFrame, predicted: pd.DataFrame, model_name: str
+    measured: pd.DataFrame, predicted: pd.DataFrame, model_name: str,
+    mark_batch: int | None = None,
 ) -> BookFigure:
     """Decode step time (left) and time per generated token (right) against batch size.
 
     ``measured``: rows of ``experiments.gpu.step_time_sweep`` (device, dtype, attention, batch,
     step_ms, us_per_token); ``predicted``: rows of ``experiments.gpu.roofline_step_times``.
-    When the two hold different contexts, every legend entry names its own.
+    When the two hold different contexts, every legend entry names its own. ``mark_batch``
+    draws a vertical line at that batch on both panels (the kernel widget's chosen batch).
     """
     fig, (left, right) = page_figure(5.4, cols=2)
     contexts = sorted(set(measured["context"]) | set(predicted["context"]))
@@ -70,6 +75,8 @@ def plot_step_times_vs_roofline(
         for ax, column in ((left, "step_ms"), (right, "us_per_token")):
             ax.plot(rows["batch"], rows[column], "--", label=label)
     for ax in (left, right):
+        if mark_batch is not None:
+            ax.axvline(mark_batch, color=MARK_COLOR, linewidth=1.5, alpha=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plain_log_ticks(ax)
@@ -178,7 +185,7 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, cont
 
     def redraw(context: int, batch: int) -> None:
         predicted = roofline_step_times(cfg, [gpu], batches, context)
-        display(plot_step_times_vs_roofline(measured, predicted, title))
+        display(plot_step_times_vs_roofline(measured, predicted, title, mark_batch=batch))
         table = gpu_roofline_table(cfg, batch, context, _with(gpu))
         display(_shown(table))
         print(_caption(cfg, gpu, table, measured, batch, context))
@@ -191,6 +198,36 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, cont
                                          description="batch (requests)", **common)})
 
 
+def _batch_marks(fig: BookFigure, batches: Sequence[int]) -> dict[int, str]:
+    """For each of ``batches``, HTML that draws a vertical line at that batch on every panel
+    of ``fig``, over the figure's image, and closes the box ``_figure_box`` opened.
+
+    The page's explorer draws the figure once per context (a figure per context and batch
+    would cost five times the drawing); the batch's line is HTML laid over the image, placed
+    in percent of the image from the axes' positions, so it scales with the image. Call it
+    after ``_figure_box``: saving the image laid the axes out where these positions read them.
+    """
+    width = fig.bbox.width
+    marks = {}
+    for batch in batches:
+        lines = []
+        for ax in fig.axes:
+            place = ax.get_position()
+            x = 100 * ax.transData.transform((batch, 1.0))[0] / width
+            lines.append(f'<div style="position:absolute;left:{x:.2f}%;'
+                         f'top:{100 * (1 - place.y1):.2f}%;height:{100 * place.height:.2f}%;'
+                         f'border-left:2px solid {MARK_COLOR};opacity:.8"></div>')
+        marks[batch] = "".join(lines) + "</div>"
+    return marks
+
+
+def _figure_box(fig: BookFigure) -> str:
+    """The figure's image inside an open box that ``_batch_marks``' HTML lays lines over and
+    closes: the frame's parts are joined into one string before the page parses them."""
+    return ('<div style="position:relative;width:fit-content;max-width:100%">'
+            + part_html(fig))
+
+
 def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
                           cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200,
                           contexts: Sequence[int] = GPU_CONTEXTS,
@@ -198,28 +235,31 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
     """``gpu_roofline_widget`` for every context and batch of the grid, for the page.
 
     The figure (the measured run beside ``gpu``'s roofline at the context) depends on the
-    context alone and is drawn once per context; the table and the numbers change with the
-    batch. Each state carries the roofline's step time per GPU of the table, the bound on
-    ``gpu``, and the measured padded step at that batch. ``batches`` must be batches the
-    measurement timed; ``batch`` and ``context`` open the page.
+    context alone and is drawn once per context; the line that marks the batch on it, the
+    table and the numbers change with the batch. Each state carries the roofline's step time
+    per GPU of the table, the bound on ``gpu``, and the measured padded step at that batch.
+    ``batches`` must be batches the measurement timed; ``batch`` and ``context`` open the page.
     """
     timed = sorted(set(measured["batch"]))
     batches = sorted({*batches, batch})
     missing = sorted(set(batches) - set(timed))
     if missing:
         raise ValueError(f"batches {missing} were not measured; measured: {timed}")
-    figures: dict[int, str] = {}
+    figures: dict[int, tuple[str, dict[int, str]]] = {}
 
     def draw(context: int, batch: int) -> Frame:
         if context not in figures:
             predicted = roofline_step_times(cfg, [gpu], timed, context)
-            figures[context] = part_html(plot_step_times_vs_roofline(measured, predicted, title))
+            fig = plot_step_times_vs_roofline(measured, predicted, title)
+            box = _figure_box(fig)  # draws it, laying the axes out
+            figures[context] = (box, _batch_marks(fig, batches))
+        box, marks = figures[context]
         table = gpu_roofline_table(cfg, batch, context, _with(gpu))
         metrics: dict[str, Any] = {f"step_us {g.name}": float(table.loc[g.name, "step (µs)"])
                                    for g in _with(gpu)}
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
-        return Frame([figures[context], _shown(table)], metrics,
+        return Frame([box, marks[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
     return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context),

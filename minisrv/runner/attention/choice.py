@@ -13,8 +13,10 @@ Each row says why, from a recorded run where there is one:
   key tiles one after another (the GPU appendix reads that from the record). The Triton
   backend has not been measured on a GPU, so it is chosen nowhere until a recorded run puts
   it ahead (``tests/test_choice.py`` checks this row against the recorded runs).
-* CUDA below 8.0 (Colab's T4 is 7.5: float16 only, no flex lowering there, and Triton from
-  3.3 on without its tensor-core path): ``padded``, the backend that runs there.
+* CUDA below 8.0 (Colab's T4 is 7.5, float16 only): ``padded``. PyTorch tunes
+  flex_attention's Triton kernel only from 8.0 on (below it ``get_flex_attn_fwd_configs``,
+  ``torch/_inductor/template_heuristics/triton.py``, falls back to one generic tile shape),
+  and no run has timed flex there; the padded call runs on every GPU.
 * Anything else (float64, heads under 16, another device): ``padded``.
 
 ``choose_attention`` is the table; ``auto_attention`` reads the device's capability and
@@ -40,7 +42,7 @@ __all__ = ["AttentionChoice", "auto_attention", "choose_attention"]
 log = logging.getLogger(__name__)
 
 FLEX_MIN_CAPABILITY = (8, 0)
-"""The oldest compute capability flex_attention's Triton kernel lowers to (Ampere)."""
+"""The oldest compute capability PyTorch tunes flex_attention's Triton kernel for (Ampere)."""
 
 FLEX, PADDED = FlexAttention.kind, PaddedAttention.kind
 
@@ -64,8 +66,8 @@ def choose_attention(device_type: str, capability: tuple[int, int] | None,
         raise ValueError("a CUDA device's choice needs its compute capability")
     cc = f"compute capability {capability[0]}.{capability[1]}"
     if tuple(capability) < FLEX_MIN_CAPABILITY:
-        return AttentionChoice(PADDED, f"{cc}: below 8.0 flex_attention does not lower; "
-                                         f"padded runs everywhere")
+        return AttentionChoice(PADDED, f"{cc}: below 8.0 flex_attention's kernel is untuned "
+                                         f"and untimed; padded runs everywhere")
     if dtype not in FLEX_DTYPES or head_dim < FLEX_MIN_HEAD_DIM:
         return AttentionChoice(PADDED, f"{cc}: the compiled flex kernel takes 16/32-bit "
                                          f"heads of >= 16, not {dtype} x {head_dim}")
