@@ -135,7 +135,7 @@ class Admission(NamedTuple):
     step: int  # index of the step the decision formed
     capacity: int  # slots in the pool
     running: int  # requests running
-    held: int  # slots in use (every running request's tokens so far)
+    held: int  # slots in use: the running requests' tokens (and any cached prefixes)
     remaining: int  # the running requests' remaining max_new_tokens (clipped), summed
     ratio: float  # new_token_ratio in force
     free: int  # slots a newcomer could get (free, plus cached ones nobody uses)
@@ -189,7 +189,7 @@ class PoolRun(NamedTuple):
     outputs: list[list[int]]
     identical: int  # requests whose tokens equal the reference
     total: int
-    admissions: list[Admission] = []  # every admission decision, when asked to record them
+    admissions: Sequence[Admission] = ()  # every admission decision, when recorded
 
     @property
     def check(self) -> str:
