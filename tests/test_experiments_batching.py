@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from minisrv.experiments.batching import alone_outputs
+import math
+
+from minisrv.experiments.batching import alone_outputs, run_pool
 from minisrv.workloads import Workload, citylm_workload
 
 
@@ -65,3 +67,34 @@ def test_known_runs_carry_over_and_are_regenerated_only_when_too_short(citylm,
     assert got == [generate(p, n) for p, n in zip(second.prompts, second.output_lens)]
     assert alone_outputs(model, second, ignore_eos=True, known=known) == [
         generate(p, n, ignore_eos=True) for p, n in zip(second.prompts, second.output_lens)]
+
+
+def test_admission_ledgers_add_up_and_recording_changes_nothing(citylm):
+    """Every recorded decision of a run in a tight pool is SGLang's budget, line by line:
+    the pool is what running requests hold plus what is free, the budget is free less the
+    ratio times their remaining limits, and each candidate is admitted exactly when its
+    prompt plus limit fits in what is left, the first refusal ending the decision. Every
+    admission the engine made is in the ledgers, and recording does not change the run."""
+    model, tok = citylm
+    work = citylm_workload(tok, n=12, output_range=(10, 60), seed=0)
+    ref = alone_outputs(model, work)
+    plain = run_pool(model, work, ref, capacity=100, ratio=0.7, decay=0.01, max_running=6)
+    run = run_pool(model, work, ref, capacity=100, ratio=0.7, decay=0.01, max_running=6,
+                   record=True)
+    assert not plain.admissions and run.outputs == plain.outputs == ref
+    assert run.engine.stats.steps == plain.engine.stats.steps
+    assert run.engine.stats.retractions > 0  # a pool tight enough to retract
+    admitted = 0
+    for decision in run.admissions:
+        assert decision.capacity == 100 == decision.held + decision.free
+        assert math.isclose(decision.budget, decision.free - decision.ratio * decision.remaining)
+        left = decision.budget
+        for k, cand in enumerate(decision.candidates):
+            assert cand["need"] == cand["prompt"] + cand["limit"]
+            assert math.isclose(cand["left"], left)
+            assert cand["admitted"] == (cand["need"] <= left)
+            assert cand["admitted"] or k == len(decision.candidates) - 1  # a refusal ends it
+            left -= cand["need"] if cand["admitted"] else 0
+        admitted += sum(cand["admitted"] for cand in decision.candidates)
+    assert admitted == len(work) + run.engine.stats.retractions  # every admission, once
+    assert any(not d.candidates[-1]["admitted"] for d in run.admissions if d.candidates)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from minisrv.experiments.batching import run_pool
+from minisrv.experiments.batching import Admission, run_pool
 from minisrv.viz import batching as vb
 from minisrv.workloads import citylm_workload
 
@@ -123,3 +123,18 @@ def test_every_state_goes_through_the_pages_check_and_captions_show_values(pool_
     state = ex.metrics(capacity=smallest, max_running=2, ratio=0.7)
     assert f"Mean decode batch {state['mean_decode_batch']:.2f} requests; peak" in ex.html
     assert "tokens recomputed, peak" not in ex.html
+
+
+def test_the_ledger_table_shows_each_term_and_what_is_left_after_it() -> None:
+    """A decision of 3 running requests at ratio 0.1: the budget line is free less the
+    promise, each admitted request takes its need from what is left, and the refused one
+    leaves it as it was and says by how much it missed."""
+    cands = [{"rid": 7, "prompt": 4, "limit": 31, "need": 35, "left": 80.3, "admitted": True},
+             {"rid": 8, "prompt": 4, "limit": 50, "need": 54, "left": 45.3, "admitted": False}]
+    decision = Admission(72, 120, 3, 27, 127, 0.1, 93, 93 - 12.7, cands)
+    table = vb.ledger_table(decision)
+    assert list(table["slots"]) == ["120", "27", "93", "12.7", "35", "54"]
+    assert list(table["left for newcomers"]) == ["", "", "93", "80.3", "45.3", "45.3"]
+    assert list(table["decision"][-2:]) == ["admitted", "refused: 54 > 45.3"]
+    assert table.index[1] == "held by the 3 running requests"
+    assert table.index[-1] == "waiting request 2: prompt 4 + limit 50"

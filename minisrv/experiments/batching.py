@@ -19,9 +19,12 @@ from tqdm.auto import tqdm
 from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
+from minisrv.request import Req
+from minisrv.scheduler.admission import CLIP_MAX_NEW_TOKENS, PrefillAdder
 from minisrv.workloads import Workload
 
 __all__ = [
+    "Admission",
     "EngineVsAlone",
     "FlatCheck",
     "PoolRun",
@@ -29,6 +32,7 @@ __all__ = [
     "engine_vs_alone",
     "flat_equivalence",
     "pool_sweep",
+    "record_admissions",
     "run_pool",
 ]
 
@@ -123,6 +127,61 @@ def alone_outputs(model: CityLM, workload: Workload, *, ignore_eos: bool = False
             for prompt, n in zip(workload.prompts, workload.output_lens)]
 
 
+class Admission(NamedTuple):
+    """One admission decision of a budget run, as a ledger: what the pool held and what the
+    running requests were still promised when the step's newcomers were chosen, and what
+    each waiting request the scheduler looked at asked for."""
+
+    step: int  # index of the step the decision formed
+    capacity: int  # slots in the pool
+    running: int  # requests running
+    held: int  # slots in use: the running requests' tokens (and any cached prefixes)
+    remaining: int  # the running requests' remaining max_new_tokens (clipped), summed
+    ratio: float  # new_token_ratio in force
+    free: int  # slots a newcomer could get (free, plus cached ones nobody uses)
+    budget: float  # free less ratio x remaining: what newcomers may claim
+    # in queue order, one dict per request looked at: rid, prompt (tokens to prefill), limit
+    # (max_new_tokens still allowed, clipped), need, left (budget left before it), admitted
+    candidates: list[dict[str, Any]]
+
+
+class _LedgerAdder(PrefillAdder):
+    """A ``PrefillAdder`` that writes each candidate it is asked about into a ledger."""
+
+    def __init__(self, decision: Admission, *args: Any) -> None:
+        super().__init__(*args)
+        self.decision = decision
+
+    def fits(self, req: Req, fill: int) -> bool:
+        self.decision.candidates.append({
+            "rid": req.rid, "prompt": fill,
+            "limit": min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS),
+            "need": self.rule.need(req, fill), "left": self.budget, "admitted": False})
+        return super().fits(req, fill)
+
+    def add(self, req: Req, fill: int) -> None:
+        super().add(req, fill)
+        self.decision.candidates[-1]["admitted"] = True
+
+
+def record_admissions(engine: Engine) -> list[Admission]:
+    """From now on, every admission decision of ``engine``'s budget rule is appended to the
+    returned list (the scheduler asks its rule for a ``PrefillAdder`` once per decision)."""
+    rule, decisions = engine.scheduler.admission, []
+
+    def adder(running: Sequence[Req], memory: Any, max_running: int) -> PrefillAdder:
+        remaining = sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) for r in running)
+        budget = rule.budget(running, memory)
+        decision = Admission(len(engine.trace), memory.kv.capacity, len(running),
+                             memory.kv.capacity - memory.kv.free_count, remaining, rule.ratio,
+                             memory.available(), budget, [])
+        decisions.append(decision)
+        return _LedgerAdder(decision, rule, max_running - len(running), budget)
+
+    rule.adder = adder
+    return decisions
+
+
 class PoolRun(NamedTuple):
     """One pool experiment: the engine after the run and whether outputs matched."""
 
@@ -130,6 +189,7 @@ class PoolRun(NamedTuple):
     outputs: list[list[int]]
     identical: int  # requests whose tokens equal the reference
     total: int
+    admissions: Sequence[Admission] = ()  # every admission decision, when recorded
 
     @property
     def check(self) -> str:
@@ -139,14 +199,17 @@ class PoolRun(NamedTuple):
 
 def run_pool(model: CityLM, workload: Workload, reference: Sequence[Sequence[int]], *,
              capacity: int = 120, ratio: float = 0.7, decay: float = 0.01, max_running: int = 8,
-             admission: str = "budget", mode: str = "prefill-first") -> PoolRun:
-    """Serve ``workload`` with a pool of ``capacity`` slots and compare with ``reference``."""
+             admission: str = "budget", mode: str = "prefill-first",
+             record: bool = False) -> PoolRun:
+    """Serve ``workload`` with a pool of ``capacity`` slots and compare with ``reference``;
+    ``record``: keep every admission decision's ledger (``record_admissions``)."""
     engine = Engine(model, kv_capacity=capacity, max_running=max_running, mode=mode,
                     admission=admission, new_token_ratio=ratio, ratio_decay=decay,
                     min_ratio=min(ratio, 0.1))
+    admissions = record_admissions(engine) if record else []
     outputs = engine.generate(workload.prompts, workload.output_lens)
     same = sum(list(a) == list(b) for a, b in zip(outputs, reference))
-    return PoolRun(engine, outputs, same, len(reference))
+    return PoolRun(engine, outputs, same, len(reference), admissions)
 
 
 def pool_sweep(model: CityLM, workload: Workload, reference: Sequence[Sequence[int]],

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from minisrv.experiments.batching import PoolRun, run_pool
+from minisrv.experiments.batching import Admission, PoolRun, run_pool
 from minisrv.model import CityLM
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
@@ -216,3 +217,24 @@ def pool_explorer(
                            ("ratio", "initial new_token_ratio", list(ratios), ratio)],
                     live=lambda: pool_widget(model, workload, reference, capacity, ratio,
                                              decay, max_running))
+
+
+def ledger_table(decision: Admission) -> pd.DataFrame:
+    """One admission decision as a ledger, a line per term of the budget and per waiting
+    request looked at, in slots: what each line takes and what is left for newcomers after
+    it. Formatted as text, so that a line with no budget effect stays blank."""
+    promised = decision.ratio * decision.remaining
+    lines = [
+        ("pool", f"{decision.capacity}", "", ""),
+        (f"held by the {decision.running} running requests", f"{decision.held}", "", ""),
+        ("free", f"{decision.free}", f"{decision.free}", ""),
+        (f"promised to them: {decision.ratio:.2f} x {decision.remaining} tokens of limits",
+         f"{promised:.1f}", f"{decision.budget:.1f}", ""),
+    ]
+    for i, c in enumerate(decision.candidates, 1):
+        left = c["left"] - c["need"] if c["admitted"] else c["left"]
+        verdict = "admitted" if c["admitted"] else f"refused: {c['need']:g} > {c['left']:.1f}"
+        lines.append((f"waiting request {i}: prompt {c['prompt']} + limit {c['limit']}",
+                      f"{c['need']:g}", f"{left:.1f}", verdict))
+    frame = pd.DataFrame(lines, columns=["ledger", "slots", "left for newcomers", "decision"])
+    return frame.set_index("ledger")
