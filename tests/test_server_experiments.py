@@ -244,6 +244,82 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
+def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
+    """The figure is drawn once per target, so the chosen rate is marked in the table under it:
+    every rate a row, the chosen one (alone) highlighted."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.server import _rate_table
+
+    sweep = _rate_sweep()
+    html = _rate_table(sweep, 64.0, 200.0)
+    rows = html.split("<tbody>")[1].split("<tr")[1:]
+    assert [("background" in row) for row in rows] == [False, True, False]
+    assert "<th>64</th>" in rows[1] and "TTFT &lt;= 200 ms" in html
+    assert html.count("<tr") == 2 + 3  # two header rows (metric, policy), one row per rate
+    with pytest.raises(ValueError):
+        _rate_table(sweep, 32.0, 200.0)  # not a rate of the sweep
+
+
+def _timelines(rate: float = 64.0):
+    from minisrv.experiments.server import prefix_heavy_requests, request_timelines
+    from minisrv.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    configs = {"LPM, radix": {"policy": "lpm", "cache": "radix"},
+               "FCFS, radix": {"policy": "fcfs", "cache": "radix"}}
+    return request_timelines(prompts, 8, rate, configs, kv_capacity=2000)
+
+
+def test_request_timelines_are_the_sweep_s_point_request_by_request():
+    """Same arrivals and engines as ``policy_rate_sweep``: each request's first token minus its
+    arrival is the TTFT the sweep recorded, and its phases tile its latency."""
+    sweep, timelines = _rate_sweep(), _timelines(64.0)
+    for name in ("LPM, radix", "FCFS, radix"):
+        rows = timelines.xs(name, level=0)
+        assert list(rows.index) == list(range(32))
+        ttft = rows["first token (ms)"] - rows["arrival (ms)"]
+        assert ttft.tolist() == pytest.approx(list(sweep.loc[(name, 64.0), "ttfts (ms)"]))
+        assert (rows["arrival (ms)"] <= rows["admitted (ms)"]).all()
+        assert (rows["admitted (ms)"] < rows["first token (ms)"]).all()
+        for _, row in rows.iterrows():
+            times = row["token times (ms)"]
+            assert len(times) == 8 and times[0] == row["first token (ms)"]
+            assert times[-1] == row["finish (ms)"]
+            assert len(row["prefill steps per gap"]) == 7
+    # at a high rate FCFS queues, and some of its gaps hold other requests' prefill steps
+    fcfs = _timelines(512.0).xs("FCFS, radix", level=0)
+    assert (fcfs["admitted (ms)"] - fcfs["arrival (ms)"]).max() > 10.0
+    assert any(sum(gaps) for gaps in fcfs["prefill steps per gap"])
+    with pytest.raises(ValueError, match="rate > 0"):
+        from minisrv.experiments.server import request_timelines
+        request_timelines([[1, 2]], 4, 0.0)
+
+
+def test_the_waterfall_draws_three_phases_per_request_that_sum_to_its_latency():
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.server import plot_request_waterfall
+
+    timelines = _timelines(512.0)
+    fig = plot_request_waterfall(timelines, [8, 9, 10])
+    assert len(fig.axes) == 2
+    for ax, name in zip(fig.axes, ("LPM, radix", "FCFS, radix"), strict=True):
+        assert ax.get_title(loc="left").startswith(name)
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["r8", "r9", "r10"]
+        bars = ax.patches
+        assert len(bars) == 3 * 3
+        rows = timelines.xs(name, level=0).loc[[8, 9, 10]]
+        for y, (_, row) in enumerate(rows.iterrows()):
+            mine = [b for b in bars if abs(b.get_y() + b.get_height() / 2 - y) < 1e-9]
+            assert sum(b.get_width() for b in mine) == pytest.approx(
+                row["finish (ms)"] - row["arrival (ms)"])
+    # time counts from the first shown arrival, the same in both panels
+    assert min(b.get_x() for ax in fig.axes for b in ax.patches) == pytest.approx(0.0)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["queued", "prefill", "decode", "first token"]
+
+
 def test_policy_sweep_table_has_a_row_per_rate_and_three_columns_per_configuration():
     from minisrv.experiments.server import goodput, policy_sweep_table
 

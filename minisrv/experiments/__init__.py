@@ -166,6 +166,7 @@ _PUBLIC = {
     "goodput": "server",
     "policy_rate_sweep": "server",
     "policy_sweep_table": "server",
+    "request_timelines": "server",
     "sim_server_runs": "server",
     "spread": "server",
     "spread_summary": "server",

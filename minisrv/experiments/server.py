@@ -16,6 +16,8 @@ target: latency against throughput, the curve a load test is run to find.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import json
 import random
 import string
@@ -35,9 +37,8 @@ from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
            "goodput", "open_server", "policy_rate_sweep", "policy_sweep_table",
-           "prefix_heavy_requests", "read_metrics",
-           "run_sync", "sim_server_runs", "slot_ranges", "spread", "spread_summary",
-           "stream_completion"]
+           "prefix_heavy_requests", "read_metrics", "request_timelines", "run_sync",
+           "sim_server_runs", "slot_ranges", "spread", "spread_summary", "stream_completion"]
 
 T = TypeVar("T")
 
@@ -257,6 +258,28 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
     return out
 
 
+def _poisson_arrivals(n: int, seed: int) -> np.ndarray:
+    """``n`` arrival times of a Poisson process of rate 1, rescaled so that the mean gap is
+    exactly 1: divided by a rate, they span exactly ``n / rate`` seconds."""
+    gaps = np.random.default_rng(seed).exponential(1.0, n)
+    return np.cumsum(gaps) * n / gaps.sum()
+
+
+def _sim_run(prompts: Sequence[Sequence[int]], output_len: int, arrivals: Sequence[float],
+             options: Mapping[str, str], kv_capacity: int, max_running: int) -> Any:
+    """One run of the simulated H100 server's engine (no pacing, no HTTP) on ``prompts``
+    arriving at ``arrivals`` (simulated seconds): the engine and its ``RunResult``."""
+    from minisrv.engine import Engine
+    from minisrv.sim.served import sim_backend
+    from minisrv.workloads.mixes import Workload
+
+    engine = Engine(sim_backend().inner, kv_capacity=kv_capacity, max_running=max_running,
+                    **options)
+    workload = Workload(f"{len(prompts)} requests", [list(p) for p in prompts],
+                        [output_len] * len(prompts), list(arrivals))
+    return engine, engine.run_workload(workload)
+
+
 def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: Sequence[float],
                       configs: Mapping[str, Mapping[str, str]] = SIM_CONFIGS,
                       kv_capacity: int = 6000, max_running: int = 16,
@@ -272,24 +295,16 @@ def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: 
     random numbers), scaled so that the requests arrive over exactly ``len(prompts) / rate``
     seconds: two points differ by their rate and configuration, not by their draw of
     arrivals, and a server that keeps up serves the rate it is offered."""
-    from minisrv.engine import Engine
-    from minisrv.sim.served import sim_backend
-    from minisrv.workloads.mixes import Workload
-
     output_len = check_int("output_len", output_len, minimum=1)
     if not prompts or not rates or min(rates) <= 0:
         raise ValueError(f"need prompts and rates > 0, got {len(prompts)} prompts, "
                          f"rates {list(rates)}")
-    gaps = np.random.default_rng(seed).exponential(1.0, len(prompts))
-    times = np.cumsum(gaps) * len(prompts) / gaps.sum()  # the mean gap is exactly 1
+    times = _poisson_arrivals(len(prompts), seed)
     rows = []
     for name, options in configs.items():
         for rate in rates:
-            engine = Engine(sim_backend().inner, kv_capacity=kv_capacity,
-                            max_running=max_running, **options)
-            workload = Workload(f"poisson {rate:g}/s", [list(p) for p in prompts],
-                                [output_len] * len(prompts), list(times / rate))
-            run = engine.run_workload(workload)
+            engine, run = _sim_run(prompts, output_len, times / rate, options, kv_capacity,
+                                   max_running)
             ttft = np.array([r.ttft for r in run.requests]) * 1e3
             rows.append({"configuration": name, "rate": float(rate),
                          "out tok/s": run.metrics.throughput,
@@ -299,6 +314,39 @@ def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: 
                          / engine.stats.prompt_tokens,
                          "duration (s)": run.metrics.duration, "ttfts (ms)": tuple(ttft)})
     return pd.DataFrame(rows).set_index(["configuration", "rate"])
+
+
+def request_timelines(prompts: Sequence[Sequence[int]], output_len: int, rate: float,
+                      configs: Mapping[str, Mapping[str, str]] = SIM_CONFIGS,
+                      kv_capacity: int = 6000, max_running: int = 16,
+                      seed: int = 0) -> pd.DataFrame:
+    """The point ``rate`` of ``policy_rate_sweep`` (same arrivals, same engines) request by
+    request: one row per (configuration, request id) with, in ms of the simulated clock, its
+    arrival, the start of its prefill step (``admitted``), its first token, its last token
+    and the time of every token; the prompt tokens it found in the cache; and for each gap
+    between two of its tokens, the prefill steps (of other requests) that ran in it.
+
+    Queued is ``admitted - arrival``, prefill ``first token - admitted``, decode
+    ``finish - first token``: together the request's end-to-end latency, TTFT the first
+    two."""
+    output_len = check_int("output_len", output_len, minimum=1)
+    if not prompts or rate <= 0:
+        raise ValueError(f"need prompts and a rate > 0, got {len(prompts)} prompts, rate {rate}")
+    times = _poisson_arrivals(len(prompts), seed) / rate
+    rows = []
+    for name, options in configs.items():
+        _, run = _sim_run(prompts, output_len, times, options, kv_capacity, max_running)
+        prefill_ends = sorted(step.end for step in run.trace if step.prefill)
+        rows += [{"configuration": name, "rid": r.rid, "arrival (ms)": r.arrival * 1e3,
+                  "admitted (ms)": r.admitted_at * 1e3,
+                  "first token (ms)": r.first_token_time * 1e3,
+                  "finish (ms)": r.finish_time * 1e3,
+                  "token times (ms)": tuple(t * 1e3 for t in r.token_times),
+                  "cached tokens": r.cached_prompt_tokens,
+                  "prefill steps per gap": tuple(
+                      bisect.bisect_right(prefill_ends, b) - bisect.bisect_right(prefill_ends, a)
+                      for a, b in itertools.pairwise(r.token_times))} for r in run.requests]
+    return pd.DataFrame(rows).set_index(["configuration", "rid"])
 
 
 def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:

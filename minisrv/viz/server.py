@@ -1,6 +1,7 @@
 """Plots for the server chapter: the repeated runs of ``sim_server_runs`` with their spread,
 the latency-throughput curves and goodput of ``policy_rate_sweep``, and an explorer (with its kernel
-widget) over the request rate and the TTFT target.
+widget) over the request rate and the TTFT target, and ``request_timelines``' requests as bars
+in time (``plot_request_waterfall``).
 
 Reads the tables of ``minisrv.experiments.server``; nothing in the serving core imports this
 module. The sequence diagram of one request (``request_sequence``) is drawn here too.
@@ -8,6 +9,7 @@ module. The sequence diagram of one request (``request_sequence``) is drawn here
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +21,8 @@ from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
-__all__ = ["plot_policy_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
+__all__ = ["plot_policy_rate_sweep", "plot_request_waterfall", "plot_spread", "rate_explorer",
+           "rate_widget"]
 
 _HIGHLIGHT = "#4c72b0"
 _COLORS = {"LPM, radix": "#4c72b0", "FCFS, radix": "#dd8452", "FCFS, no cache": "#55a868"}
@@ -104,25 +107,35 @@ def _check_sweep(sweep: pd.DataFrame) -> None:
                          f"columns {sorted(need)}; got {list(sweep.columns)}")
 
 
-def _at_rate(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> pd.DataFrame:
-    """Every configuration at one rate: what the table under the explorer's figure shows."""
-    rows = sweep.xs(rate, level=1)
-    good = goodput(sweep, ttft_slo_ms).xs(rate, level=1)
-    table = pd.DataFrame({"out tok/s": rows["out tok/s"].map("{:,.0f}".format),
-                          "TTFT median (ms)": rows["ttft median (ms)"].map("{:,.0f}".format),
-                          "TTFT p99 (ms)": rows["ttft p99 (ms)"].map("{:,.0f}".format),
-                          "hit rate": rows["hit rate"].map("{:.2f}".format),
-                          f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
-                              good.map("{:.1f}".format)})
-    return table.rename_axis(index=None, columns=f"{rate:g} requests/s offered")
+def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
+    """Every rate of the sweep a row, the chosen ``rate``'s highlighted, as HTML: per policy its
+    goodput at ``ttft_slo_ms``, TTFT median and p99 and hit rate (the figure has the
+    throughput): what the table under the explorer's figure shows."""
+    if rate not in sweep.index.unique(level=1):
+        raise ValueError(f"{rate:g} requests/s is not a rate of the sweep")
+    columns = {f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
+                   goodput(sweep, ttft_slo_ms).map("{:.1f}".format),
+               "TTFT median (ms)": sweep["ttft median (ms)"].map("{:,.0f}".format),
+               "TTFT p99 (ms)": sweep["ttft p99 (ms)"].map("{:,.0f}".format),
+               "hit rate": sweep["hit rate"].map("{:.2f}".format)}
+    table = pd.DataFrame({(column, name.split(",")[0]): values.xs(name, level=0)
+                          for column, values in columns.items()
+                          for name in sweep.index.unique(level=0)})
+    table = table.rename(index=lambda r: f"{r:g}").rename_axis(index=None)
+    table.columns.names = [None, "req/s offered"]  # in the corner, over the rates
+    lines = table.to_html(border=0).splitlines()
+    row = lines.index(f"      <th>{rate:g}</th>", lines.index("  <tbody>"))
+    lines[row - 1] = '    <tr style="background:#fde9b6;font-weight:bold">'
+    return "\n".join(lines)
 
 
 def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
                   ttft_slo_ms: float) -> Explorer:
     """``plot_policy_rate_sweep`` for each TTFT target of ``slos_ms`` and, under it, every
-    configuration's numbers at the chosen request rate, drawn from ``policy_rate_sweep``'s table
-    (nothing is simulated again). The figure depends on the target alone, so it is drawn
-    once per target. The kernel face is ``rate_widget``."""
+    configuration's goodput, TTFT and hit rate at every rate, the chosen rate's row
+    highlighted, drawn from ``policy_rate_sweep``'s table (nothing is simulated again). The
+    figure depends on the target alone, so it is drawn once per target, not once per state.
+    The kernel face is ``rate_widget``."""
     _check_sweep(sweep)
     rates = list(sweep.index.unique(level=1))
     figures = {slo: part_html(plot_policy_rate_sweep(sweep, slo)) for slo in slos_ms}
@@ -139,7 +152,7 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
         caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
                    + ", ".join(f"{name} {v}" for name, v in shown.items())
                    + f" requests/s meet it; {verdict}.")
-        return Frame([figures[ttft_slo_ms], _at_rate(sweep, rate, ttft_slo_ms)], numbers,
+        return Frame([figures[ttft_slo_ms], _rate_table(sweep, rate, ttft_slo_ms)], numbers,
                      caption=caption)
 
     return explorer(draw, [("rate", "requests/s", rates, rate),
@@ -151,7 +164,7 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
     """A menu of the sweep's rates and a slider for any TTFT target; each change redraws
     ``plot_policy_rate_sweep`` and the table from the same runs. Needs a live kernel."""
     import ipywidgets as widgets
-    from IPython.display import display
+    from IPython.display import HTML, display
 
     controls = {"rate": widgets.Dropdown(options=list(sweep.index.unique(level=1)),
                                          value=rate, description="requests/s"),
@@ -160,9 +173,50 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
 
     def redraw(rate: float, ttft_slo_ms: float) -> None:
         display(plot_policy_rate_sweep(sweep, ttft_slo_ms))
-        display(_at_rate(sweep, rate, ttft_slo_ms))
+        display(HTML(_rate_table(sweep, rate, ttft_slo_ms)))
 
     return panel(redraw, controls)
+
+
+# ------------------------------------------------------------ requests as bars in time
+_PHASES = {"queued": "#c8c8c8", "prefill": "#dd8452", "decode": "#4c72b0"}
+
+
+@styled
+def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> BookFigure:
+    """One panel per configuration of ``request_timelines``, one horizontal bar per request
+    of ``rids``: queued (arrival to its prefill step), prefill (to its first token, the black
+    diamond) and decode (to its last token), each token a white tick, so TTFT is the length
+    up to the diamond and the inter-token times are the gaps between ticks. Time counts from
+    the first of the shown requests' arrivals."""
+    names = list(timelines.index.unique(level=0))
+    rows = [timelines.xs(name, level=0).loc[list(rids)] for name in names]
+    start = min(float(r["arrival (ms)"].min()) for r in rows)
+    fig, axes = page_figure(1.3 + len(names) * (0.45 + 0.28 * len(rids)), rows=len(names),
+                            sharex=True, squeeze=False)
+    for ax, name, frame in zip(axes[:, 0], names, rows, strict=True):
+        for y, (_, req) in enumerate(frame.iterrows()):
+            edges = [req["arrival (ms)"], req["admitted (ms)"], req["first token (ms)"],
+                     req["finish (ms)"]]
+            for (phase, color), (a, b) in zip(_PHASES.items(), itertools.pairwise(edges),
+                                              strict=True):
+                ax.barh(y, b - a, left=a - start, height=0.7, color=color,
+                        label=phase if y == 0 else None)
+            ticks = np.array(req["token times (ms)"][1:]) - start
+            ax.plot(ticks, [y] * len(ticks), "|", color="white", ms=7, mew=0.8)
+            ax.plot(edges[2] - start, y, "D", color="black", ms=4,
+                    label="first token" if y == 0 else None)
+        ttft = frame["first token (ms)"] - frame["arrival (ms)"]
+        ax.set_yticks(range(len(frame)), [f"r{rid}" for rid in frame.index])
+        ax.set_ylim(len(frame) - 0.5, -0.5)
+        ax.grid(axis="x", alpha=0.3)
+        label_axes(ax, f"{name}: TTFT of these requests {ttft.min():,.0f} to "
+                       f"{ttft.max():,.0f} ms")
+    axes[-1, 0].set_xlabel("simulated time since the first of them arrived (ms)")
+    handles = dict(zip(*reversed(axes[0, 0].get_legend_handles_labels()), strict=True))
+    order = [*_PHASES, "first token"]  # in the order a request goes through them
+    fig.legend([handles[k] for k in order], order, loc="outside upper center", ncol=len(order))
+    return fig
 
 
 # ------------------------------------------------------------ one request through the server
