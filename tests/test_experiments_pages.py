@@ -156,3 +156,19 @@ def test_the_pool_picture_has_a_legend_entry_per_owner_and_role() -> None:
     fig = pv.plot_pool_snapshot(_pool_snapshot())
     labels = [text.get_text() for text in fig.legends[0].get_texts()]
     assert labels == ["C's own", "D's own", "shared", "cached, free", "free"]
+
+
+def test_a_finished_request_leaves_the_snapshot_rows_and_its_partial_page_the_pool() -> None:
+    """C stops after 3 tokens (47 with KV: two full header blocks and 15 tokens on a third
+    page): the header's counts fall to D's 1, nothing new is cached, and C's partly filled
+    page goes back to the allocator, which hands it to D next."""
+    header = list(range(1000, 1040))
+    snap = pg.pool_snapshot(
+        SimBackend(), {"A": (header + [1, 2, 3, 4, 5], 30), "B": (list(range(2000, 2045)), 20)},
+        {"C": (header + [6, 7, 8, 9, 10], 3), "D": (header + [11, 12, 13, 14, 15], 10)},
+        steps=5, kv_capacity=256, max_running=8)
+    assert list(snap.rows) == ["D"] and snap.requests["C"].finished
+    by_page = {block.page: block for block in snap.blocks}
+    assert [by_page[p].ref for p in snap.rows["D"][:2]] == [1, 1]
+    assert snap.free_queue == _pool_snapshot().free_queue
+    assert snap.rows["D"][3] == _pool_snapshot().rows["C"][2]

@@ -336,7 +336,8 @@ def pool_snapshot(model: Any, before: Mapping[str, tuple[list[int], int]],
                   page_size: int = BLOCK_SIZE, **options: Any) -> PoolSnapshot:
     """Serve ``before`` (label -> (prompt, output length)) to the end with
     ``cache="blocks"``, admit ``during``, run ``steps`` steps and read the pool
-    (``PoolSnapshot``). ``options`` are ``EngineConfig``'s."""
+    (``PoolSnapshot``; its rows are those of the requests still running, a block's page
+    named by its first slot). ``options`` are ``EngineConfig``'s."""
     engine = Engine(model, page_size=page_size, cache="blocks", **options)
 
     def admit(batch: Mapping[str, tuple[list[int], int]]) -> dict[str, Any]:
@@ -356,12 +357,12 @@ def pool_snapshot(model: Any, before: Mapping[str, tuple[list[int], int]],
     memory = engine.scheduler.memory
     table, cache, kv = memory.table, memory.tree, memory.kv
     rows = {label: [slot // page_size for slot in table.slots(req, 0, req.kv_len)[::page_size]]
-            for label, req in running.items()}  # a block's first slot names its page
+            for label, req in running.items() if not req.finished}
     blocks = [BlockView(block.value[0] // page_size,
                         None if block.parent is cache.root else block.parent.value[0] // page_size,
                         block.hash, block.lock_ref) for block in cache.nodes()[1:]]
     return PoolSnapshot(
-        page_size, kv.n_pages, rows, {label: req.kv_len for label, req in running.items()},
+        page_size, kv.n_pages, rows, {label: running[label].kv_len for label in rows},
         blocks, [block.value[0] // page_size for block in cache.free_queue()],
         [page for page in range(kv.n_pages) if not kv.is_used(page * page_size)],
         engine, {**served, **running})
