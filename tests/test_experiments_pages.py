@@ -104,3 +104,71 @@ def test_the_trace_figure_names_each_caches_found_and_computed_bar() -> None:
     assert [t.get_text() for t in legend.get_texts()] == [
         "tree: found", "tree: computed", "blocks: found", "blocks: computed"]
     assert legend._ncols == 2
+
+
+def _pool_snapshot() -> pg.PoolSnapshot:
+    """A and B served to the end, then C and D, which share A's 40-token header, five steps
+    in: a pool of 16 pages of 16 slots."""
+    header = list(range(1000, 1040))
+    return pg.pool_snapshot(
+        SimBackend(), {"A": (header + [1, 2, 3, 4, 5], 30), "B": (list(range(2000, 2045)), 20)},
+        {"C": (header + [6, 7, 8, 9, 10], 10), "D": (header + [11, 12, 13, 14, 15], 10)},
+        steps=5, kv_capacity=256, max_running=8)
+
+
+def test_the_pool_snapshot_reads_shared_blocks_and_the_free_queue_from_the_engine() -> None:
+    """C and D read A's two full header blocks (reference count 2 each); the blocks nobody
+    references sit in the free queue, B's chain deepest first, then A's blocks past the
+    header; every page is free, queued, shared or one running request's."""
+    snap = _pool_snapshot()
+    assert snap.rows["C"][:2] == snap.rows["D"][:2]
+    assert set(snap.rows["C"][2:]).isdisjoint(snap.rows["D"][2:])
+    by_page = {block.page: block for block in snap.blocks}
+    assert [by_page[p].ref for p in snap.rows["C"][:2]] == [2, 2]
+    assert by_page[snap.rows["C"][1]].parent == snap.rows["C"][0]
+    cache = snap.engine.scheduler.memory.tree
+    assert snap.free_queue == [block.value[0] // 16 for block in cache.free_queue()]
+    assert all(by_page[p].ref == 0 for p in snap.free_queue)
+    first_blocks = [p for p in snap.free_queue if by_page[p].parent is None]
+    assert len(first_blocks) == 1  # B's: A's first block is the shared header's
+    assert snap.free_queue.index(first_blocks[0]) == 3  # after B's three deeper blocks
+    roles = pg.page_roles(snap)
+    assert sorted(roles) == list(range(16))
+    assert [roles[p] for p in snap.rows["C"]] == ["shared", "shared", "C", "C"]
+    assert sum(role == "free" for role in roles.values()) * 16 == \
+        snap.engine.scheduler.memory.kv.free_count
+
+
+def test_page_roles_refuses_a_page_two_requests_hold_without_the_cache() -> None:
+    """A page in two rows that no shared cached block explains, or a page held by nobody, is
+    an inconsistency between the table, the cache and the allocator, not a picture."""
+    snap = _pool_snapshot()
+    bad_rows = {**snap.rows, "D": [*snap.rows["D"][:2], snap.rows["C"][2], snap.rows["D"][3]]}
+    with pytest.raises(ValueError, match="also"):
+        pg.page_roles(snap._replace(rows=bad_rows))
+    with pytest.raises(ValueError, match="nobody"):
+        pg.page_roles(snap._replace(free_pages=snap.free_pages[1:]))
+
+
+def test_the_pool_picture_has_a_legend_entry_per_owner_and_role() -> None:
+    from minisrv.viz import pages as pv
+
+    fig = pv.plot_pool_snapshot(_pool_snapshot())
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == ["C's own", "D's own", "shared", "cached, free", "free"]
+
+
+def test_a_finished_request_leaves_the_snapshot_rows_and_its_partial_page_the_pool() -> None:
+    """C stops after 3 tokens (47 with KV: two full header blocks and 15 tokens on a third
+    page): the header's counts fall to D's 1, nothing new is cached, and C's partly filled
+    page goes back to the allocator, which hands it to D next."""
+    header = list(range(1000, 1040))
+    snap = pg.pool_snapshot(
+        SimBackend(), {"A": (header + [1, 2, 3, 4, 5], 30), "B": (list(range(2000, 2045)), 20)},
+        {"C": (header + [6, 7, 8, 9, 10], 3), "D": (header + [11, 12, 13, 14, 15], 10)},
+        steps=5, kv_capacity=256, max_running=8)
+    assert list(snap.rows) == ["D"] and snap.requests["C"].finished
+    by_page = {block.page: block for block in snap.blocks}
+    assert [by_page[p].ref for p in snap.rows["D"][:2]] == [1, 1]
+    assert snap.free_queue == _pool_snapshot().free_queue
+    assert snap.rows["D"][3] == _pool_snapshot().rows["C"][2]

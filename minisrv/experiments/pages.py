@@ -1,7 +1,8 @@
 """The pages chapter's runs: what a page of KV costs (slots no token fills), what it buys (a
 shorter table, longer runs of consecutive slots for the attention kernel to load), what it
-loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache, and
-retraction with and without a host tier.
+loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache,
+retraction with and without a host tier, and one block-cache pool read mid-run (block tables,
+shared pages, hash chains, the free queue).
 
 Each function builds fresh engines, serves a workload and returns plain results (named
 tuples, DataFrames); ``minisrv.viz.pages`` only draws them. Every CityLM run keeps its
@@ -24,26 +25,11 @@ from minisrv.sampling import SamplingParams
 from minisrv.workloads import Workload
 
 __all__ = [
-    "BLOCK_SIZE",
-    "CACHE_SETTINGS",
-    "KEY_TILE",
-    "KEY_TILES",
-    "PAGE_SIZES",
-    "PREEMPT_SETTINGS",
-    "PageRun",
-    "TRACE_SETTINGS",
-    "TraceHits",
-    "first_requests",
-    "hit_table",
-    "key_runs",
-    "occupancy_table",
-    "page_run",
-    "preemption_runs",
-    "preemption_table",
-    "served_runs",
-    "table_sizes",
-    "tile_runs",
-    "trace_hits",
+    "BLOCK_SIZE", "BlockView", "CACHE_SETTINGS", "KEY_TILE", "KEY_TILES", "PAGE_SIZES",
+    "PREEMPT_SETTINGS", "PageRun", "PoolSnapshot", "TRACE_SETTINGS", "TraceHits",
+    "first_requests", "hit_table", "key_runs", "occupancy_table", "page_roles", "page_run",
+    "pool_snapshot", "preemption_runs", "preemption_table", "served_runs", "table_sizes",
+    "tile_runs", "trace_hits",
 ]
 
 PAGE_SIZES = (1, 4, 16, 64)
@@ -318,3 +304,83 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFra
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "cache"
     return frame
+
+
+class BlockView(NamedTuple):
+    """One cached block of a ``PoolSnapshot``, as the block cache holds it."""
+
+    page: int  # the pool page its tokens live in
+    parent: int | None  # its parent block's page (None for a chain's first block)
+    hash: int  # chained from its parent's
+    ref: int  # its reference count: the running requests that read it
+
+
+class PoolSnapshot(NamedTuple):
+    """A block-cache engine's KV pool at one step, read from the table (each running
+    request's row cut into pages: vLLM's block table), the block cache and the allocator;
+    ``engine`` and ``requests`` are the run itself, to check it and to finish it."""
+
+    page_size: int
+    n_pages: int
+    rows: dict[str, list[int]]  # a running request's label -> the page of each block, in order
+    lengths: dict[str, int]  # its tokens with KV
+    blocks: list[BlockView]  # every cached block, parents first
+    free_queue: list[int]  # pages of unreferenced cached blocks, the next evicted first
+    free_pages: list[int]  # pages the allocator has not handed out
+    engine: Engine
+    requests: dict[str, Any]  # label -> request, those served before and those running
+
+
+def pool_snapshot(model: Any, before: Mapping[str, tuple[list[int], int]],
+                  during: Mapping[str, tuple[list[int], int]], steps: int,
+                  page_size: int = BLOCK_SIZE, **options: Any) -> PoolSnapshot:
+    """Serve ``before`` (label -> (prompt, output length)) to the end with
+    ``cache="blocks"``, admit ``during``, run ``steps`` steps and read the pool
+    (``PoolSnapshot``; its rows are those of the requests still running, a block's page
+    named by its first slot). ``options`` are ``EngineConfig``'s."""
+    engine = Engine(model, page_size=page_size, cache="blocks", **options)
+
+    def admit(batch: Mapping[str, tuple[list[int], int]]) -> dict[str, Any]:
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in batch.values()]
+        reqs = engine.make_requests([p for p, _ in batch.values()], None, params,
+                                    [0.0] * len(batch))
+        for req in reqs:
+            engine.add_request(req)
+        return dict(zip(batch, reqs))
+
+    served = admit(before)
+    while engine.step().record is not None:
+        pass
+    running = admit(during)
+    for _ in range(steps):
+        engine.step()
+    memory = engine.scheduler.memory
+    table, cache, kv = memory.table, memory.tree, memory.kv
+    rows = {label: [slot // page_size for slot in table.slots(req, 0, req.kv_len)[::page_size]]
+            for label, req in running.items() if not req.finished}
+    blocks = [BlockView(block.value[0] // page_size,
+                        None if block.parent is cache.root else block.parent.value[0] // page_size,
+                        block.hash, block.lock_ref) for block in cache.nodes()[1:]]
+    return PoolSnapshot(
+        page_size, kv.n_pages, rows, {label: running[label].kv_len for label in rows},
+        blocks, [block.value[0] // page_size for block in cache.free_queue()],
+        [page for page in range(kv.n_pages) if not kv.is_used(page * page_size)],
+        engine, {**served, **running})
+
+
+def page_roles(snapshot: PoolSnapshot) -> dict[int, str]:
+    """Each page's holder: ``"free"``, ``"cached, free"`` (in the free queue), ``"shared"``
+    (a cached block several running requests read) or the one running request whose row
+    holds it; ValueError where the table, the cache and the allocator disagree."""
+    roles = {page: "free" for page in snapshot.free_pages}
+    roles |= {page: "cached, free" for page in snapshot.free_queue}
+    shared = {block.page for block in snapshot.blocks if block.ref > 1}
+    roles |= {page: "shared" for page in shared}
+    for label, row in snapshot.rows.items():
+        for page in (page for page in row if page not in shared):
+            if page in roles:
+                raise ValueError(f"page {page} of {label}'s row is also {roles[page]!r}")
+            roles[page] = label
+    if missing := sorted(set(range(snapshot.n_pages)) - set(roles)):
+        raise ValueError(f"pages held by nobody: {missing}")
+    return roles

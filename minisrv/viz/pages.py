@@ -6,15 +6,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
-from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
+from minisrv.experiments.pages import (
+    PAGE_SIZES,
+    PageRun,
+    PoolSnapshot,
+    TraceHits,
+    page_roles,
+    page_run,
+    served_runs,
+)
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
 
 __all__ = ["CACHE_COLORS", "page_explorer", "page_widget", "plot_page_state",
-           "plot_trace_hits"]
+           "plot_pool_snapshot", "plot_trace_hits"]
 
 CACHE_COLORS = {"radix": "#4c6ef5", "blocks": "#e8590c"}
 """The tree in blue, vLLM's block cache in orange, in every figure of the chapter."""
@@ -166,3 +174,95 @@ def page_widget(model: Any, workloads: Mapping[str, Any], size: int = 16,
                   f"{run.mean_batch:.2f}, {run.retractions} retractions")
 
     return panel(redraw, controls, per_row=3)
+
+
+ROLE_COLORS = {"shared": "#f59f00", "cached, free": "#ced4da", "free": "white"}
+"""Pages in the pool picture: shared cached blocks gold, cached blocks in the free queue
+grey, free pages white; each running request's own pages in a colour of ``OWNER_COLORS``."""
+OWNER_COLORS = ("#74c0fc", "#b2f2bb", "#eebefa")
+
+
+def _cell(ax: Any, x: float, y: float, color: str, text: str, w: float = 0.9,
+          h: float = 0.8, **text_kw: Any) -> None:
+    ax.add_patch(Rectangle((x - w / 2, y - h / 2), w, h, facecolor=color, edgecolor="0.3",
+                           lw=0.8))
+    ax.text(x, y, text, ha="center", va="center", **{"fontsize": 8, **text_kw})
+
+
+def _bare(ax: Any, title: str) -> None:
+    ax.set_axis_off()
+    ax.set_title(title, loc="left", fontsize=10)
+
+
+@styled
+def plot_pool_snapshot(snapshot: PoolSnapshot) -> BookFigure:
+    """The pool of ``snapshot`` in three panels: each running request's block table (the
+    page of each of its blocks), the pool's pages coloured by who holds them (the free
+    queue's order on its pages), and the cached blocks as chains of hashes, each block's
+    hash taken over its parent's (last four hex digits), with its reference count."""
+    roles = page_roles(snapshot)
+    owners = list(snapshot.rows)
+    colors = {**ROLE_COLORS, **{o: OWNER_COLORS[i % len(OWNER_COLORS)]
+                                for i, o in enumerate(owners)}}
+    blocks = {b.page: b for b in snapshot.blocks}
+    children: dict[int | None, list[int]] = {}
+    for b in snapshot.blocks:
+        children.setdefault(b.parent, []).append(b.page)
+    chain_rows: dict[int, int] = {}  # each block's row in the chain panel: one per leaf
+
+    def place(parent: int | None, row: int) -> int:
+        for page in sorted(children.get(parent, [])):
+            chain_rows[page] = row
+            row = place(page, row) if page in children else row + 1
+        return row
+
+    n_chains = place(None, 0)
+    longest = max(map(len, snapshot.rows.values()))
+    half = -(-snapshot.n_pages // 2)
+    fig, axes = page_figure(1.2 + 0.42 * (len(owners) + 2 + n_chains), 3, 1,
+                            gridspec_kw={"height_ratios": [len(owners), 2, n_chains]})
+    table_ax, pool_ax, chain_ax = axes
+    ps = snapshot.page_size
+    for i, (label, row) in enumerate(snapshot.rows.items()):
+        for k, page in enumerate(row):
+            _cell(table_ax, k, i, colors[roles[page]], f"page {page}")
+        table_ax.text(-0.6, i, f"{label} ({snapshot.lengths[label]} tokens)", ha="right",
+                      va="center", fontsize=9)
+    _bare(table_ax, f"Block tables: block k of a request holds its tokens {ps}k to "
+                    f"{ps}k + {ps - 1}")
+    queue = {page: k + 1 for k, page in enumerate(snapshot.free_queue)}
+    for page in range(snapshot.n_pages):
+        text = f"{page}" + (f"\nq{queue[page]}" if page in queue else "")
+        _cell(pool_ax, page % half, page // half, colors[roles[page]], text)
+    _bare(pool_ax, "The pool's pages (qN: N-th in the free queue, q1 evicted first)")
+    step, w = 1.9, 1.75  # a block's distance from its parent's, a block's width
+    seed_row = (n_chains - 1) / 2
+    _cell(chain_ax, 0, seed_row, "white", "seed", w=0.6)
+    for page, row in chain_rows.items():
+        b, depth = blocks[page], _depth(blocks, page)
+        x = step * (depth + 1)
+        _cell(chain_ax, x, row, colors[roles[page]],
+              f"page {page}  #{b.hash & 0xFFFF:04x}  ref {b.ref}", w=w, fontsize=7.5)
+        tail = (0.3, seed_row) if b.parent is None else (x - step + w / 2, chain_rows[b.parent])
+        chain_ax.annotate("", (x - w / 2, row), tail,
+                          arrowprops={"arrowstyle": "->", "color": "0.3", "lw": 0.8})
+    _bare(chain_ax, "Cached blocks: hash of (parent's hash, the block's tokens), reference count")
+    table_ax.set_xlim(-0.55, max(longest, half) - 0.45)
+    pool_ax.set_xlim(-0.55, half - 0.45)
+    deepest = max(_depth(blocks, page) for page in chain_rows)
+    chain_ax.set_xlim(-0.4, max(step * (deepest + 1) + w / 2 + 0.1, 8.5))
+    for ax, rows in ((table_ax, len(owners)), (pool_ax, 2), (chain_ax, n_chains)):
+        ax.set_ylim(rows - 0.5, -0.5)
+    handles = [Patch(facecolor=colors[o], edgecolor="0.3", label=f"{o}'s own") for o in owners]
+    handles += [Patch(facecolor=ROLE_COLORS[r], edgecolor="0.3", label=r)
+                for r in ("shared", "cached, free", "free")]
+    legend_below(fig, handles, ncol=len(handles))
+    return fig
+
+
+def _depth(blocks: Mapping[int, Any], page: int) -> int:
+    """Blocks before ``page``'s in its chain."""
+    depth, parent = 0, blocks[page].parent
+    while parent is not None:
+        depth, parent = depth + 1, blocks[parent].parent
+    return depth
