@@ -31,8 +31,9 @@ def plot_decode_step_times(
     """Per-request time of a decode step against batch size, one line per attention kind.
 
     ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
-    Left: the whole step; right: divided by the batch, relative to batch 1. ``device``, if
-    given, is named in the left panel's title (a benchmark's report, not the book's page).
+    Left: the whole step, its axis from 0 so that slow growth looks small; right: divided
+    by the batch, relative to batch 1. ``device``, if given, is named in the left panel's
+    title (a benchmark's report, not the book's page).
     """
     fig, (left, right) = page_figure(height_in=3.8, cols=2)
     for attention, times in table.items():
@@ -48,6 +49,7 @@ def plot_decode_step_times(
         ax.minorticks_off()
     label_axes(left, "One decode step" + (f" on {device}" if device else ""),
                "batch size (requests)", "step time (ms)")
+    left.set_ylim(0, None)
     right.axhline(1.0, color="grey", lw=0.8, ls=":")
     label_axes(right, "Time per request", "batch size (requests)",
                "time per request (x batch 1)")
