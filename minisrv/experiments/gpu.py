@@ -1,4 +1,4 @@
-"""Serving a real model on a GPU: the appendix's runs, and what ``benchmarks/bench_gpu.py`` times.
+"""The GPU appendix's runs, and what ``benchmarks/bench_gpu.py`` times.
 
 * ``write_tiny_llama`` saves a random tiny Llama checkpoint with a word-level tokenizer built
   by the ``tokenizers`` library: a real Hugging Face folder that ``load_model`` reads, made
