@@ -281,8 +281,8 @@ def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
 
 
 def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
-    """The figure is drawn once per target, so the chosen rate is marked in the table under it:
-    every rate a row, the chosen one (alone) highlighted."""
+    """Beside the marks on the figure, the chosen rate is marked in the table under it: every
+    rate a row, the chosen one (alone) highlighted."""
     pytest.importorskip("matplotlib")
     from minisrv.viz.server import _rate_table
 

@@ -62,8 +62,8 @@ class BenchResult:
     slo_ms: dict[str, float] = field(default_factory=dict)  # "ttft", "tpot", "e2el" -> ms
     texts: list[str] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list, repr=False)
-    ttfts_ms: list[float] = field(default_factory=list, repr=False)  # per request, as sent;
-    # nan where it failed: the percentiles above hide how the TTFTs are spread
+    # each request's TTFT in the order sent (nan: it failed), which the percentiles summarize
+    ttfts_ms: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items()
