@@ -244,9 +244,45 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
+def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
+    """Each state lays marks over its target's one image: a ring round each policy's point of
+    the rate on the latency curve (left), a line at the rate on the goodput panel (right). The
+    rings sit on the points (they move right as the throughput grows), the line moves right
+    with the rate on the right half of the image, and no state draws a second image."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    import pandas as pd
+
+    from minisrv.viz.server import rate_explorer
+
+    sweep = _rate_sweep()
+    ex = rate_explorer(sweep, (200.0,), rate=64.0, ttft_slo_ms=200.0)
+    assert ex.html.count("data:image/webp") == 1
+    data = json.loads(ex.html.split('<script type="application/json">')[1]
+                      .split("</script>")[0].replace("<\\/", "</"))
+    rates = list(sweep.index.unique(level=1))
+    rings, lines = {}, {}
+    for rate, state in zip(rates, data["states"], strict=True):
+        marks = data["parts"][state["parts"][1]]
+        assert marks.endswith("</div>") and marks.count("border-radius:50%") == 2
+        lefts = [float(x) for x in re.findall(r"left:([0-9.]+)%", marks)]
+        tops = [float(x) for x in re.findall(r"top:([0-9.]+)%", marks)]
+        assert len(lefts) == 3  # two rings, one line
+        rings[rate], lines[rate] = list(zip(lefts[:2], tops[:2])), lefts[2]
+    assert lines[4.0] < lines[64.0] < lines[512.0] < 100 and lines[4.0] > 50
+    for k, name in enumerate(sweep.index.unique(level=0)):
+        rows = sweep.xs(name, level=0)
+        xs = pd.Series([rings[r][k][0] for r in rates])  # more throughput, further right
+        assert xs.rank().tolist() == rows["out tok/s"].rank().tolist()
+        assert all(0 < x < 50 for x in xs)  # on the left panel
+        ys = pd.Series([rings[r][k][1] for r in rates])  # a higher p99, higher on the image
+        assert ys.rank().tolist() == rows["ttft p99 (ms)"].rank(ascending=False).tolist()
+
+
 def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
-    """The figure is drawn once per target, so the chosen rate is marked in the table under it:
-    every rate a row, the chosen one (alone) highlighted."""
+    """Beside the marks on the figure, the chosen rate is marked in the table under it: every
+    rate a row, the chosen one (alone) highlighted."""
     pytest.importorskip("matplotlib")
     from minisrv.viz.server import _rate_table
 

@@ -6,6 +6,7 @@ Every reply is compared with ``reference_generate`` of the request alone.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -354,6 +355,9 @@ def test_bench_summary_statistics_and_table():
     assert out.latency_ms["e2e"]["median"] == pytest.approx(1250.0)
     assert out.latency_ms["itl"]["p99"] == pytest.approx(39.7)
     assert "Mean TTFT (ms):" in out.table() and out.errors == ["HTTP 400"]
+    # each request's TTFT, in the order sent, nan for the failed one, out of the JSON report
+    assert out.ttfts_ms[:4] == pytest.approx([100.0, 200.0, 300.0, 400.0])
+    assert math.isnan(out.ttfts_ms[4]) and "ttfts_ms" not in out.as_dict()
     # goodput: ttft 100..400 ms, tpot = e2e - ttft (2 tokens) = 400i ms; e2e 500i ms
     slo = _summarize(results, duration=2.0, slo_ms={"ttft": 250.0, "tpot": 900.0})
     assert slo.goodput == 1.0 and "Request goodput" in slo.table()  # i = 1, 2 meet both

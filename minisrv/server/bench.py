@@ -62,9 +62,12 @@ class BenchResult:
     slo_ms: dict[str, float] = field(default_factory=dict)  # "ttft", "tpot", "e2el" -> ms
     texts: list[str] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list, repr=False)
+    # each request's TTFT in the order sent (nan: it failed), which the percentiles summarize
+    ttfts_ms: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("texts", "errors")}
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("texts", "errors", "ttfts_ms")}
 
     def table(self) -> str:
         """The report, laid out as ``sglang.bench_serving`` prints it."""
@@ -262,4 +265,5 @@ def _summarize(results: Sequence[RequestResult], duration: float,
         slo_ms=dict(slo_ms or {}),
         texts=[r.text for r in results],
         errors=[r.error for r in results if not r.ok],
+        ttfts_ms=[r.ttft * 1e3 if r.ok else math.nan for r in results],
     )

@@ -129,16 +129,67 @@ def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
     return "\n".join(lines)
 
 
+MARK_COLOR = "#212529"
+"""The chosen rate's marks on the explorer's figure: near black, a color no curve uses."""
+
+
+def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
+    """For each rate of ``sweep``, HTML laid over ``fig``'s image (``plot_policy_rate_sweep``,
+    saved by ``_marked_box``) that marks the rate and closes the box: a ring round each
+    configuration's point of that rate on the latency curve (left), a vertical line at the
+    rate on the goodput panel (right).
+
+    The explorer draws the figure once per target (once per target and rate would cost seven
+    times the drawing), so the rate's marks are HTML, placed in percent of the image from the
+    axes' positions and scaled with it. Call it after the image is saved: saving laid the axes
+    out where these positions read them.
+    """
+    left, right = fig.axes
+    width, height = fig.bbox.width, fig.bbox.height
+
+    def place(ax: Any, x: float, y: float) -> tuple[float, float]:
+        px, py = ax.transData.transform((x, y))
+        return 100 * px / width, 100 * (1 - py / height)
+
+    box = right.get_position()
+    marks = {}
+    for rate in sweep.index.unique(level=1):
+        parts = []
+        for name in sweep.index.unique(level=0):
+            row = sweep.loc[(name, rate)]
+            x, y = place(left, row["out tok/s"], row["ttft p99 (ms)"])
+            parts.append(f'<div style="position:absolute;left:{x:.2f}%;top:{y:.2f}%;width:16px;'
+                         f'height:16px;margin:-10px 0 0 -10px;border:2px solid {MARK_COLOR};'
+                         f'border-radius:50%"></div>')
+        x, _ = place(right, rate, 1.0)
+        parts.append(f'<div style="position:absolute;left:{x:.2f}%;top:{100 * (1 - box.y1):.2f}%;'
+                     f'height:{100 * box.height:.2f}%;border-left:2px solid {MARK_COLOR};'
+                     f'opacity:.8"></div>')
+        marks[rate] = "".join(parts) + "</div>"
+    return marks
+
+
+def _marked_box(fig: BookFigure) -> str:
+    """The figure's image inside an open box that ``_rate_marks``' HTML lays its marks over and
+    closes: the frame's parts are joined into one string before the page parses them."""
+    return '<div style="position:relative;width:fit-content;max-width:100%">' + part_html(fig)
+
+
 def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
                   ttft_slo_ms: float) -> Explorer:
-    """``plot_policy_rate_sweep`` for each TTFT target of ``slos_ms`` and, under it, every
-    configuration's goodput, TTFT and hit rate at every rate, the chosen rate's row
-    highlighted, drawn from ``policy_rate_sweep``'s table (nothing is simulated again). The
-    figure depends on the target alone, so it is drawn once per target, not once per state.
-    The kernel face is ``rate_widget``."""
+    """``plot_policy_rate_sweep`` for each TTFT target of ``slos_ms``, the chosen rate marked
+    on both panels, and under it every configuration's goodput, TTFT and hit rate at every
+    rate, the chosen rate's row highlighted, drawn from ``policy_rate_sweep``'s table (nothing
+    is simulated again). The figure depends on the target alone, so it is drawn once per
+    target, not once per state; the rate's marks are laid over it. The kernel face is
+    ``rate_widget``."""
     _check_sweep(sweep)
     rates = list(sweep.index.unique(level=1))
-    figures = {slo: part_html(plot_policy_rate_sweep(sweep, slo)) for slo in slos_ms}
+    figures = {}
+    for slo in slos_ms:
+        fig = plot_policy_rate_sweep(sweep, slo)
+        box = _marked_box(fig)  # draws it, laying the axes out
+        figures[slo] = (box, _rate_marks(fig, sweep))
 
     def draw(rate: float, ttft_slo_ms: float) -> Frame:
         good = goodput(sweep, ttft_slo_ms).xs(rate, level=1)
@@ -152,7 +203,8 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
         caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
                    + ", ".join(f"{name} {v}" for name, v in shown.items())
                    + f" requests/s meet it; {verdict}.")
-        return Frame([figures[ttft_slo_ms], _rate_table(sweep, rate, ttft_slo_ms)], numbers,
+        box, marks = figures[ttft_slo_ms]
+        return Frame([box, marks[rate], _rate_table(sweep, rate, ttft_slo_ms)], numbers,
                      caption=caption)
 
     return explorer(draw, [("rate", "requests/s", rates, rate),
@@ -162,7 +214,8 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
 
 def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
     """A menu of the sweep's rates and a slider for any TTFT target; each change redraws
-    ``plot_policy_rate_sweep`` and the table from the same runs. Needs a live kernel."""
+    ``plot_policy_rate_sweep``, the rate marked on both panels, and the table from the same
+    runs. Needs a live kernel."""
     import ipywidgets as widgets
     from IPython.display import HTML, display
 
@@ -172,7 +225,13 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
                                                       max=3.5, description="TTFT target")}
 
     def redraw(rate: float, ttft_slo_ms: float) -> None:
-        display(plot_policy_rate_sweep(sweep, ttft_slo_ms))
+        fig = plot_policy_rate_sweep(sweep, ttft_slo_ms)
+        left, right = fig.axes  # the rate marked as the page's explorer marks it
+        at = sweep.xs(rate, level=1)
+        left.plot(at["out tok/s"], at["ttft p99 (ms)"], "o", ms=13, mfc="none", mew=2,
+                  color=MARK_COLOR)
+        right.axvline(rate, color=MARK_COLOR, lw=2, alpha=0.8)
+        display(fig)
         display(HTML(_rate_table(sweep, rate, ttft_slo_ms)))
 
     return panel(redraw, controls)
