@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from minisrv.experiments.server import goodput
-from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
+from minisrv.viz import marks
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
@@ -134,45 +135,17 @@ MARK_COLOR = "#212529"
 
 
 def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
-    """For each rate of ``sweep``, HTML laid over ``fig``'s image (``plot_policy_rate_sweep``,
-    saved by ``_marked_box``) that marks the rate and closes the box: a ring round each
-    configuration's point of that rate on the latency curve (left), a vertical line at the
-    rate on the goodput panel (right).
-
-    The explorer draws the figure once per target (once per target and rate would cost seven
-    times the drawing), so the rate's marks are HTML, placed in percent of the image from the
-    axes' positions and scaled with it. Call it after the image is saved: saving laid the axes
-    out where these positions read them.
-    """
+    """For each rate of ``sweep``, the marks laid over ``fig``'s image
+    (``plot_policy_rate_sweep``, in a ``marks.figure_box``) that show the rate, and the box's
+    end: a ring round each configuration's point of that rate on the latency curve (left), a
+    vertical line at the rate on the goodput panel (right). The explorer draws the figure once
+    per target; once per target and rate would cost seven times the drawing."""
     left, right = fig.axes
-    width, height = fig.bbox.width, fig.bbox.height
-
-    def place(ax: Any, x: float, y: float) -> tuple[float, float]:
-        px, py = ax.transData.transform((x, y))
-        return 100 * px / width, 100 * (1 - py / height)
-
-    box = right.get_position()
-    marks = {}
-    for rate in sweep.index.unique(level=1):
-        parts = []
-        for name in sweep.index.unique(level=0):
-            row = sweep.loc[(name, rate)]
-            x, y = place(left, row["out tok/s"], row["ttft p99 (ms)"])
-            parts.append(f'<div style="position:absolute;left:{x:.2f}%;top:{y:.2f}%;width:16px;'
-                         f'height:16px;margin:-10px 0 0 -10px;border:2px solid {MARK_COLOR};'
-                         f'border-radius:50%"></div>')
-        x, _ = place(right, rate, 1.0)
-        parts.append(f'<div style="position:absolute;left:{x:.2f}%;top:{100 * (1 - box.y1):.2f}%;'
-                     f'height:{100 * box.height:.2f}%;border-left:2px solid {MARK_COLOR};'
-                     f'opacity:.8"></div>')
-        marks[rate] = "".join(parts) + "</div>"
-    return marks
-
-
-def _marked_box(fig: BookFigure) -> str:
-    """The figure's image inside an open box that ``_rate_marks``' HTML lays its marks over and
-    closes: the frame's parts are joined into one string before the page parses them."""
-    return '<div style="position:relative;width:fit-content;max-width:100%">' + part_html(fig)
+    return {rate: "".join([*(marks.ring(fig, left, sweep.loc[(name, rate), "out tok/s"],
+                                        sweep.loc[(name, rate), "ttft p99 (ms)"], MARK_COLOR)
+                             for name in sweep.index.unique(level=0)),
+                           marks.vline(fig, right, rate, MARK_COLOR), marks.CLOSE])
+            for rate in sweep.index.unique(level=1)}
 
 
 def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
@@ -188,7 +161,7 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
     figures = {}
     for slo in slos_ms:
         fig = plot_policy_rate_sweep(sweep, slo)
-        box = _marked_box(fig)  # draws it, laying the axes out
+        box = marks.figure_box(fig)  # draws it, laying the axes out
         figures[slo] = (box, _rate_marks(fig, sweep))
 
     def draw(rate: float, ttft_slo_ms: float) -> Frame:
