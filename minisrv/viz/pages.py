@@ -8,15 +8,8 @@ from typing import Any
 
 from matplotlib.patches import Patch, Rectangle
 
-from minisrv.experiments.pages import (
-    PAGE_SIZES,
-    PageRun,
-    PoolSnapshot,
-    TraceHits,
-    page_roles,
-    page_run,
-    served_runs,
-)
+from minisrv.experiments.page_pool import PoolSnapshot, page_roles
+from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
@@ -41,19 +34,23 @@ def _page_axis(ax: Any, sizes: Sequence[int], chosen: int | None = None) -> None
 @styled
 def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
     """One group of bars per request of ``trace`` (named by ``labels``), one bar per cache:
-    the solid part is the prompt the cache found, the pale part what it computed. Dotted
+    the solid part is the prompt the cache found, the pale part what it computed. Caches
+    that found the same tokens of every request share one bar, named by all of them. Dotted
     lines mark the boundaries of ``trace.page_size``."""
-    caches = list(trace.hits)
+    merged: dict[tuple[int, ...], list[str]] = {}  # the hits of every request -> caches
+    for cache, hits in trace.hits.items():
+        merged.setdefault(tuple(hits), []).append(cache)
+    bars = [(" = ".join(caches), list(hits)) for hits, caches in merged.items()]
     n = len(trace.prompts)
     fig, ax = page_figure(0.55 + 0.62 * n)
-    height = 0.8 / len(caches)
+    height = 0.8 / len(bars)
     for i, prompt in enumerate(trace.prompts):
-        for k, cache in enumerate(caches):
-            y = i + (k - (len(caches) - 1) / 2) * height
-            hit = trace.hits[cache][i]
+        for k, (_, hits) in enumerate(bars):
+            y = i + (k - (len(bars) - 1) / 2) * height
             color = TRACE_COLORS[k % len(TRACE_COLORS)]
-            ax.barh(y, hit, height * 0.9, color=color)
-            ax.barh(y, len(prompt) - hit, height * 0.9, left=hit, color=color, alpha=0.18)
+            ax.barh(y, hits[i], height * 0.9, color=color)
+            ax.barh(y, len(prompt) - hits[i], height * 0.9, left=hits[i], color=color,
+                    alpha=0.18)
     longest = max(map(len, trace.prompts))
     for boundary in range(trace.page_size, longest + 1, trace.page_size):
         ax.axvline(boundary, color="0.35", ls=":", lw=1)
@@ -62,12 +59,12 @@ def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
     ax.set_xlim(0, longest + 1)
     ax.grid(axis="y", visible=False)
     label_axes(ax, None, "prompt tokens", None)
-    handles = []  # each cache's two parts, its found and its computed (pale) bar
-    for k, cache in enumerate(caches):
+    handles = []  # each bar's two parts, its found and its computed (pale) part
+    for k, (name, _) in enumerate(bars):
         color = TRACE_COLORS[k % len(TRACE_COLORS)]
-        handles += [Patch(color=color, label=f"{cache}: found"),
-                    Patch(color=color, alpha=0.18, label=f"{cache}: computed")]
-    legend_below(fig, handles, ncol=len(caches))  # a column per cache
+        handles += [Patch(color=color, label=f"{name}: found"),
+                    Patch(color=color, alpha=0.18, label=f"{name}: computed")]
+    legend_below(fig, handles, ncol=len(bars))  # a column per bar
     return fig
 
 
