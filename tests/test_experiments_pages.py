@@ -143,6 +143,25 @@ def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -
     assert [c.name for c in two.controls] == ["workload", "pool"]
 
 
+def test_the_page_explorer_shows_what_each_cache_evicted_from_its_own_log() -> None:
+    """Six prompts sharing nothing: a pool of 160 tokens evicts the finished ones, a pool of
+    4,096 nothing; the evicted panel's numbers are the sums of each run's eviction log."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.pages import page_explorer
+
+    prompts = [list(range(1000 + 100 * i, 1042 + 100 * i)) for i in range(6)]
+    work = Workload("apart", prompts, [4] * 6, [float(i) for i in range(6)])
+    runs: dict = {}
+    explorer = page_explorer(SimBackend(), None, {"apart": work}, sizes=(1, 16),
+                             pools=(160, 4096), runs=runs, max_running=4)
+    for pool in (160, 4096):
+        for cache, label in (("radix", "tree"), ("blocks", "blocks")):
+            log = runs[pool]["apart", cache, 1].evictions
+            evicted = explorer.metrics(pool=pool)[f"evicted ({label}), pages of 1"]
+            assert evicted == sum(len(e.tokens) - e.start for e in log)
+            assert (evicted > 0) == (pool == 160)
+
+
 def test_the_trace_figure_merges_caches_that_found_the_same_tokens() -> None:
     """Each bar has a solid (found) and a pale (computed) part in its own colour, so the
     legend names both parts of every bar, a column per bar; two caches that found the same
