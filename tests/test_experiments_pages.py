@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from minisrv.experiments import page_pool as pp
 from minisrv.experiments import pages as pg
 from minisrv.sim import SimBackend
 from minisrv.workloads import Workload, gpu_scale_workload
@@ -67,11 +68,61 @@ def test_the_block_cache_finds_what_the_tree_finds_at_the_same_page_in_a_roomy_p
     assert tree1.cached_prompt == [0] + [40] * 5
 
 
-def test_table_sizes_count_an_entry_per_token_and_per_page() -> None:
+def test_table_sizes_count_an_entry_per_page_and_the_token_table_one_per_token() -> None:
     table = pg.table_sizes(rows=2, page_sizes=(1, 16))
     width = 8192  # LLaMA-3-8B's context
-    assert table.loc[1, "token table (KiB)"] == 2 * width * 4 / 1024
+    assert list(table.columns) == ["block list (KiB)"]
     assert table.loc[16, "block list (KiB)"] == 2 * math.ceil(width / 16) * 4 / 1024
+    token_table, kv = pg.index_bytes(rows=2)
+    assert token_table == 2 * width * 4 == table.loc[1, "block list (KiB)"] * 1024
+    assert kv == 2 * width * 128 * 1024  # 128 KiB of 16-bit KV per token
+
+
+def _two_caches_part() -> tuple[Workload, dict[str, pg.PageRun]]:
+    """A's 40-token prompt is cached whole, then B needs 7 slots more than the pool of 64 has
+    free: the tree drops A's whole leaf, the block cache A's deepest blocks only (pages of
+    one token), so C, A's prompt and two more tokens, finds 0 tokens with the tree and 33
+    with the block cache."""
+    a, b = list(range(1000, 1040)), list(range(2000, 2030))
+    work = Workload("parting", [a, b, a + [3000, 3001]], [2, 2, 2], [0.0, 1.0, 2.0])
+    return work, {cache: pg.page_run(SimBackend(), work, 1, cache, kv_capacity=64,
+                                     max_running=1) for cache in ("radix", "blocks")}
+
+
+def test_the_eviction_trace_shows_the_tree_dropping_a_leaf_and_the_queue_single_blocks() -> None:
+    work, runs = _two_caches_part()
+    assert runs["radix"].admitted == runs["blocks"].admitted == [1, 3, 5]
+    trace = pp.eviction_trace(runs["radix"], runs["blocks"], work)
+    assert trace.request == 2 and trace.prompt_len == 42
+    assert trace.found == {"tree": 0, "block cache": 33}
+    assert trace.table.loc[3].tolist() == [7, "0–39", 7, "34–39"]
+    assert trace.table.loc[4].tolist() == ["–", "–", 1, "33–33"]
+    tree_pieces = trace.evicted["tree"]
+    assert [(e.start, len(e.tokens)) for e in tree_pieces] == [(0, 40)]  # A's prompt leaf
+    assert all(e.tokens == tuple(work.prompts[2][:len(e.tokens)]) for e in tree_pieces)
+    with pytest.raises(ValueError, match="same tokens"):
+        pp.eviction_trace(runs["radix"], runs["radix"], work)
+
+
+def test_hit_table_has_a_row_per_run_and_preemption_table_counts_recomputed_tokens() -> None:
+    """The hit table reads the runs it is given, in order; the preemption table names the
+    prompts' tokens and what was prefilled beyond them, and takes a run already served
+    without a cache as its first row instead of serving it again."""
+    work, runs = _two_caches_part()
+    keyed = {("parting", cache, 1): run for cache, run in runs.items()}
+    table = pg.hit_table(keyed)
+    assert table.index.name == "workload" and list(table["cache, page"]) == ["tree, 1",
+                                                                           "blocks, 1"]
+    assert list(table["hit rate"]) == [f"{runs['radix'].hit_rate:.1%}",
+                                       f"{runs['blocks'].hit_rate:.1%}"]
+    none = pg.page_run(SimBackend(), work, 1, kv_capacity=64, max_running=1)
+    preempt = pg.preemption_runs(SimBackend(), work, (("radix", 1, 0),), no_cache=none,
+                                 kv_capacity=64, max_running=1)
+    assert list(preempt) == [("none", 1, 0), ("radix", 1, 0)] and preempt["none", 1, 0] is none
+    frame = pg.preemption_table(preempt, work)
+    assert frame.index.name == "cache (prompts: 112 tokens)"
+    assert frame["recomputed (tokens)"].tolist() == [none.prefill_tokens - 112,
+                                                     preempt["radix", 1, 0].prefill_tokens - 112]
 
 
 def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -> None:
@@ -92,25 +143,47 @@ def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -
     assert [c.name for c in two.controls] == ["workload", "pool"]
 
 
-def test_the_trace_figure_names_each_caches_found_and_computed_bar() -> None:
-    """Each cache draws a solid (found) and a pale (computed) bar in its own colour, so the
-    legend names both parts of every cache, the pale ones included, a column per cache."""
+def test_the_page_explorer_shows_what_each_cache_evicted_from_its_own_log() -> None:
+    """Six prompts sharing nothing: a pool of 160 tokens evicts the finished ones, a pool of
+    4,096 nothing; the evicted panel's numbers are the sums of each run's eviction log."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.pages import page_explorer
+
+    prompts = [list(range(1000 + 100 * i, 1042 + 100 * i)) for i in range(6)]
+    work = Workload("apart", prompts, [4] * 6, [float(i) for i in range(6)])
+    runs: dict = {}
+    explorer = page_explorer(SimBackend(), None, {"apart": work}, sizes=(1, 16),
+                             pools=(160, 4096), runs=runs, max_running=4)
+    for pool in (160, 4096):
+        for cache, label in (("radix", "tree"), ("blocks", "blocks")):
+            log = runs[pool]["apart", cache, 1].evictions
+            evicted = explorer.metrics(pool=pool)[f"evicted ({label}), pages of 1"]
+            assert evicted == sum(len(e.tokens) - e.start for e in log)
+            assert (evicted > 0) == (pool == 160)
+
+
+def test_the_trace_figure_merges_caches_that_found_the_same_tokens() -> None:
+    """Each bar has a solid (found) and a pale (computed) part in its own colour, so the
+    legend names both parts of every bar, a column per bar; two caches that found the same
+    tokens of every request share one bar, named by both."""
     from minisrv.viz.pages import plot_trace_hits
 
-    trace = pg.TraceHits([[1] * 20, [1] * 40], {"tree": [0, 16], "blocks": [0, 16]},
-                         {"tree": [[], []], "blocks": [[], []]}, 16)
+    trace = pg.TraceHits([[1] * 20, [1] * 40],
+                         {"tree 1": [0, 19], "tree": [0, 16], "blocks": [0, 16]},
+                         {"tree 1": [[], []], "tree": [[], []], "blocks": [[], []]}, 16)
     fig = plot_trace_hits(trace, ["a", "b"])
     legend = fig.legends[0]
     assert [t.get_text() for t in legend.get_texts()] == [
-        "tree: found", "tree: computed", "blocks: found", "blocks: computed"]
+        "tree 1: found", "tree 1: computed", "tree = blocks: found", "tree = blocks: computed"]
     assert legend._ncols == 2
+    assert len(fig.axes[0].patches) == 2 * 2 * 2  # 2 requests x 2 bars x found/computed
 
 
-def _pool_snapshot() -> pg.PoolSnapshot:
+def _pool_snapshot() -> pp.PoolSnapshot:
     """A and B served to the end, then C and D, which share A's 40-token header, five steps
     in: a pool of 16 pages of 16 slots."""
     header = list(range(1000, 1040))
-    return pg.pool_snapshot(
+    return pp.pool_snapshot(
         SimBackend(), {"A": (header + [1, 2, 3, 4, 5], 30), "B": (list(range(2000, 2045)), 20)},
         {"C": (header + [6, 7, 8, 9, 10], 10), "D": (header + [11, 12, 13, 14, 15], 10)},
         steps=5, kv_capacity=256, max_running=8)
@@ -132,7 +205,7 @@ def test_the_pool_snapshot_reads_shared_blocks_and_the_free_queue_from_the_engin
     first_blocks = [p for p in snap.free_queue if by_page[p].parent is None]
     assert len(first_blocks) == 1  # B's: A's first block is the shared header's
     assert snap.free_queue.index(first_blocks[0]) == 3  # after B's three deeper blocks
-    roles = pg.page_roles(snap)
+    roles = pp.page_roles(snap)
     assert sorted(roles) == list(range(16))
     assert [roles[p] for p in snap.rows["C"]] == ["shared", "shared", "C", "C"]
     assert sum(role == "free" for role in roles.values()) * 16 == \
@@ -145,9 +218,9 @@ def test_page_roles_refuses_a_page_two_requests_hold_without_the_cache() -> None
     snap = _pool_snapshot()
     bad_rows = {**snap.rows, "D": [*snap.rows["D"][:2], snap.rows["C"][2], snap.rows["D"][3]]}
     with pytest.raises(ValueError, match="also"):
-        pg.page_roles(snap._replace(rows=bad_rows))
+        pp.page_roles(snap._replace(rows=bad_rows))
     with pytest.raises(ValueError, match="nobody"):
-        pg.page_roles(snap._replace(free_pages=snap.free_pages[1:]))
+        pp.page_roles(snap._replace(free_pages=snap.free_pages[1:]))
 
 
 def test_the_pool_picture_has_a_legend_entry_per_owner_and_role() -> None:
@@ -163,7 +236,7 @@ def test_a_finished_request_leaves_the_snapshot_rows_and_its_partial_page_the_po
     page): the header's counts fall to D's 1, nothing new is cached, and C's partly filled
     page goes back to the allocator, which hands it to D next."""
     header = list(range(1000, 1040))
-    snap = pg.pool_snapshot(
+    snap = pp.pool_snapshot(
         SimBackend(), {"A": (header + [1, 2, 3, 4, 5], 30), "B": (list(range(2000, 2045)), 20)},
         {"C": (header + [6, 7, 8, 9, 10], 3), "D": (header + [11, 12, 13, 14, 15], 10)},
         steps=5, kv_capacity=256, max_running=8)
@@ -172,3 +245,13 @@ def test_a_finished_request_leaves_the_snapshot_rows_and_its_partial_page_the_po
     assert [by_page[p].ref for p in snap.rows["D"][:2]] == [1, 1]
     assert snap.free_queue == _pool_snapshot().free_queue
     assert snap.rows["D"][3] == _pool_snapshot().rows["C"][2]
+
+
+def test_first_chats_keeps_the_first_sessions_and_turns_in_order() -> None:
+    """Request ``i`` of a chat of S sessions is turn ``i // S`` of session ``i % S``: the
+    first 2 sessions' first 2 turns of a chat of 3 sessions are requests 0, 1, 3 and 4."""
+    prompts = [[i] * (i + 1) for i in range(9)]
+    chat = Workload("chat", prompts, list(range(9)), [float(i) for i in range(9)])
+    kept = pg.first_chats(chat, 3, keep=2, turns=2)
+    assert kept.prompts == [prompts[i] for i in (0, 1, 3, 4)]
+    assert kept.output_lens == [0, 1, 3, 4] and kept.arrivals == [0.0, 1.0, 3.0, 4.0]

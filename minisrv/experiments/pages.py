@@ -1,8 +1,8 @@
 """The pages chapter's runs: what a page of KV costs (slots no token fills), what it buys (a
 shorter table, longer runs of consecutive slots for the attention kernel to load), what it
 loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache,
-retraction with and without a host tier, and one block-cache pool read mid-run (block tables,
-shared pages, hash chains, the free queue).
+retraction with and without a host tier, with every piece the prefix cache evicts logged.
+The pool read mid-run and the eviction trace are ``minisrv.experiments.page_pool``'s.
 
 Each function builds fresh engines, serves a workload and returns plain results (named
 tuples, DataFrames); ``minisrv.viz.pages`` only draws them. Every CityLM run keeps its
@@ -20,16 +20,18 @@ import pandas as pd
 
 from minisrv.configs import LLAMA3_8B, ModelConfig
 from minisrv.engine import Engine
+from minisrv.experiments.radix import chat_workload
+from minisrv.kv.blocks import BlockCache
 from minisrv.metrics import summarize
 from minisrv.sampling import SamplingParams
 from minisrv.workloads import Workload
 
 __all__ = [
-    "BLOCK_SIZE", "BlockView", "CACHE_SETTINGS", "KEY_TILE", "KEY_TILES", "PAGE_SIZES",
-    "PREEMPT_SETTINGS", "PageRun", "PoolSnapshot", "TRACE_SETTINGS", "TraceHits",
-    "first_requests", "hit_table", "key_runs", "occupancy_table", "page_roles", "page_run",
-    "pool_snapshot", "preemption_runs", "preemption_table", "served_runs", "table_sizes",
-    "tile_runs", "trace_hits",
+    "BLOCK_SIZE", "CACHE_SETTINGS", "Eviction", "KEY_TILE", "KEY_TILES", "PAGE_SIZES",
+    "PREEMPT_SETTINGS", "PageRun", "TRACE_SETTINGS", "TraceHits", "first_chats",
+    "first_requests", "hit_table", "index_bytes", "key_runs", "occupancy_table", "page_run",
+    "preemption_runs", "preemption_table", "served_runs", "table_sizes", "tile_runs",
+    "trace_hits",
 ]
 
 PAGE_SIZES = (1, 4, 16, 64)
@@ -45,6 +47,16 @@ KEY_TILE = 32
 KEY_TILES = (KEY_TILE, 128)
 """The tiles ``page_run`` counts runs of consecutive slots in: minisrv's decode kernel's, and
 the 128 keys of the Hopper attention kernels' tile at head dimension 128."""
+
+
+class Eviction(NamedTuple):
+    """One piece of a cached prefix that the prefix cache dropped for room: a radix-tree node
+    or a block, read from the cache just before it went."""
+
+    step: int  # the step (counted from 1) whose allocation needed the room
+    short: int  # slots that allocation asked the cache to free
+    tokens: tuple[int, ...]  # the cached prefix up to the piece's end
+    start: int  # where the piece begins in ``tokens`` (it ends at their end)
 
 
 class PageRun(NamedTuple):
@@ -65,12 +77,22 @@ class PageRun(NamedTuple):
     loaded_tokens: int  # host tier: prompt tokens copied back instead of computed
     tile_runs: dict[int, list[int]]  # by tile width: runs of consecutive slots per full tile
     # of key positions (``page_run``'s ``tile_every``)
+    evictions: list[Eviction]  # every piece the prefix cache evicted, in order
+    admitted: list[int]  # per request: the step (from 1) of its first prefill
 
 
 def first_requests(workload: Workload, n: int) -> Workload:
     """The first ``n`` requests of ``workload``, arrivals unchanged."""
     return Workload(workload.name, workload.prompts[:n], workload.output_lens[:n],
                     workload.arrivals[:n], f"the first {n} requests of {workload.name}")
+
+
+def first_chats(chat: Workload, sessions: int, keep: int, turns: int) -> Workload:
+    """The first ``turns`` turns of the first ``keep`` sessions of ``chat``, a chat of
+    ``sessions`` sessions in ``chat_sessions_workload``'s order (request ``i`` is turn
+    ``i // sessions`` of session ``i % sessions``): its answers reused, not generated again."""
+    built = {(sessions, len(chat.prompts) // sessions): chat}
+    return chat_workload(None, None, keep, turns, built)
 
 
 def _empty_slots(engine: Engine) -> tuple[int, int]:
@@ -84,15 +106,39 @@ def _empty_slots(engine: Engine) -> tuple[int, int]:
     return memory.kv.used_count - memory.tree.total_size() - own, len(holders)
 
 
+def _log_evictions(engine: Engine, log: list[Eviction], step: Any) -> None:
+    """Record in ``log`` every piece ``engine``'s prefix cache evicts, in the order it goes:
+    the cache's own step that drops one piece (the block cache's ``_forget``, the tree's
+    ``_remove_leaf``) is wrapped on this instance to read the piece's prefix first, and
+    ``evict`` to know how many slots the allocation asked for. ``step()``: the current step."""
+    cache = engine.scheduler.memory.tree
+    name = "_forget" if isinstance(cache, BlockCache) else "_remove_leaf"
+    remove, evict = getattr(cache, name), cache.evict
+    short = [0]
+
+    def logged_evict(n_tokens: int, *, tag: str = "") -> int:
+        short[0] = n_tokens
+        return evict(n_tokens, tag=tag)
+
+    def logged_remove(piece: Any) -> None:
+        tokens = cache.prefix_of(piece)
+        log.append(Eviction(step(), short[0], tokens, len(tokens) - len(piece.key)))
+        remove(piece)
+
+    cache.evict = logged_evict
+    setattr(cache, name, logged_remove)
+
+
 def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "none",
              tile_every: int | None = None, **options: Any) -> PageRun:
     """Serve ``workload`` on ``backend`` (CityLM or a ``SimBackend``) with pages of
     ``page_size`` tokens; ``options`` are ``EngineConfig``'s (``kv_capacity``,
     ``max_running``, ...). After every step the allocator is read (``_empty_slots``), and
     each reading is weighted by the step's duration. Every ``tile_every`` steps (default:
-    every step on CityLM, never on the simulated GPU, whose long rows make it costly) the
-    table's rows are cut into tiles of ``KEY_TILES`` and their runs counted; the table is
-    minisrv's own whatever computes the tokens."""
+    every step on CityLM, every 16th on the simulated GPU, whose long rows make counting
+    costly; 0: never) the table's rows are cut into tiles of ``KEY_TILES`` and their runs
+    counted; the table is minisrv's own whatever computes the tokens. Every piece the
+    prefix cache evicts is logged (``Eviction``)."""
     engine = Engine(backend, page_size=page_size, cache=cache, **options)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in workload.output_lens]
     reqs = engine.make_requests(workload.prompts, None, params, workload.arrivals)
@@ -101,11 +147,17 @@ def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "non
     empty = held = holders = 0.0
     table = engine.scheduler.memory.table
     if tile_every is None:
-        tile_every = 1 if getattr(table, "tensor", None) is not None else 0  # CityLM's only
+        tile_every = 1 if getattr(table, "tensor", None) is not None else 16
     tiles: dict[int, list[int]] = {tile: [] for tile in KEY_TILES}
     steps = 0
+    evictions: list[Eviction] = []
+    if cache != "none":
+        _log_evictions(engine, evictions, lambda: steps + 1)
+    admitted: dict[int, int] = {}
     while (out := engine.step()).record is not None:
         steps += 1
+        for rid in out.record.prefill:
+            admitted.setdefault(rid, steps)
         slots, n = _empty_slots(engine)
         weight = out.record.duration
         empty += weight * slots
@@ -126,18 +178,19 @@ def page_run(backend: Any, workload: Workload, page_size: int, cache: str = "non
                    empty / held if held else 0.0, empty / holders if holders else 0.0,
                    metrics.mean_batch, stats.retractions, stats.wasted_tokens,
                    [req.cached_prompt_tokens for req in reqs], [list(r.output) for r in reqs],
-                   metrics.throughput, stats.loaded_tokens, tiles)
+                   metrics.throughput, stats.loaded_tokens, tiles, evictions,
+                   [admitted[req.rid] for req in reqs])
 
 
 def occupancy_table(runs: Mapping[int, PageRun], kv_capacity: int) -> pd.DataFrame:
     """One row per page size: the share of handed-out slots that hold no token, the empty
     slots per running request, the mean batch in a pool of ``kv_capacity`` tokens and the
-    throughput, from ``page_run``'s readings."""
+    throughput (whole tokens per second), from ``page_run``'s readings."""
     rows = {size: {"empty slots (%)": 100 * run.waste,
                    "empty per request": run.wasted_per_request,
                    "mean batch": run.mean_batch,
                    "retractions": run.retractions,
-                   "throughput (tok/s)": run.throughput}
+                   "throughput (tok/s)": round(run.throughput)}
             for size, run in sorted(runs.items())}
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = f"page size (pool {kv_capacity:,} tokens)"
@@ -146,19 +199,25 @@ def occupancy_table(runs: Mapping[int, PageRun], kv_capacity: int) -> pd.DataFra
 
 def table_sizes(cfg: ModelConfig = LLAMA3_8B, rows: int = 64,
                 page_sizes: Sequence[int] = PAGE_SIZES, entry_bytes: int = 4) -> pd.DataFrame:
-    """Bytes of a request-to-token table (an entry per token, SGLang's ``req_to_token``) and
-    of a block list (an entry per page, vLLM's block table) for ``rows`` requests of the
-    model's longest context, beside the KV those requests can hold."""
+    """Bytes of a block list (an entry per page, vLLM's block table) for ``rows`` requests of
+    the model's longest context, one row per page size. The request-to-token table (an entry
+    per token, SGLang's ``req_to_token``) is the block list at pages of one token, and the KV
+    those rows index is the same at every page size: ``index_bytes`` gives both."""
     width = cfg.max_seq_len
-    kv = rows * width * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
-    table = {}
-    for p in page_sizes:
-        table[p] = {"token table (KiB)": rows * width * entry_bytes / 1024,
-                    "block list (KiB)": rows * math.ceil(width / p) * entry_bytes / 1024,
-                    "KV it indexes (GiB)": kv / 2**30}
+    table = {p: {"block list (KiB)": rows * math.ceil(width / p) * entry_bytes / 1024}
+             for p in page_sizes}
     frame = pd.DataFrame.from_dict(table, orient="index")
     frame.index.name = "page size"
     return frame
+
+
+def index_bytes(cfg: ModelConfig = LLAMA3_8B, rows: int = 64,
+                entry_bytes: int = 4) -> tuple[int, int]:
+    """(bytes of a request-to-token table, bytes of 16-bit KV it indexes) for ``rows``
+    requests of the model's longest context: neither depends on the page size."""
+    width = cfg.max_seq_len
+    kv = rows * width * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+    return rows * width * entry_bytes, kv
 
 
 def tile_runs(slots: Sequence[int], tile: int = KEY_TILE) -> list[int]:
@@ -209,9 +268,9 @@ def key_runs(runs: Mapping[int, PageRun]) -> pd.DataFrame:
     return frame
 
 
-CACHE_SETTINGS = (("radix", 1), ("radix", 4), ("radix", 16), ("blocks", BLOCK_SIZE))
-"""The (cache, page size) pairs the hit table compares: the tree at 1, 4 and 16 tokens
-against vLLM's blocks of 16."""
+CACHE_SETTINGS = (*(("radix", p) for p in PAGE_SIZES), ("blocks", BLOCK_SIZE))
+"""The (cache, page size) pairs the hit table compares: the tree at every page of
+``PAGE_SIZES`` against vLLM's blocks of 16."""
 
 
 def served_runs(model: Any, workloads: Mapping[str, Workload],
@@ -228,21 +287,13 @@ def served_runs(model: Any, workloads: Mapping[str, Workload],
     return runs
 
 
-def hit_table(model: Any, workloads: Mapping[str, Workload],
-              settings: Sequence[tuple[str, int]] = CACHE_SETTINGS, runs: dict | None = None,
-              **options: Any) -> pd.DataFrame:
-    """Hit rate and prefilled tokens of each workload under each (cache, page size)."""
-    runs = served_runs(model, workloads, settings, runs, **options)
-    table = {}
-    for name in workloads:
-        for cache, size in settings:
-            run = runs[name, cache, size]
-            label = "tree" if cache == "radix" else "blocks"
-            table[name, f"{label}, {size}"] = {"hit rate": f"{run.hit_rate:.1%}",
-                                               "prefilled (tokens)": run.prefill_tokens}
-    frame = pd.DataFrame.from_dict(table, orient="index")
-    frame.index.names = ["workload", "cache, page"]
-    return frame
+def hit_table(runs: Mapping[tuple[str, str, int], PageRun]) -> pd.DataFrame:
+    """Hit rate and prefilled tokens of each run of ``runs`` (``served_runs``'s, keyed
+    (workload, cache, page size)), a row per run in their order, indexed by workload."""
+    rows = [{"workload": name, "cache, page": f"{'tree' if cache == 'radix' else 'blocks'}, "
+             f"{size}", "hit rate": f"{run.hit_rate:.1%}", "prefilled (tokens)":
+             run.prefill_tokens} for (name, cache, size), run in runs.items()]
+    return pd.DataFrame(rows).set_index("workload")
 
 
 class TraceHits(NamedTuple):
@@ -280,19 +331,26 @@ host tier of 100,000 tokens."""
 
 def preemption_runs(backend: Any, workload: Workload,
                     settings: Sequence[tuple[str, int, int]] = PREEMPT_SETTINGS,
+                    no_cache: PageRun | None = None,
                     **options: Any) -> dict[tuple[str, int, int], PageRun]:
     """``page_run`` of ``workload`` under each (cache, page size, host tier) of ``settings``
-    (a pool small enough that requests are retracted, through ``options``)."""
-    return {(cache, size, host): page_run(backend, workload, size, cache,
-                                          host_cache_tokens=host, **options)
-            for cache, size, host in settings}
+    (a pool small enough that requests are retracted, through ``options``), keys counted
+    by no tile. ``no_cache``: the run without a prefix cache at pages of one token, served
+    already with the same options; it comes first, as ``("none", 1, 0)``."""
+    runs = {} if no_cache is None else {("none", 1, 0): no_cache}
+    for cache, size, host in settings:
+        runs[cache, size, host] = page_run(backend, workload, size, cache, tile_every=0,
+                                           host_cache_tokens=host, **options)
+    return runs
 
 
-def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFrame:
-    """Retractions, the computed tokens they threw away, tokens prefilled (recomputations
-    included) and loaded back from the host tier, one row per (cache, page size, host tier)
-    of ``runs``."""
+def preemption_table(runs: Mapping[tuple[str, int, int], PageRun],
+                     workload: Workload) -> pd.DataFrame:
+    """Retractions, the computed tokens they threw away, tokens prefilled and, of those,
+    recomputed (beyond the prompts of ``workload``, named in the index), and tokens loaded
+    back from the host tier, one row per (cache, page size, host tier) of ``runs``."""
     names = {"none": "no prefix cache", "radix": "radix tree", "blocks": "block cache"}
+    prompts = sum(map(len, workload.prompts))
     rows = {}
     for (cache, size, host), run in runs.items():
         label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
@@ -300,87 +358,8 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun]) -> pd.DataFra
         rows[label] = {"retractions": run.retractions,
                        "thrown away (tokens)": run.wasted_tokens,
                        "prefilled (tokens)": run.prefill_tokens,
+                       "recomputed (tokens)": run.prefill_tokens - prompts,
                        "loaded back (tokens)": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
-    frame.index.name = "cache"
+    frame.index.name = f"cache (prompts: {prompts:,} tokens)"
     return frame
-
-
-class BlockView(NamedTuple):
-    """One cached block of a ``PoolSnapshot``, as the block cache holds it."""
-
-    page: int  # the pool page its tokens live in
-    parent: int | None  # its parent block's page (None for a chain's first block)
-    hash: int  # chained from its parent's
-    ref: int  # its reference count: the running requests that read it
-
-
-class PoolSnapshot(NamedTuple):
-    """A block-cache engine's KV pool at one step, read from the table (each running
-    request's row cut into pages: vLLM's block table), the block cache and the allocator;
-    ``engine`` and ``requests`` are the run itself, to check it and to finish it."""
-
-    page_size: int
-    n_pages: int
-    rows: dict[str, list[int]]  # a running request's label -> the page of each block, in order
-    lengths: dict[str, int]  # its tokens with KV
-    blocks: list[BlockView]  # every cached block, parents first
-    free_queue: list[int]  # pages of unreferenced cached blocks, the next evicted first
-    free_pages: list[int]  # pages the allocator has not handed out
-    engine: Engine
-    requests: dict[str, Any]  # label -> request, those served before and those running
-
-
-def pool_snapshot(model: Any, before: Mapping[str, tuple[list[int], int]],
-                  during: Mapping[str, tuple[list[int], int]], steps: int,
-                  page_size: int = BLOCK_SIZE, **options: Any) -> PoolSnapshot:
-    """Serve ``before`` (label -> (prompt, output length)) to the end with
-    ``cache="blocks"``, admit ``during``, run ``steps`` steps and read the pool
-    (``PoolSnapshot``; its rows are those of the requests still running, a block's page
-    named by its first slot). ``options`` are ``EngineConfig``'s."""
-    engine = Engine(model, page_size=page_size, cache="blocks", **options)
-
-    def admit(batch: Mapping[str, tuple[list[int], int]]) -> dict[str, Any]:
-        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in batch.values()]
-        reqs = engine.make_requests([p for p, _ in batch.values()], None, params,
-                                    [0.0] * len(batch))
-        for req in reqs:
-            engine.add_request(req)
-        return dict(zip(batch, reqs))
-
-    served = admit(before)
-    while engine.step().record is not None:
-        pass
-    running = admit(during)
-    for _ in range(steps):
-        engine.step()
-    memory = engine.scheduler.memory
-    table, cache, kv = memory.table, memory.tree, memory.kv
-    rows = {label: [slot // page_size for slot in table.slots(req, 0, req.kv_len)[::page_size]]
-            for label, req in running.items() if not req.finished}
-    blocks = [BlockView(block.value[0] // page_size,
-                        None if block.parent is cache.root else block.parent.value[0] // page_size,
-                        block.hash, block.lock_ref) for block in cache.nodes()[1:]]
-    return PoolSnapshot(
-        page_size, kv.n_pages, rows, {label: running[label].kv_len for label in rows},
-        blocks, [block.value[0] // page_size for block in cache.free_queue()],
-        [page for page in range(kv.n_pages) if not kv.is_used(page * page_size)],
-        engine, {**served, **running})
-
-
-def page_roles(snapshot: PoolSnapshot) -> dict[int, str]:
-    """Each page's holder: ``"free"``, ``"cached, free"`` (in the free queue), ``"shared"``
-    (a cached block several running requests read) or the one running request whose row
-    holds it; ValueError where the table, the cache and the allocator disagree."""
-    roles = {page: "free" for page in snapshot.free_pages}
-    roles |= {page: "cached, free" for page in snapshot.free_queue}
-    shared = {block.page for block in snapshot.blocks if block.ref > 1}
-    roles |= {page: "shared" for page in shared}
-    for label, row in snapshot.rows.items():
-        for page in (page for page in row if page not in shared):
-            if page in roles:
-                raise ValueError(f"page {page} of {label}'s row is also {roles[page]!r}")
-            roles[page] = label
-    if missing := sorted(set(range(snapshot.n_pages)) - set(roles)):
-        raise ValueError(f"pages held by nobody: {missing}")
-    return roles

@@ -8,15 +8,8 @@ from typing import Any
 
 from matplotlib.patches import Patch, Rectangle
 
-from minisrv.experiments.pages import (
-    PAGE_SIZES,
-    PageRun,
-    PoolSnapshot,
-    TraceHits,
-    page_roles,
-    page_run,
-    served_runs,
-)
+from minisrv.experiments.page_pool import PoolSnapshot, page_roles
+from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
 from minisrv.viz.widgets import panel, slider
@@ -41,19 +34,23 @@ def _page_axis(ax: Any, sizes: Sequence[int], chosen: int | None = None) -> None
 @styled
 def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
     """One group of bars per request of ``trace`` (named by ``labels``), one bar per cache:
-    the solid part is the prompt the cache found, the pale part what it computed. Dotted
+    the solid part is the prompt the cache found, the pale part what it computed. Caches
+    that found the same tokens of every request share one bar, named by all of them. Dotted
     lines mark the boundaries of ``trace.page_size``."""
-    caches = list(trace.hits)
+    merged: dict[tuple[int, ...], list[str]] = {}  # the hits of every request -> caches
+    for cache, hits in trace.hits.items():
+        merged.setdefault(tuple(hits), []).append(cache)
+    bars = [(" = ".join(caches), list(hits)) for hits, caches in merged.items()]
     n = len(trace.prompts)
     fig, ax = page_figure(0.55 + 0.62 * n)
-    height = 0.8 / len(caches)
+    height = 0.8 / len(bars)
     for i, prompt in enumerate(trace.prompts):
-        for k, cache in enumerate(caches):
-            y = i + (k - (len(caches) - 1) / 2) * height
-            hit = trace.hits[cache][i]
+        for k, (_, hits) in enumerate(bars):
+            y = i + (k - (len(bars) - 1) / 2) * height
             color = TRACE_COLORS[k % len(TRACE_COLORS)]
-            ax.barh(y, hit, height * 0.9, color=color)
-            ax.barh(y, len(prompt) - hit, height * 0.9, left=hit, color=color, alpha=0.18)
+            ax.barh(y, hits[i], height * 0.9, color=color)
+            ax.barh(y, len(prompt) - hits[i], height * 0.9, left=hits[i], color=color,
+                    alpha=0.18)
     longest = max(map(len, trace.prompts))
     for boundary in range(trace.page_size, longest + 1, trace.page_size):
         ax.axvline(boundary, color="0.35", ls=":", lw=1)
@@ -62,34 +59,41 @@ def plot_trace_hits(trace: TraceHits, labels: Sequence[str]) -> BookFigure:
     ax.set_xlim(0, longest + 1)
     ax.grid(axis="y", visible=False)
     label_axes(ax, None, "prompt tokens", None)
-    handles = []  # each cache's two parts, its found and its computed (pale) bar
-    for k, cache in enumerate(caches):
+    handles = []  # each bar's two parts, its found and its computed (pale) part
+    for k, (name, _) in enumerate(bars):
         color = TRACE_COLORS[k % len(TRACE_COLORS)]
-        handles += [Patch(color=color, label=f"{cache}: found"),
-                    Patch(color=color, alpha=0.18, label=f"{cache}: computed")]
-    legend_below(fig, handles, ncol=len(caches))  # a column per cache
+        handles += [Patch(color=color, label=f"{name}: found"),
+                    Patch(color=color, alpha=0.18, label=f"{name}: computed")]
+    legend_below(fig, handles, ncol=len(bars))  # a column per bar
     return fig
+
+
+def _evicted(run: PageRun) -> int:
+    """Cached tokens the run's prefix cache evicted for room (its eviction log)."""
+    return sum(len(e.tokens) - e.start for e in run.evictions)
 
 
 @styled
 def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int],
                     chosen: int | None = None, title: str = "") -> BookFigure:
     """Three panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
-    share of slots holding no token (tree), the hit rate of the tree and of the block cache,
-    and the mean batch (tree); ``chosen`` shaded."""
+    cached tokens each cache evicted for room, the hit rate of the tree and of the block
+    cache, and the mean batch (tree); ``chosen`` shaded."""
     fig, axes = page_figure(2.9, 1, 3)
     x = list(range(len(sizes)))
-    axes[0].bar(x, [100 * runs["radix", s].waste for s in sizes], color="#868e96")
     width = 0.38
     for k, cache in enumerate(("radix", "blocks")):
-        axes[1].bar([i + (k - 0.5) * width for i in x],
-                    [100 * runs[cache, s].hit_rate for s in sizes], width,
-                    color=CACHE_COLORS[cache], label="radix tree" if k == 0 else "block cache")
+        at = [i + (k - 0.5) * width for i in x]
+        label = "radix tree" if k == 0 else "block cache"
+        axes[0].bar(at, [_evicted(runs[cache, s]) for s in sizes], width,
+                    color=CACHE_COLORS[cache])
+        axes[1].bar(at, [100 * runs[cache, s].hit_rate for s in sizes], width,
+                    color=CACHE_COLORS[cache], label=label)
     axes[2].bar(x, [runs["radix", s].mean_batch for s in sizes], color=CACHE_COLORS["radix"])
     for ax in axes:
         _page_axis(ax, sizes, chosen)
     axes[1].set_ylim(0, 100)
-    label_axes(axes[0], "Empty slots", "page size", "% of handed out")
+    label_axes(axes[0], "Evicted", "page size", "cached tokens")
     label_axes(axes[1], "Hit rate", "page size", "% of prompt tokens")
     label_axes(axes[2], "Batch", "page size", "mean requests per step")
     legend_below(fig, ncol=2)
@@ -103,7 +107,8 @@ def _state_numbers(runs: Mapping[tuple[str, int], PageRun],
     numbers: dict[str, float] = {}
     for s in sizes:
         tree, blocks = runs["radix", s], runs["blocks", s]
-        numbers |= {f"empty slots (tree), pages of {s}": tree.waste,
+        numbers |= {f"evicted (tree), pages of {s}": _evicted(tree),
+                    f"evicted (blocks), pages of {s}": _evicted(blocks),
                     f"hit rate (tree), pages of {s}": tree.hit_rate,
                     f"hit rate (blocks), pages of {s}": blocks.hit_rate,
                     f"mean batch (tree), pages of {s}": tree.mean_batch}
@@ -134,16 +139,16 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
         numbers = _state_numbers(mine, sizes)
         hits = {cache: ", ".join(f"{numbers[f'hit rate ({cache}), pages of {s}']:.1%}"
                                  for s in sizes) for cache in ("tree", "blocks")}
-        empty = ", ".join(f"{numbers[f'empty slots (tree), pages of {s}']:.1%}"
-                          for s in sizes)
+        evicted = {cache: ", ".join(f"{numbers[f'evicted ({cache}), pages of {s}']:,}"
+                                    for s in sizes) for cache in ("tree", "blocks")}
         batch = ", ".join(f"{numbers[f'mean batch (tree), pages of {s}']:.1f}" for s in sizes)
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens")],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
-                             f"{', '.join(map(str, sizes))}: the tree hits {hits['tree']} "
-                             f"of prompt tokens, the block cache {hits['blocks']}; {empty} "
-                             f"of handed-out slots hold no token; the tree runs {batch} "
-                             "requests per step")
+                             f"{', '.join(map(str, sizes))}: the tree evicts {evicted['tree']} "
+                             f"cached tokens and hits {hits['tree']} of prompt tokens, the "
+                             f"block cache evicts {evicted['blocks']} and hits "
+                             f"{hits['blocks']}; the tree runs {batch} requests per step")
 
     choose = [("workload", "workload", names, first[0])] if len(names) > 1 else []
     return explorer(draw, [*choose, ("pool", "pool (tokens)", list(pools), first[1])],
