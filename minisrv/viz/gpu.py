@@ -21,7 +21,8 @@ from matplotlib.patches import Patch
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
 from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
-from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
+from minisrv.viz import marks
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
     BookFigure,
     label_axes,
@@ -199,33 +200,13 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, cont
 
 
 def _batch_marks(fig: BookFigure, batches: Sequence[int]) -> dict[int, str]:
-    """For each of ``batches``, HTML that draws a vertical line at that batch on every panel
-    of ``fig``, over the figure's image, and closes the box ``_figure_box`` opened.
-
-    The page's explorer draws the figure once per context (a figure per context and batch
-    would cost five times the drawing); the batch's line is HTML laid over the image, placed
-    in percent of the image from the axes' positions, so it scales with the image. Call it
-    after ``_figure_box``: saving the image laid the axes out where these positions read them.
-    """
-    width = fig.bbox.width
-    marks = {}
-    for batch in batches:
-        lines = []
-        for ax in fig.axes:
-            place = ax.get_position()
-            x = 100 * ax.transData.transform((batch, 1.0))[0] / width
-            lines.append(f'<div style="position:absolute;left:{x:.2f}%;'
-                         f'top:{100 * (1 - place.y1):.2f}%;height:{100 * place.height:.2f}%;'
-                         f'border-left:2px solid {MARK_COLOR};opacity:.8"></div>')
-        marks[batch] = "".join(lines) + "</div>"
-    return marks
-
-
-def _figure_box(fig: BookFigure) -> str:
-    """The figure's image inside an open box that ``_batch_marks``' HTML lays lines over and
-    closes: the frame's parts are joined into one string before the page parses them."""
-    return ('<div style="position:relative;width:fit-content;max-width:100%">'
-            + part_html(fig))
+    """For each of ``batches``, the marks laid over ``fig``'s image (in a
+    ``marks.figure_box``): a vertical line at that batch on every panel, and the box's end.
+    The page's explorer draws the figure once per context; once per context and batch would
+    cost five times the drawing."""
+    return {batch: "".join([*(marks.vline(fig, ax, batch, MARK_COLOR) for ax in fig.axes),
+                            marks.CLOSE])
+            for batch in batches}
 
 
 def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
@@ -251,15 +232,15 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
         if context not in figures:
             predicted = roofline_step_times(cfg, [gpu], timed, context)
             fig = plot_step_times_vs_roofline(measured, predicted, title)
-            box = _figure_box(fig)  # draws it, laying the axes out
+            box = marks.figure_box(fig)  # draws it, laying the axes out
             figures[context] = (box, _batch_marks(fig, batches))
-        box, marks = figures[context]
+        box, lines = figures[context]
         table = gpu_roofline_table(cfg, batch, context, _with(gpu))
         metrics: dict[str, Any] = {f"step_us {g.name}": float(table.loc[g.name, "step (µs)"])
                                    for g in _with(gpu)}
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
-        return Frame([box, marks[batch], _shown(table)], metrics,
+        return Frame([box, lines[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
     return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context),
