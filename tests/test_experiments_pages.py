@@ -162,6 +162,50 @@ def test_the_page_explorer_shows_what_each_cache_evicted_from_its_own_log() -> N
             assert (evicted > 0) == (pool == 160)
 
 
+def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool that evicts nothing must not get an axis of its own around zero: every state's
+    evicted panel runs from 0 to just above the most any state evicted, so moving the pool
+    moves the bars, not the scale."""
+    pytest.importorskip("matplotlib")
+    import minisrv.viz.pages as vp
+
+    tops: list[tuple[float, float]] = []
+    draw = vp.plot_page_state
+
+    def spy(*args: object, **kwargs: object) -> object:
+        fig = draw(*args, **kwargs)
+        tops.append(fig.axes[0].get_ylim())
+        return fig
+
+    monkeypatch.setattr(vp, "plot_page_state", spy)
+    prompts = [list(range(1000 + 100 * i, 1042 + 100 * i)) for i in range(6)]
+    work = Workload("apart", prompts, [4] * 6, [float(i) for i in range(6)])
+    explorer = vp.page_explorer(SimBackend(), None, {"apart": work}, sizes=(1, 16),
+                                pools=(160, 4096), max_running=4)
+    most = max(explorer.metrics(pool=160)[f"evicted ({c}), pages of {s}"]
+               for c in ("tree", "blocks") for s in (1, 16))
+    assert most > 0 and len(tops) == 2 and tops[0] == tops[1]
+    assert tops[0][0] == 0 and most < tops[0][1] < 1.2 * most
+
+
+def test_empty_slots_by_pool_has_a_row_per_page_size_and_a_column_per_pool() -> None:
+    """Each cell is one run's empty share in percent, read from ``waste``; the pools are
+    columns in increasing order whatever order the runs came in."""
+    from types import SimpleNamespace
+
+    runs = {4096: {("chats", "radix", 16): SimpleNamespace(waste=0.07),
+                   ("chats", "radix", 64): SimpleNamespace(waste=0.25)},
+            768: {("chats", "radix", 16): SimpleNamespace(waste=0.073),
+                  ("chats", "radix", 64): SimpleNamespace(waste=0.265),
+                  ("chats", "blocks", 16): SimpleNamespace(waste=0.5)}}
+    table = pg.empty_slots_by_pool(runs, "chats", (16, 64))
+    assert list(table.columns) == ["pool of 768", "pool of 4,096"]
+    assert list(table.index) == [16, 64]
+    assert table.loc[64, "pool of 768"] == pytest.approx(26.5)
+    assert table.loc[16, "pool of 4,096"] == pytest.approx(7.0)
+
+
 def test_the_trace_figure_merges_caches_that_found_the_same_tokens() -> None:
     """Each bar has a solid (found) and a pale (computed) part in its own colour, so the
     legend names both parts of every bar, a column per bar; two caches that found the same

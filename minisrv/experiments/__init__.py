@@ -217,6 +217,7 @@ _PUBLIC = {
     "PoolSnapshot": "page_pool",
     "TRACE_SETTINGS": "pages",
     "TraceHits": "pages",
+    "empty_slots_by_pool": "pages",
     "eviction_trace": "page_pool",
     "first_chats": "pages",
     "first_requests": "pages",

@@ -28,15 +28,15 @@ from minisrv.workloads import Workload
 
 __all__ = [
     "BLOCK_SIZE", "CACHE_SETTINGS", "Eviction", "KEY_TILE", "KEY_TILES", "PAGE_SIZES",
-    "PREEMPT_SETTINGS", "PageRun", "TRACE_SETTINGS", "TraceHits", "first_chats",
-    "first_requests", "hit_table", "index_bytes", "key_runs", "occupancy_table", "page_run",
-    "preemption_runs", "preemption_table", "served_runs", "table_sizes", "tile_runs",
-    "trace_hits",
+    "PREEMPT_SETTINGS", "PageRun", "TRACE_SETTINGS", "TraceHits", "empty_slots_by_pool",
+    "first_chats", "first_requests", "hit_table", "index_bytes", "key_runs", "occupancy_table",
+    "page_run", "preemption_runs", "preemption_table", "served_runs", "table_sizes",
+    "tile_runs", "trace_hits",
 ]
 
 PAGE_SIZES = (1, 4, 16, 64)
 """The page sizes the chapter compares: SGLang's default (1), two between, and the 64 that
-SGLang forces for FlashMLA and TRT-LLM's MLA kernels."""
+SGLang forces for FlashMLA and TRT-LLM's kernels."""
 
 BLOCK_SIZE = 16
 """vLLM's default block: the page size its block-hash prefix cache is compared at."""
@@ -294,6 +294,21 @@ def hit_table(runs: Mapping[tuple[str, str, int], PageRun]) -> pd.DataFrame:
              f"{size}", "hit rate": f"{run.hit_rate:.1%}", "prefilled (tokens)":
              run.prefill_tokens} for (name, cache, size), run in runs.items()]
     return pd.DataFrame(rows).set_index("workload")
+
+
+def empty_slots_by_pool(runs: Mapping[int, Mapping[tuple[str, str, int], PageRun]],
+                        workload: str, sizes: Sequence[int],
+                        cache: str = "radix") -> pd.DataFrame:
+    """The share of handed-out slots that hold no token (%) when ``cache`` serves
+    ``workload`` at each page size of ``sizes`` (a row each) in each pool of ``runs`` (a
+    column each; ``runs`` keyed by pool, each a ``served_runs`` dict). The empty ends are a
+    property of the requests and the page, so the pool should hardly move a row."""
+    table = {f"pool of {pool:,}": {size: 100 * by_key[workload, cache, size].waste
+                                   for size in sizes}
+             for pool, by_key in sorted(runs.items())}
+    frame = pd.DataFrame(table)
+    frame.index.name = "page size (empty slots, %)"
+    return frame
 
 
 class TraceHits(NamedTuple):

@@ -75,10 +75,13 @@ def _evicted(run: PageRun) -> int:
 
 @styled
 def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int],
-                    chosen: int | None = None, title: str = "") -> BookFigure:
+                    chosen: int | None = None, title: str = "",
+                    evicted_top: float | None = None) -> BookFigure:
     """Three panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
     cached tokens each cache evicted for room, the hit rate of the tree and of the block
-    cache, and the mean batch (tree); ``chosen`` shaded."""
+    cache, and the mean batch (tree); ``chosen`` shaded. ``evicted_top``: the top of the
+    evicted panel's axis, so that the states of an explorer share one scale (a run that
+    evicted nothing would otherwise get an axis around zero)."""
     fig, axes = page_figure(2.9, 1, 3)
     x = list(range(len(sizes)))
     width = 0.38
@@ -93,6 +96,8 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
     for ax in axes:
         _page_axis(ax, sizes, chosen)
     axes[1].set_ylim(0, 100)
+    if evicted_top is not None:
+        axes[0].set_ylim(0, evicted_top)
     label_axes(axes[0], "Evicted", "page size", "cached tokens")
     label_axes(axes[1], "Hit rate", "page size", "% of prompt tokens")
     label_axes(axes[2], "Batch", "page size", "mean requests per step")
@@ -122,7 +127,8 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     """Every workload of ``workloads`` served by the radix tree and the block cache at every
     page size of ``sizes`` in a pool of each of ``pools`` tokens (``served_runs`` with
     ``options``); a state, (workload, pool), draws that workload's runs at every page size
-    (``plot_page_state``), so moving the pool shows what eviction takes at each page size.
+    (``plot_page_state``, every state on one evicted axis), so moving the pool shows what
+    eviction takes at each page size.
     ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it).
     ``start``: the first state, (workload, pool). A single workload gets no control (a
     menu of one entry chooses nothing)."""
@@ -133,6 +139,9 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                  **{**options, "kv_capacity": pool})
     names = list(workloads)
     first = start or (names[0], pools[0])
+    most = max(_evicted(runs[pool][name, cache, s])  # one evicted axis for every state
+               for pool in pools for name in names for cache, s in settings)
+    evicted_top = 1.08 * max(most, 1)
 
     def draw(pool: int, workload: str = first[0]) -> Frame:
         mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
@@ -142,7 +151,8 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
         evicted = {cache: ", ".join(f"{numbers[f'evicted ({cache}), pages of {s}']:,}"
                                     for s in sizes) for cache in ("tree", "blocks")}
         batch = ", ".join(f"{numbers[f'mean batch (tree), pages of {s}']:.1f}" for s in sizes)
-        return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens")],
+        return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens",
+                                      evicted_top)],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
                              f"{', '.join(map(str, sizes))}: the tree evicts {evicted['tree']} "
