@@ -73,7 +73,7 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("08a_structured_output", "Structured output",
             "How does a server make every answer match a grammar or a JSON schema?",
             ("grammar/", "experiments/structured.py")),
-    Chapter("09_gpu_appendix", "Appendix: a real model on a GPU",
+    Chapter("09_gpu_appendix", "A Hugging Face checkpoint on a GPU",
             "How does the engine serve a Hugging Face checkpoint, near the roofline?",
             ("model/ragged.py", "model/hf.py", "experiments/gpu.py")),
 )
