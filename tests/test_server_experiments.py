@@ -127,6 +127,8 @@ def test_bench_layouts_serve_each_layout_and_tabulate_them(citylm):
     assert table.loc["none", "hit rate"] == 0
     assert table.loc["radix", "hit rate"] > 0.5  # one at a time: all but the first share
     assert {"out tok/s", "ttft median (ms)", "e2e p99 (ms)"} <= set(table.columns)
+    assert table["device busy (s)"].isna().all()  # a model's backend keeps no device time
+    assert (table["duration (s)"] > 0).all()
 
 
 def test_running_server_reports_a_server_that_cannot_start():
@@ -172,7 +174,7 @@ def _rate_sweep():
 
 
 def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_target():
-    from minisrv.experiments.server import goodput
+    from minisrv.experiments.server import completion_rate, goodput
 
     sweep = _rate_sweep()
     assert list(sweep.index.unique(level=0)) == ["LPM, radix", "FCFS, radix"]
@@ -186,6 +188,9 @@ def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_tar
     assert low["LPM, radix"] == pytest.approx(low["FCFS, radix"], rel=0.05)
     everyone = goodput(sweep, 1e9)
     assert (everyone * sweep["duration (s)"]).round().eq(32).all()  # all met an endless target
+    assert completion_rate(sweep).tolist() == pytest.approx(everyone.tolist())
+    # a burst is drained after its last arrival: fewer completed per second than offered
+    assert completion_rate(sweep).xs(512.0, level=1).lt(512.0).all()
     assert goodput(sweep, 0.0).eq(0).all()  # no TTFT is 0
     with pytest.raises(ValueError, match="rates > 0"):
         from minisrv.experiments.server import policy_rate_sweep
@@ -226,6 +231,34 @@ def test_the_rate_figure_labels_each_point_with_its_rate_and_keeps_its_legend_of
     assert left.get_legend() is None and right.get_legend() is None
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["LPM, radix", "FCFS, radix",
                                                                  "offered"]
+
+
+def test_the_rate_figure_keeps_the_labels_of_a_saturated_curve_apart():
+    """A curve that stops growing puts its last points almost on top of each other (FCFS's
+    96, 128 and 192 requests/s within 1% of one throughput, their TTFTs a fifth apart): their
+    labels, all below right of their points, covered each other. Each label now takes the
+    first place round its point that no earlier label covers, and every point keeps its
+    label."""
+    pytest.importorskip("matplotlib")
+    import pandas as pd
+
+    from minisrv.viz.server import plot_policy_rate_sweep
+
+    rates = (16.0, 96.0, 128.0, 192.0)
+    curves = {"LPM, radix": ([250, 1400, 1700, 2000], [20, 40, 120, 400]),
+              "FCFS, radix": ([250, 665, 668, 671], [30, 900, 1100, 1300])}
+    sweep = pd.DataFrame(
+        [{"configuration": name, "rate": rate, "out tok/s": float(x), "ttft median (ms)": y / 2,
+          "ttft p99 (ms)": float(y), "hit rate": 0.5, "ttfts (ms)": (y / 2, y),
+          "duration (s)": 2 / rate}
+         for name, (xs, ys) in curves.items() for rate, x, y in zip(rates, xs, ys)]
+    ).set_index(["configuration", "rate"])
+    fig = plot_policy_rate_sweep(sweep, 200.0)
+    left = fig.axes[0]
+    assert sorted(t.get_text() for t in left.texts) == sorted(["16", "96", "128", "192"] * 2)
+    fig.draw_without_rendering()
+    boxes = [t.get_window_extent() for t in left.texts]
+    assert not any(a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
 
 
 def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
@@ -291,6 +324,7 @@ def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
     rows = html.split("<tbody>")[1].split("<tr")[1:]
     assert [("background" in row) for row in rows] == [False, True, False]
     assert "<th>64</th>" in rows[1] and "TTFT &lt;= 200 ms" in html
+    assert "completed (req/s)" in html  # beside goodput: behind the rate, or missing the target
     assert html.count("<tr") == 2 + 3  # two header rows (metric, policy), one row per rate
     with pytest.raises(ValueError):
         _rate_table(sweep, 32.0, 200.0)  # not a rate of the sweep

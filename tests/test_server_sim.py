@@ -126,6 +126,9 @@ def test_sim_server_runs_serve_every_configuration_each_run() -> None:
     assert (runs["completed"] == 8).all() and (runs["failed"] == 0).all()
     assert (runs.xs("FCFS, no cache", level=0)["hit rate"] == 0).all()
     assert (runs.xs("LPM, radix", level=0)["hit rate"] > 0).all()  # later groups' turns hit
+    # the simulated H100 was busy for part of each bench, never longer than the bench lasted
+    assert (runs["device busy (s)"] > 0).all()
+    assert (runs["device busy (s)"] < runs["duration (s)"]).all()
     table = spread(runs, ["out tok/s"])
     assert list(table.columns) == [("out tok/s", s) for s in ("median", "min", "max")]
     with pytest.raises(ValueError, match="runs"):

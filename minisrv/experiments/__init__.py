@@ -23,7 +23,8 @@ larger than the chapter does by passing other arguments.
 * ``speculative`` (speculative decoding): acceptance against k, checks traced, the
   rejection rule's distribution, the roofline speed-up against k and batch;
 * ``server`` (serving it for real): a server opened in-process, layouts benchmarked, the
-  simulated H100's engine against the request rate (``policy_rate_sweep``, ``goodput``);
+  simulated H100's engine against the request rate (``policy_rate_sweep``, ``goodput``,
+  ``completion_rate``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
 * ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs.
@@ -163,6 +164,7 @@ _PUBLIC = {
     "SIM_CONFIGS": "server",
     "beyond_spread": "server",
     "prefix_heavy_requests": "server",
+    "completion_rate": "server",
     "goodput": "server",
     "policy_rate_sweep": "server",
     "policy_sweep_table": "server",

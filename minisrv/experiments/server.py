@@ -19,6 +19,7 @@ import asyncio
 import bisect
 import itertools
 import json
+import math
 import random
 import string
 import time
@@ -36,7 +37,7 @@ from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "goodput", "open_server", "policy_rate_sweep", "policy_sweep_table",
+           "completion_rate", "goodput", "open_server", "policy_rate_sweep", "policy_sweep_table",
            "prefix_heavy_requests", "read_metrics", "request_timelines", "run_sync",
            "sim_server_runs", "slot_ranges", "spread", "spread_summary", "stream_completion"]
 
@@ -124,10 +125,24 @@ with the book's workloads, so it lends no run a cache hit."""
 
 @dataclass(frozen=True)
 class LayoutRun:
-    """One layout's bench result and its server's own gauges and counters afterwards."""
+    """One layout's bench result, its server's own gauges and counters afterwards and, for an
+    engine in this process over a timed device (the simulated H100), the seconds that device
+    spent on the bench's steps: the rest of the bench's duration it sat idle."""
 
     result: BenchResult
     metrics: dict[str, float]
+    device_busy_s: float | None = None
+
+
+def _device_busy(engines: Any) -> float | None:
+    """Seconds the timed device (``TimedBackend``, the simulated H100's ``PacedBackend``) of
+    an engine in this process has spent on steps so far; ``None`` for a model's backend or
+    an engine in a worker process, whose device time this process cannot read."""
+    from minisrv.sim.timed import TimedBackend
+
+    loop = getattr(engines, "loop", None)
+    backend = getattr(getattr(loop, "engine", None), "backend", None)
+    return backend.busy if isinstance(backend, TimedBackend) else None
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -148,22 +163,28 @@ def bench_layouts(layouts: Mapping[str, Layout], requests: Sequence[BenchRequest
     bench.setdefault("progress", False)
     out: dict[str, LayoutRun] = {}
     for name, layout in layouts.items():
-        with open_server(layout) as (url, _):
+        with open_server(layout) as (url, engines):
             run_sync(run_bench(url, [WARM_UP], progress=False))
+            before = _device_busy(engines)
             result = run_sync(run_bench(url, requests, **bench))
-            out[name] = LayoutRun(result, read_metrics(url))
+            after = _device_busy(engines)
+            busy = None if before is None or after is None else after - before
+            out[name] = LayoutRun(result, read_metrics(url), busy)
     return out
 
 
 def bench_frame(runs: Mapping[str, LayoutRun]) -> pd.DataFrame:
-    """One row per run: throughput, the server's cache hit rate and the latency statistics
-    ``minisrv bench`` prints."""
+    """One row per run: throughput, the server's cache hit rate, the latency statistics
+    ``minisrv bench`` prints, the bench's duration and the seconds of it that a timed device
+    was busy (NaN where it is not known: ``LayoutRun.device_busy_s``)."""
     rows = []
     for name, run in runs.items():
         r = run.result
+        busy = math.nan if run.device_busy_s is None else run.device_busy_s
         row: dict[str, Any] = {"run": name, "completed": r.completed, "failed": r.failed,
                                "req/s": r.request_throughput, "out tok/s": r.output_throughput,
-                               "hit rate": run.metrics.get("minisrv:cache_hit_rate", 0.0)}
+                               "hit rate": run.metrics.get("minisrv:cache_hit_rate", 0.0),
+                               "duration (s)": r.duration_s, "device busy (s)": busy}
         for key in ("ttft", "itl", "e2e"):
             for stat in ("median", "p99"):
                 row[f"{key} {stat} (ms)"] = r.latency_ms[key][stat]
@@ -347,6 +368,14 @@ def request_timelines(prompts: Sequence[Sequence[int]], output_len: int, rate: f
                       bisect.bisect_right(prefill_ends, b) - bisect.bisect_right(prefill_ends, a)
                       for a, b in itertools.pairwise(r.token_times))} for r in run.requests]
     return pd.DataFrame(rows).set_index(["configuration", "rid"])
+
+
+def completion_rate(sweep: pd.DataFrame) -> pd.Series:
+    """Per row of ``policy_rate_sweep``: the requests completed per second, all of them over
+    the run's duration. A server that keeps up completes the rate it is offered; one that
+    falls behind drains its queue after the last arrival and completes fewer."""
+    done = sweep["ttfts (ms)"].map(len)
+    return (done / sweep["duration (s)"]).rename("completed (req/s)")
 
 
 def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
