@@ -149,9 +149,9 @@ class BlockCache(PrefixCache):
             tokens = key[start:start + size]
             block = by_hash.get(hash_fn((node.hash, tokens)))
             if block is None or block.parent is not node or block.key != tokens:
-                block = self._collided.get((node, tokens)) if self._collided else None
-                if block is None:
-                    break
+                block = self._collided.get((node, tokens))  # its hash taken by another block
+            if block is None:
+                break
             chain.append(block)
             node = block
         return chain
