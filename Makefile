@@ -42,8 +42,7 @@ TIMED_CHAPTERS := chapters/07_overlap.ipynb chapters/08_server.ipynb
 OTHER_CHAPTERS := $(filter-out $(TIMED_CHAPTERS),$(wildcard chapters/*.ipynb))
 
 # One worker per core and one more: a worker waiting on a server's start, a timeout or a
-# subprocess leaves its core to the extra one (on 2 cores, 3 workers: 451 s against 482 s for
-# the parallel phase, the same commit on fresh clones back to back).
+# subprocess leaves its core to the extra one.
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 
 test: setup
