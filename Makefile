@@ -41,10 +41,6 @@ book: setup
 TIMED_CHAPTERS := chapters/07_overlap.ipynb chapters/08_server.ipynb
 OTHER_CHAPTERS := $(filter-out $(TIMED_CHAPTERS),$(wildcard chapters/*.ipynb))
 
-# One worker per core and one more: a worker waiting on a server's start, a timeout or a
-# subprocess leaves its core to the extra one.
-WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
-
 test: setup
 	$(BIN)/ruff check .
 	@# One torch thread per worker: two workers of two threads each on two cores run slower
@@ -57,7 +53,7 @@ test: setup
 	@# starting, timeouts awaited); its report follows theirs, and either failing fails.
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist -q \
 	  tests/test_triton_ops.py > .triton-tests.log 2>&1 & triton=$$!; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(OTHER_CHAPTERS) tests \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile $(OTHER_CHAPTERS) tests \
 	  --ignore=tests/test_triton_ops.py; status=$$?; \
 	wait $$triton; triton_status=$$?; echo "tests/test_triton_ops.py, interpreted:"; \
 	cat .triton-tests.log; rm -f .triton-tests.log; \
