@@ -711,7 +711,10 @@ def _shown_output_lines(output) -> str:
     if output.get("output_type") == "stream":
         return output.get("text", "")
     data = output.get("data", {})
-    cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", data.get("text/html", ""), flags=re.S)
+    # An explorer's frames are HTML inside a JSON script, their closing tags escaped as
+    # "<\/td>": unescaped, their tables are read too (and no "<td" scans to the end unclosed).
+    page = data.get("text/html", "").replace("<\\/", "</")
+    cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", page, flags=re.S)
     return "\n".join([data.get("text/plain", ""),
                       *(html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in cells)])
 
@@ -738,6 +741,10 @@ def test_verdicts_are_caught() -> None:
     table = {"output_type": "execute_result",
              "data": {"text/plain": "<Styler>", "text/html": "<td>32/32</td><td>4.2</td>"}}
     assert _verdicts(_shown_output_lines(table)) == ["32/32"]
+    frames = {"output_type": "display_data",  # an explorer's frame, inside its JSON
+              "data": {"text/plain": "<Explorer>", "text/html":
+                       '<script type="application/json">["<td>4.2<\\/td><td>12 of 12<\\/td>"]'}}
+    assert _verdicts(_shown_output_lines(frames)) == ["12 of 12"]
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
