@@ -88,6 +88,10 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     assert labels == ["measured on CPU, float32, padded attention",
                       "H100 SXM (roofline), bf16: lower bound", "T4 (roofline), bf16: lower bound"]
     assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title(loc="left") for ax in fig.axes)
+    # the flex_attention backend is named as the page's tables name it
+    ragged = plot_step_times_vs_roofline(measured.assign(attention="flex"), predicted, "CityLM")
+    assert ragged.legends[0].get_texts()[0].get_text() == (
+        "measured on CPU, float32, ragged (flex) attention")
     # a roofline drawn at another context than the measurement's says so in its title
     elsewhere = roofline_step_times(SMOLLM2_135M, [H100], (1, 2), 8192)
     title = plot_step_times_vs_roofline(measured, elsewhere, "CityLM")._suptitle.get_text()

@@ -33,8 +33,9 @@ from minisrv.viz.style import (
     styled,
 )
 
-__all__ = ["GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer", "gpu_roofline_table",
-           "gpu_roofline_widget", "plot_block_mask", "plot_step_times_vs_roofline"]
+__all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
+           "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
+           "plot_step_times_vs_roofline"]
 
 GPU_CONTEXTS: tuple[int, ...] = (32, 128, 512, 2048, 8192)
 """Contexts the page holds: from a few dozen tokens, where a large batch nearly reaches the
@@ -43,6 +44,9 @@ TILE_COLORS: dict[str, str] = {"empty": "#f1f3f5", "partial": "#ffa94d", "full":
 """The block mask's three kinds of tile: skipped, masked per element, computed without a mask."""
 TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 """The GPUs the chapter's roofline table compares."""
+ATTENTION_LABELS: dict[str, str] = {"flex": "ragged (flex)"}
+"""How a legend names an attention backend: the flex_attention call by what it does, as the
+page's tables do (other backends by their own names)."""
 MARK_COLOR = "#495057"
 """The chosen batch's mark on the step-time figure: a dark gray no curve of it uses."""
 
@@ -68,7 +72,8 @@ def plot_step_times_vs_roofline(
     for (device, dtype, attention), rows in measured.groupby(
         ["device", "dtype", "attention"], sort=False
     ):
-        label = f"measured on {device}, {dtype}, {attention} attention{at(rows)}"
+        name = ATTENTION_LABELS.get(attention, attention)
+        label = f"measured on {device}, {dtype}, {name} attention{at(rows)}"
         for ax, column in ((left, "step_ms"), (right, "us_per_token")):
             ax.plot(rows["batch"], rows[column], "o-", label=label)
     for device, rows in predicted.groupby("device", sort=False):
