@@ -50,16 +50,17 @@ OTHER_CHAPTERS := $(filter-out $(TIMED_CHAPTERS),$(wildcard chapters/*.ipynb))
 test: setup
 	$(BIN)/ruff check .
 	@# One torch thread per worker: two workers of two threads each on two cores run slower
-	@# than one worker alone (threads spin while they wait for each other). The chapters go
-	@# first: each is one unit of a minute or more, and the short test files then fill the
-	@# workers' ends, where a chapter drawn last would leave the other worker idle.
+	@# than one worker alone (threads spin while they wait for each other). The longest
+	@# files go first (tests/conftest.py, LONGEST_FIRST), and the short test files then fill
+	@# the workers' ends, where a long file drawn last would leave the other worker idle.
 	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
 	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen),
 	@# one process beside the workers, where it takes the time they leave the cores idle (servers
 	@# starting, timeouts awaited); its report follows theirs, and either failing fails.
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist -q \
 	  tests/test_triton_ops.py > .triton-tests.log 2>&1 & triton=$$!; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile $(OTHER_CHAPTERS) tests \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+	  $(OTHER_CHAPTERS) tests \
 	  --ignore=tests/test_triton_ops.py; status=$$?; \
 	wait $$triton; triton_status=$$?; echo "tests/test_triton_ops.py, interpreted:"; \
 	cat .triton-tests.log; rm -f .triton-tests.log; \

@@ -388,3 +388,13 @@ def test_contributing_walks_one_request_through_every_runtime_module_once() -> N
     modules += [f"{name}.py" for name in RUNTIME if (PACKAGE / f"{name}.py").exists()]
     counts = {m: len(re.findall(rf"`{re.escape(m)}`", walk)) for m in modules}
     assert {m: n for m, n in counts.items() if n != 1} == {}
+
+
+def test_the_longest_first_order_names_files_that_exist() -> None:
+    """``make test`` hands out the files of ``conftest.LONGEST_FIRST`` first; a renamed file
+    would silently drop back to the end of the run."""
+    from conftest import LONGEST_FIRST
+
+    files = {p.name for p in (*ROOT.glob("tests/*.py"), *ROOT.glob("chapters/*.ipynb"))}
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert set(LONGEST_FIRST) <= files, set(LONGEST_FIRST) - files
