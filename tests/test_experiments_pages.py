@@ -162,6 +162,26 @@ def test_the_page_explorer_shows_what_each_cache_evicted_from_its_own_log() -> N
             assert (evicted > 0) == (pool == 160)
 
 
+def test_the_page_explorer_shows_each_caches_batch() -> None:
+    """The legend names both caches, so the batch panel draws both: a bar per cache and page
+    size, each the height of its own run's mean batch, and the state's numbers name both."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.pages import page_explorer, plot_page_state
+
+    prompts = [list(range(1000 + 100 * i, 1042 + 100 * i)) for i in range(6)]
+    work = Workload("apart", prompts, [4] * 6, [float(i) for i in range(6)])
+    runs: dict = {}
+    explorer = page_explorer(SimBackend(), None, {"apart": work}, sizes=(1, 16),
+                             pools=(160,), runs=runs, max_running=4)
+    state = explorer.metrics(pool=160)
+    mine = {(cache, s): runs[160]["apart", cache, s] for cache in ("radix", "blocks")
+            for s in (1, 16)}
+    heights = sorted(p.get_height() for p in plot_page_state(mine, (1, 16)).axes[2].patches)
+    assert heights == sorted(run.mean_batch for run in mine.values())
+    for s in (1, 16):
+        assert state[f"mean batch (blocks), pages of {s}"] == mine["blocks", s].mean_batch
+
+
 def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool that evicts nothing must not get an axis of its own around zero: every state's

@@ -139,22 +139,27 @@ class BlockCache(PrefixCache):
         return MatchResult(len(values), chain[-1] if chain else self.root, values)
 
     def _chain(self, key: tuple[int, ...]) -> list[Block]:
-        """The cached blocks of ``key``'s leading full blocks, in order, up to the first miss.
-
-        A block is found by its hash and confirmed by its tokens and parent, so a hash shared
-        with another prefix's block (a collision) is looked up by ``(parent, tokens)``."""
+        """The cached blocks of ``key``'s leading full blocks, in order, up to the first miss:
+        each found by the hash of its parent's hash and its tokens."""
         size, node, by_hash, hash_fn = self.page_size, self.root, self._by_hash, self.hash_fn
         chain: list[Block] = []
         for start in range(0, len(key) - size + 1, size):
             tokens = key[start:start + size]
-            block = by_hash.get(hash_fn((node.hash, tokens)))
-            if block is None or block.parent is not node or block.key != tokens:
-                block = self._collided.get((node, tokens))  # its hash taken by another block
+            block = self._confirmed(by_hash.get(hash_fn((node.hash, tokens))), node, tokens)
             if block is None:
                 break
             chain.append(block)
             node = block
         return chain
+
+    def _confirmed(self, block: Block | None, parent: Block,
+                   tokens: tuple[int, ...]) -> Block | None:
+        """``block`` (found by its hash) if its parent and tokens are those asked for; else
+        the cached block of ``(parent, tokens)`` whose hash another block took (a collision,
+        which Python's ``hash`` makes easy), or None."""
+        if block is not None and block.parent is parent and block.key == tokens:
+            return block
+        return self._collided.get((parent, tokens))
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "") -> int:

@@ -78,8 +78,8 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
                     chosen: int | None = None, title: str = "",
                     evicted_top: float | None = None) -> BookFigure:
     """Three panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
-    cached tokens each cache evicted for room, the hit rate of the tree and of the block
-    cache, and the mean batch (tree); ``chosen`` shaded. ``evicted_top``: the top of the
+    cached tokens each cache evicted for room, the hit rate and the mean batch of the tree
+    and of the block cache; ``chosen`` shaded. ``evicted_top``: the top of the
     evicted panel's axis, so that the states of an explorer share one scale (a run that
     evicted nothing would otherwise get an axis around zero)."""
     fig, axes = page_figure(2.9, 1, 3)
@@ -92,7 +92,8 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
                     color=CACHE_COLORS[cache])
         axes[1].bar(at, [100 * runs[cache, s].hit_rate for s in sizes], width,
                     color=CACHE_COLORS[cache], label=label)
-    axes[2].bar(x, [runs["radix", s].mean_batch for s in sizes], color=CACHE_COLORS["radix"])
+        axes[2].bar(at, [runs[cache, s].mean_batch for s in sizes], width,
+                    color=CACHE_COLORS[cache])
     for ax in axes:
         _page_axis(ax, sizes, chosen)
     axes[1].set_ylim(0, 100)
@@ -116,7 +117,8 @@ def _state_numbers(runs: Mapping[tuple[str, int], PageRun],
                     f"evicted (blocks), pages of {s}": _evicted(blocks),
                     f"hit rate (tree), pages of {s}": tree.hit_rate,
                     f"hit rate (blocks), pages of {s}": blocks.hit_rate,
-                    f"mean batch (tree), pages of {s}": tree.mean_batch}
+                    f"mean batch (tree), pages of {s}": tree.mean_batch,
+                    f"mean batch (blocks), pages of {s}": blocks.mean_batch}
     return numbers
 
 
@@ -150,15 +152,17 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                  for s in sizes) for cache in ("tree", "blocks")}
         evicted = {cache: ", ".join(f"{numbers[f'evicted ({cache}), pages of {s}']:,}"
                                     for s in sizes) for cache in ("tree", "blocks")}
-        batch = ", ".join(f"{numbers[f'mean batch (tree), pages of {s}']:.1f}" for s in sizes)
+        batch = {cache: ", ".join(f"{numbers[f'mean batch ({cache}), pages of {s}']:.1f}"
+                                  for s in sizes) for cache in ("tree", "blocks")}
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens",
                                       evicted_top)],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
                              f"{', '.join(map(str, sizes))}: the tree evicts {evicted['tree']} "
-                             f"cached tokens and hits {hits['tree']} of prompt tokens, the "
-                             f"block cache evicts {evicted['blocks']} and hits "
-                             f"{hits['blocks']}; the tree runs {batch} requests per step")
+                             f"cached tokens, hits {hits['tree']} of prompt tokens and runs "
+                             f"{batch['tree']} requests per step; the block cache evicts "
+                             f"{evicted['blocks']}, hits {hits['blocks']} and runs "
+                             f"{batch['blocks']}")
 
     choose = [("workload", "workload", names, first[0])] if len(names) > 1 else []
     return explorer(draw, [*choose, ("pool", "pool (tokens)", list(pools), first[1])],
