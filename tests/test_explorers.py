@@ -83,10 +83,14 @@ def test_bad_controls_are_refused_before_any_run(controls, message) -> None:
         explorer(lambda **_: pytest.fail("ran an experiment"), controls)
 
 
-def test_every_frame_takes_the_layout_of_the_default_state() -> None:
+def test_every_frame_takes_the_layout_of_the_default_state(monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
     from minisrv.viz.style import label_axes, page_figure
 
-    figures = {}
+    figures, draws = {}, []
+    figure_draw = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, r: (draws.append(self), figure_draw(self, r)))
 
     def draw(a: int) -> Frame:
         fig, ax = page_figure(height_in=2.0)
@@ -102,6 +106,9 @@ def test_every_frame_takes_the_layout_of_the_default_state() -> None:
 
     assert not any(isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
                    for fig in figures.values())  # no solve left for savefig
+    # one draw per frame, and one solve of the shared layout: savefig draws a figure that
+    # keeps any layout engine (even "none"'s placeholder) twice
+    assert len(draws) == len(figures) + 1
     alone, ax = page_figure(height_in=2.0)  # the default's layout is the one it has alone
     ax.plot([0, 1], [0, 10 ** 4])
     label_axes(ax, "state 4", "x", "y")

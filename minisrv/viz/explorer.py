@@ -100,6 +100,7 @@ class _Layouts:
         self.places: dict[tuple, list[Any]] = {}
 
     def fix(self, fig: Any) -> None:
+        import matplotlib as mpl
         from matplotlib.layout_engine import ConstrainedLayoutEngine
 
         if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
@@ -108,7 +109,11 @@ class _Layouts:
         if shape not in self.places:
             fig.draw_without_rendering()  # the one solve of this shape
             self.places[shape] = [ax.get_position() for ax in fig.axes]
-        fig.set_layout_engine("none")
+        # No engine at all, not "none"'s placeholder: savefig draws a figure that has any
+        # engine once more before rendering it (for the layout), and that unrendered draw
+        # was a third of a frame's time (chapter 06's: 0.19 s, 0.14 s without, same pixels).
+        with mpl.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+            fig.set_layout_engine(None)
         for ax, place in zip(fig.axes, self.places[shape], strict=True):
             ax.set_position(place)
 
