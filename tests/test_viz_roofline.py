@@ -294,3 +294,24 @@ def test_the_legend_names_a_past_the_wall_mark_only_when_one_is_drawn() -> None:
 
     assert not any("past the wall" in label for label in labels(16))
     assert any("past the wall" in label for label in labels(1024))
+
+
+def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores() -> None:
+    """The weak-case figure: decodes share one query tile, so each panel is one row of key
+    tiles exactly as ragged_tiles makes it, with one black segment per request spanning that
+    request's keys (its one query row against its cached tokens and its new one)."""
+    from minisrv.model import ragged_tiles
+    from minisrv.viz.gpu import plot_decode_block_masks
+
+    steps = [("equal", [100] * 8), ("unequal", [20] * 7 + [300])]
+    fig = plot_decode_block_masks(steps, block=64)
+    assert len(fig.axes) == 2
+    for ax, (_, cached) in zip(fig.axes, steps, strict=True):
+        partial, full = ragged_tiles([1] * len(cached), cached, 64)
+        drawn = ax.images[0].get_array()
+        assert drawn.shape == partial.shape == (1, -(-sum(c + 1 for c in cached) // 64))
+        assert ((drawn == 1) == partial.numpy()).all() and ((drawn == 2) == full.numpy()).all()
+        segments = ax.collections[0].get_segments()
+        spans = [float(seg[1][0] - seg[0][0]) for seg in segments]
+        assert spans == [c + 1.0 for c in cached]
+        assert f"{int(partial.sum()):,} partial" in ax.get_title(loc="left")

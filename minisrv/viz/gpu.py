@@ -6,17 +6,21 @@ while the predictions are for GPUs the page was never run on. ``gpu_roofline_wid
 kernel) and ``gpu_roofline_explorer`` (the page) put the roofline's context and batch under
 controls, beside the same measurement, with the chosen batch marked on both panels.
 ``plot_block_mask`` draws the tiles the ragged
-attention call computes for one step, so the page shows the block mask it counts.
+attention call computes for one step, so the page shows the block mask it counts, and
+``plot_decode_block_masks`` draws its weak case: decodes sharing one query tile.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 from matplotlib.colors import ListedColormap
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
 
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
@@ -35,7 +39,7 @@ from minisrv.viz.style import (
 
 __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
-           "plot_step_times_vs_roofline"]
+           "plot_decode_block_masks", "plot_step_times_vs_roofline"]
 
 GPU_CONTEXTS: tuple[int, ...] = (32, 128, 512, 2048, 8192)
 """Contexts the page holds: from a few dozen tokens, where a large batch nearly reaches the
@@ -130,6 +134,39 @@ def plot_block_mask(new_lens: Sequence[int], cached_lens: Sequence[int], title: 
     legend_below(fig, [Patch(facecolor=color, edgecolor="#adb5bd",
                              label=f"{name}: {counts[name]:,} tiles")
                        for name, color in TILE_COLORS.items()], ncol=3)
+    return fig
+
+
+@styled
+def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
+                            block: int = FLEX_BLOCK_SIZE) -> BookFigure:
+    """Steps of decodes only, one panel each: the tiles of their query tile (as
+    ``ragged_tiles`` makes them, ``steps`` giving each panel's title and the decodes' cached
+    lengths), and, drawn over them in black, the scores each request needs, its one query row
+    against its own keys.
+
+    A decode has one query row, so up to ``block`` decodes share one query tile, and the
+    tiles are a strip one tile high; the panels stretch it to the page's width. The black
+    staircase against the coloured strip is the ragged call's weak case at a glance: every
+    key tile is computed for all the tile's rows while each row needs one request's keys."""
+    fig, axes = page_figure(1.9 * len(steps) + 0.6, rows=len(steps), squeeze=False)
+    for ax, (title, cached) in zip(axes[:, 0], steps, strict=True):
+        partial, full = ragged_tiles([1] * len(cached), cached, block)
+        kinds = partial.int() + 2 * full.int()
+        ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0,
+                  vmax=2, extent=(0, kinds.shape[1] * block, kinds.shape[0] * block, 0),
+                  interpolation="nearest", aspect="auto")
+        starts = [0, *itertools.accumulate(c + 1 for c in cached)]
+        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
+                  color="black", linewidth=1.2)
+        ax.grid(False)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+        counts = f"{int(partial.sum()):,} partial and {int(full.sum()):,} full key tiles"
+        label_axes(ax, f"{title}: {counts}", ylabel="query row")
+    axes[-1, 0].set_xlabel("key position (every request's keys end to end)")
+    legend_below(fig, [*(Patch(facecolor=color, edgecolor="#adb5bd", label=f"{name} tile")
+                         for name, color in TILE_COLORS.items()),
+                       Line2D([], [], color="black", label="scores a request needs")], ncol=4)
     return fig
 
 
