@@ -41,6 +41,8 @@ def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
                 decodes = [len(s.decode) for s in run.engine.trace if s.decode]
                 assert state["mean_decode_batch"] == pytest.approx(sum(decodes) / len(decodes))
                 assert 1 <= state["mean_decode_batch"] <= cap
+                assert state["decode_steps"] == len(decodes)
+                assert state["decode_steps_at_cap"] == sum(d == cap for d in decodes)
     # one at a time takes a step per token; a roomy pool with room for all takes fewer
     assert (ex.metrics(capacity=3 * smallest, max_running=5, ratio=0.7)["steps"]
             < ex.metrics(capacity=3 * smallest, max_running=1, ratio=0.7)["steps"])

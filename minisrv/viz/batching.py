@@ -174,7 +174,9 @@ def pool_explorer(
     of its pool, cap and initial ratio. ``check``: called as ``check(outputs, reference,
     what=...)`` for every state (the book's ``CHECKS.alone``, so the page counts these
     requests too). A state's caption gives what its figure's title does not: the mean
-    decode batch and the peak of slots used.
+    decode batch and the peak of slots used. Its metrics also count the decode steps and
+    those at the cap, which tell two runs of one mean apart: one holding the cap, one
+    starting above the mean and dwindling.
     """
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
     if min(capacities) < smallest:
@@ -210,6 +212,8 @@ def pool_explorer(
                       "peak_slots": peak,
                       "peak_running": max(s.batch_size + len(s.paused) for s in run.engine.trace),
                       "mean_decode_batch": mean_batch,
+                      "decode_steps": len(decodes),
+                      "decode_steps_at_cap": decodes.count(max_running),
                       "requests_checked": run.total},
                      caption=f"Mean decode batch {mean_batch:.2f} requests; peak {peak} of "
                              f"{capacity} slots used.")
