@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from minisrv.experiments import page_pool as pp
@@ -319,3 +320,21 @@ def test_first_chats_keeps_the_first_sessions_and_turns_in_order() -> None:
     kept = pg.first_chats(chat, 3, keep=2, turns=2)
     assert kept.prompts == [prompts[i] for i in (0, 1, 3, 4)]
     assert kept.output_lens == [0, 1, 3, 4] and kept.arrivals == [0.0, 1.0, 3.0, 4.0]
+
+
+def test_tiles_counted_for_all_rows_at_once_match_each_rows_own_count() -> None:
+    """``page_run`` counts every running row's tiles in one call per step: the counts must be
+    each row's whole tiles (``tile_runs`` without the partial last one), row by row, with
+    rows too short for a tile adding nothing and the seams between rows never read."""
+    rng = np.random.default_rng(0)
+    rows = [list(range(64)), [5, 6, 7, 1, 2, 40] * 30, list(range(10)),
+            [int(s) for s in rng.permutation(600)[:300]], list(range(100, 356)), []]
+    tiles: dict[int, list[int]] = {32: [], 128: []}
+    pg._count_tiles(rows, tiles)
+    for tile, counts in tiles.items():
+        assert counts == [c for row in rows for c in pg.tile_runs(row, tile)[:len(row) // tile]]
+    assert tiles[32][:2] == [1, 1] and tiles[128][-2:] == [1, 1]
+    nothing: dict[int, list[int]] = {32: []}
+    pg._count_tiles([[1, 2, 3]], nothing)
+    pg._count_tiles([], nothing)
+    assert nothing == {32: []}
