@@ -223,9 +223,12 @@ def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,
 SIM_CONFIGS: dict[str, dict[str, str]] = {
     "LPM, radix": {"policy": "lpm", "cache": "radix"},
     "FCFS, radix": {"policy": "fcfs", "cache": "radix"},
+    "FCFS, radix, SGLang's order": {"policy": "fcfs", "cache": "radix",
+                                    "admission_order": "lock-round-first"},
     "FCFS, no cache": {"policy": "fcfs", "cache": "none"},
 }
-"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS)."""
+"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS); SGLang's
+order locks a round's prefixes before allocating for any (``admission_order``)."""
 
 
 def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float = 1.0,
