@@ -13,6 +13,7 @@ from minisrv.engine import Engine
 from minisrv.request import FINISHED, Req
 from minisrv.sampling import SamplingParams
 from minisrv.scheduler import MODES, Scheduler
+from minisrv.scheduler.config import ADMISSION_ORDERS
 from minisrv.sim import SimBackend
 
 MODEL_SEED = 2  # the random CityLM of conftest's `model` fixture
@@ -53,17 +54,34 @@ def serve_checked(engine: Engine, reqs: list[Req]) -> None:
 prefix_lists, workloads = prefix_sharing(max_prefix=12, max_suffix=6, max_new=16, max_arrival=6)
 
 
+def evictions_of_locked_nodes(engine: Engine) -> list:
+    """A list that fills with every node the tree evicts while a request held it locked."""
+    locked: list = []
+
+    def listen(tree, event) -> None:
+        if event.op == "evict":
+            locked.extend(view for view in event.evicted if view.lock_ref)
+
+    engine.tree.listener = listen
+    return locked
+
+
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prefixes=prefix_lists, spec=workloads,
-       slack=st.integers(0, 60), mode=st.sampled_from(MODES), max_running=st.integers(1, 6))
+       slack=st.integers(0, 60), mode=st.sampled_from(MODES), max_running=st.integers(1, 6),
+       order=st.sampled_from(ADMISSION_ORDERS))
 def test_radix_outputs_equal_each_request_alone_and_no_slot_leaks(
-    model, prefixes, spec, slack, mode, max_running
+    model, prefixes, spec, slack, mode, max_running, order
 ) -> None:
+    """Under either ``admission_order`` (each admission allocating as it comes, or the round
+    locked first, as SGLang): every slot owned once and all freed at the end
+    (``serve_checked``), no locked node ever evicted, each request's tokens its own alone."""
     prompts = prompts_of(prefixes, spec)
     longest = max(len(p) + m for p, (_, _, m, _, _) in zip(prompts, spec))
     engine = Engine(model, kv_capacity=longest + slack, max_running=max_running, mode=mode,
-                    cache="radix")
+                    cache="radix", admission_order=order)
+    locked = evictions_of_locked_nodes(engine)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=e) for _, _, m, e, _ in spec]
     reqs = engine.make_requests(prompts, None, params, [a for *_, a in spec])
     serve_checked(engine, reqs)
@@ -71,6 +89,7 @@ def test_radix_outputs_equal_each_request_alone_and_no_slot_leaks(
     for req, prompt, (_, _, m, e, _) in zip(reqs, prompts, spec):
         assert req.output == model.reference_generate(prompt, m, ignore_eos=e)
     assert engine.backend.live_requests == 0
+    assert locked == []
 
 
 def test_cache_on_and_off_give_the_same_tokens_and_the_cache_prefills_less(model) -> None:

@@ -174,7 +174,7 @@ def _rate_sweep():
 
 
 def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_target():
-    from minisrv.experiments.server import completion_rate, goodput
+    from minisrv.experiments.server_sweep import completion_rate, goodput, slo_attainment
 
     sweep = _rate_sweep()
     assert list(sweep.index.unique(level=0)) == ["LPM, radix", "FCFS, radix"]
@@ -192,6 +192,11 @@ def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_tar
     # a burst is drained after its last arrival: fewer completed per second than offered
     assert completion_rate(sweep).xs(512.0, level=1).lt(512.0).all()
     assert goodput(sweep, 0.0).eq(0).all()  # no TTFT is 0
+    # the share that met a target is goodput over completion rate: the same requests counted
+    for slo in (0.0, 50.0, 1e9):
+        share = goodput(sweep, slo) / completion_rate(sweep)
+        assert slo_attainment(sweep, slo).tolist() == pytest.approx(share.tolist())
+    assert slo_attainment(sweep, 1e9).eq(1).all() and slo_attainment(sweep, 0.0).eq(0).all()
     with pytest.raises(ValueError, match="rates > 0"):
         from minisrv.experiments.server import policy_rate_sweep
         policy_rate_sweep([[1, 2]], 4, [0.0])
@@ -199,7 +204,7 @@ def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_tar
 
 def test_the_rate_explorer_is_drawn_from_the_sweep_it_is_given():
     pytest.importorskip("matplotlib")
-    from minisrv.experiments.server import goodput
+    from minisrv.experiments.server_sweep import goodput
     from minisrv.viz.server import plot_policy_rate_sweep, rate_explorer
 
     sweep = _rate_sweep()
@@ -265,7 +270,7 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     """Where both policies meet the target for as many requests as each other, the caption said
     one of them "serves the most" beside two equal numbers."""
     pytest.importorskip("matplotlib")
-    from minisrv.experiments.server import goodput
+    from minisrv.experiments.server_sweep import goodput
     from minisrv.viz.server import rate_explorer
 
     sweep = _rate_sweep()
@@ -391,7 +396,7 @@ def test_the_waterfall_draws_three_phases_per_request_that_sum_to_its_latency():
 
 
 def test_policy_sweep_table_has_a_row_per_rate_and_three_columns_per_configuration():
-    from minisrv.experiments.server import goodput, policy_sweep_table
+    from minisrv.experiments.server_sweep import goodput, policy_sweep_table
 
     sweep = _rate_sweep()
     table = policy_sweep_table(sweep, 200.0)

@@ -22,9 +22,9 @@ larger than the chapter does by passing other arguments.
   the two-lane model (``timeline``, ``throughput_ratio``), the per-step time breakdown;
 * ``speculative`` (speculative decoding): acceptance against k, checks traced, the
   rejection rule's distribution, the roofline speed-up against k and batch;
-* ``server`` (serving it for real): a server opened in-process, layouts benchmarked, the
-  simulated H100's engine against the request rate (``policy_rate_sweep``, ``goodput``,
-  ``completion_rate``);
+* ``server``, ``server_sweep`` (serving it for real): a server opened in-process, layouts
+  benchmarked, the simulated H100's engine against the request rate (``policy_rate_sweep``)
+  and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
 * ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs.
@@ -164,10 +164,11 @@ _PUBLIC = {
     "SIM_CONFIGS": "server",
     "beyond_spread": "server",
     "prefix_heavy_requests": "server",
-    "completion_rate": "server",
-    "goodput": "server",
+    "completion_rate": "server_sweep",
+    "goodput": "server_sweep",
+    "slo_attainment": "server_sweep",
     "policy_rate_sweep": "server",
-    "policy_sweep_table": "server",
+    "policy_sweep_table": "server_sweep",
     "request_timelines": "server",
     "sim_server_runs": "server",
     "spread": "server",

@@ -9,8 +9,8 @@ against each with ``run_bench``; ``bench_frame`` lays their results out as one t
 simulated H100 (``minisrv.sim.served``) with each policy and cache several times, and ``spread`` /
 ``beyond_spread`` say whether their TTFT and throughput differ beyond the run-to-run spread.
 ``policy_rate_sweep`` feeds the same engines the workload as a Poisson process at several request
-rates, in simulated time, and ``goodput`` counts the requests per second that meet a TTFT
-target: latency against throughput, the curve a load test is run to find.
+rates, in simulated time: latency against throughput, the curve a load test is run to find
+(``server_sweep`` reads its table: goodput, completion rate, the share that met a target).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "completion_rate", "goodput", "open_server", "policy_rate_sweep", "policy_sweep_table",
-           "prefix_heavy_requests", "read_metrics", "request_timelines", "run_sync",
-           "sim_server_runs", "slot_ranges", "spread", "spread_summary", "stream_completion"]
+           "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
+           "request_timelines", "run_sync", "sim_server_runs", "slot_ranges", "spread",
+           "spread_summary", "stream_completion"]
 
 T = TypeVar("T")
 
@@ -223,9 +223,12 @@ def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,
 SIM_CONFIGS: dict[str, dict[str, str]] = {
     "LPM, radix": {"policy": "lpm", "cache": "radix"},
     "FCFS, radix": {"policy": "fcfs", "cache": "radix"},
+    "FCFS, radix, SGLang's order": {"policy": "fcfs", "cache": "radix",
+                                    "admission_order": "lock-round-first"},
     "FCFS, no cache": {"policy": "fcfs", "cache": "none"},
 }
-"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS)."""
+"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS); SGLang's
+order locks a round's prefixes before allocating for any (``admission_order``)."""
 
 
 def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float = 1.0,
@@ -369,31 +372,3 @@ def request_timelines(prompts: Sequence[Sequence[int]], output_len: int, rate: f
                       for a, b in itertools.pairwise(r.token_times))} for r in run.requests]
     return pd.DataFrame(rows).set_index(["configuration", "rid"])
 
-
-def completion_rate(sweep: pd.DataFrame) -> pd.Series:
-    """Per row of ``policy_rate_sweep``: the requests completed per second, all of them over
-    the run's duration. A server that keeps up completes the rate it is offered; one that
-    falls behind drains its queue after the last arrival and completes fewer."""
-    done = sweep["ttfts (ms)"].map(len)
-    return (done / sweep["duration (s)"]).rename("completed (req/s)")
-
-
-def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
-    """Per row of ``policy_rate_sweep``: the requests per second whose TTFT met ``ttft_slo_ms``, as
-    ``minisrv bench --goodput ttft:MS`` (and vLLM's ``--goodput``) counts them: requests
-    that met the target over the run's duration."""
-    met = sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts))
-    return (met / sweep["duration (s)"]).rename(f"goodput at ttft <= {ttft_slo_ms:g} ms")
-
-
-def policy_sweep_table(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.DataFrame:
-    """``policy_rate_sweep``'s table as the page prints it: one row per rate offered, and per
-    configuration (its first word) the output tokens per second, the TTFT p99 and the goodput
-    at ``ttft_slo_ms``, rounded to whole numbers."""
-    columns = {"out tok/s": sweep["out tok/s"], "TTFT p99 (ms)": sweep["ttft p99 (ms)"],
-               "goodput (req/s)": goodput(sweep, ttft_slo_ms)}
-    names = list(sweep.index.unique(level=0))
-    table = pd.DataFrame({f"{name.split(',')[0]} {column}": values.xs(name, level=0)
-                          for column, values in columns.items() for name in names})
-    table = table.round(0).astype(int).rename(index=lambda rate: f"{rate:g}")
-    return table.rename_axis(index=None, columns="req/s offered")

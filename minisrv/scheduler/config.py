@@ -20,10 +20,12 @@ from minisrv.scheduler.policy import IN_BATCH_POLICIES, POLICIES, TREE_POLICIES,
 
 __all__ = [
     "ADMISSIONS",
+    "ADMISSION_ORDERS",
     "MAX_DRAFT_TOKENS",
     "MODES",
     "POLICIES",
     "Admission",
+    "AdmissionOrder",
     "ConfigView",
     "EngineConfig",
     "Mode",
@@ -38,6 +40,12 @@ MODES: tuple[Mode, ...] = ("static", "prefill-first", "mixed")
 Admission = Literal["reserve", "budget"]
 ADMISSIONS: tuple[Admission, ...] = ("reserve", "budget")
 """How requests are admitted: reserve the worst case up front, or SGLang's estimated budget."""
+
+AdmissionOrder = Literal["allocate-each", "lock-round-first"]
+ADMISSION_ORDERS: tuple[AdmissionOrder, ...] = ("allocate-each", "lock-round-first")
+"""When a step's admissions get their KV: each as it is admitted, evicting for it before the
+next request is matched; or, as SGLang (``PrefillAdder`` then ``prepare_for_extend``), after
+every admission of the round has matched and locked its prefix (``forming.py``)."""
 
 
 SPECULATIVE: tuple[str, ...] = ("ngram", "draft")
@@ -62,6 +70,7 @@ class EngineConfig:
     overlap: bool = False  # form step i+1 on the CPU while the device computes step i
     skip_finishing_decode: bool = False  # overlap: leave requests ending on length out of i+1
     admission: Admission = "budget"  # how memory is promised to admitted requests
+    admission_order: AdmissionOrder = "allocate-each"  # when admissions get KV (forming.py)
     new_token_ratio: float = 0.7  # budget: share of remaining output assumed still needed
     ratio_decay: float = 0.001  # budget: how much the ratio falls per decode step
     min_ratio: float = 0.1  # budget: the ratio's floor
@@ -94,6 +103,7 @@ class EngineConfig:
                              f"cache='radix', or policy='lpm' (it needs only match lengths)")
         check_choice("mode", self.mode, MODES)
         check_choice("admission", self.admission, ADMISSIONS)
+        check_choice("admission_order", self.admission_order, ADMISSION_ORDERS)
         check_number("new_token_ratio", self.new_token_ratio, 0.0, 1.0)
         check_number("min_ratio", self.min_ratio, 0.0, self.new_token_ratio)
         check_number("ratio_decay", self.ratio_decay, 0.0)
@@ -176,6 +186,9 @@ class EngineConfig:
         size = self.chunked_prefill_size
         if size is None:
             return
+        if self.admission_order != "allocate-each":
+            raise ValueError("chunked_prefill_size cuts admissions one at a time: it works "
+                             "with admission_order='allocate-each' only")
         check_int("chunked_prefill_size", size, minimum=1)
         if self.mode == "static":
             raise ValueError("chunked_prefill_size works with the prefill-first and mixed "

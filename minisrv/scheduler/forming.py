@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from minisrv.core import Batch, Entry
+from minisrv.kv.cache import MatchResult
 from minisrv.kv.manager import KVManager
 from minisrv.request import Req
-from minisrv.scheduler.admission import AdmissionRule
+from minisrv.scheduler.admission import AdmissionRule, PrefillAdder
 from minisrv.scheduler.config import EngineConfig
 from minisrv.scheduler.lifecycle import Lifecycle
 from minisrv.scheduler.policy import QueuePolicy
@@ -85,13 +86,18 @@ class BatchFormer:
         Each first locks its longest cached prefix (``KVManager.match``); only the rest is
         allocated, and a short pool evicts unlocked cached prefixes (LRU) first. Admission
         stops at the first request that does not fit (no overtaking, so the queue order
-        stays fair) or when the caller asks for no more (its token budget spent)."""
+        stays fair) or when the caller asks for no more (its token budget spent). Under
+        ``admission_order="lock-round-first"`` the allocation waits for the whole round
+        (``lock_round_first``)."""
         queues = self.queues
         if not queues.waiting or len(queues.running) >= self.max_running:
             return  # nobody waits, or no seat is free: no budget to work out
         adder = self.admission.adder(queues.running, self.memory, self.max_running)
         if queues.waiting and adder.has_place:
             queues.waiting = self.policy.prioritize(queues.waiting, self.memory.tree)
+        if self.config.admission_order == "lock-round-first":
+            yield from self.lock_round_first(adder)
+            return
         while queues.waiting and adder.has_place:
             req = queues.waiting[0]
             match = self.memory.match(req)
@@ -102,6 +108,33 @@ class BatchFormer:
             adder.add(req, fill)
             queues.waiting.popleft()
             self.lifecycle.start(req)  # cached: the match, plus what the host tier loaded
+            yield req
+
+    def lock_round_first(self, adder: PrefillAdder) -> Iterator[Req]:
+        """SGLang's order of work: ``PrefillAdder.add_one_req`` locks the matched prefix of
+        each request it admits (``schedule_policy.py``), and only then ``prepare_for_extend``
+        allocates for the round (``schedule_batch.py``), evicting unlocked nodes alone. So no
+        admission evicts a prefix that a later request of the same round matched. A request
+        fits while the round's fresh slots stay within the free ones plus what is still
+        evictable with every prefix of the round locked, so the allocation cannot fail."""
+        queues, memory = self.queues, self.memory
+        round_: list[tuple[Req, MatchResult]] = []
+        slots = 0  # fresh slots the round's admissions need
+        while queues.waiting and adder.has_place:
+            req = queues.waiting[0]
+            match = memory.match(req)
+            fill = req.seq_len - match.length
+            if not (adder.fits(req, fill) and slots + memory.pages(fill) <= memory.available()):
+                memory.drop_match(req, match)
+                break
+            slots += memory.pages(fill)
+            adder.add(req, fill)
+            round_.append((queues.waiting.popleft(), match))
+        for req, match in round_:
+            if not memory.allocate(req, match):
+                raise RuntimeError(f"r{req.rid}: the round was counted to fit, its slots "
+                                   f"were not there")
+            self.lifecycle.start(req)
             yield req
 
     def get_next_budgeted_batch(self) -> Batch:

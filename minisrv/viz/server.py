@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from minisrv.experiments.server import completion_rate, goodput
+from minisrv.experiments.server_sweep import completion_rate, goodput, slo_attainment
 from minisrv.viz import marks
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
@@ -133,15 +133,17 @@ def _check_sweep(sweep: pd.DataFrame) -> None:
 
 def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
     """Every rate of the sweep a row, the chosen ``rate``'s highlighted, as HTML: per policy the
-    requests it completed per second, its goodput at ``ttft_slo_ms``, TTFT median and p99 and
-    hit rate (the figure has the throughput): what the table under the explorer's figure
-    shows. Completed beside goodput, so a reader can tell a server that falls behind the rate
-    offered from one that keeps up but misses the target."""
+    requests it completed per second, its goodput at ``ttft_slo_ms`` and the share of its
+    requests that met that target, TTFT median and p99 and hit rate (the figure has the
+    throughput): what the table under the explorer's figure shows. Completed beside goodput,
+    so a reader can tell a server that falls behind the rate offered from one that keeps up
+    but misses the target."""
     if rate not in sweep.index.unique(level=1):
         raise ValueError(f"{rate:g} requests/s is not a rate of the sweep")
     columns = {"completed (req/s)": completion_rate(sweep).map("{:.1f}".format),
                f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
                    goodput(sweep, ttft_slo_ms).map("{:.1f}".format),
+               "met the target": slo_attainment(sweep, ttft_slo_ms).map("{:.0%}".format),
                "TTFT median (ms)": sweep["ttft median (ms)"].map("{:,.0f}".format),
                "TTFT p99 (ms)": sweep["ttft p99 (ms)"].map("{:,.0f}".format),
                "hit rate": sweep["hit rate"].map("{:.2f}".format)}
