@@ -315,3 +315,9 @@ def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores(
         spans = [float(seg[1][0] - seg[0][0]) for seg in segments]
         assert spans == [c + 1.0 for c in cached]
         assert f"{int(partial.sum()):,} partial" in ax.get_title(loc="left")
+    # the one long request's row sits on the strip's edge: it is named, the equal ones are not
+    notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
+    assert notes[0] == [] and notes[1] == ["the request at context 300: 301 keys needed"]
+    # the legend names only the tile kinds the strips hold (no full tile in a decode strip)
+    legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert legend == ["partial tile", "scores a request needs"]

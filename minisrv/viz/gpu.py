@@ -150,23 +150,37 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
     staircase against the coloured strip is the ragged call's weak case at a glance: every
     key tile is computed for all the tile's rows while each row needs one request's keys."""
     fig, axes = page_figure(1.9 * len(steps) + 0.6, rows=len(steps), squeeze=False)
+    shown = set()  # the tile kinds some strip holds: the legend names only those
     for ax, (title, cached) in zip(axes[:, 0], steps, strict=True):
         partial, full = ragged_tiles([1] * len(cached), cached, block)
         kinds = partial.int() + 2 * full.int()
+        shown |= {int(k) for k in kinds.unique()}
         ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0,
                   vmax=2, extent=(0, kinds.shape[1] * block, kinds.shape[0] * block, 0),
                   interpolation="nearest", aspect="auto")
         starts = [0, *itertools.accumulate(c + 1 for c in cached)]
         ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
-                  color="black", linewidth=1.2)
+                  color="black", linewidth=1.2, clip_on=False)  # the last row is the edge
+        longest = max(range(len(cached)), key=lambda r: cached[r])
+        if len(cached) > 1 and sorted(cached)[-2] < cached[longest]:
+            # one request far longer than the rest: its row can sit on the strip's edge
+            mid = (starts[longest] + starts[longest + 1]) / 2
+            ax.annotate(f"the request at context {cached[longest]:,}: "
+                        f"{cached[longest] + 1:,} keys needed", xy=(mid, longest + 0.5),
+                        xytext=(mid, 0.35 * block), ha="center", va="center",
+                        fontsize="small", bbox={"facecolor": "white", "edgecolor": "none"},
+                        arrowprops={"arrowstyle": "->", "color": "black"})
         ax.grid(False)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
         counts = f"{int(partial.sum()):,} partial and {int(full.sum()):,} full key tiles"
         label_axes(ax, f"{title}: {counts}", ylabel="query row")
     axes[-1, 0].set_xlabel("key position (every request's keys end to end)")
+    kinds_shown = [(name, color) for k, (name, color) in enumerate(TILE_COLORS.items())
+                   if k in shown]
     legend_below(fig, [*(Patch(facecolor=color, edgecolor="#adb5bd", label=f"{name} tile")
-                         for name, color in TILE_COLORS.items()),
-                       Line2D([], [], color="black", label="scores a request needs")], ncol=4)
+                         for name, color in kinds_shown),
+                       Line2D([], [], color="black", label="scores a request needs")],
+                 ncol=len(kinds_shown) + 1)
     return fig
 
 
