@@ -69,6 +69,26 @@ def test_known_runs_carry_over_and_are_regenerated_only_when_too_short(citylm,
         generate(p, n, ignore_eos=True) for p, n in zip(second.prompts, second.output_lens)]
 
 
+def test_alone_outputs_remembers_per_model_without_known(citylm, monkeypatch):
+    """Left without ``known``, a second call for the same workload generates nothing again:
+    the page's calls share the model's own runs without passing a dict around."""
+    model, tok = citylm
+    work = citylm_workload(tok, n=6, output_range=(2, 12), seed=3)
+    first = alone_outputs(model, work)
+    calls: list[int] = []
+    generate = model.reference_generate
+
+    def counted(prompt, n, **kwargs):
+        calls.append(n)
+        return generate(prompt, n, **kwargs)
+
+    monkeypatch.setattr(model, "reference_generate", counted)
+    again = alone_outputs(model, work)
+    monkeypatch.undo()
+    assert calls == [] and again == first
+    assert first == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
+
+
 def test_admission_ledgers_add_up_and_recording_changes_nothing(citylm):
     """Every recorded decision of a run in a tight pool is SGLang's budget, line by line:
     the pool is what running requests hold plus what is free, the budget is free less the

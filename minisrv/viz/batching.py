@@ -234,7 +234,8 @@ def ledger_table(decision: Admission) -> pd.DataFrame:
         ("pool", f"{decision.capacity}", "", ""),
         (f"held by the {decision.running} running requests", f"{decision.held}", "", ""),
         ("free", f"{decision.free}", f"{decision.free}", ""),
-        (f"promised to them: {decision.ratio:.2f} x {decision.remaining} tokens of limits",
+        (f"promised to them: {decision.ratio:.2f} x {decision.remaining} tokens of"
+         " remaining limits",
          f"{promised:.1f}", f"{decision.budget:.1f}", ""),
     ]
     for i, c in enumerate(decision.candidates, 1):
