@@ -8,6 +8,20 @@ from minisrv.experiments.batching import alone_outputs, run_pool
 from minisrv.workloads import Workload, citylm_workload
 
 
+def _count_generations(model, monkeypatch):
+    """Make ``model.reference_generate`` record the length of every run it is asked for;
+    returns that record and the original method."""
+    calls: list[int] = []
+    generate = model.reference_generate
+
+    def counted(prompt, n, **kwargs):
+        calls.append(n)
+        return generate(prompt, n, **kwargs)
+
+    monkeypatch.setattr(model, "reference_generate", counted)
+    return calls, generate
+
+
 def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(citylm,
                                                                               monkeypatch):
     model, tok = citylm
@@ -19,15 +33,8 @@ def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(
     lens = [*work.output_lens, len(full) - 1, len(full), len(full) + 5, 120]
     work = Workload("mixed lengths", [*work.prompts, *[ended] * 4], lens, [0.0] * len(lens))
     assert len({tuple(p) for p in work.prompts}) < len(work)  # prompts repeat
-    calls: list[int] = []
-    generate = model.reference_generate
-
-    def counted(prompt, n, **kwargs):
-        calls.append(n)
-        return generate(prompt, n, **kwargs)
-
-    monkeypatch.setattr(model, "reference_generate", counted)
-    got = alone_outputs(model, work)
+    calls, generate = _count_generations(model, monkeypatch)
+    got = alone_outputs(model, work, known={})  # a fresh dict: nothing remembered yet
     monkeypatch.undo()
     assert len(calls) == len({tuple(p) for p in work.prompts})
     assert got == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
@@ -67,6 +74,19 @@ def test_known_runs_carry_over_and_are_regenerated_only_when_too_short(citylm,
     assert got == [generate(p, n) for p, n in zip(second.prompts, second.output_lens)]
     assert alone_outputs(model, second, ignore_eos=True, known=known) == [
         generate(p, n, ignore_eos=True) for p, n in zip(second.prompts, second.output_lens)]
+
+
+def test_alone_outputs_remembers_per_model_without_known(citylm, monkeypatch):
+    """Left without ``known``, a second call for the same workload generates nothing again:
+    the page's calls share the model's own runs without passing a dict around."""
+    model, tok = citylm
+    work = citylm_workload(tok, n=6, output_range=(2, 12), seed=3)
+    first = alone_outputs(model, work)
+    calls, generate = _count_generations(model, monkeypatch)
+    again = alone_outputs(model, work)
+    monkeypatch.undo()
+    assert calls == [] and again == first
+    assert first == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
 
 
 def test_admission_ledgers_add_up_and_recording_changes_nothing(citylm):

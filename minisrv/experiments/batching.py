@@ -9,6 +9,7 @@ them. The defaults are the chapter's small settings, so each call takes seconds.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -101,6 +102,11 @@ def engine_vs_alone(model: CityLM, workload: Workload, **options: Any) -> Engine
                          len(alone), served, alone)
 
 
+# each model's greedy runs alone, by (ignore_eos, prompt): alone_outputs' default ``known``
+_KNOWN: weakref.WeakKeyDictionary[CityLM, dict[tuple, tuple[int, list[int]]]] = (
+    weakref.WeakKeyDictionary())
+
+
 def alone_outputs(model: CityLM, workload: Workload, *, ignore_eos: bool = False,
                   known: dict[tuple, tuple[int, list[int]]] | None = None) -> list[list[int]]:
     """Each request of ``workload`` generated alone and greedily (``reference_generate``,
@@ -111,11 +117,14 @@ def alone_outputs(model: CityLM, workload: Workload, *, ignore_eos: bool = False
     tokens of that longer run (or all of it, if it ended at eos sooner). CityLM's
     workloads draw their prompts from a few countries and cities, so prompts repeat.
 
-    ``known``: a dict that carries those runs from one call to the next (pass the same dict
-    to every call of a page), so a prompt that several workloads share is generated again
-    only when a later workload asks for more tokens of it (chapter 03's workloads share
-    their prompts: the explorer's eight recur, with room to stop at eos, in its last sweep)."""
-    known = {} if known is None else known
+    ``known``: a dict that carries those runs from one call to the next, so a prompt that
+    several workloads share is generated again only when a later workload asks for more
+    tokens of it (chapter 03's workloads share their prompts: the explorer's eight recur,
+    with room to stop at eos, in its last sweep). Left out, the model's own dict is used,
+    kept for as long as the model lives, so a page's calls share it without passing it
+    around; the model's weights must not change in between (CityLM's never do)."""
+    if known is None:
+        known = _KNOWN.setdefault(model, {})
     longest: dict[tuple[int, ...], int] = {}
     for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
         longest[tuple(prompt)] = max(n, longest.get(tuple(prompt), 0))

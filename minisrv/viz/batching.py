@@ -51,6 +51,8 @@ def plot_decode_step_times(
                "batch size (requests)", "step time (ms)")
     left.set_ylim(0, None)
     right.axhline(1.0, color="grey", lw=0.8, ls=":")
+    # shares differ by factors: on a log axis 0.07 and 0.10 stay apart
+    right.set_yscale("log")
     label_axes(right, "Time per request", "batch size (requests)",
                "time per request (x batch 1)")
     legend_below(fig)
@@ -81,7 +83,8 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
     bottom.plot(steps, [s.new_token_ratio for s in trace], lw=1, color="#9467bd",
                 label="new_token_ratio")
     label_axes(bottom, None, "step", "new_token_ratio")
-    bottom.set_ylim(0, 1.05)
+    # a little room below 0, so that a ratio of 0 does not vanish into the x-axis
+    bottom.set_ylim(-0.05, 1.05)
     retract_steps = [s.index for s in trace if s.retracted]
     for i, x in enumerate(retract_steps):
         for ax in (top, middle, bottom):
@@ -129,15 +132,17 @@ def pool_widget(
     return panel(redraw, controls)
 
 
-POOL_CAPACITIES: tuple[int, ...] = (100, 400)
+POOL_CAPACITIES: tuple[int, ...] = (100, 200)
 """Pools of the explorer, in tokens: one barely above its largest request (92 tokens), where
 memory bounds the batch whatever the cap and the ratio decides how often requests are
-retracted, and one that holds every request at once, where only the cap limits."""
+retracted, and one of 200, short of the eight requests' 334 tokens of prompts and limits,
+where from a cap of four the ratio decides how many run together (a pool that holds them
+all would leave the ratio nothing to change)."""
 
 POOL_CAPS: tuple[int, ...] = (2, 4, 8)
 """Batch caps of the explorer, doubling up to all eight of its workload (a cap of one, one
 request after another, takes a step per token whatever the pool and the ratio). In the tight
-pool the steps stop falling at four; in the roomy one the cap is what limits."""
+pool the steps stop falling at four; in the medium one a cap of two is all that limits."""
 
 POOL_RATIOS: tuple[float, ...] = (0.0, 0.7, 1.0)
 """Initial ``new_token_ratio`` of the explorer: ignore what running requests may still need,
@@ -234,7 +239,8 @@ def ledger_table(decision: Admission) -> pd.DataFrame:
         ("pool", f"{decision.capacity}", "", ""),
         (f"held by the {decision.running} running requests", f"{decision.held}", "", ""),
         ("free", f"{decision.free}", f"{decision.free}", ""),
-        (f"promised to them: {decision.ratio:.2f} x {decision.remaining} tokens of limits",
+        (f"promised to them: {decision.ratio:.2f} x {decision.remaining} tokens of"
+         " remaining limits",
          f"{promised:.1f}", f"{decision.budget:.1f}", ""),
     ]
     for i, c in enumerate(decision.candidates, 1):
