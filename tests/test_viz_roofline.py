@@ -164,6 +164,21 @@ def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None
     assert ex.html.count("data:image/webp") == 3  # the figure depends on the context alone
 
 
+def test_gpu_explorer_holds_a_state_that_turns_compute_bound() -> None:
+    """The page's contexts include one where the H200's step turns compute-bound within the
+    recorded batches, so the "bound by" column flips in one state and not in all of them."""
+    from minisrv.configs import H200, SMOLLM2_135M
+    from minisrv.sim.roofline import compute_bound_batch, decode_step_cost
+    from minisrv.viz.gpu import GPU_CONTEXTS
+
+    batches = (1, 4, 16, 64, 256)  # the explorer's default batches
+    bounds = {(c, b): decode_step_cost(SMOLLM2_135M, H200, b, c).bound
+              for c in GPU_CONTEXTS for b in batches}
+    assert bounds[(min(GPU_CONTEXTS), 256)] == "compute"
+    assert compute_bound_batch(SMOLLM2_135M, H200, min(GPU_CONTEXTS)) <= 256
+    assert sum(b == "memory" for b in bounds.values()) == len(bounds) - 1
+
+
 def test_gpu_explorer_marks_the_chosen_batch_on_both_panels() -> None:
     """Each state lays a line over the context's one image at its batch, on each panel: the
     lines move right with the batch, evenly on the log-2 axis, and no state draws a second

@@ -41,9 +41,10 @@ __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_expl
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
            "plot_decode_block_masks", "plot_step_times_vs_roofline"]
 
-GPU_CONTEXTS: tuple[int, ...] = (32, 128, 512, 2048, 8192)
-"""Contexts the page holds: from a few dozen tokens, where a large batch nearly reaches the
-arithmetic roof, to 8K, where each request's cached K/V outweighs the weights' share."""
+GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
+"""Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
+compute-bound within the recorded batches (from batch 245), so the explorer shows the bound
+flip, to 8K, where each request's cached K/V outweighs the weights' share."""
 TILE_COLORS: dict[str, str] = {"empty": "#f1f3f5", "partial": "#ffa94d", "full": "#4c6ef5"}
 """The block mask's three kinds of tile: skipped, masked per element, computed without a mask."""
 TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
@@ -249,7 +250,7 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, cont
 
     common = {"style": {"description_width": "initial"}, "continuous_update": False}
     return panel(redraw, {
-        "context": widgets.SelectionSlider(options=[2**k for k in range(4, 16)], value=context,
+        "context": widgets.SelectionSlider(options=[2**k for k in range(3, 16)], value=context,
                                            description="context (tokens)", **common),
         "batch": widgets.SelectionSlider(options=batches, value=batch,
                                          description="batch (requests)", **common)})
