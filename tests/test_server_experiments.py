@@ -23,6 +23,7 @@ from minisrv.experiments.server import (  # noqa: E402
     slot_ranges,
     stream_completion,
 )
+from minisrv.experiments.server_walk import sse_frame, tree_event_frame, tree_path_frame  # noqa: E402
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
 from minisrv.server.config import EngineOptions  # noqa: E402
@@ -45,6 +46,42 @@ def test_slot_ranges_spell_the_slots_in_order(slots):
     text = slot_ranges(slots)
     assert expand(text) == slots
     assert text.count(",") == sum(b != a + 1 for a, b in zip(slots, slots[1:]))
+
+
+def test_sse_frame_quotes_each_chunk_s_text_and_leaves_out_done():
+    events = [(1.04, {"choices": [{"text": " ", "finish_reason": None}]}),
+              (2.0, {"choices": [{"text": "", "finish_reason": "length"}]}),
+              (2.5, {"choices": []}), (3.0, "[DONE]")]
+    frame = sse_frame(events)
+    assert list(frame.columns) == ["t (ms)", "text"]
+    assert frame["text"].tolist() == ["' '", "''", "''"]
+    assert frame["t (ms)"].tolist() == [1.0, 2.0, 2.5]
+
+
+def test_tree_frames_name_nodes_by_their_text_bos_included():
+    from minisrv.kv.radix import RadixCache
+    from minisrv.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    events = []
+    tree = RadixCache(listener=lambda _, event: events.append(event))
+    first, second = tok.encode("FR: Paris"), tok.encode("FR: Lyon")
+    tree.insert(first, list(range(len(first))))
+    tree.match_prefix(second, tag="r1")
+    tree.insert(second, list(range(100, 100 + len(second))), tag="r1")
+    mine = [e for e in events if e.tag == "r1"]
+    frame = tree_event_frame(mine, tree, tok)
+    assert frame["operation"].tolist() == ["match", "insert"]
+    shared = repr("<bos>FR: ")  # <bos> and four characters: five tokens
+    assert frame["path to"].tolist() == [shared, repr("Lyon")]
+    assert frame["split off"].tolist() == [shared, ""]
+    assert frame["new leaf"].tolist() == ["", repr("Lyon")]
+    assert frame["tokens"].tolist() == [5, 9]
+    assert frame["already cached"].tolist() == ["", 5]
+    path = tree_path_frame(mine[-1].path, tree, tok)
+    assert path["tokens"].tolist() == [5, 4]
+    assert path["text"].tolist() == [shared, repr("Lyon")]
+    assert path["KV slots"].tolist() == ["0-4", "105-108"]
 
 
 def test_engine_options_may_ask_for_a_trace():
@@ -427,9 +464,9 @@ def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
 
     repeated = _repeated_runs()
     table = spread_summary(repeated, {"ttft median (ms)": "{:,.0f}", "hit rate": "{:.2f}"})
-    assert list(table.columns) == ["ttft median (ms)", "hit rate"]
+    assert list(table.columns) == ["TTFT median (ms)", "hit rate"]
     assert table.columns.name == "configuration" and table.index.name is None
-    assert table.loc["LPM, radix", "ttft median (ms)"] == "300 [250, 600]"
+    assert table.loc["LPM, radix", "TTFT median (ms)"] == "300 [250, 600]"
     assert table.loc["FCFS, radix", "hit rate"] == "0.00 [0.00, 0.00]"
     fig = plot_spread(repeated, {"ttft median (ms)": "TTFT (ms)", "hit rate": "hit rate"},
                       "title")
