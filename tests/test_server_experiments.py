@@ -319,6 +319,28 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
+def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_calls_a_three_way_tie_a_tie():
+    """With FCFS in minisrv's order and in SGLang's order both swept, the table's columns were
+    named by the policy alone, so the two FCFS columns collided, and a tie of three read
+    "both"."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import SIM_CONFIGS, policy_rate_sweep, prefix_heavy_requests
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz.server import _rate_table, rate_explorer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    names = ("FCFS, radix", "FCFS, radix, SGLang's order", "LPM, radix")
+    sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
+                              kv_capacity=2000)
+    body = _rate_table(sweep, 4.0, 200.0).split("<tbody>")[1]
+    assert body.count(">FCFS</th>") == body.count(">FCFS, SGLang's order</th>") == 1
+    assert body.count(">LPM</th>") == 1 and body.count("<tr") == 3 * 2  # a block of 2 rates each
+    html = rate_explorer(sweep, (200.0,), rate=4.0, ttft_slo_ms=200.0).html
+    assert "all serve alike" in html and "both serve alike" not in html  # at 4 requests/s
+
+
 def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
     """Each state lays marks over its target's one image: a ring round each policy's point of
     the rate on the latency curve (left), a line at the rate on the goodput panel (right). The
@@ -357,17 +379,17 @@ def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
 
 def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
     """Beside the marks on the figure, the chosen rate is marked in the table under it: every
-    rate a row, the chosen one (alone) highlighted."""
+    policy and rate a row, the chosen rate's (alone) highlighted."""
     pytest.importorskip("matplotlib")
     from minisrv.viz.server import _rate_table
 
     sweep = _rate_sweep()
     html = _rate_table(sweep, 64.0, 200.0)
     rows = html.split("<tbody>")[1].split("<tr")[1:]
-    assert [("background" in row) for row in rows] == [False, True, False]
-    assert "<th>64</th>" in rows[1] and "TTFT &lt;= 200 ms" in html
+    assert [("background" in row) for row in rows] == [False, True, False] * 2
+    assert all("<th>64</th>" in rows[k] for k in (1, 4)) and "TTFT &lt;= 200 ms" in html
     assert "completed (req/s)" in html  # beside goodput: behind the rate, or missing the target
-    assert html.count("<tr") == 2 + 3  # two header rows (metric, policy), one row per rate
+    assert html.count("<tr") == 2 + 2 * 3  # two header rows, a row per policy and rate
     with pytest.raises(ValueError):
         _rate_table(sweep, 32.0, 200.0)  # not a rate of the sweep
 

@@ -23,7 +23,8 @@ larger than the chapter does by passing other arguments.
 * ``speculative`` (speculative decoding): acceptance against k, checks traced, the
   rejection rule's distribution, the roofline speed-up against k and batch;
 * ``server``, ``server_walk``, ``server_sweep`` (serving it for real): a server opened
-  in-process, one request's events and radix-tree operations as tables, layouts benchmarked, the simulated H100's engine against the request rate (``policy_rate_sweep``)
+  in-process, one request's events and radix-tree operations as tables, layouts
+  benchmarked, the simulated H100's engine against the request rate (``policy_rate_sweep``)
   and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
