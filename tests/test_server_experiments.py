@@ -23,6 +23,7 @@ from minisrv.experiments.server import (  # noqa: E402
     slot_ranges,
     stream_completion,
 )
+from minisrv.experiments.server_walk import sse_frame, tree_event_frame, tree_path_frame  # noqa: E402
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
 from minisrv.server.config import EngineOptions  # noqa: E402
@@ -45,6 +46,42 @@ def test_slot_ranges_spell_the_slots_in_order(slots):
     text = slot_ranges(slots)
     assert expand(text) == slots
     assert text.count(",") == sum(b != a + 1 for a, b in zip(slots, slots[1:]))
+
+
+def test_sse_frame_quotes_each_chunk_s_text_and_leaves_out_done():
+    events = [(1.04, {"choices": [{"text": " ", "finish_reason": None}]}),
+              (2.0, {"choices": [{"text": "", "finish_reason": "length"}]}),
+              (2.5, {"choices": []}), (3.0, "[DONE]")]
+    frame = sse_frame(events)
+    assert list(frame.columns) == ["t (ms)", "text"]
+    assert frame["text"].tolist() == ["' '", "''", "''"]
+    assert frame["t (ms)"].tolist() == [1.0, 2.0, 2.5]
+
+
+def test_tree_frames_name_nodes_by_their_text_bos_included():
+    from minisrv.kv.radix import RadixCache
+    from minisrv.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    events = []
+    tree = RadixCache(listener=lambda _, event: events.append(event))
+    first, second = tok.encode("FR: Paris"), tok.encode("FR: Lyon")
+    tree.insert(first, list(range(len(first))))
+    tree.match_prefix(second, tag="r1")
+    tree.insert(second, list(range(100, 100 + len(second))), tag="r1")
+    mine = [e for e in events if e.tag == "r1"]
+    frame = tree_event_frame(mine, tree, tok)
+    assert frame["operation"].tolist() == ["match", "insert"]
+    shared = repr("<bos>FR: ")  # <bos> and four characters: five tokens
+    assert frame["path to"].tolist() == [shared, repr("Lyon")]
+    assert frame["split off"].tolist() == [shared, ""]
+    assert frame["new leaf"].tolist() == ["", repr("Lyon")]
+    assert frame["tokens"].tolist() == [5, 9]
+    assert frame["already cached"].tolist() == ["", 5]
+    path = tree_path_frame(mine[-1].path, tree, tok)
+    assert path["tokens"].tolist() == [5, 4]
+    assert path["text"].tolist() == [shared, repr("Lyon")]
+    assert path["KV slots"].tolist() == ["0-4", "105-108"]
 
 
 def test_engine_options_may_ask_for_a_trace():
@@ -282,6 +319,28 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
+def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_calls_a_three_way_tie_a_tie():
+    """With FCFS in minisrv's order and in SGLang's order both swept, the table's columns were
+    named by the policy alone, so the two FCFS columns collided, and a tie of three read
+    "both"."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import SIM_CONFIGS, policy_rate_sweep, prefix_heavy_requests
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz.server import _rate_table, rate_explorer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    names = ("FCFS, radix", "FCFS, radix, SGLang's order", "LPM, radix")
+    sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
+                              kv_capacity=2000)
+    body = _rate_table(sweep, 4.0, 200.0).split("<tbody>")[1]
+    assert body.count(">FCFS</th>") == body.count(">FCFS, SGLang's order</th>") == 1
+    assert body.count(">LPM</th>") == 1 and body.count("<tr") == 3 * 2  # a block of 2 rates each
+    html = rate_explorer(sweep, (200.0,), rate=4.0, ttft_slo_ms=200.0).html
+    assert "all serve alike" in html and "both serve alike" not in html  # at 4 requests/s
+
+
 def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
     """Each state lays marks over its target's one image: a ring round each policy's point of
     the rate on the latency curve (left), a line at the rate on the goodput panel (right). The
@@ -320,17 +379,17 @@ def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
 
 def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
     """Beside the marks on the figure, the chosen rate is marked in the table under it: every
-    rate a row, the chosen one (alone) highlighted."""
+    policy and rate a row, the chosen rate's (alone) highlighted."""
     pytest.importorskip("matplotlib")
     from minisrv.viz.server import _rate_table
 
     sweep = _rate_sweep()
     html = _rate_table(sweep, 64.0, 200.0)
     rows = html.split("<tbody>")[1].split("<tr")[1:]
-    assert [("background" in row) for row in rows] == [False, True, False]
-    assert "<th>64</th>" in rows[1] and "TTFT &lt;= 200 ms" in html
+    assert [("background" in row) for row in rows] == [False, True, False] * 2
+    assert all("<th>64</th>" in rows[k] for k in (1, 4)) and "TTFT &lt;= 200 ms" in html
     assert "completed (req/s)" in html  # beside goodput: behind the rate, or missing the target
-    assert html.count("<tr") == 2 + 3  # two header rows (metric, policy), one row per rate
+    assert html.count("<tr") == 2 + 2 * 3  # two header rows, a row per policy and rate
     with pytest.raises(ValueError):
         _rate_table(sweep, 32.0, 200.0)  # not a rate of the sweep
 
@@ -427,9 +486,9 @@ def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
 
     repeated = _repeated_runs()
     table = spread_summary(repeated, {"ttft median (ms)": "{:,.0f}", "hit rate": "{:.2f}"})
-    assert list(table.columns) == ["ttft median (ms)", "hit rate"]
+    assert list(table.columns) == ["TTFT median (ms)", "hit rate"]
     assert table.columns.name == "configuration" and table.index.name is None
-    assert table.loc["LPM, radix", "ttft median (ms)"] == "300 [250, 600]"
+    assert table.loc["LPM, radix", "TTFT median (ms)"] == "300 [250, 600]"
     assert table.loc["FCFS, radix", "hit rate"] == "0.00 [0.00, 0.00]"
     fig = plot_spread(repeated, {"ttft median (ms)": "TTFT (ms)", "hit rate": "hit rate"},
                       "title")

@@ -22,7 +22,8 @@ larger than the chapter does by passing other arguments.
   the two-lane model (``timeline``, ``throughput_ratio``), the per-step time breakdown;
 * ``speculative`` (speculative decoding): acceptance against k, checks traced, the
   rejection rule's distribution, the roofline speed-up against k and batch;
-* ``server``, ``server_sweep`` (serving it for real): a server opened in-process, layouts
+* ``server``, ``server_walk``, ``server_sweep`` (serving it for real): a server opened
+  in-process, one request's events and radix-tree operations as tables, layouts
   benchmarked, the simulated H100's engine against the request rate (``policy_rate_sweep``)
   and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
@@ -160,7 +161,10 @@ _PUBLIC = {
     "read_metrics": "server",
     "run_sync": "server",
     "slot_ranges": "server",
+    "sse_frame": "server_walk",
     "stream_completion": "server",
+    "tree_event_frame": "server_walk",
+    "tree_path_frame": "server_walk",
     "SIM_CONFIGS": "server",
     "beyond_spread": "server",
     "prefix_heavy_requests": "server",

@@ -2,7 +2,8 @@
 
 ``open_server`` builds the same app ``minisrv serve`` runs, in this process, so the caller
 can read its engine while it serves (its trace, its radix tree, the requests it finished);
-``stream_completion`` sends one streamed request and timestamps every server-sent event;
+``stream_completion`` sends one streamed request and timestamps every server-sent event
+(``server_walk`` tabulates them, and the radix tree's side of the same request);
 ``bench_layouts`` serves each of several layouts in turn and replays the same requests
 against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
@@ -270,7 +271,8 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
     its min and max, formatted with ``columns[column]`` (``"{:,.0f}"``).
 
     One header row and one column per metric, so the table fits the page where ``spread``'s
-    three sub-columns per metric did not."""
+    three sub-columns per metric did not; a metric's abbreviation is capitalised in its
+    header (``"TTFT median (ms)"``)."""
     stats = spread(runs, list(columns))
     cells = {}
     for column, fmt in columns.items():
@@ -278,8 +280,16 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
         cells[column] = [f"{fmt.format(m)} [{fmt.format(a)}, {fmt.format(b)}]"
                          for m, a, b in zip(median, low, high, strict=True)]
     out = pd.DataFrame(cells, index=stats.index)
+    out.columns = [_headline(column) for column in out.columns]
     out.columns.name, out.index.name = out.index.name, None  # one header row
     return out
+
+
+def _headline(column: str) -> str:
+    """A column name as a header: the latency metrics' abbreviations in capitals, as the text
+    writes them (``"ttft median (ms)"`` -> ``"TTFT median (ms)"``)."""
+    words = column.split(" ")
+    return " ".join(w.upper() if w in ("ttft", "itl", "e2e") else w for w in words)
 
 
 def _poisson_arrivals(n: int, seed: int) -> np.ndarray:

@@ -132,30 +132,39 @@ def _check_sweep(sweep: pd.DataFrame) -> None:
 
 
 def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
-    """Every rate of the sweep a row, the chosen ``rate``'s highlighted, as HTML: per policy the
-    requests it completed per second, its goodput at ``ttft_slo_ms`` and the share of its
-    requests that met that target, TTFT median and p99 and hit rate (the figure has the
+    """Per configuration, every rate of the sweep a row, the chosen ``rate``'s rows highlighted,
+    as HTML: the requests it completed per second, its goodput at ``ttft_slo_ms`` and the share
+    of its requests that met that target, TTFT median and p99 and hit rate (the figure has the
     throughput): what the table under the explorer's figure shows. Completed beside goodput,
     so a reader can tell a server that falls behind the rate offered from one that keeps up
-    but misses the target."""
+    but misses the target. One block of rows per configuration, not a column each: three
+    configurations' six metrics side by side ran off the page."""
     if rate not in sweep.index.unique(level=1):
         raise ValueError(f"{rate:g} requests/s is not a rate of the sweep")
-    columns = {"completed (req/s)": completion_rate(sweep).map("{:.1f}".format),
-               f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
-                   goodput(sweep, ttft_slo_ms).map("{:.1f}".format),
-               "met the target": slo_attainment(sweep, ttft_slo_ms).map("{:.0%}".format),
-               "TTFT median (ms)": sweep["ttft median (ms)"].map("{:,.0f}".format),
-               "TTFT p99 (ms)": sweep["ttft p99 (ms)"].map("{:,.0f}".format),
-               "hit rate": sweep["hit rate"].map("{:.2f}".format)}
-    table = pd.DataFrame({(column, name.split(",")[0]): values.xs(name, level=0)
-                          for column, values in columns.items()
-                          for name in sweep.index.unique(level=0)})
-    table = table.rename(index=lambda r: f"{r:g}").rename_axis(index=None)
-    table.columns.names = [None, "req/s offered"]  # in the corner, over the rates
+    table = pd.DataFrame({
+        "completed (req/s)": completion_rate(sweep).map("{:.1f}".format),
+        f"goodput (req/s), TTFT <= {ttft_slo_ms:g} ms":
+            goodput(sweep, ttft_slo_ms).map("{:.1f}".format),
+        "met the target": slo_attainment(sweep, ttft_slo_ms).map("{:.0%}".format),
+        "TTFT median (ms)": sweep["ttft median (ms)"].map("{:,.0f}".format),
+        "TTFT p99 (ms)": sweep["ttft p99 (ms)"].map("{:,.0f}".format),
+        "hit rate": sweep["hit rate"].map("{:.2f}".format)}).reindex(sweep.index)
+    table.index = pd.MultiIndex.from_tuples([(_short(name), f"{r:g}") for name, r in table.index],
+                                            names=["configuration", "req/s offered"])
     lines = table.to_html(border=0).splitlines()
-    row = lines.index(f"      <th>{rate:g}</th>", lines.index("  <tbody>"))
-    lines[row - 1] = '    <tr style="background:#fde9b6;font-weight:bold">'
+    body = lines.index("  <tbody>")
+    for k in range(body, len(lines)):
+        if lines[k] == f"      <th>{rate:g}</th>":  # the rate's cell; its row starts above it
+            row = max(j for j in range(body, k) if lines[j].strip().startswith("<tr"))
+            lines[row] = '    <tr style="background:#fde9b6;font-weight:bold">'
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """A configuration's name as the table's row label: without ``", radix"``, which every
+    configuration of the sweep shares (``"FCFS, radix, SGLang's order"`` -> ``"FCFS, SGLang's
+    order"``), and unlike the policy alone it keeps the two FCFS orders apart."""
+    return name.replace(", radix", "")
 
 
 MARK_COLOR = "#212529"
@@ -199,7 +208,7 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
                     for name, v in sweep.xs(rate, level=1)["ttft p99 (ms)"].items()}
         shown = good.map("{:.1f}".format)  # as the caption prints them: ties read as ties
         best = shown.astype(float).idxmax()
-        verdict = ("both serve alike" if shown.nunique() == 1
+        verdict = (f"{'both' if len(shown) == 2 else 'all'} serve alike" if shown.nunique() == 1
                    else f"{best} serves the most")
         caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
                    + ", ".join(f"{name} {v}" for name, v in shown.items())

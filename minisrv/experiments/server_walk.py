@@ -1,0 +1,60 @@
+"""The server chapter's walk of one request, as tables: the server-sent events that carried
+its text (``sse_frame``, from ``server.stream_completion``), the radix-tree operations it
+caused (``tree_event_frame``) and the nodes, with their KV slots, that hold its tokens after it
+finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from minisrv.experiments.server import slot_ranges
+
+__all__ = ["sse_frame", "tree_event_frame", "tree_path_frame"]
+
+
+def sse_frame(events: Sequence[tuple[float, Any]]) -> pd.DataFrame:
+    """``stream_completion``'s events as a table, one row per chunk: its arrival (ms) and its
+    text, quoted (``repr``) so that a space or an empty text shows; ``[DONE]`` is left out.
+
+    A chunk without choices (a usage-only chunk) has the empty text."""
+    rows = [{"t (ms)": round(t, 1), "text": repr(c["choices"][0]["text"] if c["choices"] else "")}
+            for t, c in events if c != "[DONE]"]
+    return pd.DataFrame(rows, columns=["t (ms)", "text"])
+
+
+def _node_text(tree: Any, tok: Any, node_id: int) -> str:
+    """A node's tokens as quoted text, special tokens (``<bos>``) spelled out, so that its
+    text has as many symbols as a CityLM node has tokens."""
+    node = next(n for n in tree.nodes() if n.id == node_id)
+    return repr(tok.decode(list(node.key), skip_special=False))
+
+
+def tree_event_frame(events: Sequence[Any], tree: Any, tok: Any) -> pd.DataFrame:
+    """One row per radix-tree operation (``TreeEvent``s from a ``RadixCache.listener``): the
+    node it ended at (``path to``, by its text in ``tree`` now), the tokens on the path to it,
+    for an insert the tokens it found already cached, and the node it split off and the leaf
+    it added (empty where none).
+
+    ``tree`` is read when the table is made: a node split later shows its text after the split."""
+    lengths = {n.id: len(n.key) for n in tree.nodes()}
+
+    def text(ids: Sequence[int]) -> str:
+        return _node_text(tree, tok, ids[-1]) if ids else ""
+
+    return pd.DataFrame([{"operation": e.op, "path to": text(e.path),
+                          "tokens": sum(lengths[n] for n in e.path),
+                          "already cached": e.length if e.op == "insert" else "",
+                          "split off": text(e.split), "new leaf": text(e.inserted)}
+                         for e in events])
+
+
+def tree_path_frame(path: Sequence[int], tree: Any, tok: Any) -> pd.DataFrame:
+    """The nodes of a path of ``tree`` (node ids, root side first), one row each: its id, its
+    token count, its text and the KV slots that hold its tokens (``slot_ranges``)."""
+    nodes = {n.id: n for n in tree.nodes()}
+    return pd.DataFrame([{"node": i, "tokens": len(nodes[i].key),
+                          "text": _node_text(tree, tok, i),
+                          "KV slots": slot_ranges(nodes[i].value)} for i in path])
