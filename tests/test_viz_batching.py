@@ -125,10 +125,13 @@ def test_every_state_goes_through_the_pages_check_and_captions_show_values(pool_
     assert sorted(seen) == [f"pool explorer, pool {smallest}, cap {c}, ratio 0.7"
                             for c in (1, 2)]
     assert "identical" not in ex.html and " of 5" not in ex.html
-    # the caption adds what the figure's title (steps, retractions, recomputed) leaves out
+    # the caption gives the run's retractions, recomputed tokens and steps (its figure's
+    # title), then its mean decode batch and peak of slots
     state = ex.metrics(capacity=smallest, max_running=2, ratio=0.7)
-    assert f"Mean decode batch {state['mean_decode_batch']:.2f} requests; peak" in ex.html
-    assert "tokens recomputed, peak" not in ex.html
+    retractions = f"{state['retractions']} retraction{'s' * (state['retractions'] != 1)}"
+    assert (f"{retractions}, {state['recomputed_tokens']} tokens recomputed, "
+            f"{state['steps']} steps; mean decode batch {state['mean_decode_batch']:.2f} "
+            f"requests; peak {state['peak_slots']} of {smallest} slots used.") in ex.html
 
 
 def test_the_ledger_table_shows_each_term_and_what_is_left_after_it() -> None:

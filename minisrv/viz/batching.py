@@ -178,10 +178,10 @@ def pool_explorer(
     already made (``run_pool`` of this workload and decay, checked); each serves the state
     of its pool, cap and initial ratio. ``check``: called as ``check(outputs, reference,
     what=...)`` for every state (the book's ``CHECKS.alone``, so the page counts these
-    requests too). A state's caption gives what its figure's title does not: the mean
-    decode batch and the peak of slots used. Its metrics also count the decode steps and
-    those at the cap, which tell two runs of one mean apart: one holding the cap, one
-    starting above the mean and dwindling.
+    requests too). A state's caption gives the run in text: its figure's title (retractions,
+    recomputed tokens, steps), then the mean decode batch and the peak of slots used. Its
+    metrics also count the decode steps and those at the cap, which tell two runs of one
+    mean apart: one holding the cap, one starting above the mean and dwindling.
     """
     smallest = max(len(p) + m for p, m in zip(workload.prompts, workload.output_lens))
     if min(capacities) < smallest:
@@ -220,8 +220,8 @@ def pool_explorer(
                       "decode_steps": len(decodes),
                       "decode_steps_at_cap": decodes.count(max_running),
                       "requests_checked": run.total},
-                     caption=f"Mean decode batch {mean_batch:.2f} requests; peak {peak} of "
-                             f"{capacity} slots used.")
+                     caption=f"{pool_run_title(stats)}; mean decode batch {mean_batch:.2f} "
+                             f"requests; peak {peak} of {capacity} slots used.")
 
     return explorer(draw, [("capacity", "pool capacity (tokens)", list(capacities), capacity),
                            ("max_running", "batch cap", list(caps), max_running),
