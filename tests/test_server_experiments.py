@@ -210,6 +210,29 @@ def _rate_sweep():
     return policy_rate_sweep(prompts, 8, (4.0, 64.0, 512.0), configs, kv_capacity=2000)
 
 
+def test_rate_sweep_reports_its_rounds_of_admission():
+    """The page explains the hit rate of FCFS in SGLang's order by the size of its rounds (the
+    requests prefilled in one step): at a low rate requests come alone, a burst fills rounds,
+    and what a request prefilled alone found in the cache is reported on its own."""
+    from minisrv.experiments.server import SIM_CONFIGS, policy_rate_sweep, prefix_heavy_requests
+    from minisrv.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    names = ("FCFS, SGLang's order", "LPM")
+    sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
+                              kv_capacity=2000, max_running=16)
+    assert (1 <= sweep["mean round"]).all()
+    assert (sweep["mean round"] <= sweep["largest round"]).all()
+    assert (sweep["largest round"] <= 16).all()
+    assert (sweep.xs(4.0, level=1)["mean round"] < 1.5).all()  # the queue is nearly always empty
+    assert (sweep.xs(512.0, level=1)["largest round"] > 4).all()  # a burst fills rounds
+    # the pool holds all four 400-token prefixes: a request alone finds its group's
+    assert (sweep.xs(4.0, level=1)["cached alone (max)"] > 400).all()
+    assert (sweep["cached alone (max)"] <= max(map(len, prompts))).all()
+
+
 def test_rate_sweep_queues_requests_as_the_rate_grows_and_goodput_counts_the_target():
     from minisrv.experiments.server_sweep import completion_rate, goodput, slo_attainment
 
@@ -275,6 +298,19 @@ def test_the_rate_figure_labels_each_point_with_its_rate_and_keeps_its_legend_of
                                                                  "offered"]
 
 
+def _curves_sweep(rates, curves):
+    """A sweep table drawn by hand: per configuration, its throughput and TTFT p99 at each of
+    ``rates`` (``curves[name] = (throughputs, p99s)``), the rest filled in consistently."""
+    import pandas as pd
+
+    return pd.DataFrame(
+        [{"configuration": name, "rate": rate, "out tok/s": float(x), "ttft median (ms)": y / 2,
+          "ttft p99 (ms)": float(y), "hit rate": 0.5, "ttfts (ms)": (y / 2, y),
+          "duration (s)": 2 / rate}
+         for name, (xs, ys) in curves.items() for rate, x, y in zip(rates, xs, ys)]
+    ).set_index(["configuration", "rate"])
+
+
 def test_the_rate_figure_keeps_the_labels_of_a_saturated_curve_apart():
     """A curve that stops growing puts its last points almost on top of each other (FCFS's
     96, 128 and 192 requests/s within 1% of one throughput, their TTFTs a fifth apart): their
@@ -282,19 +318,13 @@ def test_the_rate_figure_keeps_the_labels_of_a_saturated_curve_apart():
     first place round its point that no earlier label covers, and every point keeps its
     label."""
     pytest.importorskip("matplotlib")
-    import pandas as pd
 
     from minisrv.viz.server import plot_policy_rate_sweep
 
     rates = (16.0, 96.0, 128.0, 192.0)
     curves = {"LPM, radix": ([250, 1400, 1700, 2000], [20, 40, 120, 400]),
               "FCFS, radix": ([250, 665, 668, 671], [30, 900, 1100, 1300])}
-    sweep = pd.DataFrame(
-        [{"configuration": name, "rate": rate, "out tok/s": float(x), "ttft median (ms)": y / 2,
-          "ttft p99 (ms)": float(y), "hit rate": 0.5, "ttfts (ms)": (y / 2, y),
-          "duration (s)": 2 / rate}
-         for name, (xs, ys) in curves.items() for rate, x, y in zip(rates, xs, ys)]
-    ).set_index(["configuration", "rate"])
+    sweep = _curves_sweep(rates, curves)
     fig = plot_policy_rate_sweep(sweep, 200.0)
     left = fig.axes[0]
     assert sorted(t.get_text() for t in left.texts) == sorted(["16", "96", "128", "192"] * 2)
@@ -319,26 +349,67 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
-def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_calls_a_three_way_tie_a_tie():
+def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_names_them_as_its_legend_does():
     """With FCFS in minisrv's order and in SGLang's order both swept, the table's columns were
     named by the policy alone, so the two FCFS columns collided, and a tie of three read
-    "both"."""
+    "both". Then the table shortened the names (``"FCFS"``) while the legend and the caption
+    wrote them in full (``"FCFS, radix"``): a reader matched three names to three others. Now
+    the table's row labels, the legend and the caption all use ``SIM_CONFIGS``' names."""
     pytest.importorskip("matplotlib")
     from minisrv.experiments.server import SIM_CONFIGS, policy_rate_sweep, prefix_heavy_requests
     from minisrv.tokenizer import Tokenizer
-    from minisrv.viz.server import _rate_table, rate_explorer
+    from minisrv.viz.server import _rate_table, plot_policy_rate_sweep, rate_explorer
 
     tok = Tokenizer()
     prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
                                                                   n=32)]
-    names = ("FCFS, radix", "FCFS, radix, SGLang's order", "LPM, radix")
+    names = ("FCFS, allocate-each", "FCFS, SGLang's order", "LPM")
     sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
                               kv_capacity=2000)
     body = _rate_table(sweep, 4.0, 200.0).split("<tbody>")[1]
-    assert body.count(">FCFS</th>") == body.count(">FCFS, SGLang's order</th>") == 1
-    assert body.count(">LPM</th>") == 1 and body.count("<tr") == 3 * 2  # a block of 2 rates each
+    for name in names:
+        assert body.count(f">{name}</th>") == 1, name
+    assert body.count("<tr") == 3 * 2  # a block of 2 rates each
+    legend = [t.get_text() for t in plot_policy_rate_sweep(sweep, 200.0).legends[0].get_texts()]
+    assert legend == [*names, "offered"]
     html = rate_explorer(sweep, (200.0,), rate=4.0, ttft_slo_ms=200.0).html
     assert "all serve alike" in html and "both serve alike" not in html  # at 4 requests/s
+    import html as html_text
+
+    caption = html_text.unescape(html)
+    assert all(re.search(rf"{re.escape(name)} \d", caption) for name in names)  # legend's names
+
+
+def test_the_rate_figure_writes_one_label_where_the_curves_coincide():
+    """At low rates the three configurations serve alike and their points lie on top of each
+    other: nine labels (16, 32 and 48 three times) covered each other. Points of one rate that
+    nearly coincide now share one grey label, and no two visible labels overlap."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from minisrv.viz.server import _SAME_POINT_PX, SHARED_LABEL, plot_policy_rate_sweep
+
+    rates = (16.0, 32.0, 48.0, 96.0, 128.0, 192.0)
+    curves = {"FCFS, allocate-each": ([250, 500, 640, 670, 671, 672], [41, 163, 441, 1640, 1967,
+                                                                        2294]),
+              "FCFS, SGLang's order": ([250, 501, 700, 1130, 1150, 1152], [41, 84, 183, 399, 701,
+                                                                          1027]),
+              "LPM": ([250, 502, 730, 1390, 1690, 2100], [41, 96, 149, 686, 620, 681])}
+    sweep = _curves_sweep(rates, curves)
+    fig = plot_policy_rate_sweep(sweep, 200.0)
+    left = fig.axes[0]
+    fig.draw_without_rendering()
+    shown = [t for t in left.texts if t.get_visible()]
+    assert len(shown) < len(left.texts) == 3 * len(rates)  # some points share a label
+    assert [t.get_text() for t in shown].count("16") == 1  # the three 16s coincide
+    assert all(t.get_color() == SHARED_LABEL for t in shown if t.get_text() == "16")
+    boxes = [t.get_window_extent() for t in shown]
+    assert not any(a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
+    # every point keeps a visible label of its rate, its own or one at (almost) its place
+    to_px = left.transData.transform
+    for t in left.texts:
+        assert any(s.get_text() == t.get_text()
+                   and np.hypot(*(to_px(s.xy) - to_px(t.xy))) < _SAME_POINT_PX for s in shown)
 
 
 def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():

@@ -222,14 +222,22 @@ def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,
 
 
 SIM_CONFIGS: dict[str, dict[str, str]] = {
-    "LPM, radix": {"policy": "lpm", "cache": "radix"},
-    "FCFS, radix": {"policy": "fcfs", "cache": "radix"},
-    "FCFS, radix, SGLang's order": {"policy": "fcfs", "cache": "radix",
-                                    "admission_order": "lock-round-first"},
+    "LPM": {"policy": "lpm", "cache": "radix"},
+    "FCFS, allocate-each": {"policy": "fcfs", "cache": "radix"},
+    "FCFS, SGLang's order": {"policy": "fcfs", "cache": "radix",
+                             "admission_order": "lock-round-first"},
     "FCFS, no cache": {"policy": "fcfs", "cache": "none"},
 }
-"""The engine options ``sim_server_runs`` compares (LPM without a cache would be FCFS); SGLang's
-order locks a round's prefixes before allocating for any (``admission_order``)."""
+"""The engine options ``sim_server_runs`` compares, named as the page, its tables and its
+figures name them: all but ``"FCFS, no cache"`` use the radix cache (LPM without one would be
+FCFS). ``"FCFS, allocate-each"`` is minisrv's default order, which allocates KV for (and evicts
+for) each request as it admits it; SGLang's order locks a round's prefixes before it allocates
+for any (``admission_order``)."""
+
+_SHOWN_ORDER: tuple[str, ...] = ("FCFS, no cache", "FCFS, allocate-each", "FCFS, SGLang's order",
+                                 "LPM")
+"""The rows of ``sim_server_runs``, from no cache to LPM: the runs take turns in
+``SIM_CONFIGS``'s order, the table reads best from the plainest server up."""
 
 
 def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float = 1.0,
@@ -238,7 +246,8 @@ def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float
     minisrv.sim.served --model sim:PACE``, in this process), ``runs`` times, the
     configurations taking turns; one row per run with
     its TTFT, throughput and the server's hit rate (``bench_frame``), indexed by
-    (configuration, run). A small pool (``kv_capacity``) puts it under pressure: what the
+    (configuration, run), the configurations from no cache to LPM. A small pool
+    (``kv_capacity``) puts it under pressure: what the
     cache keeps, and in which order the policy admits, decide what is recomputed."""
     runs = check_int("runs", runs, minimum=1)
     layouts = {name: Layout(EngineOptions(model=f"sim:{pace:g}", kv_capacity=kv_capacity,
@@ -248,7 +257,8 @@ def sim_server_runs(requests: Sequence[BenchRequest], runs: int = 3, pace: float
     for run in range(runs):
         frame = bench_frame(bench_layouts(layouts, requests, ignore_eos=True))
         frames.append(frame.assign(repeat=run).set_index("repeat", append=True))
-    return pd.concat(frames).sort_index().rename_axis(["configuration", "repeat"])
+    return (pd.concat(frames).sort_index().reindex(list(_SHOWN_ORDER), level=0)
+            .rename_axis(["configuration", "repeat"]))
 
 
 def spread(runs: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
@@ -324,11 +334,14 @@ def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: 
     process at each of ``rates`` requests per second.
 
     One row per (configuration, rate): output tokens per second, TTFT median and p99 (ms),
-    the hit rate, the run's duration (s) and every request's TTFT (ms, a tuple, for
-    ``goodput``). Every rate and configuration replays the same exponential gaps (common
-    random numbers), scaled so that the requests arrive over exactly ``len(prompts) / rate``
-    seconds: two points differ by their rate and configuration, not by their draw of
-    arrivals, and a server that keeps up serves the rate it is offered."""
+    the hit rate, the run's duration (s), every request's TTFT (ms, a tuple, for
+    ``goodput``) and the rounds of admission (the requests prefilled in one step): their mean
+    and largest size, and the most prompt tokens that a request prefilled alone in its step
+    found in the cache (what a round's size does to the hit rate). Every rate and
+    configuration replays the same exponential gaps (common random numbers), scaled so that
+    the requests arrive over exactly ``len(prompts) / rate`` seconds: two points differ by their
+    rate and configuration, not by their draw of arrivals, and a server that keeps up serves
+    the rate it is offered."""
     output_len = check_int("output_len", output_len, minimum=1)
     if not prompts or not rates or min(rates) <= 0:
         raise ValueError(f"need prompts and rates > 0, got {len(prompts)} prompts, "
@@ -340,13 +353,19 @@ def policy_rate_sweep(prompts: Sequence[Sequence[int]], output_len: int, rates: 
             engine, run = _sim_run(prompts, output_len, times / rate, options, kv_capacity,
                                    max_running)
             ttft = np.array([r.ttft for r in run.requests]) * 1e3
+            rounds = [step.prefill for step in run.trace if step.prefill]
+            alone = {ids[0] for ids in rounds if len(ids) == 1}
             rows.append({"configuration": name, "rate": float(rate),
                          "out tok/s": run.metrics.throughput,
                          "ttft median (ms)": float(np.median(ttft)),
                          "ttft p99 (ms)": float(np.percentile(ttft, 99)),
                          "hit rate": engine.stats.cached_prompt_tokens
                          / engine.stats.prompt_tokens,
-                         "duration (s)": run.metrics.duration, "ttfts (ms)": tuple(ttft)})
+                         "duration (s)": run.metrics.duration, "ttfts (ms)": tuple(ttft),
+                         "mean round": float(np.mean([len(ids) for ids in rounds])),
+                         "largest round": max(len(ids) for ids in rounds),
+                         "cached alone (max)": max((r.cached_prompt_tokens for r in run.requests
+                                                    if r.rid in alone), default=0)})
     return pd.DataFrame(rows).set_index(["configuration", "rate"])
 
 

@@ -26,7 +26,7 @@ __all__ = ["plot_policy_rate_sweep", "plot_request_waterfall", "plot_spread", "r
            "rate_widget"]
 
 _HIGHLIGHT = "#4c72b0"
-_COLORS = {"LPM, radix": "#4c72b0", "FCFS, radix": "#dd8452", "FCFS, no cache": "#55a868"}
+_COLORS = {"LPM": "#4c72b0", "FCFS, allocate-each": "#dd8452", "FCFS, no cache": "#55a868"}
 
 
 def _spread_bars(ax: Any, repeated: pd.DataFrame, metric: str) -> None:
@@ -72,9 +72,10 @@ def _color(name: str) -> str:
 def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     """Left: each configuration's TTFT p99 against its output throughput, one point per
     request rate of ``policy_rate_sweep`` (the latency-throughput curve), each point labelled
-    with its rate, the target as a dashed line; right: its goodput at that TTFT target against
-    the rate offered, beside the rate itself (every request meets the target). One legend
-    above both panels, where no curve or target line runs through it."""
+    with its rate (one grey label where several curves' points of a rate coincide), the
+    target as a dashed line; right: its goodput at that TTFT target against the rate offered,
+    beside the rate itself (every request meets the target). One legend above both panels,
+    where no curve or target line runs through it."""
     _check_sweep(sweep)
     good = goodput(sweep, ttft_slo_ms)
     fig, (left, right) = page_figure(3.6, cols=2)
@@ -101,26 +102,52 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
     return fig
 
 
-_LABEL_PLACES: tuple[tuple[int, int], ...] = ((5, -10), (-5, -10), (5, 3), (-5, 3))
+_LABEL_PLACES: tuple[tuple[int, int], ...] = (
+    (5, -10), (-5, -10), (5, 3), (-5, 3), (9, -4), (-9, -4), (5, -19), (-5, -19), (5, 12),
+    (-5, 12))
 """Where a point's rate label may sit, in points from the point, in the order tried: below
-right, below left, above right, above left."""
+right, below left, above right, above left, beside it, then one line further down and up."""
+
+SHARED_LABEL = "#495057"
+"""The color of a rate label that stands for the points of several curves (dark grey): at low
+rates the configurations serve alike and their points coincide."""
+
+_SAME_POINT_PX = 12.0
+"""Points of one rate closer than this (in pixels) share one label."""
 
 
 def _place_labels(fig: BookFigure, labels: Sequence[Any]) -> None:
-    """Move each label of ``labels`` to the first place of ``_LABEL_PLACES`` where it covers
-    no label placed before it: a curve that stops growing puts its last points almost on top
-    of each other (FCFS's 96, 128 and 192 requests/s, within 1% of one throughput), and
-    their labels, all below right, covered each other."""
+    """Lay out the rate labels of ``labels`` (in the order drawn) so that none covers another.
+
+    A label whose rate is already written by a label of another curve whose point lies within
+    ``_SAME_POINT_PX`` of its own is hidden, and that label turns ``SHARED_LABEL`` grey: at
+    16, 32 and 48 requests/s the three configurations' points lie almost on top of each other,
+    and their nine labels, three of each rate, covered each other. Every other label takes the
+    first place of ``_LABEL_PLACES`` where it covers no label placed before it: a curve that
+    stops growing puts its last points almost on top of each other too (FCFS's 96, 128 and
+    192 requests/s, within 1% of one throughput)."""
     fig.draw_without_rendering()  # lays the figure out: the labels' boxes are where they will be
-    placed: list[Any] = []
+    placed: list[tuple[Any, Any]] = []  # (label, its box)
     for label in labels:
+        at = label.axes.transData.transform(label.xy)
+        twin = next((other for other, _ in placed if other.get_text() == label.get_text()
+                     and np.hypot(*(other.axes.transData.transform(other.xy) - at))
+                     < _SAME_POINT_PX), None)
+        if twin is not None:
+            label.set_visible(False)
+            twin.set_color(SHARED_LABEL)
+            continue
         for dx, dy in _LABEL_PLACES:
             label.xyann = (dx, dy)
             label.set_horizontalalignment("left" if dx > 0 else "right")
             box = label.get_window_extent()
-            if not any(box.overlaps(other) for other in placed):
+            if not any(box.overlaps(other) for _, other in placed):
                 break
-        placed.append(box)
+        else:  # nowhere free: the first place, as before
+            label.xyann = _LABEL_PLACES[0]
+            label.set_horizontalalignment("left")
+            box = label.get_window_extent()
+        placed.append((label, box))
 
 
 def _check_sweep(sweep: pd.DataFrame) -> None:
@@ -149,7 +176,7 @@ def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
         "TTFT median (ms)": sweep["ttft median (ms)"].map("{:,.0f}".format),
         "TTFT p99 (ms)": sweep["ttft p99 (ms)"].map("{:,.0f}".format),
         "hit rate": sweep["hit rate"].map("{:.2f}".format)}).reindex(sweep.index)
-    table.index = pd.MultiIndex.from_tuples([(_short(name), f"{r:g}") for name, r in table.index],
+    table.index = pd.MultiIndex.from_tuples([(name, f"{r:g}") for name, r in table.index],
                                             names=["configuration", "req/s offered"])
     lines = table.to_html(border=0).splitlines()
     body = lines.index("  <tbody>")
@@ -158,13 +185,6 @@ def _rate_table(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> str:
             row = max(j for j in range(body, k) if lines[j].strip().startswith("<tr"))
             lines[row] = '    <tr style="background:#fde9b6;font-weight:bold">'
     return "\n".join(lines)
-
-
-def _short(name: str) -> str:
-    """A configuration's name as the table's row label: without ``", radix"``, which every
-    configuration of the sweep shares (``"FCFS, radix, SGLang's order"`` -> ``"FCFS, SGLang's
-    order"``), and unlike the policy alone it keeps the two FCFS orders apart."""
-    return name.replace(", radix", "")
 
 
 MARK_COLOR = "#212529"
