@@ -20,10 +20,14 @@ from minisrv.experiments.server import (  # noqa: E402
     beyond_spread,
     open_server,
     read_metrics,
-    slot_ranges,
     stream_completion,
 )
-from minisrv.experiments.server_walk import sse_frame, tree_event_frame, tree_path_frame  # noqa: E402
+from minisrv.experiments.server_walk import (  # noqa: E402
+    slot_ranges,
+    sse_frame,
+    tree_event_frame,
+    tree_path_frame,
+)
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
 from minisrv.server.config import EngineOptions  # noqa: E402

@@ -160,7 +160,7 @@ _PUBLIC = {
     "open_server": "server",
     "read_metrics": "server",
     "run_sync": "server",
-    "slot_ranges": "server",
+    "slot_ranges": "server_walk",
     "sse_frame": "server_walk",
     "stream_completion": "server",
     "tree_event_frame": "server_walk",

@@ -39,8 +39,8 @@ from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
            "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
-           "request_timelines", "run_sync", "sim_server_runs", "slot_ranges", "spread",
-           "spread_summary", "stream_completion"]
+           "request_timelines", "run_sync", "sim_server_runs", "spread", "spread_summary",
+           "stream_completion"]
 
 T = TypeVar("T")
 
@@ -191,18 +191,6 @@ def bench_frame(runs: Mapping[str, LayoutRun]) -> pd.DataFrame:
                 row[f"{key} {stat} (ms)"] = r.latency_ms[key][stat]
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
-
-
-def slot_ranges(slots: Sequence[int]) -> str:
-    """KV slots as runs of consecutive numbers, ``"0-31, 40-49"``: how a request's KV lies
-    in the pool (one run per allocation, unless the pool was fragmented)."""
-    runs: list[list[int]] = []
-    for slot in slots:
-        if runs and slot == runs[-1][1] + 1:
-            runs[-1][1] = slot
-        else:
-            runs.append([slot, slot])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,

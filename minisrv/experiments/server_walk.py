@@ -1,7 +1,8 @@
 """The server chapter's walk of one request, as tables: the server-sent events that carried
 its text (``sse_frame``, from ``server.stream_completion``), the radix-tree operations it
 caused (``tree_event_frame``) and the nodes, with their KV slots, that hold its tokens after it
-finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out."""
+finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out, and
+KV slots are written as runs of consecutive numbers (``slot_ranges``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ from typing import Any
 
 import pandas as pd
 
-from minisrv.experiments.server import slot_ranges
+__all__ = ["slot_ranges", "sse_frame", "tree_event_frame", "tree_path_frame"]
 
-__all__ = ["sse_frame", "tree_event_frame", "tree_path_frame"]
+
+def slot_ranges(slots: Sequence[int]) -> str:
+    """KV slots as runs of consecutive numbers, ``"0-31, 40-49"``: how a request's KV lies
+    in the pool (one run per allocation, unless the pool was fragmented)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and slot == runs[-1][1] + 1:
+            runs[-1][1] = slot
+        else:
+            runs.append([slot, slot])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def sse_frame(events: Sequence[tuple[float, Any]]) -> pd.DataFrame:

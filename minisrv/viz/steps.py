@@ -147,7 +147,7 @@ def step_table(run: StepByStep, step: int, tok: Any) -> pd.DataFrame:
     """One row per request after ``step``: what it did in the step, its text so far and the
     KV slots it holds, in token order (as runs of consecutive slots), so a slot list that
     jumps back says a later token landed in a lower slot."""
-    from minisrv.experiments.server import slot_ranges
+    from minisrv.experiments.server_walk import slot_ranges
 
     rows = [{"request": _name(req.rid), "prompt": _prompt(run, req.rid, tok),
              "in this step": _did(req, tok), "output so far": _text(tok, req.output),
