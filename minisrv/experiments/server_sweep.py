@@ -23,7 +23,7 @@ def goodput(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
     """Per row of ``policy_rate_sweep``: the requests per second whose TTFT met ``ttft_slo_ms``, as
     ``minisrv bench --goodput ttft:MS`` (and vLLM's ``--goodput``) counts them: requests
     that met the target over the run's duration."""
-    met = sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts))
+    met = _met(sweep, ttft_slo_ms)
     return (met / sweep["duration (s)"]).rename(f"goodput at ttft <= {ttft_slo_ms:g} ms")
 
 
@@ -31,8 +31,13 @@ def slo_attainment(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
     """Per row of ``policy_rate_sweep``: the share of its requests whose TTFT met
     ``ttft_slo_ms``, DistServe's SLO attainment. DistServe's goodput is the highest rate whose
     attainment reaches its goal (90%), one number per GPU, where ``goodput`` is one per run."""
-    met = sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts) / len(ttfts))
+    met = _met(sweep, ttft_slo_ms) / sweep["ttfts (ms)"].map(len)
     return met.rename(f"met ttft <= {ttft_slo_ms:g} ms")
+
+
+def _met(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.Series:
+    """Per row of ``policy_rate_sweep``: how many of its requests' TTFTs met ``ttft_slo_ms``."""
+    return sweep["ttfts (ms)"].map(lambda ttfts: sum(t <= ttft_slo_ms for t in ttfts))
 
 
 def policy_sweep_table(sweep: pd.DataFrame, ttft_slo_ms: float) -> pd.DataFrame:
