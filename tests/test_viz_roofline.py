@@ -333,6 +333,10 @@ def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores(
     # the one long request's row sits on the strip's edge: it is named, the equal ones are not
     notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
     assert notes[0] == [] and notes[1] == ["the request at context 300: 301 keys needed"]
+    # and its row, on the strip's bottom edge, is drawn thicker than the rest, over the frame
+    equal_w, unequal_w = (list(ax.collections[0].get_linewidths()) for ax in fig.axes)
+    assert len(set(equal_w)) == 1 and unequal_w[-1] > 2 * max(unequal_w[:-1])
+    assert fig.axes[1].collections[0].get_zorder() > fig.axes[1].spines["bottom"].get_zorder()
     # the legend names only the tile kinds the strips hold (no full tile in a decode strip)
     legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert legend == ["partial tile", "scores a request needs"]

@@ -160,10 +160,14 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
                   vmax=2, extent=(0, kinds.shape[1] * block, kinds.shape[0] * block, 0),
                   interpolation="nearest", aspect="auto")
         starts = [0, *itertools.accumulate(c + 1 for c in cached)]
-        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
-                  color="black", linewidth=1.2, clip_on=False)  # the last row is the edge
         longest = max(range(len(cached)), key=lambda r: cached[r])
-        if len(cached) > 1 and sorted(cached)[-2] < cached[longest]:
+        alone = len(cached) > 1 and sorted(cached)[-2] < cached[longest]
+        # a row on the strip's edge would vanish into the frame: one far longer request's
+        # row is drawn thick, over the frame (zorder above the spines)
+        widths = [3.5 if alone and row == longest else 1.2 for row in range(len(cached))]
+        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
+                  color="black", linewidths=widths, clip_on=False, zorder=3)
+        if alone:
             # one request far longer than the rest: its row can sit on the strip's edge
             mid = (starts[longest] + starts[longest + 1]) / 2
             ax.annotate(f"the request at context {cached[longest]:,}: "
