@@ -39,7 +39,7 @@ from minisrv.viz.style import (
 
 __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
-           "plot_decode_block_masks", "plot_step_times_vs_roofline"]
+           "plot_decode_block_masks", "plot_step_times_vs_roofline", "step_times_table"]
 
 GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
 """Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
@@ -210,6 +210,16 @@ def _shown(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` as the page prints it: thousands separated, step times to 0.1 µs."""
     return table.assign(**{"step (µs)": table["step (µs)"].map("{:,.1f}".format),
                            "tokens/s": table["tokens/s"].map("{:,}".format)})
+
+
+def step_times_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """A recorded step sweep (``recorded_gpu_run``'s long table) as the page shows it: one
+    row per batch, the padded and the ragged step in ms to 0.1, columns named as the
+    page's other tables name the two calls."""
+    wide = steps.pivot(index="batch", columns="attention", values="step_ms")
+    shown = wide[["padded", "flex"]].map("{:.1f}".format).rename_axis(columns=None)
+    return one_header_row(shown.rename(columns={
+        a: f"{ATTENTION_LABELS.get(a, a)} step (ms)" for a in ("padded", "flex")}))
 
 
 def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") -> float | None:
