@@ -333,6 +333,30 @@ def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores(
     # the one long request's row sits on the strip's edge: it is named, the equal ones are not
     notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
     assert notes[0] == [] and notes[1] == ["the request at context 300: 301 keys needed"]
+    # and its row, on the strip's bottom edge, is drawn thicker than the rest, over the frame
+    equal_w, unequal_w = (list(ax.collections[0].get_linewidths()) for ax in fig.axes)
+    assert len(set(equal_w)) == 1 and unequal_w[-1] > 2 * max(unequal_w[:-1])
+    assert fig.axes[1].collections[0].get_zorder() > fig.axes[1].spines["bottom"].get_zorder()
     # the legend names only the tile kinds the strips hold (no full tile in a decode strip)
     legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert legend == ["partial tile", "scores a request needs"]
+
+
+def test_step_times_table_shows_each_recorded_step_under_the_call_that_took_it() -> None:
+    """The appendix's table of the recorded sweep: one row per batch, the padded and the
+    ragged step side by side, each the csv's value to 0.1 ms (a swapped column would show
+    the ragged call faster at batch 256)."""
+    import pandas as pd
+
+    from minisrv.experiments.gpu import RECORDED, recorded_gpu_run
+    from minisrv.viz.gpu import step_times_table
+
+    steps, _ = recorded_gpu_run("h200")
+    table = step_times_table(steps)
+    wide = pd.read_csv(RECORDED / "h200_decode_steps.csv").set_index("batch")
+    assert list(table.columns) == ["padded step (ms)", "ragged (flex) step (ms)"]
+    assert list(table.index) == list(wide.index)
+    for batch, row in table.iterrows():
+        assert row["padded step (ms)"] == f"{wide.loc[batch, 'padded ms']:.1f}"
+        assert row["ragged (flex) step (ms)"] == f"{wide.loc[batch, 'flex ms']:.1f}"
+    assert table.columns.name == "batch"

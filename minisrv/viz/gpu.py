@@ -39,7 +39,7 @@ from minisrv.viz.style import (
 
 __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
-           "plot_decode_block_masks", "plot_step_times_vs_roofline"]
+           "plot_decode_block_masks", "plot_step_times_vs_roofline", "step_times_table"]
 
 GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
 """Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
@@ -160,10 +160,14 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
                   vmax=2, extent=(0, kinds.shape[1] * block, kinds.shape[0] * block, 0),
                   interpolation="nearest", aspect="auto")
         starts = [0, *itertools.accumulate(c + 1 for c in cached)]
-        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
-                  color="black", linewidth=1.2, clip_on=False)  # the last row is the edge
         longest = max(range(len(cached)), key=lambda r: cached[r])
-        if len(cached) > 1 and sorted(cached)[-2] < cached[longest]:
+        alone = len(cached) > 1 and sorted(cached)[-2] < cached[longest]
+        # a row on the strip's edge would vanish into the frame: one far longer request's
+        # row is drawn thick, over the frame (zorder above the spines)
+        widths = [3.5 if alone and row == longest else 1.2 for row in range(len(cached))]
+        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
+                  color="black", linewidths=widths, clip_on=False, zorder=3)
+        if alone:
             # one request far longer than the rest: its row can sit on the strip's edge
             mid = (starts[longest] + starts[longest + 1]) / 2
             ax.annotate(f"the request at context {cached[longest]:,}: "
@@ -206,6 +210,16 @@ def _shown(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` as the page prints it: thousands separated, step times to 0.1 µs."""
     return table.assign(**{"step (µs)": table["step (µs)"].map("{:,.1f}".format),
                            "tokens/s": table["tokens/s"].map("{:,}".format)})
+
+
+def step_times_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """A recorded step sweep (``recorded_gpu_run``'s long table) as the page shows it: one
+    row per batch, the padded and the ragged step in ms to 0.1, columns named as the
+    page's other tables name the two calls."""
+    wide = steps.pivot(index="batch", columns="attention", values="step_ms")
+    shown = wide[["padded", "flex"]].map("{:.1f}".format).rename_axis(columns=None)
+    return one_header_row(shown.rename(columns={
+        a: f"{ATTENTION_LABELS.get(a, a)} step (ms)" for a in ("padded", "flex")}))
 
 
 def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") -> float | None:
