@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from minisrv.runner.attention.splits import kv_splits
 from minisrv.runner.table_batch import TableBatch
 
 TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
@@ -80,7 +81,7 @@ class TritonStep(NamedTuple):
         pieces follow."""
         starts = (torch.cumsum(news, 0) - news).to(torch.int32)
         return cls(table, rows, contexts, news, starts,
-                   kernels().kv_splits(contexts, max_splits), max_new, max_new == 1)
+                   kv_splits(contexts, max_splits), max_new, max_new == 1)
 
 
 class TritonAttention:
@@ -168,7 +169,7 @@ class TritonGraphs:
         width = min(buffers.table.shape[1], table.shape[1])  # columns past it: never read
         buffers.table[:b, :width].copy_(table[:, :width].index_select(0, rows))
         buffers.contexts[:b].copy_(lens)
-        buffers.splits[:b].copy_(kernels().kv_splits(buffers.contexts[:b], self.max_splits))
+        buffers.splits[:b].copy_(kv_splits(buffers.contexts[:b], self.max_splits))
 
     def metadata(self, buffers: TritonBuffers, b: int) -> TritonStep:
         return TritonStep(buffers.table, buffers.rows[:b], buffers.contexts[:b],

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from minisrv.runner.attention.splits import DEFAULT_MAX_SPLITS, SPLIT_TOKENS, kv_splits
+
 __all__ = [
     "DEFAULT_MAX_SPLITS",
     "INTERPRETED",
@@ -47,21 +49,8 @@ __all__ = [
     "write_kv_table",
 ]
 
-DEFAULT_MAX_SPLITS = 8
-"""The most pieces a decode's context is cut into (SGLang's default ``max_kv_splits``)."""
-
-SPLIT_TOKENS = 256
-"""Context tokens per decode piece before another piece is worth its merge: a context of
-up to 256 tokens is one piece, 2,048 tokens are eight."""
-
 DECODE_BLOCK_N = 32  # keys per inner step of a decode piece (SGLang's grouped kernel)
 MIN_ROWS = 16  # tl.dot takes no operand narrower than 16: query heads padded to this
-
-
-def kv_splits(contexts: torch.Tensor, max_splits: int = DEFAULT_MAX_SPLITS) -> torch.Tensor:
-    """Pieces per decode request: one per ``SPLIT_TOKENS`` of context, 1..``max_splits``."""
-    return torch.clamp((contexts + SPLIT_TOKENS - 1) // SPLIT_TOKENS, 1, max_splits).to(
-        torch.int32)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
