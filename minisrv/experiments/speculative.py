@@ -172,7 +172,9 @@ def acceptance_sweep(
 
     For each draft and k, every workload's requests are served together by the engine
     (``_served_checks``: each request's checks are ``speculative_generate``'s); a draft's
-    guesses are computed once for all k (``_GuessesOnce``), the longest k first."""
+    guesses are computed once for all k (``_GuessesOnce``), the longest k first, so each of
+    ``drafts`` must guess greedily, its k guesses the first k of its guesses for any larger
+    k (as both of ``drafters`` do)."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
     prompts = [list(p) for ps in workloads.values() for p in ps]
     alone = outputs_alone(model, prompts, max_new_tokens)
