@@ -47,6 +47,25 @@ def test_the_sweep_is_exact_and_counts_forwards(citylm, draft_model) -> None:
     assert drafted.loc[3, "forwards"] < drafted.loc[1, "forwards"]  # longer drafts, fewer checks
 
 
+def test_the_sweeps_engine_gives_each_request_the_checks_of_it_alone(citylm, draft_model):
+    """The sweep serves a k's requests together and reads their checks from the engine's
+    trace, a draft's guesses remembered across k (longest first): each request's tokens,
+    guesses and kept guesses are those of ``speculative_generate``, the request alone."""
+    from minisrv.experiments.speculative import _GuessesOnce, _served_checks
+    from minisrv.spec import speculative_generate
+
+    model, tok = citylm
+    prompts = [tok.encode("FR:"), tok.encode("JP: Tokyo,"),
+               tok.encode("DE: Berlin, Hamburg\nFR: Paris, Lyon\nDE: Berlin,")]
+    for drafter in drafters(draft_model).values():
+        once = _GuessesOnce(drafter)
+        for k in (4, 1):
+            served = _served_checks(model, prompts, once, k, 20)
+            alone = [speculative_generate(model, drafter, p, 20, k) for p in prompts]
+            assert served == alone
+            assert sum(d for r in served for d in r.drafted) > 0
+
+
 def test_the_workloads_are_city_prompts_and_the_repeat_holds_its_answer(citylm) -> None:
     model, tok = citylm
     work = spec_workloads(model, tok)

@@ -149,6 +149,7 @@ _PUBLIC = {
     "chi2_critical": "speculative",
     "drafters": "speculative",
     "engine_table": "speculative",
+    "outputs_alone": "speculative",
     "sampling_check": "speculative",
     "serve_speculative": "speculative",
     "spec_workloads": "speculative",

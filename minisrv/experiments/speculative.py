@@ -2,17 +2,20 @@
 workloads, one request's checks traced, the rejection rule's distribution checked, and the
 roofline speed-up of LLaMA-3-8B on an H100 against k and the batch size.
 
-Every CityLM run goes through ``minisrv.spec.speculative_generate`` (one request with the
-target's dense forward) and is compared, token for token, with ``reference_generate``: greedy
-speculation must give exactly what decoding alone gives. The GPU numbers are the roofline's
-(``minisrv.sim.speedup``); nothing here is timed.
+The acceptance sweep serves each draft length's requests together, through the engine's
+speculation (``Engine(speculative=..., num_draft_tokens=k)``), and reads each request's checks
+from the engine's trace: greedy, they are exactly the checks of ``speculative_generate`` (one
+request with the target's dense forward, which ``check_trace`` runs; the tests compare the
+two). Every output is compared, token for token, with ``reference_generate``'s (remembered
+per model, ``alone_outputs``): greedy speculation must give exactly what decoding alone gives.
+The GPU numbers are the roofline's (``minisrv.sim.speedup``); nothing here is timed.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import pandas as pd
@@ -21,6 +24,7 @@ import torch
 from minisrv.checks import check_int, check_number
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.engine import Engine
+from minisrv.experiments.batching import alone_outputs
 from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
@@ -37,12 +41,13 @@ from minisrv.spec import (
     Drafter,
     DraftModelDrafter,
     NgramDrafter,
+    SpecResult,
     rejection_accept,
     sample_probs,
     speculative_generate,
 )
 from minisrv.tokenizer import Tokenizer
-from minisrv.workloads import chat_turns, city_prompts, shared_system_prompt
+from minisrv.workloads import Workload, chat_turns, city_prompts, shared_system_prompt
 
 __all__ = [
     "CONTEXTS",
@@ -56,6 +61,7 @@ __all__ = [
     "chi2_critical",
     "drafters",
     "engine_table",
+    "outputs_alone",
     "sampling_check",
     "serve_speculative",
     "spec_workloads",
@@ -91,6 +97,67 @@ def spec_workloads(model: CityLM, tok: Tokenizer) -> dict[str, list[list[int]]]:
             shared_system_prompt(tok, 4), "chat turns": prompts, "answer in the prompt": again}
 
 
+def outputs_alone(model: CityLM, prompts: Sequence[Sequence[int]],
+                  max_new_tokens: int = 40) -> list[list[int]]:
+    """Each prompt generated alone and greedily (``reference_generate``), the outputs every
+    run must equal: through ``alone_outputs``, which remembers them per model, so the page's
+    runs and checks of the same prompts generate each one once."""
+    prompts = [list(p) for p in prompts]
+    workload = Workload("alone", prompts, [max_new_tokens] * len(prompts), [0.0] * len(prompts))
+    return alone_outputs(model, workload)
+
+
+class _GuessesOnce(Drafter):
+    """A greedy drafter whose guesses after each token list are computed once for every k.
+
+    A greedy draft depends only on the tokens it continues, and its k guesses are the first
+    k of its guesses for any larger k (both drafts stop at the same eos, or where the
+    prompt lookup's match runs out); the sweep asks the same lists again at k = 1..6."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self._known: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # tokens -> (k, guesses)
+
+    def propose(self, tokens: Sequence[int], k: int, *, key: Hashable = None) -> list[int]:
+        asked, guesses = self._known.get(tuple(tokens), (0, []))
+        if k > asked and len(guesses) == asked:  # never asked this many, nor stopped short
+            guesses = self.drafter.propose(tokens, k, key=key)
+            self._known[tuple(tokens)] = (k, guesses)
+        return guesses[:k]
+
+    def draft(self, tokens: Sequence[int], k: int, params: SamplingParams,
+              generator: torch.Generator | None, *, key: Hashable = None) -> Draft:
+        if not params.greedy:
+            raise ValueError("_GuessesOnce remembers greedy guesses only")
+        return Draft(self.propose(tokens, k, key=key))
+
+    def release(self, key: Hashable) -> None:
+        self.drafter.release(key)
+
+
+def _served_checks(model: CityLM, prompts: Sequence[Sequence[int]], drafter: Drafter, k: int,
+                   max_new_tokens: int) -> list[SpecResult]:
+    """Each prompt's tokens and checks, all served at once by the speculative engine.
+
+    Every request is admitted in the first step and never retracted (the pool holds them
+    all with their guesses), so each one's checks are those of it alone: greedy, a check's
+    guesses and kept tokens follow from the request's tokens only."""
+    capacity = sum(len(p) + max_new_tokens + k for p in prompts)
+    engine = Engine(model, kv_capacity=capacity, max_running=len(prompts),
+                    speculative=drafter, num_draft_tokens=k)
+    requests = [engine.add_request(list(p), SamplingParams(max_new_tokens=max_new_tokens))
+                for p in prompts]
+    engine.run()
+    if engine.stats.retractions:
+        raise RuntimeError("a request was retracted: its checks are not those of it alone")
+    results = {r.rid: SpecResult(list(r.output)) for r in requests}
+    for record in engine.trace:
+        for rid, drafted, accepted in record.checks:
+            results[rid].drafted.append(drafted)
+            results[rid].accepted.append(accepted)
+    return [results[r.rid] for r in requests]
+
+
 def acceptance_sweep(
     model: CityLM, workloads: Mapping[str, Sequence[Sequence[int]]],
     drafts: Mapping[str, Drafter], ks: Sequence[int] = KS, max_new_tokens: int = 40,
@@ -101,15 +168,29 @@ def acceptance_sweep(
     kept, and ``reached``, how many checks examined each position (the rate's sample);
     ``kept_share``, kept guesses over drafted ones; tokens per check (target forwards),
     ``outputs`` (each request's tokens, for a page's own check) and whether they all equal
-    ``reference_generate``'s."""
+    ``reference_generate``'s.
+
+    For each draft and k, every workload's requests are served together by the engine
+    (``_served_checks``: each request's checks are ``speculative_generate``'s); a draft's
+    guesses are computed once for all k (``_GuessesOnce``), the longest k first, so each of
+    ``drafts`` must guess greedily, its k guesses the first k of its guesses for any larger
+    k (as both of ``drafters`` do)."""
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
-    rows = []
-    for work, prompts in workloads.items():
-        alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
-        for name, drafter in drafts.items():
+    prompts = [list(p) for ps in workloads.values() for p in ps]
+    alone = outputs_alone(model, prompts, max_new_tokens)
+    served: dict[tuple[str, int], list[SpecResult]] = {}
+    for name, drafter in drafts.items():
+        once = _GuessesOnce(drafter)
+        for k in sorted(set(ks), reverse=True):
+            served[name, k] = _served_checks(model, prompts, once, k, max_new_tokens)
+    rows, first = [], 0
+    for work, work_prompts in workloads.items():
+        mine = slice(first, first + len(work_prompts))
+        first = mine.stop
+        plain = sum(len(a) for a in alone[mine])
+        for name in drafts:
             for k in ks:
-                runs = [speculative_generate(model, drafter, p, max_new_tokens, k)
-                        for p in prompts]
+                runs = served[name, k][mine]
                 each_drafted = [d for r in runs for d in r.drafted]
                 each_accepted = [a for r in runs for a in r.accepted]
                 drafted, accepted = sum(each_drafted), sum(each_accepted)
@@ -121,10 +202,10 @@ def acceptance_sweep(
                              "reached": positions_reached(each_drafted, each_accepted, k),
                              "kept_share": accepted / drafted if drafted else 0.0,
                              "tokens_per_check": (accepted + checks) / checks,
-                             "forwards": checks + len(prompts),  # a prefill each, then checks
-                             "plain_forwards": sum(len(a) for a in alone),
+                             "forwards": checks + len(runs),  # a prefill each, then checks
+                             "plain_forwards": plain,
                              "outputs": [r.tokens for r in runs],
-                             "identical": [r.tokens for r in runs] == alone})
+                             "identical": [r.tokens for r in runs] == alone[mine]})
     return pd.DataFrame(rows)
 
 
@@ -292,7 +373,7 @@ def serve_speculative(model: CityLM, prompts: Sequence[Sequence[int]],
     start = time.perf_counter()
     engine.run()
     seconds = time.perf_counter() - start
-    alone = [model.reference_generate(p, max_new_tokens) for p in prompts]
+    alone = outputs_alone(model, prompts, max_new_tokens)
     return EngineRun(engine, requests, [r.output for r in requests] == alone, seconds)
 
 
