@@ -25,7 +25,10 @@ def _count_generations(model, monkeypatch):
 def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(citylm,
                                                                               monkeypatch):
     model, tok = citylm
-    work = citylm_workload(tok, n=24, output_range=(1, 60), seed=0)
+    # 16 requests: France's prompt comes twice, asked for 52 and 59 tokens (a shared prompt
+    # that stops at its length; Italy's four below stop at eos). 24 only repeated two more
+    # prompts the same way, at half as much again to generate.
+    work = citylm_workload(tok, n=16, output_range=(1, 60), seed=0)
     # Italy's list ends at eos after 95 tokens: asked again for fewer and for more
     ended = tok.encode("IT:")
     full = model.reference_generate(ended, 120)
@@ -33,6 +36,8 @@ def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(
     lens = [*work.output_lens, len(full) - 1, len(full), len(full) + 5, 120]
     work = Workload("mixed lengths", [*work.prompts, *[ended] * 4], lens, [0.0] * len(lens))
     assert len({tuple(p) for p in work.prompts}) < len(work)  # prompts repeat
+    france = tok.encode("FR: Paris, Marseille,")
+    assert sorted(n for p, n in zip(work.prompts, lens) if p == france) == [52, 59]
     calls, generate = _count_generations(model, monkeypatch)
     known: dict = {}  # a fresh dict: nothing remembered yet
     got = alone_outputs(model, work, known=known)
