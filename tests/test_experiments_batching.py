@@ -25,7 +25,10 @@ def _count_generations(model, monkeypatch):
 def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(citylm,
                                                                               monkeypatch):
     model, tok = citylm
-    work = citylm_workload(tok, n=24, output_range=(1, 60), seed=0)
+    # 16 requests: France's prompt comes twice, asked for 52 and 59 tokens (a shared prompt
+    # that stops at its length; Italy's four below stop at eos). 24 only repeated two more
+    # prompts the same way, at half as much again to generate.
+    work = citylm_workload(tok, n=16, output_range=(1, 60), seed=0)
     # Italy's list ends at eos after 95 tokens: asked again for fewer and for more
     ended = tok.encode("IT:")
     full = model.reference_generate(ended, 120)
@@ -33,13 +36,19 @@ def test_a_shared_prompt_is_generated_once_and_each_request_gets_its_own_length(
     lens = [*work.output_lens, len(full) - 1, len(full), len(full) + 5, 120]
     work = Workload("mixed lengths", [*work.prompts, *[ended] * 4], lens, [0.0] * len(lens))
     assert len({tuple(p) for p in work.prompts}) < len(work)  # prompts repeat
+    france = tok.encode("FR: Paris, Marseille,")
+    assert sorted(n for p, n in zip(work.prompts, lens) if p == france) == [52, 59]
     calls, generate = _count_generations(model, monkeypatch)
-    got = alone_outputs(model, work, known={})  # a fresh dict: nothing remembered yet
+    known: dict = {}  # a fresh dict: nothing remembered yet
+    got = alone_outputs(model, work, known=known)
     monkeypatch.undo()
     assert len(calls) == len({tuple(p) for p in work.prompts})
     assert got == [generate(p, n) for p, n in zip(work.prompts, work.output_lens)]
     assert got[-4:] == [full[:-1], full, full, full]
-    past_eos = alone_outputs(model, work, ignore_eos=True)[-4:]
+    # past eos, Italy's four requests (the other prompts' runs past eos are asserted
+    # nowhere), with the runs above remembered: none that stopped at eos may serve them
+    italy = Workload("Italy past eos", [ended] * 4, lens[-4:], [0.0] * 4)
+    past_eos = alone_outputs(model, italy, ignore_eos=True, known=known)
     assert past_eos == [generate(ended, n, ignore_eos=True) for n in lens[-4:]]
     assert len(past_eos[-1]) == 120 and past_eos[-1][:len(full)] == full
 

@@ -4,11 +4,13 @@ checked against every request generated alone."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 
-from minisrv.experiments.batching import Admission, run_pool
+from minisrv.experiments.batching import Admission, PoolRun, run_pool
 from minisrv.viz import batching as vb
+from minisrv.viz.explorer import Explorer
 from minisrv.workloads import citylm_workload
 
 
@@ -20,18 +22,73 @@ def pool_case(citylm):
     return model, work, ref
 
 
-def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
+class PoolStates(NamedTuple):
+    """An explorer of twelve states and what building it did: the runs it made itself, by
+    their values, with the arguments it made each with, and every state its check saw."""
+
+    explorer: Explorer
+    smallest: int  # the tight pool: the largest request's prompt plus limit
+    capacities: tuple[int, int]
+    ratios: tuple[float, float]
+    kept: PoolRun  # the chapter's figure, handed to the explorer
+    made: dict[tuple[int, int, float], tuple[tuple, dict, PoolRun]]
+    seen: list[str]
+
+
+CAPS = (1, 2, 5)
+
+
+@pytest.fixture(scope="module")
+def pool_states(pool_case) -> PoolStates:
+    """Built once for the module: each state's run is compared with the very run the
+    explorer made for it (recorded as ``run_pool`` returned it, with the arguments it was
+    called with), where a second ``run_pool`` per state would only repeat a deterministic
+    run; the states' checks are recorded by the same build."""
     model, work, ref = pool_case
     smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
     capacities, ratios = (smallest, 3 * smallest), (0.0, 0.7)
     kept = run_pool(model, work, ref, capacity=smallest, max_running=2)  # the chapter's figure
-    ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=capacities,
-                          caps=(1, 2, 5), max_running=2, ratios=ratios, runs=[kept])
+    made: dict[tuple[int, int, float], tuple[tuple, dict, PoolRun]] = {}
+    seen: list[str] = []
+
+    def recorded(*args, **kwargs):
+        run = run_pool(*args, **kwargs)
+        made[kwargs["capacity"], kwargs["max_running"], kwargs["ratio"]] = (args, kwargs, run)
+        return run
+
+    def check(outputs, reference, what):
+        assert [list(o) for o in outputs] == [list(r) for r in reference]
+        seen.append(what)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vb, "run_pool", recorded)
+        ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=capacities,
+                              caps=CAPS, max_running=2, ratios=ratios, runs=[kept],
+                              check=check)
+    return PoolStates(ex, smallest, capacities, ratios, kept, made, seen)
+
+
+def test_each_state_is_run_pool_at_its_values(pool_case, pool_states) -> None:
+    """Every state but the kept one is the run ``run_pool`` gave for exactly its values (the
+    workload, its reference, the state's pool, cap and ratio, the default decay); the kept
+    run serves its own state and is not run again. The state's numbers are that run's."""
+    model, work, ref = pool_case
+    ex, smallest, kept = pool_states.explorer, pool_states.smallest, pool_states.kept
     assert ex.default == {"capacity": smallest, "max_running": 2, "ratio": 0.7}
-    for capacity in capacities:
-        for cap in (1, 2, 5):
-            for ratio in ratios:
-                run = run_pool(model, work, ref, capacity=capacity, max_running=cap, ratio=ratio)
+    made = dict(pool_states.made)
+    assert (smallest, 2, 0.7) not in made  # the chapter's run serves its state
+    assert len(made) == len(pool_states.capacities) * len(CAPS) * len(pool_states.ratios) - 1
+    for capacity in pool_states.capacities:
+        for cap in CAPS:
+            for ratio in pool_states.ratios:
+                if (capacity, cap, ratio) == (smallest, 2, 0.7):
+                    run = kept
+                else:
+                    args, kwargs, run = made[capacity, cap, ratio]
+                    assert args[0] is model and args[1:] == (work, ref)
+                    assert kwargs == {"capacity": capacity, "max_running": cap, "ratio": ratio,
+                                      "decay": 0.01}
+                    assert run.engine.config.ratio_decay == 0.01  # run_pool's own default
                 stats = run.engine.stats
                 state = ex.metrics(capacity=capacity, max_running=cap, ratio=ratio)
                 assert (state["steps"], state["retractions"], state["recomputed_tokens"]) == (
@@ -47,7 +104,7 @@ def test_each_state_is_run_pool_at_its_values(pool_case) -> None:
     assert (ex.metrics(capacity=3 * smallest, max_running=5, ratio=0.7)["steps"]
             < ex.metrics(capacity=3 * smallest, max_running=1, ratio=0.7)["steps"])
     # the tight pool at a ratio of 0 admits more boldly and retracts at least as often
-    tight = {r: ex.metrics(capacity=smallest, max_running=5, ratio=r) for r in ratios}
+    tight = {r: ex.metrics(capacity=smallest, max_running=5, ratio=r) for r in pool_states.ratios}
     assert tight[0.0]["retractions"] >= tight[0.7]["retractions"]
 
 
@@ -109,29 +166,24 @@ def test_figure_titles_name_no_machine_and_count_in_the_singular(pool_case) -> N
     assert vb.plot_pool_run(run).axes[2].get_ylim()[0] < 0
 
 
-def test_every_state_goes_through_the_pages_check_and_captions_show_values(pool_case) -> None:
+def test_every_state_goes_through_the_pages_check_and_captions_show_values(
+        pool_states) -> None:
     """The page counts the explorer's requests (``check=CHECKS.alone``): every state's
-    outputs reach ``check`` with the reference; a caption shows the run's numbers only."""
-    model, work, ref = pool_case
-    smallest = max(len(p) + m for p, m in zip(work.prompts, work.output_lens))
-    seen: list[str] = []
-
-    def check(outputs, reference, what):
-        assert [list(o) for o in outputs] == [list(r) for r in reference]
-        seen.append(what)
-
-    ex = vb.pool_explorer(model, work, ref, capacity=smallest, capacities=(smallest,),
-                          caps=(1, 2), max_running=2, ratios=(0.7,), check=check)
-    assert sorted(seen) == [f"pool explorer, pool {smallest}, cap {c}, ratio 0.7"
-                            for c in (1, 2)]
+    outputs reach ``check`` with the reference, the kept run's too; a caption shows the
+    run's numbers only."""
+    ex, smallest = pool_states.explorer, pool_states.smallest
+    assert sorted(pool_states.seen) == sorted(
+        f"pool explorer, pool {p}, cap {c}, ratio {r:g}"
+        for p in pool_states.capacities for c in CAPS for r in pool_states.ratios)
     assert "identical" not in ex.html and " of 5" not in ex.html
     # the caption gives the run's retractions, recomputed tokens and steps (its figure's
     # title), then its mean decode batch and peak of slots
-    state = ex.metrics(capacity=smallest, max_running=2, ratio=0.7)
-    retractions = f"{state['retractions']} retraction{'s' * (state['retractions'] != 1)}"
-    assert (f"{retractions}, {state['recomputed_tokens']} tokens recomputed, "
-            f"{state['steps']} steps; mean decode batch {state['mean_decode_batch']:.2f} "
-            f"requests; peak {state['peak_slots']} of {smallest} slots used.") in ex.html
+    for cap in (1, 2):
+        state = ex.metrics(capacity=smallest, max_running=cap, ratio=0.7)
+        retractions = f"{state['retractions']} retraction{'s' * (state['retractions'] != 1)}"
+        assert (f"{retractions}, {state['recomputed_tokens']} tokens recomputed, "
+                f"{state['steps']} steps; mean decode batch {state['mean_decode_batch']:.2f} "
+                f"requests; peak {state['peak_slots']} of {smallest} slots used.") in ex.html
 
 
 def test_the_ledger_table_shows_each_term_and_what_is_left_after_it() -> None:
