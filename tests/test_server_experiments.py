@@ -23,8 +23,10 @@ from minisrv.experiments.server import (  # noqa: E402
     stream_completion,
 )
 from minisrv.experiments.server_walk import (  # noqa: E402
+    first_token_parts,
     slot_ranges,
     sse_frame,
+    timed_steps,
     tree_event_frame,
     tree_path_frame,
 )
@@ -138,6 +140,30 @@ def test_stream_completion_times_every_event_and_matches_the_reference(server, c
     req = next(r for r in engines.loop.finished if r.prompt == tok.encode("FR: Paris,"))
     assert req.output == want
     assert any(req.rid in s.prefill for s in engines.loop.engine.trace)
+
+
+def test_timed_steps_set_each_step_of_a_streamed_request_before_its_event(server, citylm):
+    """The walk splits its first token's time with wall-clock stamps of the engine's steps
+    (CityLM's engine clock counts steps): every step of the request is stamped, each event
+    arrives after the step that computed its token ended, and the first event's time is the
+    sum of its three parts. The stamping is undone after the block."""
+    url, engines = server
+    engine = engines.loop.engine
+    _, tok = citylm
+    with timed_steps(engine) as stamps:
+        sse = stream_completion(url, {"prompt": "DE: Berlin,", "max_tokens": 6,
+                                      "temperature": 0})
+    assert "step" not in vars(engine)  # the class's method again
+    req = next(r for r in engines.loop.finished if r.prompt == tok.encode("DE: Berlin,"))
+    steps = [s.index for s in engine.trace if req.rid in s.prefill or req.rid in s.decode]
+    assert len(steps) == 6 and set(steps) <= stamps.keys()
+    parts = first_token_parts(sse, stamps, steps)
+    assert min(parts.values()) >= 0
+    total = parts["to prefill"] + parts["prefill"] + parts["to first event"]
+    assert total == pytest.approx(sse[0][0], abs=1e-6)
+    assert parts["step to event, longest"] >= parts["step to event"]
+    with pytest.raises(ValueError, match="token events"):
+        first_token_parts(sse, stamps, steps[:-1])
 
 
 def test_stream_completion_reports_http_errors(server):
@@ -302,6 +328,19 @@ def test_the_rate_figure_labels_each_point_with_its_rate_and_keeps_its_legend_of
                                                                  "offered"]
 
 
+def test_the_rate_figure_labels_the_lowest_middle_and_highest_rates_only():
+    """With a label at each of seven rates, a saturated curve's last three stood in a column and
+    other curves' labels sat under the chosen rate's ring: the figure labels three rates."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.server import plot_policy_rate_sweep
+
+    rates = (16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0)
+    sweep = _curves_sweep(rates, {"LPM": ([100 * k for k in range(1, 8)], [20 * k for k in
+                                                                           range(1, 8)])})
+    left = plot_policy_rate_sweep(sweep, 200.0).axes[0]
+    assert sorted(t.get_text() for t in left.texts) == ["16", "192", "64"]
+
+
 def _curves_sweep(rates, curves):
     """A sweep table drawn by hand: per configuration, its throughput and TTFT p99 at each of
     ``rates`` (``curves[name] = (throughputs, p99s)``), the rest filled in consistently."""
@@ -319,19 +358,18 @@ def test_the_rate_figure_keeps_the_labels_of_a_saturated_curve_apart():
     """A curve that stops growing puts its last points almost on top of each other (FCFS's
     96, 128 and 192 requests/s within 1% of one throughput, their TTFTs a fifth apart): their
     labels, all below right of their points, covered each other. Each label now takes the
-    first place round its point that no earlier label covers, and every point keeps its
-    label."""
+    first place round its point that no earlier label covers."""
     pytest.importorskip("matplotlib")
 
     from minisrv.viz.server import plot_policy_rate_sweep
 
-    rates = (16.0, 96.0, 128.0, 192.0)
-    curves = {"LPM, radix": ([250, 1400, 1700, 2000], [20, 40, 120, 400]),
-              "FCFS, radix": ([250, 665, 668, 671], [30, 900, 1100, 1300])}
+    rates = (16.0, 96.0, 128.0, 160.0, 192.0)
+    curves = {"LPM, radix": ([250, 1400, 1700, 1850, 2000], [20, 40, 120, 250, 400]),
+              "FCFS, radix": ([250, 665, 668, 669, 671], [30, 900, 1100, 1200, 1300])}
     sweep = _curves_sweep(rates, curves)
     fig = plot_policy_rate_sweep(sweep, 200.0)
     left = fig.axes[0]
-    assert sorted(t.get_text() for t in left.texts) == sorted(["16", "96", "128", "192"] * 2)
+    assert sorted(t.get_text() for t in left.texts) == sorted(["16", "128", "192"] * 2)
     fig.draw_without_rendering()
     boxes = [t.get_window_extent() for t in left.texts]
     assert not any(a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
@@ -404,12 +442,12 @@ def test_the_rate_figure_writes_one_label_where_the_curves_coincide():
     left = fig.axes[0]
     fig.draw_without_rendering()
     shown = [t for t in left.texts if t.get_visible()]
-    assert len(shown) < len(left.texts) == 3 * len(rates)  # some points share a label
+    assert len(shown) < len(left.texts) == 3 * 3  # some points share a label
     assert [t.get_text() for t in shown].count("16") == 1  # the three 16s coincide
     assert all(t.get_color() == SHARED_LABEL for t in shown if t.get_text() == "16")
     boxes = [t.get_window_extent() for t in shown]
     assert not any(a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
-    # every point keeps a visible label of its rate, its own or one at (almost) its place
+    # every labelled point keeps a visible label of its rate, its own or one at its place
     to_px = left.transData.transform
     for t in left.texts:
         assert any(s.get_text() == t.get_text()

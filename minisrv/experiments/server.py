@@ -37,10 +37,10 @@ from minisrv.checks import check_int
 from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
-__all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
-           "request_timelines", "run_sync", "sim_server_runs", "spread", "spread_summary",
-           "stream_completion"]
+__all__ = ["SIM_CONFIGS", "EventStream", "Layout", "LayoutRun", "bench_frame", "bench_layouts",
+           "beyond_spread", "open_server", "policy_rate_sweep", "prefix_heavy_requests",
+           "read_metrics", "request_timelines", "run_sync", "sim_server_runs", "spread",
+           "spread_summary", "stream_completion"]
 
 T = TypeVar("T")
 
@@ -95,18 +95,26 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
         yield url, engines
 
 
-def stream_completion(url: str, body: Mapping[str, Any]) -> list[tuple[float, Any]]:
+class EventStream(list):
+    """``stream_completion``'s events; ``sent`` is the ``time.perf_counter()`` reading when the
+    request was sent, so that other clocks of this process (``server_walk.timed_steps``) can be
+    set beside the events."""
+
+    sent: float = math.nan
+
+
+def stream_completion(url: str, body: Mapping[str, Any]) -> EventStream:
     """POST ``body`` (with ``stream: true``) to ``/v1/completions``; return every event's
     arrival in milliseconds after the request was sent, with its parsed chunk (``"[DONE]"``
-    for the last event).
+    for the last event), as an ``EventStream``.
 
     The clock starts once the client exists: building an ``httpx.Client`` (its TLS context)
     takes tens of milliseconds, a cost of the client that no server-side step explains."""
     import httpx
 
-    events: list[tuple[float, Any]] = []
+    events = EventStream()
     with httpx.Client(timeout=60) as client:
-        start = time.perf_counter()
+        start = events.sent = time.perf_counter()
         with client.stream("POST", f"{url}/v1/completions",
                            json={**body, "stream": True}) as response:
             if response.status_code != 200:

@@ -2,16 +2,21 @@
 its text (``sse_frame``, from ``server.stream_completion``), the radix-tree operations it
 caused (``tree_event_frame``) and the nodes, with their KV slots, that hold its tokens after it
 finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out, and
-KV slots are written as runs of consecutive numbers (``slot_ranges``)."""
+KV slots are written as runs of consecutive numbers (``slot_ranges``). ``timed_steps`` stamps
+the engine's steps by the wall clock, and ``first_token_parts`` sets them beside the events."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["slot_ranges", "sse_frame", "tree_event_frame", "tree_path_frame"]
+__all__ = ["first_token_parts", "slot_ranges", "sse_frame", "timed_steps", "tree_event_frame",
+           "tree_path_frame"]
 
 
 def slot_ranges(slots: Sequence[int]) -> str:
@@ -34,6 +39,49 @@ def sse_frame(events: Sequence[tuple[float, Any]]) -> pd.DataFrame:
     rows = [{"t (ms)": round(t, 1), "text": repr(c["choices"][0]["text"] if c["choices"] else "")}
             for t, c in events if c != "[DONE]"]
     return pd.DataFrame(rows, columns=["t (ms)", "text"])
+
+
+@contextmanager
+def timed_steps(engine: Any) -> Iterator[dict[int, tuple[float, float]]]:
+    """While the block runs, stamp each ``engine.step`` by the wall clock: trace index ->
+    ``time.perf_counter()`` before and after the step. On CityLM the engine's own clock counts
+    steps; these stamps, read in the engine thread of a server in this process, share the
+    clock of ``stream_completion``'s ``sent``. Needs ``record_trace`` and the blocking loop
+    (one trace record per step)."""
+    stamps: dict[int, tuple[float, float]] = {}
+    step = engine.step
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = step(*args, **kwargs)
+        stamps[engine.trace[-1].index] = (began, time.perf_counter())
+        return out
+
+    engine.step = timed  # the engine loop looks the method up at each step
+    try:
+        yield stamps
+    finally:
+        del engine.step  # the class's method again
+
+
+def first_token_parts(sse: Any, stamps: dict[int, tuple[float, float]],
+                      steps: Sequence[int]) -> dict[str, float]:
+    """Milliseconds of one streamed request's life, from ``stream_completion``'s ``sse`` (its
+    ``sent``), ``timed_steps``' ``stamps`` and ``steps``, the trace indices of the steps that
+    computed its tokens (the prefill first), one per token event: until the prefill step began
+    (the connection, the handler, the engine thread taking the request), the prefill step, from
+    its end to the first event's arrival, and for the later tokens the median decode step and
+    the median and longest time from a step's end to its event's arrival."""
+    events = [t for t, c in sse if c != "[DONE]" and c["choices"] and c["choices"][0]["text"]]
+    if len(events) != len(steps) or not set(steps) <= stamps.keys():
+        raise ValueError(f"{len(events)} token events, {len(steps)} steps, "
+                         f"{len(set(steps) - stamps.keys())} of them unstamped")
+    ms = [((stamps[s][0] - sse.sent) * 1e3, (stamps[s][1] - sse.sent) * 1e3) for s in steps]
+    lags = [t - end for t, (_, end) in zip(events[1:], ms[1:])]
+    return {"to prefill": ms[0][0], "prefill": ms[0][1] - ms[0][0],
+            "to first event": events[0] - ms[0][1],
+            "decode step": statistics.median(b - a for a, b in ms[1:]),
+            "step to event": statistics.median(lags), "step to event, longest": max(lags)}
 
 
 def _node_text(tree: Any, tok: Any, node_id: int) -> str:

@@ -71,19 +71,22 @@ def _color(name: str) -> str:
 @styled
 def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     """Left: each configuration's TTFT p99 against its output throughput, one point per
-    request rate of ``policy_rate_sweep`` (the latency-throughput curve), each point labelled
-    with its rate (one grey label where several curves' points of a rate coincide), the
-    target as a dashed line; right: its goodput at that TTFT target against the rate offered,
-    beside the rate itself (every request meets the target). One legend above both panels,
-    where no curve or target line runs through it."""
+    request rate of ``policy_rate_sweep`` (the latency-throughput curve), the points of the
+    lowest, the middle and the highest rate labelled with it (``_labelled_rates``; one grey
+    label where several curves' points of a rate coincide), the target dashed; right: its
+    goodput at that TTFT target against the rate offered, beside the rate itself (every request
+    meets the target). One legend above both panels, where no curve or target line runs."""
     _check_sweep(sweep)
     good = goodput(sweep, ttft_slo_ms)
     fig, (left, right) = page_figure(3.6, cols=2)
+    labelled = _labelled_rates(sweep.index.unique(level=1))
     for name in sweep.index.unique(level=0):
         rows = sweep.xs(name, level=0)
         left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "o-", color=_color(name))
         for rate, x, y in zip(rows.index, rows["out tok/s"], rows["ttft p99 (ms)"],
                               strict=True):
+            if rate not in labelled:
+                continue
             left.annotate(f"{rate:g}", (x, y), textcoords="offset points",
                           xytext=_LABEL_PLACES[0], fontsize=8, color=_color(name))
         right.plot(rows.index, good.xs(name, level=0), "o-", color=_color(name), label=name)
@@ -102,15 +105,20 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
     return fig
 
 
+def _labelled_rates(rates: Sequence[float]) -> set[float]:
+    """The rates labelled: lowest, middle, highest. Seven labels a curve stood in columns and
+    under the chosen rate's ring; the ring and the table name the other rates."""
+    ordered = sorted(rates)
+    return {ordered[0], ordered[len(ordered) // 2], ordered[-1]}
+
+
 _LABEL_PLACES: tuple[tuple[int, int], ...] = (
     (5, -10), (-5, -10), (5, 3), (-5, 3), (9, -4), (-9, -4), (5, -19), (-5, -19), (5, 12),
     (-5, 12))
-"""Where a point's rate label may sit, in points from the point, in the order tried: below
-right, below left, above right, above left, beside it, then one line further down and up."""
+"""Where a rate label may sit, in points from its point, in the order tried."""
 
 SHARED_LABEL = "#495057"
-"""The color of a rate label that stands for the points of several curves (dark grey): at low
-rates the configurations serve alike and their points coincide."""
+"""The color (dark grey) of a rate label that stands for the coinciding points of curves."""
 
 _SAME_POINT_PX = 12.0
 """Points of one rate closer than this (in pixels) share one label."""
@@ -119,13 +127,10 @@ _SAME_POINT_PX = 12.0
 def _place_labels(fig: BookFigure, labels: Sequence[Any]) -> None:
     """Lay out the rate labels of ``labels`` (in the order drawn) so that none covers another.
 
-    A label whose rate is already written by a label of another curve whose point lies within
-    ``_SAME_POINT_PX`` of its own is hidden, and that label turns ``SHARED_LABEL`` grey: at
-    16, 32 and 48 requests/s the three configurations' points lie almost on top of each other,
-    and their nine labels, three of each rate, covered each other. Every other label takes the
-    first place of ``_LABEL_PLACES`` where it covers no label placed before it: a curve that
-    stops growing puts its last points almost on top of each other too (FCFS's 96, 128 and
-    192 requests/s, within 1% of one throughput)."""
+    A label whose rate another curve's label already writes within ``_SAME_POINT_PX`` of its
+    point is hidden, that label turning ``SHARED_LABEL`` grey (at low rates the configurations'
+    points coincide). Every other label takes the first place of ``_LABEL_PLACES`` where it
+    covers no label placed before it (a saturated curve's last points nearly coincide too)."""
     fig.draw_without_rendering()  # lays the figure out: the labels' boxes are where they will be
     placed: list[tuple[Any, Any]] = []  # (label, its box)
     for label in labels:
