@@ -11,6 +11,7 @@ that the state shown carries the numbers the Python side computed for those valu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -32,8 +33,10 @@ MARK = 'class="minisrv-explorer"'
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
+@functools.cache
 def explorer_outputs(path: Path) -> list[dict]:
-    """The saved outputs of ``path`` that carry an explorer, as the notebook holds them."""
+    """The saved outputs of ``path`` that carry an explorer, as the notebook holds them (each
+    chapter read once, for its test and for the built page; nothing changes them)."""
     found = []
     for cell in nbformat.read(path, as_version=4).cells:
         for output in cell.get("outputs", []) if cell.cell_type == "code" else ():
