@@ -84,37 +84,51 @@ def test_debug_mode_checks_every_step() -> None:
     assert len(calls) == engine.stats.steps == 4
 
 
-def imported_by(code: str, is_unwanted: str) -> str:
-    """The modules that running ``code`` in a fresh interpreter imported and for which the
-    expression ``is_unwanted`` (of ``m``, a module's name) holds, as a printed sorted list."""
-    probe = f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if {is_unwanted}))\n"
+def imported_by(code: str, *unwanted: str) -> list[str]:
+    """The modules that running ``code`` in a fresh interpreter imported and for which each
+    expression of ``unwanted`` (of ``m``, a module's name) holds: one printed sorted list per
+    expression, all from the one interpreter."""
+    checks = "".join(f"print(sorted(m for m in sys.modules if {u}))\n" for u in unwanted)
+    probe = f"{code}\nimport sys\n{checks}"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
-    return out.stdout.strip()
+    return out.stdout.strip().splitlines()
+
+
+# The library as a chapter kernel uses it: every experiments module imported, then a CPU
+# engine on CityLM serving a request. One fresh interpreter runs it for the two tests below
+# (an interpreter and torch's import cost about 2 s of CPU each time); each test checks
+# every module imported by all of it, so each sees at least what it saw alone.
+LIBRARY = (
+    "import pkgutil, importlib, minisrv.engine, minisrv.experiments\n"
+    "for m in pkgutil.iter_modules(minisrv.experiments.__path__):\n"
+    "    importlib.import_module('minisrv.experiments.' + m.name)\n"
+    "from minisrv.engine import Engine\n"
+    "from minisrv.model import load_model\n"
+    "model, _ = load_model('citylm', 'cpu')\n"
+    "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)"
+)
+DRAWING = ("m.startswith('minisrv.viz') or "
+           "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')")
+COMPILER = "m.startswith(('torch._dynamo', 'torch._inductor'))"
+
+
+@functools.cache
+def library_modules() -> tuple[str, str]:
+    """The drawing modules and the compiler's modules that ``LIBRARY`` imported."""
+    drawing, compiler = imported_by(LIBRARY, DRAWING, COMPILER)
+    return drawing, compiler
 
 
 def test_the_serving_core_imports_no_drawing_code() -> None:
-    code = (
-        "import pkgutil, importlib, minisrv.engine, minisrv.experiments\n"
-        "for m in pkgutil.iter_modules(minisrv.experiments.__path__):\n"
-        "    importlib.import_module('minisrv.experiments.' + m.name)"
-    )
-    unwanted = ("m.startswith('minisrv.viz') or "
-                "m.split('.')[0] in ('matplotlib', 'ipywidgets', 'graphviz')")
-    assert imported_by(code, unwanted) == "[]"
+    assert library_modules()[0] == "[]"
 
 
 def test_a_cpu_engine_serves_without_importing_the_compiler() -> None:
     """``torch._dynamo`` takes about 2 s to import; every server worker, restarted worker and
     chapter kernel would pay it at start, and a CPU engine on its default attention never
     compiles (eager flex attention on a CPU imports it from torch's side, when first called)."""
-    code = (
-        "from minisrv.engine import Engine\n"
-        "from minisrv.model import load_model\n"
-        "model, _ = load_model('citylm', 'cpu')\n"
-        "Engine(model, kv_capacity=64, max_running=2).generate([[0, 2]], 3)"
-    )
-    assert imported_by(code, "m.startswith(('torch._dynamo', 'torch._inductor'))") == "[]"
+    assert library_modules()[1] == "[]"
 
 
 # What ``minisrv serve`` runs in its HTTP process, up to serving: the flags, the tokenizer,
@@ -131,7 +145,8 @@ HTTP_PROCESS = (
 def http_process_modules() -> list[str]:
     """The modules of ``minisrv`` and torch that the HTTP process imports (one fresh
     interpreter for both tests below)."""
-    return ast.literal_eval(imported_by(HTTP_PROCESS, "m.startswith(('minisrv', 'torch'))"))
+    [modules] = imported_by(HTTP_PROCESS, "m.startswith(('minisrv', 'torch'))")
+    return ast.literal_eval(modules)
 
 
 def test_the_http_process_of_a_server_imports_no_model_code() -> None:

@@ -11,6 +11,7 @@ that the state shown carries the numbers the Python side computed for those valu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -32,8 +33,10 @@ MARK = 'class="minisrv-explorer"'
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
+@functools.cache
 def explorer_outputs(path: Path) -> list[dict]:
-    """The saved outputs of ``path`` that carry an explorer, as the notebook holds them."""
+    """The saved outputs of ``path`` that carry an explorer, as the notebook holds them (each
+    chapter read once, for its test and for the built page; nothing changes them)."""
     found = []
     for cell in nbformat.read(path, as_version=4).cells:
         for output in cell.get("outputs", []) if cell.cell_type == "code" else ():
@@ -159,6 +162,19 @@ def build_page(outputs: list[dict], where: Path) -> Path:
     return where / "_build" / "html" / "page.html"
 
 
+SHOWN = """async r => {
+    const views = r.querySelectorAll('.mx-view'), v = views[0];
+    const images = [...v.querySelectorAll('img')];
+    await Promise.all(images.map(i => i.decode().catch(() => null)));  // loaded, or broken
+    return {views: views.length, state: r.getAttribute('data-state'),
+            metrics: r.getAttribute('data-metrics'), values: r.getAttribute('data-values'),
+            inner: v.innerHTML, text: v.innerText,
+            drawn: images.every(i => i.complete && i.naturalWidth > 0)};
+}"""
+"""What an explorer shows, read in one call to the browser (one round trip per state instead
+of one per attribute): its view once its images are decoded or have failed."""
+
+
 def drive(page, root) -> None:
     """Every control to its ends and its middle: the state shown is the one the controls
     name, with the run's numbers, drawn, and each control changes the figure."""
@@ -169,9 +185,10 @@ def drive(page, root) -> None:
                zip(controls, json.loads(root.get_attribute("data-values")).values())]
     for k, control in enumerate(controls):
         views = set()
+        field = root.locator(f'[data-control="{control["name"]}"]')
+        is_select = field.evaluate("e => e.tagName") == "SELECT"
         for i in sorted({0, sizes[k] // 2, sizes[k] - 1}):
-            field = root.locator(f'[data-control="{control["name"]}"]')
-            if field.evaluate("e => e.tagName") == "SELECT":
+            if is_select:
                 field.select_option(str(i))
             else:
                 field.fill(str(i))
@@ -179,18 +196,18 @@ def drive(page, root) -> None:
             index = 0
             for j, size in zip(current, sizes):
                 index = index * size + j
-            assert root.get_attribute("data-state") == str(index)
+            shown = root.evaluate(SHOWN)
+            assert shown["views"] == 1
+            assert shown["state"] == str(index)
             state = data["states"][index]
-            assert json.loads(root.get_attribute("data-metrics")) == state["metrics"]
-            shown = json.loads(root.get_attribute("data-values"))
-            assert shown[control["name"]] == control["values"][i]
-            view = root.locator(".mx-view")
-            inner = view.inner_html()
+            assert json.loads(shown["metrics"]) == state["metrics"]
+            values = json.loads(shown["values"])
+            assert values[control["name"]] == control["values"][i]
+            inner = shown["inner"]
             assert inner.strip(), f"{control['name']}={control['values'][i]} shows nothing"
-            text = view.inner_text()
+            text = shown["text"]
             assert not re.search(r"\b(nan|NaN|Traceback|Error)\b", text), text[:200]
-            drawn = view.evaluate(
-                "v => [...v.querySelectorAll('img')].every(i => i.complete && i.naturalWidth > 0)")
+            drawn = shown["drawn"]
             assert drawn, f"an image of {control['name']}={control['values'][i]} did not load"
             views.add(inner)
         if sizes[k] > 1:

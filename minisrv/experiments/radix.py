@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from minisrv.checks import check_int
 from minisrv.engine import Engine, RunResult
+from minisrv.experiments.batching import alone_outputs
 from minisrv.request import Req
 from minisrv.scheduler import hit_rate
 from minisrv.workloads import Workload, chat_sessions_workload
@@ -39,11 +40,25 @@ __all__ = [
 
 
 def serve_with_cache(model: Any, workload: Workload, cache: str, kv_capacity: int = 4000,
-                     max_running: int = 8, **options: Any) -> tuple[Engine, RunResult]:
-    """Replay ``workload`` on a fresh engine with ``cache`` ("radix" or "none")."""
+                     max_running: int = 8, served: dict | None = None,
+                     **options: Any) -> tuple[Engine, RunResult]:
+    """Replay ``workload`` on a fresh engine with ``cache`` ("radix" or "none").
+
+    ``served``: the runs made so far, by everything that decides one (the cache, pool, cap,
+    options and the workload's requests); a run found there is returned, not served again
+    (a fresh engine serves the same workload the same way, step for step), a new one is
+    added. Callers read what they get and change nothing of it."""
+    key = (cache, kv_capacity, max_running, tuple(sorted(options.items())),
+           tuple(map(tuple, workload.prompts)), tuple(workload.output_lens),
+           tuple(workload.arrivals)) if served is not None else None
+    if served is not None and key in served:
+        return served[key]
     engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, cache=cache,
                     **options)
-    return engine, engine.run_workload(workload)
+    result = engine, engine.run_workload(workload)
+    if served is not None:
+        served[key] = result
+    return result
 
 
 class ServedRequest(NamedTuple):
@@ -65,20 +80,21 @@ def serve_step(engine: Engine, prompt: Sequence[int], max_new_tokens: int) -> Se
 
 
 def cache_comparison(model: Any, workloads: Mapping[str, Workload], kv_capacity: int = 4000,
-                     max_running: int = 8) -> pd.DataFrame:
+                     max_running: int = 8, served: dict | None = None) -> pd.DataFrame:
     """Each workload served twice, without and with the radix cache: prompt tokens, tokens
     prefilled each way, the hit rate (a percentage) and ``outputs as alone``, the requests
-    whose output equals the request generated alone in both runs ("16/16")."""
+    whose output equals the request generated alone in both runs ("16/16"; ``alone_outputs``,
+    each prompt generated once per model). ``served``: as ``serve_with_cache`` takes it."""
     rows = []
     for name, workload in workloads.items():
         plain_engine, plain = serve_with_cache(model, workload, "none", kv_capacity,
-                                               max_running)
+                                               max_running, served)
         radix_engine, radix = serve_with_cache(model, workload, "radix", kv_capacity,
-                                               max_running)
+                                               max_running, served)
         same = 0
-        for a, b in zip(plain.requests, radix.requests, strict=True):
-            alone = model.reference_generate(a.prompt, a.params.max_new_tokens)
-            same += list(a.output) == list(b.output) == list(alone)
+        alone = alone_outputs(model, workload)
+        for a, b, c in zip(plain.requests, radix.requests, alone, strict=True):
+            same += list(a.output) == list(b.output) == list(c)
         rows.append({
             "workload": name,
             "requests": len(workload),
@@ -99,11 +115,13 @@ def per_turn_hit_rates(reqs: Sequence[Any], n_sessions: int) -> list[float]:
 
 
 def capacity_sweep(model: Any, workload: Workload, capacities: Sequence[int],
-                   max_running: int = 8, progress: bool = False) -> pd.DataFrame:
-    """Hit rate and tokens prefilled when ``workload`` runs with each KV pool size."""
+                   max_running: int = 8, progress: bool = False,
+                   served: dict | None = None) -> pd.DataFrame:
+    """Hit rate and tokens prefilled when ``workload`` runs with each KV pool size
+    (``served``: as ``serve_with_cache`` takes it)."""
     rows = []
     for capacity in tqdm(capacities, desc="pool sizes", leave=False, disable=not progress):
-        engine, _ = serve_with_cache(model, workload, "radix", capacity, max_running)
+        engine, _ = serve_with_cache(model, workload, "radix", capacity, max_running, served)
         rows.append({"kv capacity": capacity, "hit rate": round(engine.stats.hit_rate, 3),
                      "prefilled": engine.stats.prefill_tokens,
                      "retractions": engine.stats.retractions})
@@ -146,7 +164,7 @@ def chat_workload(model: Any, tok: Any, sessions: int, turns: int,
 
 def chat_capacity_run(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
                       turns: int = 4, built: dict | None = None, alone: dict | None = None,
-                      check: bool = True) -> ChatCapacityRun:
+                      check: bool = True, served: dict | None = None) -> ChatCapacityRun:
     """Serve ``sessions`` chats of ``turns`` turns with the radix cache in a pool of
     ``capacity`` tokens: the hit rate of each turn and overall, and (``check``) how many
     outputs equal the request generated alone.
@@ -154,22 +172,27 @@ def chat_capacity_run(model: Any, tok: Any, capacity: int = 400, sessions: int =
     ``built``: chats already built, as ``chat_workload`` takes them (new ones are added).
     ``alone``: each request's output generated alone, by (prompt, max_new_tokens); missing
     ones are generated and added, so runs of the same chats in other pools check for free.
+    Left out, ``alone_outputs``'s runs for the model are used (each prompt generated once
+    for every caller). ``served``: as ``serve_with_cache`` takes it.
     """
     built = {} if built is None else built
-    alone = {} if alone is None else alone
-    _, run = serve_with_cache(model, chat_workload(model, tok, sessions, turns, built),
-                              "radix", capacity)
+    workload = chat_workload(model, tok, sessions, turns, built)
+    _, run = serve_with_cache(model, workload, "radix", capacity, served=served)
     rates = per_turn_hit_rates(run.requests, sessions) + [request_hit_rate(run.requests)]
     labels = [f"turn {t + 1}" for t in range(turns)] + ["all turns"]
     table = pd.DataFrame({"hit rate": [f"{r:.1%}" for r in rates]}, index=labels).T
     identical = -1
     if check:
-        identical = 0
-        for req in run.requests:
-            key = (tuple(req.prompt), req.params.max_new_tokens)
-            if key not in alone:
-                alone[key] = model.reference_generate(req.prompt, req.params.max_new_tokens)
-            identical += list(req.output) == list(alone[key])
+        if alone is None:
+            reference = alone_outputs(model, workload)
+        else:
+            for req in run.requests:
+                key = (tuple(req.prompt), req.params.max_new_tokens)
+                if key not in alone:
+                    alone[key] = model.reference_generate(req.prompt, req.params.max_new_tokens)
+            reference = [alone[tuple(r.prompt), r.params.max_new_tokens] for r in run.requests]
+        identical = sum(list(req.output) == list(ref)
+                        for req, ref in zip(run.requests, reference, strict=True))
     return ChatCapacityRun(table, rates, len(run.requests), identical)
 
 

@@ -329,10 +329,10 @@ def plot_capacity_sweep(sweep: pd.DataFrame, title: str = "") -> BookFigure:
 
 
 def _checked_chat_run(model: Any, tok: Any, capacity: int, sessions: int, turns: int,
-                      built: dict, alone: dict):
+                      built: dict, served: dict | None):
     """``chat_capacity_run``, stopped by an error when an output differs from its request
     generated alone: a page or widget shows hit rates only of runs that served right."""
-    run = chat_capacity_run(model, tok, capacity, sessions, turns, built, alone)
+    run = chat_capacity_run(model, tok, capacity, sessions, turns, built, served=served)
     if run.identical != run.requests:
         differ = run.requests - run.identical
         raise AssertionError(f"pool {capacity}, {sessions} sessions: {differ} outputs differ")
@@ -347,7 +347,7 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     from IPython.display import display
 
     built = {} if built is None else built
-    alone: dict = {}
+    served: dict = {}  # a state visited again is not served again
     controls = {
         "capacity": slider(capacity, 250, 2000, "KV capacity (tokens)", step=50),
         "sessions": slider(sessions, 1, 12, "sessions"),
@@ -355,7 +355,7 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     }
 
     def redraw(capacity: int, sessions: int, turns: int) -> None:
-        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, alone)
+        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, served)
         display(run.table)
 
     return panel(redraw, controls, per_row=3)
@@ -369,7 +369,7 @@ CHAT_SESSIONS = (1, 2, 4, 6, 8)
 
 
 def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: int = 8,
-                           turns: int = 4, built: dict | None = None,
+                           turns: int = 4, built: dict | None = None, served: dict | None = None,
                            capacities: Sequence[int] = CHAT_CAPACITIES,
                            session_counts: Sequence[int] = CHAT_SESSIONS) -> Explorer:
     """``chat_capacity_widget`` for the page: chats of ``turns`` turns served by
@@ -379,15 +379,14 @@ def chat_capacity_explorer(model: Any, tok: Any, capacity: int = 400, sessions: 
 
     All states serve parts of one chat (``chat_workload``: the largest one, from ``built``
     when it is there), so the answers are generated once, and each request is generated
-    alone once however many states serve it.
+    alone once however many states serve it; ``served``: as ``serve_with_cache`` takes it.
     """
     built = {} if built is None else built
-    alone: dict = {}
     counts = sorted(session_counts)
     chat_workload(model, tok, counts[-1], turns, built)  # every state is a part of this one
 
     def draw(capacity: int, sessions: int) -> Frame:
-        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, alone)
+        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, served)
         numbers = dict(zip(run.table.columns, run.hit_rates))
         return Frame([run.table], {**numbers, "requests checked": run.requests},
                      caption=f"{sessions} session{'s' * (sessions != 1)} x {turns} turns "
