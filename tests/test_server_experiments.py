@@ -250,7 +250,7 @@ def test_rate_sweep_reports_its_rounds_of_admission():
     tok = Tokenizer()
     prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
                                                                   n=32)]
-    names = ("FCFS, SGLang's order", "LPM")
+    names = ("FCFS lock-first (SGLang)", "LPM")
     sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
                               kv_capacity=2000, max_running=16)
     assert (1 <= sweep["mean round"]).all()
@@ -391,6 +391,40 @@ def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     assert html.count("LPM, radix serves the most") == 1  # 512 requests/s
 
 
+def test_the_rate_caption_calls_goodputs_within_five_percent_alike():
+    """At 48 requests/s the caption said "LPM serves the most" for 46.6 against 45.6 requests/s
+    meeting the target, a difference well inside the runs' spread; within 5% is now alike."""
+    import pandas as pd
+
+    from minisrv.viz.server import _verdict
+
+    assert _verdict(pd.Series({"LPM": 46.6, "FCFS lock-first (SGLang)": 45.6})) == (
+        "both serve alike (within 5%)")
+    three = pd.Series({"FCFS allocate-each": 20.0, "FCFS lock-first (SGLang)": 45.6, "LPM": 46.6})
+    assert _verdict(three) == "FCFS lock-first (SGLang) and LPM serve alike (within 5%), the most"
+    assert _verdict(pd.Series({"FCFS allocate-each": 20.0, "LPM": 46.6})) == "LPM serves the most"
+
+
+def test_the_rate_explorer_labels_the_ringed_point_with_its_rate():
+    """The text promises a label on the chosen rate's point, but the figure labels only the
+    lowest, middle and highest rates: a ring at another rate stood unnamed. Each ring at such
+    a rate now carries its rate; at a labelled rate the figure's own label suffices."""
+    pytest.importorskip("matplotlib")
+    from minisrv.experiments.server import policy_rate_sweep, prefix_heavy_requests
+    from minisrv.tokenizer import Tokenizer
+    from minisrv.viz.server import rate_explorer
+
+    tok = Tokenizer()
+    prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
+                                                                  n=32)]
+    configs = {"LPM": {"policy": "lpm", "cache": "radix"},
+               "FCFS allocate-each": {"policy": "fcfs", "cache": "radix"}}
+    sweep = policy_rate_sweep(prompts, 8, (4.0, 16.0, 64.0, 512.0), configs, kv_capacity=2000)
+    html = rate_explorer(sweep, (20.0,), rate=16.0, ttft_slo_ms=20.0).html
+    labels = re.findall(r'sans-serif;color:#[0-9a-f]{6}\\?">([0-9.]+)<', html)
+    assert sorted(labels) == ["16", "16"]  # one per configuration's ring; 4, 64, 512 labelled
+
+
 def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_names_them_as_its_legend_does():
     """With FCFS in minisrv's order and in SGLang's order both swept, the table's columns were
     named by the policy alone, so the two FCFS columns collided, and a tie of three read
@@ -405,7 +439,7 @@ def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_names_them_as_its_leg
     tok = Tokenizer()
     prompts = [tok.encode(r.prompt) for r in prefix_heavy_requests(groups=4, prefix_len=400,
                                                                   n=32)]
-    names = ("FCFS, allocate-each", "FCFS, SGLang's order", "LPM")
+    names = ("FCFS allocate-each", "FCFS lock-first (SGLang)", "LPM")
     sweep = policy_rate_sweep(prompts, 8, (4.0, 512.0), {n: SIM_CONFIGS[n] for n in names},
                               kv_capacity=2000)
     body = _rate_table(sweep, 4.0, 200.0).split("<tbody>")[1]
@@ -432,10 +466,10 @@ def test_the_rate_figure_writes_one_label_where_the_curves_coincide():
     from minisrv.viz.server import _SAME_POINT_PX, SHARED_LABEL, plot_policy_rate_sweep
 
     rates = (16.0, 32.0, 48.0, 96.0, 128.0, 192.0)
-    curves = {"FCFS, allocate-each": ([250, 500, 640, 670, 671, 672], [41, 163, 441, 1640, 1967,
+    curves = {"FCFS allocate-each": ([250, 500, 640, 670, 671, 672], [41, 163, 441, 1640, 1967,
                                                                         2294]),
-              "FCFS, SGLang's order": ([250, 501, 700, 1130, 1150, 1152], [41, 84, 183, 399, 701,
-                                                                          1027]),
+              "FCFS lock-first (SGLang)": ([250, 501, 700, 1130, 1150, 1152],
+                                           [41, 84, 183, 399, 701, 1027]),
               "LPM": ([250, 502, 730, 1390, 1690, 2100], [41, 96, 149, 686, 620, 681])}
     sweep = _curves_sweep(rates, curves)
     fig = plot_policy_rate_sweep(sweep, 200.0)
@@ -546,7 +580,7 @@ def test_request_timelines_are_the_sweep_s_point_request_by_request():
 
 def test_the_waterfall_draws_three_phases_per_request_that_sum_to_its_latency():
     pytest.importorskip("matplotlib")
-    from minisrv.viz.server import plot_request_waterfall
+    from minisrv.viz.server_waterfall import plot_request_waterfall
 
     timelines = _timelines(512.0)
     fig = plot_request_waterfall(timelines, [8, 9, 10])

@@ -219,19 +219,19 @@ def prefix_heavy_requests(groups: int = 8, prefix_len: int = 800, n: int = 64,
 
 SIM_CONFIGS: dict[str, dict[str, str]] = {
     "LPM": {"policy": "lpm", "cache": "radix"},
-    "FCFS, allocate-each": {"policy": "fcfs", "cache": "radix"},
-    "FCFS, SGLang's order": {"policy": "fcfs", "cache": "radix",
-                             "admission_order": "lock-round-first"},
-    "FCFS, no cache": {"policy": "fcfs", "cache": "none"},
+    "FCFS allocate-each": {"policy": "fcfs", "cache": "radix"},
+    "FCFS lock-first (SGLang)": {"policy": "fcfs", "cache": "radix",
+                                 "admission_order": "lock-round-first"},
+    "FCFS no-cache": {"policy": "fcfs", "cache": "none"},
 }
 """The engine options ``sim_server_runs`` compares, named as the page, its tables and its
-figures name them: all but ``"FCFS, no cache"`` use the radix cache (LPM without one would be
-FCFS). ``"FCFS, allocate-each"`` is minisrv's default order, which allocates KV for (and evicts
-for) each request as it admits it; SGLang's order locks a round's prefixes before it allocates
-for any (``admission_order``)."""
+figures name them: all but ``"FCFS no-cache"`` use the radix cache (LPM without one would be
+FCFS). ``"FCFS allocate-each"`` is minisrv's default order, which allocates KV for (and evicts
+for) each request as it admits it; SGLang's order (lock-first) locks a round's prefixes before
+it allocates for any (``admission_order``)."""
 
-_SHOWN_ORDER: tuple[str, ...] = ("FCFS, no cache", "FCFS, allocate-each", "FCFS, SGLang's order",
-                                 "LPM")
+_SHOWN_ORDER: tuple[str, ...] = ("FCFS no-cache", "FCFS allocate-each",
+                                 "FCFS lock-first (SGLang)", "LPM")
 """The rows of ``sim_server_runs``, from no cache to LPM: the runs take turns in
 ``SIM_CONFIGS``'s order, the table reads best from the plainest server up."""
 

@@ -1,7 +1,7 @@
 """Plots for the server chapter: the repeated runs of ``sim_server_runs`` with their spread,
 the latency-throughput curves and goodput of ``policy_rate_sweep``, and an explorer (with its kernel
-widget) over the request rate and the TTFT target, and ``request_timelines``' requests as bars
-in time (``plot_request_waterfall``).
+widget) over the request rate and the TTFT target (the requests as bars in time are in
+``minisrv.viz.server_waterfall``).
 
 Reads the tables of ``minisrv.experiments.server``; nothing in the serving core imports this
 module. The sequence diagram of one request (``request_sequence``) is drawn here too.
@@ -9,7 +9,6 @@ module. The sequence diagram of one request (``request_sequence``) is drawn here
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,11 +21,10 @@ from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
-__all__ = ["plot_policy_rate_sweep", "plot_request_waterfall", "plot_spread", "rate_explorer",
-           "rate_widget"]
+__all__ = ["plot_policy_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
 
 _HIGHLIGHT = "#4c72b0"
-_COLORS = {"LPM": "#4c72b0", "FCFS, allocate-each": "#dd8452", "FCFS, no cache": "#55a868"}
+_COLORS = {"LPM": "#4c72b0", "FCFS allocate-each": "#dd8452", "FCFS no-cache": "#55a868"}
 
 
 def _spread_bars(ax: Any, repeated: pd.DataFrame, metric: str) -> None:
@@ -203,11 +201,33 @@ def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
     vertical line at the rate on the goodput panel (right). The explorer draws the figure once
     per target; once per target and rate would cost seven times the drawing."""
     left, right = fig.axes
-    return {rate: "".join([*(marks.ring(fig, left, sweep.loc[(name, rate), "out tok/s"],
-                                        sweep.loc[(name, rate), "ttft p99 (ms)"], MARK_COLOR)
-                             for name in sweep.index.unique(level=0)),
+    labelled = _labelled_rates(sweep.index.unique(level=1))
+    return {rate: "".join([*(marks.ring(fig, left, x, y, MARK_COLOR)
+                             + ("" if rate in labelled else _ring_label(fig, left, x, y, rate))
+                             for x, y in sweep.xs(rate, level=1)[["out tok/s", "ttft p99 (ms)"]]
+                             .itertuples(index=False)),
                            marks.vline(fig, right, rate, MARK_COLOR), marks.CLOSE])
             for rate in sweep.index.unique(level=1)}
+
+
+def _ring_label(fig: BookFigure, ax: Any, x: float, y: float, rate: float) -> str:
+    """The rate written beside its ring, above and to the right, where the figure labels
+    only the lowest, middle and highest rates (``_labelled_rates``)."""
+    left, top = marks._place(fig, ax, x, y)
+    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;margin:-24px 0 0 '
+            f'9px;font:bold 11px sans-serif;color:{MARK_COLOR}">{rate:g}</div>')
+
+
+def _verdict(goodputs: pd.Series) -> str:
+    """Which configurations of ``goodputs`` (name -> requests per second meeting the target, as
+    the caption prints them) serve the most: those within 5% of the highest serve alike, so
+    46.6 against 45.6 reads as a tie, not as a winner."""
+    near = [name for name, v in goodputs.items() if v >= 0.95 * goodputs.max()]
+    if len(near) == len(goodputs):
+        return f"{'both' if len(near) == 2 else 'all'} serve alike (within 5%)"
+    if len(near) == 1:
+        return f"{near[0]} serves the most"
+    return f"{' and '.join(near)} serve alike (within 5%), the most"
 
 
 def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
@@ -232,9 +252,7 @@ def rate_explorer(sweep: pd.DataFrame, slos_ms: Sequence[float], rate: float,
         numbers |= {f"ttft p99 {name}": float(v)
                     for name, v in sweep.xs(rate, level=1)["ttft p99 (ms)"].items()}
         shown = good.map("{:.1f}".format)  # as the caption prints them: ties read as ties
-        best = shown.astype(float).idxmax()
-        verdict = (f"{'both' if len(shown) == 2 else 'all'} serve alike" if shown.nunique() == 1
-                   else f"{best} serves the most")
+        verdict = _verdict(shown.astype(float))
         caption = (f"{rate:g} requests/s offered, TTFT target {ttft_slo_ms:g} ms: "
                    + ", ".join(f"{name} {v}" for name, v in shown.items())
                    + f" requests/s meet it; {verdict}.")
@@ -270,47 +288,6 @@ def rate_widget(sweep: pd.DataFrame, rate: float, ttft_slo_ms: float) -> Any:
         display(HTML(_rate_table(sweep, rate, ttft_slo_ms)))
 
     return panel(redraw, controls)
-
-
-# ------------------------------------------------------------ requests as bars in time
-_PHASES = {"queued": "#c8c8c8", "prefill": "#dd8452", "decode": "#4c72b0"}
-
-
-@styled
-def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> BookFigure:
-    """One panel per configuration of ``request_timelines``, one horizontal bar per request
-    of ``rids``: queued (arrival to its prefill step), prefill (to its first token, the black
-    diamond) and decode (to its last token), each token a white tick, so TTFT is the length
-    up to the diamond and the inter-token times are the gaps between ticks. Time counts from
-    the first of the shown requests' arrivals."""
-    names = list(timelines.index.unique(level=0))
-    rows = [timelines.xs(name, level=0).loc[list(rids)] for name in names]
-    start = min(float(r["arrival (ms)"].min()) for r in rows)
-    fig, axes = page_figure(1.3 + len(names) * (0.45 + 0.28 * len(rids)), rows=len(names),
-                            sharex=True, squeeze=False)
-    for ax, name, frame in zip(axes[:, 0], names, rows, strict=True):
-        for y, (_, req) in enumerate(frame.iterrows()):
-            edges = [req["arrival (ms)"], req["admitted (ms)"], req["first token (ms)"],
-                     req["finish (ms)"]]
-            for (phase, color), (a, b) in zip(_PHASES.items(), itertools.pairwise(edges),
-                                              strict=True):
-                ax.barh(y, b - a, left=a - start, height=0.7, color=color,
-                        label=phase if y == 0 else None)
-            ticks = np.array(req["token times (ms)"][1:]) - start
-            ax.plot(ticks, [y] * len(ticks), "|", color="white", ms=7, mew=0.8)
-            ax.plot(edges[2] - start, y, "D", color="black", ms=4,
-                    label="first token" if y == 0 else None)
-        ttft = frame["first token (ms)"] - frame["arrival (ms)"]
-        ax.set_yticks(range(len(frame)), [f"r{rid}" for rid in frame.index])
-        ax.set_ylim(len(frame) - 0.5, -0.5)
-        ax.grid(axis="x", alpha=0.3)
-        label_axes(ax, f"{name}: TTFT of these requests {ttft.min():,.0f} to "
-                       f"{ttft.max():,.0f} ms")
-    axes[-1, 0].set_xlabel("simulated time since the first of them arrived (ms)")
-    handles = dict(zip(*reversed(axes[0, 0].get_legend_handles_labels()), strict=True))
-    order = [*_PHASES, "first token"]  # in the order a request goes through them
-    fig.legend([handles[k] for k in order], order, loc="outside upper center", ncol=len(order))
-    return fig
 
 
 # ------------------------------------------------------------ one request through the server
