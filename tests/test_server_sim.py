@@ -124,7 +124,7 @@ def test_sim_server_runs_serve_every_configuration_each_run() -> None:
     assert sorted(runs.index.get_level_values(0).unique()) == sorted(SIM_CONFIGS)
     assert sorted(runs.index.get_level_values(1).unique()) == [0, 1]
     assert (runs["completed"] == 8).all() and (runs["failed"] == 0).all()
-    assert (runs.xs("FCFS, no cache", level=0)["hit rate"] == 0).all()
+    assert (runs.xs("FCFS no-cache", level=0)["hit rate"] == 0).all()
     assert (runs.xs("LPM", level=0)["hit rate"] > 0).all()  # later groups' turns hit
     # the simulated H100 was busy for part of each bench, never longer than the bench lasted
     assert (runs["device busy (s)"] > 0).all()
