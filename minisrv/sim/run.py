@@ -47,11 +47,12 @@ def simulate(
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off meanwhile, back on after if it was on.
 
-    A simulated run makes hundreds of thousands of objects (requests, token lists, step
-    records) that live until it ends and almost no cycles (a few thousand objects for a
-    2,000-request cluster, freed at the next collection after it): the collections during a
-    run find nothing, yet each traverses the young objects and every tenth of them the whole
-    heap, a fifth of a routing sweep's CPU time. Refcounting still frees everything else.
+    A run makes hundreds of thousands of objects (requests, token lists, step records) that
+    live until it ends and almost no cycles (a few thousand objects for a 2,000-request
+    cluster, freed at the first collection after it): the collections during a run find next
+    to nothing, yet each traverses the young objects, and the full ones the whole heap with
+    the chapter's earlier runs in it (a tenth of chapter 06's explorer's CPU time).
+    Refcounting still frees everything else meanwhile.
     """
     was_on = gc.isenabled()
     gc.disable()
