@@ -31,6 +31,22 @@ def workload(n: int = 7, seed: int = 0) -> tuple[list[list[int]], list[float]]:
     return prompts, [2.0 * i for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def alone(model):
+    """``model.reference_generate``, each (prompt, arguments) computed once per module: the
+    parametrized tests below check the same prompts against each request alone in every
+    combination, and generating one alone gives the same tokens every time."""
+    kept: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], max_new_tokens: int, **options) -> list[int]:
+        key = (tuple(prompt), max_new_tokens, tuple(sorted(options.items())))
+        if key not in kept:
+            kept[key] = model.reference_generate(prompt, max_new_tokens, **options)
+        return kept[key]
+
+    return generate
+
+
 def serve_checked(engine: Engine, reqs: list[Req], budget: int) -> None:
     """Step to the end, checking the books and the budget after every step."""
     sched = engine.scheduler
@@ -48,19 +64,20 @@ def serve_checked(engine: Engine, reqs: list[Req], budget: int) -> None:
 @pytest.mark.parametrize("mode", CHUNK_MODES)
 @pytest.mark.parametrize("cache", ["none", "radix"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_chunked_outputs_equal_each_request_alone(model, budget, mode, cache, overlap) -> None:
+def test_chunked_outputs_equal_each_request_alone(model, alone, budget, mode, cache,
+                                                  overlap) -> None:
     prompts, arrivals = workload()
     engine = Engine(model, kv_capacity=300, max_running=2, mode=mode, cache=cache,
                     overlap=overlap, chunked_prefill_size=budget)
     reqs = engine.make_requests(prompts, 10, None, arrivals)
     serve_checked(engine, reqs, budget)
-    assert [r.output for r in reqs] == [model.reference_generate(p, 10) for p in prompts]
+    assert [r.output for r in reqs] == [alone(p, 10) for p in prompts]
     assert any(r.prefill_tokens == budget for r in engine.trace)  # prompts were cut
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", CHUNK_MODES)
-def test_chunked_outputs_hold_under_every_policy(model, policy, mode) -> None:
+def test_chunked_outputs_hold_under_every_policy(model, alone, policy, mode) -> None:
     prompts, arrivals = workload(seed=1)
     engine = Engine(model, kv_capacity=300, max_running=3, mode=mode, cache="radix",
                     policy=policy, seed=0, chunked_prefill_size=6)
@@ -68,7 +85,7 @@ def test_chunked_outputs_hold_under_every_policy(model, policy, mode) -> None:
     reqs = engine.make_requests(prompts, None, params, arrivals)
     serve_checked(engine, reqs, 6)
     for req, prompt, p in zip(reqs, prompts, params, strict=True):
-        assert req.output == model.reference_generate(prompt, 8, temperature=0.8, seed=p.seed)
+        assert req.output == alone(prompt, 8, temperature=0.8, seed=p.seed)
 
 
 prefix_lists, specs = prefix_sharing(max_prefix=20, max_suffix=8, max_new=10, max_arrival=8)

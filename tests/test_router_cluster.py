@@ -136,3 +136,25 @@ def test_real_cluster_equals_each_request_alone(model, policy: str) -> None:
         assert len({(p[:20] == prompts[0][:20], w)
                     for p, w in zip(prompts, result.workers, strict=True)}) == 2
         assert result.hit_rate > 0.5
+
+
+def test_a_run_pauses_the_collector_and_gives_it_back_as_it_found_it() -> None:
+    """``collector_paused`` (around every simulated and cluster run): off meanwhile, on again
+    after, also after an error, and left off by a run when something else had turned it off."""
+    import gc
+
+    from minisrv.sim.run import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="mid-run"), collector_paused():
+        raise RuntimeError("mid-run")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate_cluster(small_workload(8, 2, 10, None, 50.0, 0), 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -8,7 +8,6 @@ import pytest
 from minisrv.experiments.chunked import (
     CHUNK_SIZES,
     chunk_runs,
-    chunk_sweep,
     chunk_table,
     long_prompt_workload,
 )
@@ -23,18 +22,24 @@ def sweep():
 
 
 @pytest.fixture(scope="module")
+def other():
+    """The runs of the explorer's other mix, served apart from it (to check its 50% states,
+    and the gap panel's range across mixes), once for both tests."""
+    return chunk_runs(workload=long_prompt_workload(n=N, long_share=0.5))
+
+
+@pytest.fixture(scope="module")
 def explorer(sweep):
     """The explorer over two mixes, built once: its 50% states serve a workload of their own
     (the 20% states are the sweep's runs)."""
     return vc.chunk_explorer(sweep, long_share=0.2, shares=(0.2, 0.5), n=N)
 
 
-def test_each_state_is_the_sweep_s_run_at_its_values(sweep, explorer) -> None:
+def test_each_state_is_the_sweep_s_run_at_its_values(sweep, other, explorer) -> None:
     ex = explorer
     assert ex.default == {"chunk": 2048, "share": 0.2}
-    other = chunk_sweep(workload=long_prompt_workload(n=N, long_share=0.5)).set_index("chunk")
-    mine = chunk_table(sweep).set_index("chunk")
-    for share, table in ((0.2, mine), (0.5, other)):
+    mine, theirs = (chunk_table(runs).set_index("chunk") for runs in (sweep, other))
+    for share, table in ((0.2, mine), (0.5, theirs)):
         for size in CHUNK_SIZES:
             state = ex.metrics(chunk=size, share=share)
             row = table.loc[size]
@@ -103,10 +108,9 @@ def test_the_step_table_has_one_header_row() -> None:
     assert table.loc[1].tolist() == ["long", 14, "chat JP, chat DE", "16 / 16"]
 
 
-def test_the_gap_panel_keeps_one_range_across_mixes(sweep) -> None:
+def test_the_gap_panel_keeps_one_range_across_mixes(sweep, other) -> None:
     """An explorer's frames share the first frame's axes, so the gap panel's range must not
     follow each mix's worst gap: a tick label of another width ("1000") was clipped."""
-    other = chunk_runs(workload=long_prompt_workload(n=N, long_share=0.5))
     limits = [vc.plot_chunk_choice(runs, 2048).axes[0].get_ylim() for runs in (sweep, other)]
     assert limits[0] == pytest.approx(limits[1])
     worst = max(chunk_table(runs)["max_itl"].max() for runs in (sweep, other))

@@ -27,6 +27,7 @@ from minisrv.request import Req
 from minisrv.router.policy import Router
 from minisrv.sampling import SamplingParams
 from minisrv.sim import SimBackend
+from minisrv.sim.run import collector_paused
 from minisrv.workloads import Workload
 
 __all__ = ["ClusterResult", "run_cluster", "simulate_cluster", "serve_cluster"]
@@ -85,7 +86,8 @@ def run_cluster(engines: Sequence[Engine], router: Router, workload: Workload) -
     loop = _ClusterLoop(engines, router, workload)
     for req in loop.pending:  # a request no worker could serve fails here, before any runs;
         engines[0].scheduler.check(req)  # so routing later adds it without a second check
-    loop.run()
+    with collector_paused():  # see there: a cluster's run makes almost no cycles
+        loop.run()
     return loop.result()
 
 def simulate_cluster(

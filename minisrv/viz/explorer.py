@@ -317,10 +317,15 @@ def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequ
     count = math.prod(len(c.values) for c in made)
     if count > MAX_STATES:
         raise ValueError(f"{count} states is more than {MAX_STATES}: choose fewer values")
+    from minisrv.sim.run import collector_paused
+
     frames = {}
-    for key in itertools.product(*(c.values for c in made)):
-        frame = draw(**dict(zip(names, key)))
-        if not isinstance(frame, Frame):
-            raise TypeError(f"draw must return a Frame, got {type(frame).__name__}")
-        frames[key] = frame
-    return Explorer(made, frames, live=live, title=title)
+    # Every frame's runs and figures live until the page is rendered, and the collections
+    # meanwhile would only traverse them again (see ``collector_paused``).
+    with collector_paused():
+        for key in itertools.product(*(c.values for c in made)):
+            frame = draw(**dict(zip(names, key)))
+            if not isinstance(frame, Frame):
+                raise TypeError(f"draw must return a Frame, got {type(frame).__name__}")
+            frames[key] = frame
+        return Explorer(made, frames, live=live, title=title)
