@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -340,6 +342,40 @@ def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores(
     # the legend names only the tile kinds the strips hold (no full tile in a decode strip)
     legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
     assert legend == ["partial tile", "scores a request needs"]
+
+
+@pytest.mark.parametrize("context", [100, 256, 300, 1500, 2000, 8192])
+def test_split_decode_figure_draws_the_pieces_kv_splits_makes(context) -> None:
+    """The split-KV figure: as many pieces as kv_splits gives the context, end to end over
+    its keys, each one the kernel's piece length (rounded up to its block of keys) but the
+    last, and one partial output per piece; a figure that cut the context evenly, or drew a
+    fixed number of pieces, would fail."""
+    import torch
+
+    from minisrv.runner.attention.splits import kv_splits
+    from minisrv.viz.gpu import DECODE_PIECE_ROUND, plot_split_decode
+
+    fig = plot_split_decode(context)
+    pieces = sorted((p.get_x(), p.get_x() + p.get_width()) for p in fig.axes[0].patches
+                    if p.get_gid() == "piece")
+    n = int(kv_splits(torch.tensor([context]))[0])
+    assert len(pieces) == n
+    assert pieces[0][0] == 0 and pieces[-1][1] == context
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    lengths = {hi - lo for lo, hi in pieces[:-1]}
+    assert all(length % DECODE_PIECE_ROUND == 0 for length in lengths) and len(lengths) <= 1
+    assert sum(f"$o_{i}$" in t.get_text() for t in fig.axes[0].texts for i in range(n)) == n
+    assert f"{n} pieces" in fig.axes[0].get_title(loc="left")
+
+
+def test_split_pieces_use_the_decode_kernels_block() -> None:
+    """The figure's rounding is the Triton kernel's own block of keys (where triton, and so
+    the kernel module, can be imported)."""
+    pytest.importorskip("triton")
+    from minisrv.runner.attention.triton_ops import DECODE_BLOCK_N
+    from minisrv.viz.gpu import DECODE_PIECE_ROUND
+
+    assert DECODE_PIECE_ROUND == DECODE_BLOCK_N
 
 
 def test_step_times_table_shows_each_recorded_step_under_the_call_that_took_it() -> None:

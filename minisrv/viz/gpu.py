@@ -8,6 +8,8 @@ controls, beside the same measurement, with the chosen batch marked on both pane
 ``plot_block_mask`` draws the tiles the ragged
 attention call computes for one step, so the page shows the block mask it counts, and
 ``plot_decode_block_masks`` draws its weak case: decodes sharing one query tile.
+``plot_split_decode`` draws the Triton decode kernel's answer to it: one request's context
+cut into pieces that run side by side, merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
 from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
+from minisrv.runner.attention.splits import kv_splits
 from minisrv.viz import marks
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
@@ -39,7 +43,8 @@ from minisrv.viz.style import (
 
 __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
-           "plot_decode_block_masks", "plot_step_times_vs_roofline", "step_times_table"]
+           "plot_decode_block_masks", "plot_split_decode", "plot_step_times_vs_roofline",
+           "split_pieces", "step_times_table"]
 
 GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
 """Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
@@ -52,6 +57,9 @@ TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 ATTENTION_LABELS: dict[str, str] = {"flex": "ragged (flex)"}
 """How a legend names an attention backend: the flex_attention call by what it does, as the
 page's tables do (other backends by their own names)."""
+DECODE_PIECE_ROUND = 32
+"""Keys a decode piece's length is rounded up to: the decode kernel's ``DECODE_BLOCK_N``
+(``runner/attention/triton_ops.py``, which a torch without triton cannot import)."""
 MARK_COLOR = "#495057"
 """The chosen batch's mark on the step-time figure: a dark gray no curve of it uses."""
 
@@ -186,6 +194,60 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
                          for name, color in kinds_shown),
                        Line2D([], [], color="black", label="scores a request needs")],
                  ncol=len(kinds_shown) + 1)
+    return fig
+
+
+def split_pieces(context: int) -> list[tuple[int, int]]:
+    """The key ranges ``[lo, hi)`` of the pieces the decode kernel cuts one request's
+    ``context`` keys into: ``kv_splits`` pieces of equal length, rounded up to the kernel's
+    block of ``DECODE_PIECE_ROUND`` keys, as ``_decode_piece_kernel`` computes them; a piece
+    that would start past the context does no work and is left out."""
+    pieces = int(kv_splits(torch.tensor([context]))[0])
+    even = -(-context // pieces)  # ceil(context / pieces), as tl.cdiv
+    per_piece = -(-even // DECODE_PIECE_ROUND) * DECODE_PIECE_ROUND
+    return [(lo, min(lo + per_piece, context)) for lo in range(0, pieces * per_piece, per_piece)
+            if lo < context]
+
+
+@styled
+def plot_split_decode(context: int) -> BookFigure:
+    """One decode's attention as the split-KV kernel runs it: the request's ``context`` keys
+    cut into the pieces of ``split_pieces`` (one program per piece and KV head, side by
+    side), each piece's partial output and log-sum-exp, and the merge that weights each
+    partial output by exp(its log-sum-exp - the total's). The pieces carry the gid
+    ``piece``, so a test can read back what was drawn."""
+    pieces = split_pieces(context)
+    fig, ax = page_figure(3.3)
+    colors = ("#74c0fc", "#4dabf7")
+    y_keys, y_part, y_merge = 2.6, 1.45, 0.25
+    for i, (lo, hi) in enumerate(pieces):
+        ax.add_patch(Rectangle((lo, y_keys), hi - lo, 0.6, facecolor=colors[i % 2],
+                               edgecolor="white", linewidth=1.5, gid="piece"))
+        mid = (lo + hi) / 2
+        ax.text(mid, y_keys + 0.3, f"piece {i}\n{lo:,}-{hi:,}", ha="center", va="center",
+                fontsize="small")
+        ax.annotate("", xy=(mid, y_part + 0.55), xytext=(mid, y_keys),
+                    arrowprops={"arrowstyle": "->", "color": "#495057"})
+        ax.add_patch(Rectangle((lo + 0.08 * (hi - lo), y_part), 0.84 * (hi - lo), 0.55,
+                               facecolor="#ffe8cc", edgecolor="#fd7e14"))
+        ax.text(mid, y_part + 0.275, f"$o_{i}$, $lse_{i}$", ha="center", va="center",
+                fontsize="small")
+        ax.annotate("", xy=(context / 2, y_merge + 0.6), xytext=(mid, y_part),
+                    arrowprops={"arrowstyle": "->", "color": "#adb5bd"})
+    ax.add_patch(Rectangle((0.1 * context, y_merge), 0.8 * context, 0.6, facecolor="#d3f9d8",
+                           edgecolor="#2f9e44"))
+    ax.text(context / 2, y_merge + 0.3,
+            r"merge: $lse = \log \sum_i e^{lse_i}$,  $o = \sum_i e^{lse_i - lse}\, o_i$",
+            ha="center", va="center")
+    for y, what in ((y_keys + 0.3, "keys (a program per\npiece and KV head)"),
+                    (y_part + 0.275, "partial output,\nlog-sum-exp"),
+                    (y_merge + 0.3, "second kernel")):
+        ax.text(-0.02 * context, y, what, ha="right", va="center", fontsize="small")
+    ax.set_xlim(-0.2 * context, 1.01 * context)
+    ax.set_ylim(0, y_keys + 0.7)
+    ax.axis("off")
+    label_axes(ax, f"One decode at context {context:,}: {len(pieces)} pieces side by side, "
+                   "merged by log-sum-exp")
     return fig
 
 
