@@ -352,8 +352,8 @@ def test_split_decode_figure_draws_the_pieces_kv_splits_makes(context) -> None:
     fixed number of pieces, would fail."""
     import torch
 
-    from minisrv.runner.attention.splits import kv_splits
-    from minisrv.viz.gpu import DECODE_PIECE_ROUND, plot_split_decode
+    from minisrv.runner.attention.splits import DECODE_BLOCK_N, kv_splits
+    from minisrv.viz.gpu import plot_split_decode
 
     fig = plot_split_decode(context)
     pieces = sorted((p.get_x(), p.get_x() + p.get_width()) for p in fig.axes[0].patches
@@ -363,19 +363,9 @@ def test_split_decode_figure_draws_the_pieces_kv_splits_makes(context) -> None:
     assert pieces[0][0] == 0 and pieces[-1][1] == context
     assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
     lengths = {hi - lo for lo, hi in pieces[:-1]}
-    assert all(length % DECODE_PIECE_ROUND == 0 for length in lengths) and len(lengths) <= 1
+    assert all(length % DECODE_BLOCK_N == 0 for length in lengths) and len(lengths) <= 1
     assert sum(f"$o_{i}$" in t.get_text() for t in fig.axes[0].texts for i in range(n)) == n
     assert f"{n} pieces" in fig.axes[0].get_title(loc="left")
-
-
-def test_split_pieces_use_the_decode_kernels_block() -> None:
-    """The figure's rounding is the Triton kernel's own block of keys (where triton, and so
-    the kernel module, can be imported)."""
-    pytest.importorskip("triton")
-    from minisrv.runner.attention.triton_ops import DECODE_BLOCK_N
-    from minisrv.viz.gpu import DECODE_PIECE_ROUND
-
-    assert DECODE_PIECE_ROUND == DECODE_BLOCK_N
 
 
 def test_step_times_table_shows_each_recorded_step_under_the_call_that_took_it() -> None:

@@ -23,6 +23,7 @@ from minisrv.engine import Engine
 from minisrv.experiments.radix import chat_workload
 from minisrv.kv.blocks import BlockCache
 from minisrv.metrics import summarize
+from minisrv.runner.attention.splits import DECODE_BLOCK_N
 from minisrv.sampling import SamplingParams
 from minisrv.workloads import Workload
 
@@ -41,8 +42,8 @@ SGLang forces for FlashMLA and TRT-LLM's kernels."""
 BLOCK_SIZE = 16
 """vLLM's default block: the page size its block-hash prefix cache is compared at."""
 
-KEY_TILE = 32
-"""Key positions the Triton decode kernel loads at a time (``triton_ops.DECODE_BLOCK_N``)."""
+KEY_TILE = DECODE_BLOCK_N
+"""Key positions the Triton decode kernel loads at a time."""
 
 KEY_TILES = (KEY_TILE, 128)
 """The tiles ``page_run`` counts runs of consecutive slots in: minisrv's decode kernel's, and

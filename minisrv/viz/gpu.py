@@ -28,7 +28,7 @@ from matplotlib.ticker import FuncFormatter
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
 from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
-from minisrv.runner.attention.splits import kv_splits
+from minisrv.runner.attention.splits import DECODE_BLOCK_N, kv_splits
 from minisrv.viz import marks
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
@@ -57,9 +57,6 @@ TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 ATTENTION_LABELS: dict[str, str] = {"flex": "ragged (flex)"}
 """How a legend names an attention backend: the flex_attention call by what it does, as the
 page's tables do (other backends by their own names)."""
-DECODE_PIECE_ROUND = 32
-"""Keys a decode piece's length is rounded up to: the decode kernel's ``DECODE_BLOCK_N``
-(``runner/attention/triton_ops.py``, which a torch without triton cannot import)."""
 MARK_COLOR = "#495057"
 """The chosen batch's mark on the step-time figure: a dark gray no curve of it uses."""
 
@@ -200,11 +197,11 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
 def split_pieces(context: int) -> list[tuple[int, int]]:
     """The key ranges ``[lo, hi)`` of the pieces the decode kernel cuts one request's
     ``context`` keys into: ``kv_splits`` pieces of equal length, rounded up to the kernel's
-    block of ``DECODE_PIECE_ROUND`` keys, as ``_decode_piece_kernel`` computes them; a piece
+    block of ``DECODE_BLOCK_N`` keys, as ``_decode_piece_kernel`` computes them; a piece
     that would start past the context does no work and is left out."""
     pieces = int(kv_splits(torch.tensor([context]))[0])
     even = -(-context // pieces)  # ceil(context / pieces), as tl.cdiv
-    per_piece = -(-even // DECODE_PIECE_ROUND) * DECODE_PIECE_ROUND
+    per_piece = -(-even // DECODE_BLOCK_N) * DECODE_BLOCK_N
     return [(lo, min(lo + per_piece, context)) for lo in range(0, pieces * per_piece, per_piece)
             if lo < context]
 

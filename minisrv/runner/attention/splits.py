@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DEFAULT_MAX_SPLITS", "SPLIT_TOKENS", "kv_splits"]
+__all__ = ["DECODE_BLOCK_N", "DEFAULT_MAX_SPLITS", "SPLIT_TOKENS", "kv_splits"]
 
 DEFAULT_MAX_SPLITS = 8
 """The most pieces a decode's context is cut into (SGLang's default ``max_kv_splits``)."""
@@ -16,6 +16,10 @@ DEFAULT_MAX_SPLITS = 8
 SPLIT_TOKENS = 256
 """Context tokens per decode piece before another piece is worth its merge: a context of
 up to 256 tokens is one piece, 2,048 tokens are eight."""
+
+DECODE_BLOCK_N = 32
+"""Keys a decode piece loads per inner step (SGLang's grouped kernel): a piece's length is
+rounded up to a multiple of it."""
 
 
 def kv_splits(contexts: torch.Tensor, max_splits: int = DEFAULT_MAX_SPLITS) -> torch.Tensor:

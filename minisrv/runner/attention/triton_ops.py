@@ -37,7 +37,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from minisrv.runner.attention.splits import DEFAULT_MAX_SPLITS, SPLIT_TOKENS, kv_splits
+from minisrv.runner.attention.splits import (
+    DECODE_BLOCK_N,
+    DEFAULT_MAX_SPLITS,
+    SPLIT_TOKENS,
+    kv_splits,
+)
 
 __all__ = [
     "DEFAULT_MAX_SPLITS",
@@ -49,7 +54,6 @@ __all__ = [
     "write_kv_table",
 ]
 
-DECODE_BLOCK_N = 32  # keys per inner step of a decode piece (SGLang's grouped kernel)
 MIN_ROWS = 16  # tl.dot takes no operand narrower than 16: query heads padded to this
 
 
