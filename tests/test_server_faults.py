@@ -112,10 +112,13 @@ async def kill_under_load(url: str, n_streams: int, victim: int,
 
 @pytest.fixture(scope="module")
 def servers():
-    with running_servers(
-            ("--api-key", KEY, "--restart-backoff", "2", "--body-timeout", "1",
-             "--max-request-bytes", "65536"),
-            ("--dp", "2", "--api-key", KEY, "--restart-backoff", "2")) as started:
+    """A ``--dp 1`` and a ``--dp 2`` server. Their KV pool holds ``kill_under_load``'s nine
+    requests of 404 tokens at once, so every stream runs from its first step and the kill
+    lands with all of them in flight (``serving``'s pool of 480 ran them one after another:
+    the last stream's first token came after some 3000 tokens, 15 s on a loaded machine)."""
+    pool = ("--kv-capacity", "4000", "--api-key", KEY, "--restart-backoff", "2")
+    with running_servers((*pool, "--body-timeout", "1", "--max-request-bytes", "65536"),
+                         ("--dp", "2", *pool)) as started:
         yield [url for url, _ in started]
 
 
@@ -131,13 +134,13 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
         return r, httpx.get(f"{url}/health").json()
 
     got = asyncio.run(kill_under_load(url, 8, 0, meanwhile=while_down))
-    want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
     in_flight = 0
     for result in got["streams"]:  # each one complete, or ended by an error and [DONE]
         assert result["status"] == 200 and result["events"][-1] == "[DONE]"
         error = error_of(result["events"])
         if error is None:  # it had finished before the kill
-            assert text_of(result["events"]) == want and result["end"] < got["killed"]
+            assert result["end"] < got["killed"]
+            assert text_of(result["events"]) == expected(citylm, "FR:", 400, ignore_eos=True)[0]
             continue
         in_flight += 1
         assert error["code"] == 503 and result["end"] - got["killed"] < 2.0
@@ -177,8 +180,8 @@ def test_with_two_workers_the_survivor_serves_while_the_other_restarts(servers, 
     assert failed and all(r["end"] - got["killed"] < 2.0 for r in failed)
     assert all(error_of(r["events"])["code"] == 503 for r in failed)
     assert all(r["events"][-1] == "[DONE]" for r in got["streams"])
-    want = expected(citylm, "FR:", 400, ignore_eos=True)[0]
-    assert all(text_of(r["events"]) == want for r in done)
+    assert all(text_of(r["events"]) == expected(citylm, "FR:", 400, ignore_eos=True)[0]
+               for r in done)  # those worker 1 served (the router may send it none)
     # while worker 0 restarts, every new request goes to worker 1 and succeeds
     texts, state = got["meanwhile"]
     assert texts == [expected(citylm, text, 8)[0] for text in ("JP:", "DE:", "IT:")]
@@ -334,13 +337,12 @@ def test_sigterm_under_200_streams_ends_every_one_and_answers_no_500(citylm):
 
         pid = httpx.get(f"{url}/workers").json()["pid"]
         results, late = asyncio.run(run())
-    want = expected(citylm, "FR:", 200, ignore_eos=True)[0]
     for r in results:
         assert r["status"] == 200 and r["events"][-1] == "[DONE]"  # never a silent cut
         error = error_of(r["events"])
         if error is not None:
             assert error["code"] == 503
-        else:
-            assert text_of(r["events"]) == want
+        else:  # it finished within the drain
+            assert text_of(r["events"]) == expected(citylm, "FR:", 200, ignore_eos=True)[0]
     assert all(code in (0, 503) for code in late)
 
