@@ -112,13 +112,18 @@ async def kill_under_load(url: str, n_streams: int, victim: int,
 
 @pytest.fixture(scope="module")
 def servers():
-    """A ``--dp 1`` and a ``--dp 2`` server. Their KV pool holds ``kill_under_load``'s nine
-    requests of 404 tokens at once, so every stream runs from its first step and the kill
-    lands with all of them in flight (``serving``'s pool of 480 ran them one after another:
-    the last stream's first token came after some 3000 tokens, 15 s on a loaded machine)."""
+    """A ``--dp 1`` and a ``--dp 2`` server, and the server that
+    ``test_sigterm_under_200_streams_...`` alone uses and stops, all started at once (the
+    tests wait for one start, not two). The first two's KV pool holds ``kill_under_load``'s
+    nine requests of 404 tokens at once, so every stream runs from its first step and the
+    kill lands with all of them in flight (``serving``'s pool of 480 ran them one after
+    another: the last stream's first token came after some 3000 tokens, 15 s on a loaded
+    machine)."""
     pool = ("--kv-capacity", "4000", "--api-key", KEY, "--restart-backoff", "2")
     with running_servers((*pool, "--body-timeout", "1", "--max-request-bytes", "65536"),
-                         ("--dp", "2", *pool)) as started:
+                         ("--dp", "2", *pool),
+                         ("--shutdown-timeout", "1", "--max-running", "200",
+                          "--kv-capacity", "41000")) as started:
         yield [url for url, _ in started]
 
 
@@ -313,30 +318,29 @@ def test_a_slow_body_times_out(servers):
     assert b" 408 " in line
 
 
-def test_sigterm_under_200_streams_ends_every_one_and_answers_no_500(citylm):
-    with running_servers(("--shutdown-timeout", "1", "--max-running", "200",
-                          "--kv-capacity", "41000")) as [(url, _)]:
-        async def run() -> tuple[list[dict[str, Any]], list[int]]:
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
-                    max_connections=300)) as c:
-                body = {"prompt": "FR:", "max_tokens": 200, "ignore_eos": True,
-                        "temperature": 0}
-                started = [asyncio.Event() for _ in range(200)]
-                streams = [asyncio.create_task(read_stream(c, url, body, s)) for s in started]
-                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
-                os.kill(pid, signal.SIGTERM)
-                await asyncio.sleep(0.2)
-                late = []
-                for _ in range(3):  # draining: refused with 503 (or no longer listening)
-                    try:
-                        late.append((await c.post(f"{url}/v1/completions",
-                                                  json={"prompt": "FR:"})).status_code)
-                    except httpx.TransportError:
-                        late.append(0)
-                return await asyncio.gather(*streams), late
+def test_sigterm_under_200_streams_ends_every_one_and_answers_no_500(servers, citylm):
+    url = servers[2]
 
-        pid = httpx.get(f"{url}/workers").json()["pid"]
-        results, late = asyncio.run(run())
+    async def run() -> tuple[list[dict[str, Any]], list[int]]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(
+                max_connections=300)) as c:
+            body = {"prompt": "FR:", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+            started = [asyncio.Event() for _ in range(200)]
+            streams = [asyncio.create_task(read_stream(c, url, body, s)) for s in started]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            os.kill(pid, signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            late = []
+            for _ in range(3):  # draining: refused with 503 (or no longer listening)
+                try:
+                    late.append((await c.post(f"{url}/v1/completions",
+                                              json={"prompt": "FR:"})).status_code)
+                except httpx.TransportError:
+                    late.append(0)
+            return await asyncio.gather(*streams), late
+
+    pid = httpx.get(f"{url}/workers").json()["pid"]
+    results, late = asyncio.run(run())
     for r in results:
         assert r["status"] == 200 and r["events"][-1] == "[DONE]"  # never a silent cut
         error = error_of(r["events"])
