@@ -35,7 +35,6 @@ from serving import (  # noqa: E402
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
 
-
 LAYOUTS = (("--dp", "2"), ("--engine-thread",))
 """The worker layouts other than the default that ``test_worker_layouts_...`` compares."""
 
