@@ -118,10 +118,12 @@ def servers():
     nine requests of 404 tokens at once, so every stream runs from its first step and the
     kill lands with all of them in flight (``serving``'s pool of 480 ran them one after
     another: the last stream's first token came after some 3000 tokens, 15 s on a loaded
-    machine)."""
-    pool = ("--kv-capacity", "4000", "--api-key", KEY, "--restart-backoff", "2")
-    with running_servers((*pool, "--body-timeout", "1", "--max-request-bytes", "65536"),
-                         ("--dp", "2", *pool),
+    machine). The restart backoff is each test's wait for its restart: 1 s where a test
+    meanwhile only asks for a 503 and /health, 2 s where worker 1 serves three requests."""
+    pool = ("--kv-capacity", "4000", "--api-key", KEY)
+    with running_servers((*pool, "--restart-backoff", "1", "--body-timeout", "1",
+                          "--max-request-bytes", "65536"),
+                         ("--dp", "2", *pool, "--restart-backoff", "2"),
                          ("--shutdown-timeout", "1", "--max-running", "200",
                           "--kv-capacity", "41000")) as started:
         yield [url for url, _ in started]
@@ -131,7 +133,7 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
     url = servers[0]
 
     def while_down() -> tuple[httpx.Response, dict[str, str]]:
-        """Once the death is seen, a request; it restarts only after the 2 s backoff."""
+        """Once the death is seen, a request; it restarts only after the 1 s backoff."""
         while httpx.get(f"{url}/health").json() != {"status": "restarting"}:
             time.sleep(0.02)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "FR:"}, headers=AUTH,
@@ -151,7 +153,7 @@ def test_a_killed_worker_fails_its_requests_at_once_and_comes_back(servers, city
         assert error["code"] == 503 and result["end"] - got["killed"] < 2.0
     assert in_flight >= 1
     assert got["whole"].status_code in (200, 503)
-    # no worker is up (it restarts after 2 s): 503 with Retry-After, never a hang
+    # no worker is up (it restarts after 1 s): 503 with Retry-After, never a hang
     r, health = got["meanwhile"]
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
     assert health == {"status": "restarting"}
