@@ -6,6 +6,7 @@ always stops them; ``expected`` is a reply generated alone, offline (the oracle)
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -46,16 +47,20 @@ up to 53 s in a loaded ``make test``: 120 s (``launch.running_server``'s default
 over twice the slowest start seen, so only a server that hangs or dies fails it."""
 
 
+_RUNNING: dict[str, subprocess.Popen] = {}
+"""The server process at each URL that ``running_servers`` started and has not stopped."""
+
+
 @contextmanager
 def running_servers(*layouts: tuple[str, ...], startup_s: float = STARTUP_S,
                     stops_cleanly: bool = False) -> Iterator[list[tuple[str, list[int]]]]:
     """One server per layout (extra CLI arguments), each on a free local port, all started
     at once; yields each one's base URL and the /health codes seen while it started
-    (refused connections not counted). Always stopped at the end (SIGTERM). With
-    ``stops_cleanly``, a block that ended without an error then checks that each server
-    exited within the timeout, by uvicorn's graceful exit (which re-raises the signal it
-    caught), with no traceback and no queue semaphore reported as leaked."""
+    (refused connections not counted). Always stopped at the end (``stop_servers``, checking
+    that each stopped cleanly if ``stops_cleanly`` and the block ended without an error);
+    ``stop_servers`` may stop some of them before that."""
     procs, urls = [], []
+    clean = False
     try:
         for args in layouts:
             port = _free_port()
@@ -65,6 +70,7 @@ def running_servers(*layouts: tuple[str, ...], startup_s: float = STARTUP_S,
                                           cwd=ROOT, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True))
             urls.append(f"http://127.0.0.1:{port}")
+            _RUNNING[urls[-1]] = procs[-1]
         deadline = time.monotonic() + startup_s
         seen: list[list[int]] = [[] for _ in layouts]
         while any(not codes or codes[-1] != 200 for codes in seen):  # poll all in turn
@@ -81,27 +87,40 @@ def running_servers(*layouts: tuple[str, ...], startup_s: float = STARTUP_S,
                     pass
             time.sleep(0.05)
         yield list(zip(urls, seen))
+        clean = stops_cleanly
     finally:
-        for proc in procs:
-            proc.terminate()
-        timed_out = []
-        for proc, url in zip(procs, urls):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                timed_out.append(url)
-                proc.kill()
-                proc.wait(5)
+        stop_servers(urls, stops_cleanly=clean)
+
+
+def stop_servers(urls: list[str], stops_cleanly: bool = False) -> None:
+    """Stop the servers at ``urls`` that are still running (SIGTERM, then SIGKILL after
+    30 s). With ``stops_cleanly``, check that each exited within the timeout, by uvicorn's
+    graceful exit (which re-raises the signal it caught), with no traceback and no queue
+    semaphore reported as leaked."""
+    procs = {url: _RUNNING.pop(url) for url in urls if url in _RUNNING}
+    for proc in procs.values():
+        proc.terminate()
+    timed_out = []
+    for url, proc in procs.items():
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            timed_out.append(url)
+            proc.kill()
+            proc.wait(5)
     if stops_cleanly:
         assert timed_out == [], f"{timed_out} did not stop within 30 s of SIGTERM"
-        for proc in procs:
+        for proc in procs.values():
             err = proc.stderr.read()
             assert proc.returncode in (0, -signal.SIGTERM), err[-2000:]
             assert "Traceback" not in err and "leaked" not in err, err[-2000:]
 
 
+@functools.cache
 def expected(citylm, text: str, max_tokens: int, **sampling) -> tuple[str, str]:
-    """The reply text and finish reason of the request generated alone, offline."""
+    """The reply text and finish reason of the request generated alone, offline; computed
+    once per process (400 tokens of the reference cost over a second of CPU), so a test
+    asks for it only where a reply is to be checked against it."""
     model, tok = citylm
     ids = model.reference_generate(tok.encode(text), max_tokens, **sampling)
     finish = "stop" if ids[-1] == tok.eos_id else "length"

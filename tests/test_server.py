@@ -29,16 +29,27 @@ from serving import (  # noqa: E402
     metrics,
     reference,
     running_servers,
+    stop_servers,
 )
 
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.workloads import city_prompts  # noqa: E402
 
+LAYOUTS = (("--dp", "2"), ("--engine-thread",))
+"""The worker layouts other than the default that ``test_worker_layouts_...`` compares."""
+
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with running_servers(("--max-running", "64")) as [(url, _)]:
-        yield url
+def started() -> Iterator[list[tuple[str, list[int]]]]:
+    """The module's server (the default layout: one engine in its own process) and the
+    ``LAYOUTS`` servers, all started at once: the tests wait for one start, not two."""
+    with running_servers(("--max-running", "64"), *LAYOUTS) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(started) -> str:
+    return started[0][0]
 
 
 @pytest.fixture(scope="module")
@@ -345,20 +356,22 @@ def answers(url: str) -> list[str]:
             ["choices"][0]["text"] for p in DP_PROMPTS]
 
 
-def test_worker_layouts_serve_the_same_tokens_and_stop_cleanly(server):
+def test_worker_layouts_serve_the_same_tokens_and_stop_cleanly(started):
     """``--dp 2`` (two engines behind the router) and ``--engine-thread`` (the engine in a
     thread of the HTTP process) serve exactly what the default layout (one engine in its own
     process) serves. Until an engine is up /health says 503, never 200 (whether uvicorn
     answers before the engines are up depends on the machine's load, so a 503 need not be
     seen here: ``test_health_says_starting_until_the_engine_is_built_then_ok`` forces that
     order). Then SIGTERM stops both cleanly, their engine processes with them
-    (``stops_cleanly``; no server of its own)."""
-    with running_servers(("--dp", "2"), ("--engine-thread",), stops_cleanly=True) as started:
-        for url, seen in started:
-            assert seen[-1] == 200 and set(seen[:-1]) <= {503}
-            assert answers(url) == answers(server)
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
-            assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
+    (``stops_cleanly``; both started with the module's server, see ``started``)."""
+    (server, _), *layouts = started
+    want = answers(server)
+    for url, seen in layouts:
+        assert seen[-1] == 200 and set(seen[:-1]) <= {503}
+        assert answers(url) == want
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "A" * 470})
+        assert r.status_code == 400 and "kv_capacity" in r.json()["error"]["message"]
+    stop_servers([url for url, _ in layouts], stops_cleanly=True)
 
 
 def test_cli_takes_one_engine_layout(capsys):

@@ -539,16 +539,22 @@ def test_worker_timeout_is_a_flag_with_a_checked_value():
 def test_workers_come_from_a_fork_server_that_has_loaded_the_engine(monkeypatch):
     """On Linux a worker (and each restart) is forked from a fresh interpreter that has
     imported torch and the engine once, never from the threaded server process; macOS and
-    Windows spawn a fresh interpreter per worker."""
+    Windows spawn a fresh interpreter per worker. A simulated engine's fork server imports
+    its builder's module instead of the model's (no torch)."""
     import sys
     from multiprocessing import forkserver
 
+    from minisrv.server.config import ServerConfig
     from minisrv.server.dataparallel import worker_context
+    from minisrv.sim.served import sim_config
 
-    ctx = worker_context()
+    ctx = worker_context(ServerConfig())
     assert ctx.get_start_method() == "forkserver"
-    preloaded = set(forkserver._forkserver._preload_modules)
-    assert {"minisrv.server.worker", "minisrv.engine"} <= preloaded
+    assert set(forkserver._forkserver._preload_modules) == {
+        "minisrv.server.worker", "minisrv.engine", "minisrv.model"}
+    worker_context(sim_config(ServerConfig(model="sim")))
+    assert set(forkserver._forkserver._preload_modules) == {
+        "minisrv.server.worker", "minisrv.engine", "minisrv.sim.served"}
     for platform in ("darwin", "win32"):
         monkeypatch.setattr(sys, "platform", platform)
-        assert worker_context().get_start_method() == "spawn"
+        assert worker_context(ServerConfig()).get_start_method() == "spawn"

@@ -55,21 +55,23 @@ MAX_BACKOFF_S = 10.0
 POLL_S = 0.1  # how often the reader looks at its restart schedule when nothing arrives
 
 
-def worker_context() -> Any:
+def worker_context(config: ServerConfig) -> Any:
     """Where worker processes come from: a fork server, never a fork of this process.
 
     This process already runs threads (the HTTP loop, the reader), and forking it could
     copy a lock some thread holds. A fork server is a fresh interpreter that imports torch
     and the engine once and forks each worker from that single-threaded state, so a worker
     starts (and restarts) without paying torch's import again. Those imports touch no
-    CUDA (a CUDA context does not survive a fork): each worker opens its own. Only on
-    Linux: macOS's system libraries are not safe to use in a forked child (Python spawns
-    there by default) and Windows has no fork, so there each worker is a fresh interpreter.
-    """
+    CUDA (a CUDA context does not survive a fork): each worker opens its own. A simulated
+    engine (``config.builder``) needs no torch: its builder's module is imported instead (a
+    process's fork server keeps its first start's imports). Only on Linux: macOS's system
+    libraries are not safe in a forked child and Windows has no fork, so there each worker
+    is a fresh interpreter."""
     if sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["minisrv.server.worker", "minisrv.engine", "minisrv.model"])
+    builds = "minisrv.model" if config.builder is None else config.builder.__module__
+    ctx.set_forkserver_preload(["minisrv.server.worker", "minisrv.engine", builds])
     return ctx
 
 
@@ -96,7 +98,7 @@ class DataParallelEngines:
         self.restarts = [0] * n
         self._failed: str | None = None
         self._started = False  # every worker was up once: the server is open
-        self._ctx = worker_context()
+        self._ctx = worker_context(config)
         self._procs: list[Any] = [None] * n
         self._inboxes: list[Any] = [None] * n
         self._conns: list[Any] = [None] * n
