@@ -386,3 +386,19 @@ def test_step_times_table_shows_each_recorded_step_under_the_call_that_took_it()
         assert row["padded step (ms)"] == f"{wide.loc[batch, 'padded ms']:.1f}"
         assert row["ragged (flex) step (ms)"] == f"{wide.loc[batch, 'flex ms']:.1f}"
     assert table.columns.name == "batch"
+
+
+def test_split_programs_count_the_pieces_of_the_keys_new_one_included() -> None:
+    """Chapter 09's programs table: a decode at 512 cached tokens attends over 513 keys
+    (``TritonStep.contexts`` counts the new one), which ``kv_splits`` cuts into three pieces,
+    so SmolLM2-135M's 3 KV heads give 9 programs per request; counting the 512 cached tokens
+    alone gave two pieces and 6 programs."""
+    from minisrv.configs import SMOLLM2_135M
+    from minisrv.viz.gpu import split_programs
+
+    batches = (1, 4, 16, 64, 128, 256)
+    assert [split_programs(SMOLLM2_135M, b, 512) for b in batches] == [
+        9, 36, 144, 576, 1152, 2304]
+    assert split_programs(SMOLLM2_135M, 1, 255) == 3  # 256 keys: one piece
+    assert split_programs(SMOLLM2_135M, 1, 256) == 6  # 257 keys: two
+    assert split_programs(SMOLLM2_135M, 1, 8192) == 24  # capped at eight pieces

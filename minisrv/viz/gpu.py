@@ -44,7 +44,7 @@ from minisrv.viz.style import (
 __all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
            "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
            "plot_decode_block_masks", "plot_split_decode", "plot_step_times_vs_roofline",
-           "split_pieces", "step_times_table"]
+           "split_pieces", "split_programs", "step_times_table"]
 
 GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
 """Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
@@ -194,10 +194,19 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
     return fig
 
 
+def split_programs(cfg: ModelConfig, batch: int, cached: int) -> int:
+    """Programs of one layer's split decode call that do work, for ``batch`` decodes with
+    ``cached`` tokens each: requests x KV heads x pieces. The pieces are counted over the keys
+    a decode attends to, its new one included (``TritonStep.contexts``): 513 keys at 512
+    cached tokens, three pieces where 512 would make two."""
+    return batch * cfg.n_kv_heads * int(kv_splits(torch.tensor([cached + 1]))[0])
+
+
 def split_pieces(context: int) -> list[tuple[int, int]]:
     """The key ranges ``[lo, hi)`` of the pieces the decode kernel cuts one request's
-    ``context`` keys into: ``kv_splits`` pieces of equal length, rounded up to the kernel's
-    block of ``DECODE_BLOCK_N`` keys, as ``_decode_piece_kernel`` computes them; a piece
+    ``context`` keys (its new one included, as ``TritonStep.contexts`` counts them) into:
+    ``kv_splits`` pieces of equal length, rounded up to the kernel's block of
+    ``DECODE_BLOCK_N`` keys, as ``_decode_piece_kernel`` computes them; a piece
     that would start past the context does no work and is left out."""
     pieces = int(kv_splits(torch.tensor([context]))[0])
     even = -(-context // pieces)  # ceil(context / pieces), as tl.cdiv
@@ -243,7 +252,7 @@ def plot_split_decode(context: int) -> BookFigure:
     ax.set_xlim(-0.2 * context, 1.01 * context)
     ax.set_ylim(0, y_keys + 0.7)
     ax.axis("off")
-    label_axes(ax, f"One decode at context {context:,}: {len(pieces)} pieces side by side, "
+    label_axes(ax, f"One decode over {context:,} keys: {len(pieces)} pieces side by side, "
                    "merged by log-sum-exp")
     return fig
 
