@@ -85,7 +85,9 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
     lowest, the middle and the highest rate labelled with it (``_labelled_rates``; one grey
     label where several curves' points of a rate coincide), the target dashed; right: its
     goodput at that TTFT target against the rate offered, beside the rate itself (every request
-    meets the target). One legend above both panels, where no curve or target line runs."""
+    meets the target). Each configuration has its own colour and marker shape (``_MARKERS``),
+    so that points that coincide stay apart. One legend above both panels, where no curve or
+    target line runs."""
     _check_sweep(sweep)
     good = goodput(sweep, ttft_slo_ms)
     fig, (left, right) = page_figure(3.6, cols=2)
