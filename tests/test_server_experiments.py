@@ -326,6 +326,10 @@ def test_the_rate_figure_labels_each_point_with_its_rate_and_keeps_its_legend_of
     assert left.get_legend() is None and right.get_legend() is None
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["LPM, radix", "FCFS, radix",
                                                                  "offered"]
+    # where the curves' points coincide (the lowest rate) their marker shapes tell them apart
+    shapes = [line.get_marker() for line in left.lines[:2]]
+    assert len(set(shapes)) == 2 and shapes == [line.get_marker() for line in right.lines[:2]]
+    assert [h.get_marker() for h in fig.legends[0].legend_handles[:2]] == shapes
 
 
 def test_the_rate_figure_labels_the_lowest_middle_and_highest_rates_only():
@@ -598,7 +602,17 @@ def test_the_waterfall_draws_three_phases_per_request_that_sum_to_its_latency():
     # time counts from the first shown arrival, the same in both panels
     assert min(b.get_x() for ax in fig.axes for b in ax.patches) == pytest.approx(0.0)
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend == ["queued", "prefill", "decode", "first token"]
+    assert legend == ["queued", "prefill", "decode", "first token", "later token"]
+    # the white tick's entry is drawn on the decode colour, where the ticks are seen
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    drawn = fig.legends[0].findobj(lambda a: isinstance(a, (Line2D, Rectangle)))
+    ticks = [a for a in drawn if isinstance(a, Line2D) and a.get_marker() == "|"]
+    assert [t.get_color() for t in ticks] == ["white"]
+    decode = [a for a in drawn if isinstance(a, Rectangle)
+              and a.get_facecolor() == fig.axes[0].patches[2].get_facecolor()]
+    assert len(decode) == 2  # the decode entry and the bar under the tick
 
 
 def test_policy_sweep_table_has_a_row_per_rate_and_three_columns_per_configuration():

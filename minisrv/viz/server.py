@@ -24,7 +24,12 @@ from minisrv.viz.widgets import panel
 __all__ = ["plot_policy_rate_sweep", "plot_spread", "rate_explorer", "rate_widget"]
 
 _HIGHLIGHT = "#4c72b0"
-_COLORS = {"LPM": "#4c72b0", "FCFS allocate-each": "#dd8452", "FCFS no-cache": "#55a868"}
+_COLORS = {"LPM": "#4c72b0", "FCFS allocate-each": "#dd8452",
+           "FCFS lock-first (SGLang)": "#55a868", "FCFS no-cache": "#7f7f7f"}
+_MARKERS = {"LPM": "o", "FCFS allocate-each": "s", "FCFS lock-first (SGLang)": "^",
+            "FCFS no-cache": "D"}
+"""A marker shape per configuration: where curves' points coincide (the lowest rate), the
+shapes still tell them apart."""
 
 
 def _spread_bars(ax: Any, repeated: pd.DataFrame, metric: str) -> None:
@@ -66,6 +71,13 @@ def _color(name: str) -> str:
     return _COLORS.get(name, "#8172b3")
 
 
+def _marker(name: str, names: Sequence[str]) -> str:
+    """``name``'s marker: its own, or for a configuration not in ``_MARKERS`` one by its
+    place in ``names`` that no named configuration uses."""
+    spare = [m for m in "ovPXp*h" if m not in _MARKERS.values()]
+    return _MARKERS.get(name, spare[list(names).index(name) % len(spare)])
+
+
 @styled
 def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigure:
     """Left: each configuration's TTFT p99 against its output throughput, one point per
@@ -73,21 +85,27 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
     lowest, the middle and the highest rate labelled with it (``_labelled_rates``; one grey
     label where several curves' points of a rate coincide), the target dashed; right: its
     goodput at that TTFT target against the rate offered, beside the rate itself (every request
-    meets the target). One legend above both panels, where no curve or target line runs."""
+    meets the target). Each configuration has its own colour and marker shape (``_MARKERS``),
+    so that points that coincide stay apart. One legend above both panels, where no curve or
+    target line runs."""
     _check_sweep(sweep)
     good = goodput(sweep, ttft_slo_ms)
     fig, (left, right) = page_figure(3.6, cols=2)
     labelled = _labelled_rates(sweep.index.unique(level=1))
-    for name in sweep.index.unique(level=0):
+    names = list(sweep.index.unique(level=0))
+    for name in names:
         rows = sweep.xs(name, level=0)
-        left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "o-", color=_color(name))
+        marker = _marker(name, names)
+        left.plot(rows["out tok/s"], rows["ttft p99 (ms)"], "-", marker=marker, mfc="none",
+                  color=_color(name))
         for rate, x, y in zip(rows.index, rows["out tok/s"], rows["ttft p99 (ms)"],
                               strict=True):
             if rate not in labelled:
                 continue
             left.annotate(f"{rate:g}", (x, y), textcoords="offset points",
                           xytext=_LABEL_PLACES[0], fontsize=8, color=_color(name))
-        right.plot(rows.index, good.xs(name, level=0), "o-", color=_color(name), label=name)
+        right.plot(rows.index, good.xs(name, level=0), "-", marker=marker, mfc="none",
+                   color=_color(name), label=name)
     left.axhline(ttft_slo_ms, color="black", ls="--", lw=1)
     left.set_yscale("log")
     left.margins(x=0.08, y=0.1)  # room for the labels of the first and last points

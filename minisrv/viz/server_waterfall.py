@@ -41,7 +41,8 @@ def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> Book
                 ax.barh(y, b - a, left=a - start, height=0.7, color=color,
                         label=phase if y == 0 else None)
             ticks = np.array(req["token times (ms)"][1:]) - start
-            ax.plot(ticks, [y] * len(ticks), "|", color="white", ms=7, mew=0.8)
+            ax.plot(ticks, [y] * len(ticks), "|", color="white", ms=7, mew=0.8,
+                    label="later token" if y == 0 else None)
             ax.plot(edges[2] - start, y, "D", color="black", ms=4,
                     label="first token" if y == 0 else None)
         ttft = frame["first token (ms)"] - frame["arrival (ms)"]
@@ -52,6 +53,8 @@ def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> Book
                        f"{ttft.max():,.0f} ms")
     axes[-1, 0].set_xlabel("simulated time since the first of them arrived (ms)")
     handles = dict(zip(*reversed(axes[0, 0].get_legend_handles_labels()), strict=True))
-    order = [*_PHASES, "first token"]  # in the order a request goes through them
+    order = [*_PHASES, "first token", "later token"]  # in the order a request meets them
+    # a white tick shows only on its decode bar: its legend entry draws it on the bar's colour
+    handles["later token"] = (handles["decode"], handles["later token"])
     fig.legend([handles[k] for k in order], order, loc="outside upper center", ncol=len(order))
     return fig
