@@ -123,7 +123,7 @@ def plot_block_mask(new_lens: Sequence[int], cached_lens: Sequence[int], title: 
     partial, full = ragged_tiles(new_lens, cached_lens, block)
     kinds = partial.int() + 2 * full.int()
     n_q, n_k = kinds.shape
-    fig, ax = page_figure(5.0, width_in=5.4)
+    fig, ax = page_figure(6.4)  # square tiles: the full width keeps the axis labels whole
     ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0, vmax=2,
               extent=(0, n_k * block, n_q * block, 0), interpolation="nearest")
     rows = cols = 0
