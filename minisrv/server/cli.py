@@ -50,7 +50,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission-order", default=e.admission_order, choices=ADMISSION_ORDERS,
                    help="when a step's admissions get their KV: each as it is admitted "
                    "(the default; chunked prefill needs it), or after the whole round has "
-                   "locked its cached prefixes, as SGLang (keeps more prefixes under a full "
+                   "locked its cached prefixes, as SGLang does (more prefixes survive a full "
                    "pool)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
