@@ -384,6 +384,26 @@ def test_cli_takes_one_engine_layout(capsys):
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
+def test_cli_sets_the_admission_order_and_refuses_it_with_chunked_prefill(capsys):
+    """``--admission-order lock-round-first`` is the order the chapter on serving advises
+    where the prefix cache matters; chunked prefill cuts admissions one at a time, so the
+    engine refuses the pair, and the CLI says so in one line (exit 2), before loading."""
+    from minisrv.server.cli import build_parser, main, server_config
+
+    def order(*flags: str) -> str:
+        return server_config(build_parser().parse_args(["serve", *flags])).engine.admission_order
+
+    assert order() == "allocate-each"
+    assert order("--admission-order", "lock-round-first") == "lock-round-first"
+    for flags, says in ((["--admission-order", "lock-round-first",
+                          "--chunked-prefill-size", "64"], "admission_order='allocate-each'"),
+                        (["--admission-order", "nope"], "lock-round-first")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err and "Traceback" not in err
+
+
 def test_cli_rejects_bad_engine_options_before_loading():
     cmd = [sys.executable, "-m", "minisrv", "serve", "--policy", "nope"]
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,

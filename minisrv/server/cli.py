@@ -26,6 +26,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from minisrv.scheduler.config import ADMISSION_ORDERS
     from minisrv.server.config import SERVER_ENGINE, ServerConfig
 
     d, e = ServerConfig(), SERVER_ENGINE
@@ -46,6 +47,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="prefix cache: radix (SGLang's tree), blocks (vLLM's block hashes) "
                         "or none")
     p.add_argument("--mode", default=e.mode, help="step formation (see Engine)")
+    p.add_argument("--admission-order", default=e.admission_order, choices=ADMISSION_ORDERS,
+                   help="when a step's admissions get their KV: each as it is admitted "
+                   "(the default; chunked prefill needs it), or after the whole round has "
+                   "locked its cached prefixes, as SGLang does (more prefixes survive a full "
+                   "pool)")
     p.add_argument("--overlap", action="store_true", help="overlap CPU scheduling with compute")
     p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
                    help="at most this many new tokens a step; long prompts go in chunks")
@@ -132,7 +138,7 @@ def server_config(args: argparse.Namespace) -> Any:
     from minisrv.server.config import EngineOptions
 
     engine = dict(max_running=args.max_running, policy=args.policy, cache=args.cache,
-                  mode=args.mode, overlap=args.overlap,
+                  mode=args.mode, admission_order=args.admission_order, overlap=args.overlap,
                   chunked_prefill_size=args.chunked_prefill_size,
                   speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
                   jump_forward=args.jump_forward, host_cache_tokens=args.host_cache_tokens,
