@@ -24,11 +24,14 @@ from minisrv.experiments.server import (  # noqa: E402
 )
 from minisrv.experiments.server_walk import (  # noqa: E402
     first_token_parts,
+    layout_hit_rates,
+    queue_and_prefill,
     slot_ranges,
     sse_frame,
     timed_steps,
     tree_event_frame,
     tree_path_frame,
+    warm_up,
 )
 from minisrv.sampling import SamplingParams  # noqa: E402
 from minisrv.server.bench import BenchRequest  # noqa: E402
@@ -164,6 +167,62 @@ def test_timed_steps_set_each_step_of_a_streamed_request_before_its_event(server
     assert parts["step to event, longest"] >= parts["step to event"]
     with pytest.raises(ValueError, match="token events"):
         first_token_parts(sse, stamps, steps[:-1])
+
+
+def test_queue_and_prefill_splits_first_tokens_by_the_steps_stamps(citylm):
+    """Two places for four requests: the first two are prefilled at once (no queue), the
+    last two wait through the first pair's three steps (the fourth arrives after the first
+    of them) and are prefilled together. With step k stamped from 10 k s for k + 1 s, the
+    queue is (30 + 20) / 2 s for the second pair, none for the first, and each prefill step
+    lasts 1 s (step 0) or 4 s (step 3); an unstamped step is an error."""
+    model, tok = citylm
+    engine = Engine(model, kv_capacity=600, max_running=2, cache="radix", record_trace=True)
+    reqs = engine.make_requests([tok.encode(p) for p in ("FR: Paris,", "DE:", "IT:", "ES:")],
+                                3, arrival_steps=[0, 0, 0, 1])
+    engine.serve(reqs)
+    assert [s.prefill for s in engine.trace if s.prefill] == [(0, 1), (2, 3)]
+    stamps = {s.index: (10.0 * s.index, 10.0 * s.index + s.index + 1) for s in engine.trace}
+    parts = queue_and_prefill(reqs, engine.trace, stamps)
+    assert parts["queue"] == pytest.approx(1e3 * (30 + 20) / 4)
+    assert parts["prefill"] == pytest.approx(1e3 * (1 + 1 + 4 + 4) / 4)
+    assert parts["prefill batch"] == 2
+    prompt_tokens = [len(r.prompt) - r.cached_prompt_tokens for r in reqs]
+    assert parts["prefill tokens"] == pytest.approx(sum(prompt_tokens) / 2)
+    with pytest.raises(ValueError, match="unstamped"):
+        queue_and_prefill(reqs, engine.trace, {k: v for k, v in stamps.items() if k != 1})
+
+
+def test_warm_up_runs_the_second_prompt_after_the_first_and_finds_its_prefix(citylm):
+    """The warm-up prefills the walk's two shapes: the second prompt arrives a step later and
+    finds the first's shared line in the tree, as in the timed walk after it."""
+    model, tok = citylm
+    first, second = tok.encode("FR: Paris, Lyon\nDE:"), tok.encode("FR: Paris, Lyon\nIT:")
+    engine = warm_up(model, [first, second])
+    assert engine.stats.finished == 2
+    assert engine.stats.cached_prompt_tokens == len(first) - 3  # all but "DE:"
+
+
+def test_layout_hit_rates_one_engine_per_part_and_the_arrival_gap(citylm):
+    """Two groups of three requests sharing a line, fed one per step: split by group over two
+    workers, each group's later two find its line; one worker finds that and the ``<bos>``
+    of the second group's first; each request on a fresh worker of its own finds nothing.
+    All at once, with room for all, no request finds another's (prefilled side by side)."""
+    model, tok = citylm
+    prompts = [tok.encode(f"{head}\n{tail}") for head in ("FR: Paris, Lyon", "DE: Berlin, Bonn")
+               for tail in ("IT:", "ES:", "JP:")]
+    layouts = {"one": ([range(6)], 8), "by group": ([range(3), range(3, 6)], 8),
+               "alone": ([[i] for i in range(6)], 8)}
+    hits, fed = layout_hit_rates(model, prompts, [2] * 6, layouts,
+                                 {"all at once": 0, "one per step": 1})
+    assert [len(fed["one per step", name]) for name in layouts] == [1, 2, 6]
+    lines = sum(2 * len(tok.encode(head + "\n"))  # <bos> and the line, twice a group
+                for head in ("FR: Paris, Lyon", "DE: Berlin, Bonn"))
+    total = sum(map(len, prompts))
+    assert hits.loc["one per step", "alone"] == 0
+    assert hits.loc["one per step", "by group"] == pytest.approx(lines / total)
+    assert hits.loc["one per step", "one"] == pytest.approx((lines + 1) / total)
+    assert hits.loc["all at once", "one"] == 0
+    assert fed["one per step", "one"][0].trace[0].start == 0
 
 
 def test_stream_completion_reports_http_errors(server):
@@ -379,6 +438,35 @@ def test_the_rate_figure_keeps_the_labels_of_a_saturated_curve_apart():
     assert not any(a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
 
 
+
+def test_the_rate_figure_puts_no_rate_label_on_a_data_point():
+    """A label took the first place that no earlier label covered, even where a point of
+    another curve lay under it (on the page, the saturated curve's "64" and "192" sat on the
+    points beside them). A third curve's point just below and right of the saturated curve's
+    128 now pushes that label elsewhere: no visible label covers a marker."""
+    pytest.importorskip("matplotlib")
+
+    from minisrv.viz.server import plot_policy_rate_sweep
+
+    rates = (16.0, 96.0, 128.0, 160.0, 192.0)
+    curves = {"LPM, radix": ([250, 1400, 1700, 1850, 2000], [20, 40, 120, 250, 400]),
+              "FCFS, radix": ([250, 665, 668, 669, 671], [30, 900, 1100, 1200, 1300]),
+              "other": ([250, 500, 698, 900, 1000], [30, 60, 935, 300, 350])}
+    fig = plot_policy_rate_sweep(_curves_sweep(rates, curves), 200.0)
+    left = fig.axes[0]
+    # a marker's size round its point
+    for line in left.lines:
+        if line.get_marker() in (None, "None", ""):
+            continue
+        half = line.get_markersize() * fig.dpi / 72 / 2
+        for px, py in left.transData.transform(line.get_xydata()):
+            for t in left.texts:
+                box = t.get_window_extent()
+                if t.get_visible():
+                    assert not (box.x0 < px + half and px - half < box.x1
+                                and box.y0 < py + half and py - half < box.y1), t.get_text()
+
+
 def test_the_rate_explorer_s_caption_calls_a_tie_a_tie():
     """Where both policies meet the target for as many requests as each other, the caption said
     one of them "serves the most" beside two equal numbers."""
@@ -467,7 +555,8 @@ def test_the_rate_figure_writes_one_label_where_the_curves_coincide():
     pytest.importorskip("matplotlib")
     import numpy as np
 
-    from minisrv.viz.server import _SAME_POINT_PX, SHARED_LABEL, plot_policy_rate_sweep
+    from minisrv.viz.server import plot_policy_rate_sweep
+    from minisrv.viz.server_labels import _SAME_POINT_PX, SHARED_LABEL
 
     rates = (16.0, 32.0, 48.0, 96.0, 128.0, 192.0)
     curves = {"FCFS allocate-each": ([250, 500, 640, 670, 671, 672], [41, 163, 441, 1640, 1967,
@@ -601,6 +690,12 @@ def test_the_waterfall_draws_three_phases_per_request_that_sum_to_its_latency():
                 row["finish (ms)"] - row["arrival (ms)"])
     # time counts from the first shown arrival, the same in both panels
     assert min(b.get_x() for ax in fig.axes for b in ax.patches) == pytest.approx(0.0)
+    # each panel its own time axis, to its own last finish: FCFS's queue no longer squeezes
+    # LPM's bars into a corner of a shared one
+    ends = [max(b.get_x() + b.get_width() for b in ax.patches) for ax in fig.axes]
+    for ax, end in zip(fig.axes, ends, strict=True):
+        assert ax.get_xlim() == pytest.approx((0.0, 1.02 * end))
+        assert ax.get_xlabel()
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["queued", "prefill", "decode", "first token", "later token"]
     # the white tick's entry is drawn on the decode colour, where the ticks are seen

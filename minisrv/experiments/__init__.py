@@ -23,8 +23,9 @@ larger than the chapter does by passing other arguments.
 * ``speculative`` (speculative decoding): acceptance against k, checks traced, the
   rejection rule's distribution, the roofline speed-up against k and batch;
 * ``server``, ``server_walk``, ``server_sweep`` (serving it for real): a server opened
-  in-process, one request's events and radix-tree operations as tables, layouts
-  benchmarked, the simulated H100's engine against the request rate (``policy_rate_sweep``)
+  in-process, one request's events and radix-tree operations as tables, a load's first
+  tokens split into queue and prefill, layouts benchmarked and fed for their hit rates,
+  the simulated H100's engine against the request rate (``policy_rate_sweep``)
   and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
@@ -163,6 +164,9 @@ _PUBLIC = {
     "read_metrics": "server",
     "run_sync": "server",
     "first_token_parts": "server_walk",
+    "layout_hit_rates": "server_walk",
+    "queue_and_prefill": "server_walk",
+    "warm_up": "server_walk",
     "slot_ranges": "server_walk",
     "sse_frame": "server_walk",
     "timed_steps": "server_walk",

@@ -3,7 +3,10 @@ its text (``sse_frame``, from ``server.stream_completion``), the radix-tree oper
 caused (``tree_event_frame``) and the nodes, with their KV slots, that hold its tokens after it
 finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out, and
 KV slots are written as runs of consecutive numbers (``slot_ranges``). ``timed_steps`` stamps
-the engine's steps by the wall clock, and ``first_token_parts`` sets them beside the events."""
+the engine's steps by the wall clock, ``first_token_parts`` sets them beside the events and
+``queue_and_prefill`` splits a load's first tokens by them; ``warm_up`` runs prompts once
+untimed. ``layout_hit_rates`` feeds data-parallel layouts of engines outside HTTP and reads
+their prefix-cache hit rates."""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["first_token_parts", "slot_ranges", "sse_frame", "timed_steps", "tree_event_frame",
-           "tree_path_frame"]
+__all__ = ["first_token_parts", "layout_hit_rates", "queue_and_prefill", "slot_ranges",
+           "sse_frame", "timed_steps", "tree_event_frame", "tree_path_frame", "warm_up"]
 
 
 def slot_ranges(slots: Sequence[int]) -> str:
@@ -82,6 +85,76 @@ def first_token_parts(sse: Any, stamps: dict[int, tuple[float, float]],
             "to first event": events[0] - ms[0][1],
             "decode step": statistics.median(b - a for a, b in ms[1:]),
             "step to event": statistics.median(lags), "step to event, longest": max(lags)}
+
+
+def queue_and_prefill(reqs: Sequence[Any], trace: Sequence[Any],
+                      stamps: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """Where the first tokens of a load went, by ``timed_steps``' stamps: for each of ``reqs``
+    (finished requests of a CityLM engine, whose clock counts steps) the wall-clock time of the
+    steps that ran while it waited in the queue (from the first step at or after its arrival
+    to the start of its prefill step) and that of its prefill step, both in ms and averaged
+    over the requests; with the mean number of requests, and of prompt tokens computed, in
+    those prefill steps. What a TTFT holds besides these is the way in and out of the engine:
+    the connection, the encoding, the step already running when it arrived, the event's way
+    back. Raises ``ValueError`` if a step the requests waited through is unstamped."""
+    by_start = {s.start: s for s in trace}
+    queue, prefill, batch, tokens = [], [], [], []
+    for r in reqs:
+        own = by_start[r.admitted_at]  # its prefill step
+        waited = [s for s in trace if r.arrival <= s.start < r.admitted_at]
+        if not {s.index for s in (*waited, own)} <= stamps.keys():
+            raise ValueError(f"request r{r.rid}: a step it waited through is unstamped")
+        began = stamps[waited[0].index][0] if waited else stamps[own.index][0]
+        queue.append((stamps[own.index][0] - began) * 1e3)
+        prefill.append((stamps[own.index][1] - stamps[own.index][0]) * 1e3)
+        batch.append(len(own.prefill))
+        tokens.append(own.prefill_tokens)
+    return {"queue": statistics.fmean(queue), "prefill": statistics.fmean(prefill),
+            "prefill batch": statistics.fmean(batch),
+            "prefill tokens": statistics.fmean(tokens)}
+
+
+def warm_up(model: Any, prompts: Sequence[Sequence[int]], **engine_kwargs: Any) -> Any:
+    """Generate one token for each of ``prompts``, the second arriving a step after the first
+    (as a request that finds the first's prefix cached), on an engine of its own with a radix
+    cache: oneDNN prepares a kernel for each new matrix shape on its first use, so a later
+    timed run of the same prompts times steady-state steps. Returns the engine."""
+    from minisrv import Engine
+
+    engine = Engine(model, cache="radix", **{"kv_capacity": 2000, "max_running": 8,
+                                             **engine_kwargs})
+    engine.generate([list(p) for p in prompts], [1] * len(prompts),
+                    arrival_steps=list(range(len(prompts))))
+    return engine
+
+
+def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                     layouts: dict[str, tuple[Sequence[Sequence[int]], int]],
+                     patterns: dict[str, int], slots_per_place: int = 125,
+                     ) -> tuple[pd.DataFrame, dict[tuple[str, str], list[Any]]]:
+    """Feed data-parallel layouts outside HTTP, so that the order requests reach the steps is
+    fixed. A layout is ``(parts, places)``: one fresh radix-cache engine per part (the indices
+    of the requests its worker receives), each with ``places`` running places and
+    ``slots_per_place`` KV slots a place. A pattern is a gap: request ``i`` arrives at step
+    ``gap * i`` (0, all at once). Returns the hit rates (share of the prompt tokens found in
+    the cache over a layout's engines; one row per pattern, one column per layout) and the
+    engines, by ``(pattern, layout)``."""
+    from minisrv import Engine
+
+    fed: dict[tuple[str, str], list[Any]] = {}
+    for pattern, gap in patterns.items():
+        for name, (parts, places) in layouts.items():
+            engines = [Engine(model, kv_capacity=slots_per_place * places, max_running=places,
+                              cache="radix") for _ in parts]
+            for engine, indices in zip(engines, parts):
+                engine.generate([list(prompts[i]) for i in indices],
+                                [max_tokens[i] for i in indices],
+                                arrival_steps=[gap * i for i in indices])
+            fed[pattern, name] = engines
+    hits = pd.DataFrame({name: [sum(e.stats.cached_prompt_tokens for e in fed[p, name])
+                                / sum(e.stats.prompt_tokens for e in fed[p, name])
+                                for p in patterns] for name in layouts}, index=list(patterns))
+    return hits, fed
 
 
 def _node_text(tree: Any, tok: Any, node_id: int) -> str:

@@ -18,6 +18,7 @@ import pandas as pd
 from minisrv.experiments.server_sweep import completion_rate, goodput, slo_attainment
 from minisrv.viz import marks
 from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.server_labels import LABEL_PLACES, place_labels
 from minisrv.viz.style import BookFigure, label_axes, page_figure, styled
 from minisrv.viz.widgets import panel
 
@@ -103,7 +104,7 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
             if rate not in labelled:
                 continue
             left.annotate(f"{rate:g}", (x, y), textcoords="offset points",
-                          xytext=_LABEL_PLACES[0], fontsize=8, color=_color(name))
+                          xytext=LABEL_PLACES[0], fontsize=8, color=_color(name))
         right.plot(rows.index, good.xs(name, level=0), "-", marker=marker, mfc="none",
                    color=_color(name), label=name)
     left.axhline(ttft_slo_ms, color="black", ls="--", lw=1)
@@ -117,7 +118,7 @@ def plot_policy_rate_sweep(sweep: pd.DataFrame, ttft_slo_ms: float) -> BookFigur
                "requests per second meeting it")
     handles, labels = right.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncol=len(handles))
-    _place_labels(fig, left.texts)
+    place_labels(fig, left.texts)
     return fig
 
 
@@ -126,49 +127,6 @@ def _labelled_rates(rates: Sequence[float]) -> set[float]:
     under the chosen rate's ring; the ring and the table name the other rates."""
     ordered = sorted(rates)
     return {ordered[0], ordered[len(ordered) // 2], ordered[-1]}
-
-
-_LABEL_PLACES: tuple[tuple[int, int], ...] = (
-    (5, -10), (-5, -10), (5, 3), (-5, 3), (9, -4), (-9, -4), (5, -19), (-5, -19), (5, 12),
-    (-5, 12))
-"""Where a rate label may sit, in points from its point, in the order tried."""
-
-SHARED_LABEL = "#495057"
-"""The color (dark grey) of a rate label that stands for the coinciding points of curves."""
-
-_SAME_POINT_PX = 12.0
-"""Points of one rate closer than this (in pixels) share one label."""
-
-
-def _place_labels(fig: BookFigure, labels: Sequence[Any]) -> None:
-    """Lay out the rate labels of ``labels`` (in the order drawn) so that none covers another.
-
-    A label whose rate another curve's label already writes within ``_SAME_POINT_PX`` of its
-    point is hidden, that label turning ``SHARED_LABEL`` grey (at low rates the configurations'
-    points coincide). Every other label takes the first place of ``_LABEL_PLACES`` where it
-    covers no label placed before it (a saturated curve's last points nearly coincide too)."""
-    fig.draw_without_rendering()  # lays the figure out: the labels' boxes are where they will be
-    placed: list[tuple[Any, Any]] = []  # (label, its box)
-    for label in labels:
-        at = label.axes.transData.transform(label.xy)
-        twin = next((other for other, _ in placed if other.get_text() == label.get_text()
-                     and np.hypot(*(other.axes.transData.transform(other.xy) - at))
-                     < _SAME_POINT_PX), None)
-        if twin is not None:
-            label.set_visible(False)
-            twin.set_color(SHARED_LABEL)
-            continue
-        for dx, dy in _LABEL_PLACES:
-            label.xyann = (dx, dy)
-            label.set_horizontalalignment("left" if dx > 0 else "right")
-            box = label.get_window_extent()
-            if not any(box.overlaps(other) for _, other in placed):
-                break
-        else:  # nowhere free: the first place, as before
-            label.xyann = _LABEL_PLACES[0]
-            label.set_horizontalalignment("left")
-            box = label.get_window_extent()
-        placed.append((label, box))
 
 
 def _check_sweep(sweep: pd.DataFrame) -> None:
@@ -220,7 +178,7 @@ def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
     per target; once per target and rate would cost seven times the drawing."""
     left, right = fig.axes
     labelled = _labelled_rates(sweep.index.unique(level=1))
-    return {rate: "".join([*(marks.ring(fig, left, x, y, MARK_COLOR)
+    return {rate: "".join([*(_ring(fig, left, x, y)
                              + ("" if rate in labelled else _ring_label(fig, left, x, y, rate))
                              for x, y in sweep.xs(rate, level=1)[["out tok/s", "ttft p99 (ms)"]]
                              .itertuples(index=False)),
@@ -228,12 +186,24 @@ def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
             for rate in sweep.index.unique(level=1)}
 
 
-def _ring_label(fig: BookFigure, ax: Any, x: float, y: float, rate: float) -> str:
-    """The rate written beside its ring, above and to the right, where the figure labels
-    only the lowest, middle and highest rates (``_labelled_rates``)."""
+def _ring(fig: BookFigure, ax: Any, x: float, y: float) -> str:
+    """A thin ring round the data point (``x``, ``y``), wider than a marker and hollow, so
+    that the point, and a neighbour's, still show through it (``marks.ring``'s 2 px border
+    hid the points of a crowded curve)."""
     left, top = marks._place(fig, ax, x, y)
-    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;margin:-24px 0 0 '
-            f'9px;font:bold 11px sans-serif;color:{MARK_COLOR}">{rate:g}</div>')
+    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;width:18px;'
+            f'height:18px;margin:-10px 0 0 -10px;border:1px solid {MARK_COLOR};'
+            f'border-radius:50%"></div>')
+
+
+def _ring_label(fig: BookFigure, ax: Any, x: float, y: float, rate: float) -> str:
+    """The rate written beside its ring, above and to the left, where the figure labels
+    only the lowest, middle and highest rates (``_labelled_rates``): the curves run up and
+    to the right, so the upper left of a point is where they are not."""
+    left, top = marks._place(fig, ax, x, y)
+    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;margin:-26px 0 0 '
+            f'-30px;width:20px;text-align:right;font:bold 11px sans-serif;'
+            f'color:{MARK_COLOR}">{rate:g}</div>')
 
 
 def _verdict(goodputs: pd.Series) -> str:

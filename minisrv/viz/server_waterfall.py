@@ -26,12 +26,14 @@ def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> Book
     of ``rids``: queued (arrival to its prefill step), prefill (to its first token, the black
     diamond) and decode (to its last token), each token a white tick, so TTFT is the length
     up to the diamond and the inter-token times are the gaps between ticks. Time counts from
-    the first of the shown requests' arrivals."""
+    the first of the shown requests' arrivals. Each panel has its own time axis, from that
+    start to its last finish: a configuration that serves them in a fraction of the other's
+    time would fill a corner of a shared one."""
     names = list(timelines.index.unique(level=0))
     rows = [timelines.xs(name, level=0).loc[list(rids)] for name in names]
     start = min(float(r["arrival (ms)"].min()) for r in rows)
     fig, axes = page_figure(1.3 + len(names) * (0.45 + 0.28 * len(rids)), rows=len(names),
-                            sharex=True, squeeze=False)
+                            squeeze=False)
     for ax, name, frame in zip(axes[:, 0], names, rows, strict=True):
         for y, (_, req) in enumerate(frame.iterrows()):
             edges = [req["arrival (ms)"], req["admitted (ms)"], req["first token (ms)"],
@@ -49,9 +51,10 @@ def plot_request_waterfall(timelines: pd.DataFrame, rids: Sequence[int]) -> Book
         ax.set_yticks(range(len(frame)), [f"r{rid}" for rid in frame.index])
         ax.set_ylim(len(frame) - 0.5, -0.5)
         ax.grid(axis="x", alpha=0.3)
+        ax.set_xlim(0, 1.02 * (float(frame["finish (ms)"].max()) - start))
+        ax.set_xlabel("simulated time since the first of them arrived (ms)")
         label_axes(ax, f"{name}: TTFT of these requests {ttft.min():,.0f} to "
                        f"{ttft.max():,.0f} ms")
-    axes[-1, 0].set_xlabel("simulated time since the first of them arrived (ms)")
     handles = dict(zip(*reversed(axes[0, 0].get_legend_handles_labels()), strict=True))
     order = [*_PHASES, "first token", "later token"]  # in the order a request meets them
     # a white tick shows only on its decode bar: its legend entry draws it on the bar's colour
