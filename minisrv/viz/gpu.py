@@ -365,7 +365,8 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
     The figure (the measured run beside ``gpu``'s roofline at the context) depends on the
     context alone and is drawn once per context; the line that marks the batch on it, the
     table and the numbers change with the batch. Each state carries the roofline's step time
-    per GPU of the table, the bound on ``gpu``, and the measured padded step at that batch.
+    per GPU of the table, the bound on ``gpu``, and the measured padded and ragged steps at
+    that batch.
     ``batches`` must be batches the measurement timed (all of them by default, so every batch
     the page's text quotes can be selected); ``batch`` and ``context`` open the page.
     """
