@@ -170,10 +170,11 @@ def test_gpu_explorer_holds_a_state_that_turns_compute_bound() -> None:
     """The page's contexts include one where the H200's step turns compute-bound within the
     recorded batches, so the "bound by" column flips in one state and not in all of them."""
     from minisrv.configs import H200, SMOLLM2_135M
+    from minisrv.experiments.gpu import recorded_gpu_run
     from minisrv.sim.roofline import compute_bound_batch, decode_step_cost
     from minisrv.viz.gpu import GPU_CONTEXTS
 
-    batches = (1, 4, 16, 64, 256)  # the explorer's default batches
+    batches = sorted(set(recorded_gpu_run("h200")[0]["batch"]))  # the explorer's batches
     bounds = {(c, b): decode_step_cost(SMOLLM2_135M, H200, b, c).bound
               for c in GPU_CONTEXTS for b in batches}
     assert bounds[(min(GPU_CONTEXTS), 256)] == "compute"
@@ -215,6 +216,26 @@ def _marks_by_state(page: str) -> list[tuple[int, str]]:
     return [(i, data["parts"][state["parts"][1]]) for i, state in enumerate(data["states"])]
 
 
+def test_gpu_explorer_offers_every_recorded_batch_and_both_calls_over_the_roofline() -> None:
+    """The page's text quotes batches 2, 8, 32 and 128 (the ragged step's 243.6 ms at 128):
+    by default the explorer's batch slider stops at every batch the run timed, and each
+    caption at the timed context gives both calls' measured step over the roofline's."""
+    from minisrv.configs import H200, SMOLLM2_135M
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.sim.roofline import decode_step_cost
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,))
+    assert sorted(b for _, b in ex.states) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    ragged = steps[steps["attention"] == "flex"].set_index("batch")["step_ms"]
+    for (_, batch), state in ex.states.items():
+        assert state["measured_ragged_ms"] == ragged[batch]
+    roof_us = decode_step_cost(SMOLLM2_135M, H200, 128, 512).time_s * 1e6
+    times = float(f"{ragged[128] * 1e3 / roof_us:.2g}")
+    assert f"the ragged step 243.6 ms, about {times:,.0f} times" in ex.html
+
+
 def test_gpu_explorer_refuses_a_batch_the_run_did_not_time() -> None:
     from minisrv.experiments.gpu import recorded_gpu_run
     from minisrv.viz.gpu import gpu_roofline_explorer
@@ -242,7 +263,7 @@ def test_gpu_explorer_caption_rounds_the_gap_as_the_prose_does() -> None:
 
     steps, _ = recorded_gpu_run("h200")
     ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=(1, 256))
-    assert "took 28.9 ms, about 490 times that" in ex.html
+    assert "took 28.9 ms, about 490 times that, the ragged step 41.0 ms, about 700 times" in ex.html
     assert "took 50.0 ms, about 73 times that" in ex.html  # 72.8 at batch 256
     assert "494x" not in ex.html and "494 times" not in ex.html  # the images are base64
 

@@ -296,6 +296,12 @@ def _measured_ms(measured: pd.DataFrame, batch: int, attention: str = "padded") 
     return float(rows["step_ms"].iloc[0]) if len(rows) else None
 
 
+def _times(ms: float, roof_us: float) -> str:
+    """How many times the roofline's step ``roof_us`` a measured step of ``ms`` took, to two
+    figures, as the prose rounds it ("about 490 times", never 494)."""
+    return f"{float(f'{ms * 1e3 / roof_us:.2g}'):,.0f} times"
+
+
 def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.DataFrame,
              batch: int, context: int) -> str:
     roof_us = table.loc[gpu.name, "step (µs)"]
@@ -304,8 +310,10 @@ def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.D
     ms = _measured_ms(measured, batch)
     timed = set(measured["context"])
     if ms is not None and context in timed:
-        about = float(f"{ms * 1e3 / roof_us:.2g}")  # two figures, as the prose rounds it
-        text += f"; the measured padded step took {ms:,.1f} ms, about {about:,.0f} times that"
+        text += f"; the measured padded step took {ms:,.1f} ms, about {_times(ms, roof_us)} that"
+        ragged = _measured_ms(measured, batch, "flex")
+        if ragged is not None:
+            text += f", the ragged step {ragged:,.1f} ms, about {_times(ragged, roof_us)}"
     elif ms is not None:
         text += (f"; the measured steps were timed at context "
                  f"{', '.join(map(str, sorted(timed)))}, not at this one")
@@ -351,17 +359,19 @@ def _batch_marks(fig: BookFigure, batches: Sequence[int]) -> dict[int, str]:
 def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
                           cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200,
                           contexts: Sequence[int] = GPU_CONTEXTS,
-                          batches: Sequence[int] = (1, 4, 16, 64, 256)) -> Explorer:
+                          batches: Sequence[int] | None = None) -> Explorer:
     """``gpu_roofline_widget`` for every context and batch of the grid, for the page.
 
     The figure (the measured run beside ``gpu``'s roofline at the context) depends on the
     context alone and is drawn once per context; the line that marks the batch on it, the
     table and the numbers change with the batch. Each state carries the roofline's step time
-    per GPU of the table, the bound on ``gpu``, and the measured padded step at that batch.
-    ``batches`` must be batches the measurement timed; ``batch`` and ``context`` open the page.
+    per GPU of the table, the bound on ``gpu``, and the measured padded and ragged steps at
+    that batch.
+    ``batches`` must be batches the measurement timed (all of them by default, so every batch
+    the page's text quotes can be selected); ``batch`` and ``context`` open the page.
     """
     timed = sorted(set(measured["batch"]))
-    batches = sorted({*batches, batch})
+    batches = sorted({*(timed if batches is None else batches), batch})
     missing = sorted(set(batches) - set(timed))
     if missing:
         raise ValueError(f"batches {missing} were not measured; measured: {timed}")
@@ -379,6 +389,7 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
                                    for g in _with(gpu)}
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
+        metrics["measured_ragged_ms"] = _measured_ms(measured, batch, "flex")
         return Frame([box, lines[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
