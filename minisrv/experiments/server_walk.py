@@ -91,12 +91,13 @@ def queue_and_prefill(reqs: Sequence[Any], trace: Sequence[Any],
                       stamps: dict[int, tuple[float, float]]) -> dict[str, float]:
     """Where the first tokens of a load went, by ``timed_steps``' stamps: for each of ``reqs``
     (finished requests of a CityLM engine, whose clock counts steps) the wall-clock time of the
-    steps that ran while it waited in the queue (from the first step at or after its arrival
-    to the start of its prefill step) and that of its prefill step, both in ms and averaged
-    over the requests; with the mean number of requests, and of prompt tokens computed, in
-    those prefill steps. What a TTFT holds besides these is the way in and out of the engine:
-    the connection, the encoding, the step already running when it arrived, the event's way
-    back. Raises ``ValueError`` if a step the requests waited through is unstamped."""
+    steps that ran while it waited in the queue (from the start of the step its arrival is
+    stamped with, the one running when it arrived or the next, to the start of its prefill
+    step) and that of its prefill step, both in ms and averaged over the requests; with the
+    mean number of requests, and of prompt tokens computed, in those prefill steps. What a TTFT
+    holds besides these is the way in and out of the engine: the connection, the encoding, the
+    event's way back (less the part of a running step before the request arrived, which the
+    queue time counts). Raises ``ValueError`` if a step the requests waited through is unstamped."""
     by_start = {s.start: s for s in trace}
     queue, prefill, batch, tokens = [], [], [], []
     for r in reqs:
