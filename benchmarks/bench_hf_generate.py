@@ -31,6 +31,11 @@ prefill-first takes 172, and about 15% less time.
 oneDNN products on the CPU; same machine and versions, median of 3): mixed 3.44x (runs
 2.44-3.45x), prefill-first 2.90x (2.83-3.03x); HF static b=32 1.05-1.18 s, minisrv mixed
 0.30-0.48 s; 256/256 requests identical across modes, to HF and to each request alone.
+
+2026-12-07, with one untimed pass of each side first (same machine, torch 2.13, transformers
+5.25, nothing else running, median of 5): mixed 3.15x (runs 2.42-3.26x), prefill-first 2.64x;
+HF static b=32 2.00-2.36 s, minisrv mixed 0.65-0.83 s. Beside two other processes the same
+script gave 2.98x and 2.83x: the ratio moves with load by more than its margin over the goal.
 """
 
 from __future__ import annotations
