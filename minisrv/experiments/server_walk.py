@@ -135,7 +135,7 @@ def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: S
                      ) -> tuple[pd.DataFrame, dict[tuple[str, str], list[Any]]]:
     """Feed data-parallel layouts outside HTTP, so that the order requests reach the steps is
     fixed. A layout is ``(parts, places)``: one fresh radix-cache engine per part (the indices
-    of the requests its worker receives), each with ``places`` running places and
+    of the requests its worker receives), each with ``places`` running slots (``max_running``) and
     ``slots_per_place`` KV slots a place. A pattern is a gap: request ``i`` arrives at step
     ``gap * i`` (0, all at once). Returns the hit rates (share of the prompt tokens found in
     the cache over a layout's engines; one row per pattern, one column per layout) and the
