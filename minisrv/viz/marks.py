@@ -45,8 +45,10 @@ def vline(fig: Any, ax: Any, x: float, color: str) -> str:
 
 
 def ring(fig: Any, ax: Any, x: float, y: float, color: str) -> str:
-    """A ring round the data point (``x``, ``y``) of ``ax``."""
+    """A thin ring round the data point (``x``, ``y``) of ``ax``, wider than a marker and
+    hollow, so that the point, and a neighbour's, still show through it (a 2 px border hid
+    the points of a crowded curve)."""
     left, top = _place(fig, ax, x, y)
-    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;width:16px;'
-            f'height:16px;margin:-10px 0 0 -10px;border:2px solid {color};'
+    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;width:18px;'
+            f'height:18px;margin:-10px 0 0 -10px;border:1px solid {color};'
             f'border-radius:50%"></div>')

@@ -178,22 +178,12 @@ def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
     per target; once per target and rate would cost seven times the drawing."""
     left, right = fig.axes
     labelled = _labelled_rates(sweep.index.unique(level=1))
-    return {rate: "".join([*(_ring(fig, left, x, y)
+    return {rate: "".join([*(marks.ring(fig, left, x, y, MARK_COLOR)
                              + ("" if rate in labelled else _ring_label(fig, left, x, y, rate))
                              for x, y in sweep.xs(rate, level=1)[["out tok/s", "ttft p99 (ms)"]]
                              .itertuples(index=False)),
                            marks.vline(fig, right, rate, MARK_COLOR), marks.CLOSE])
             for rate in sweep.index.unique(level=1)}
-
-
-def _ring(fig: BookFigure, ax: Any, x: float, y: float) -> str:
-    """A thin ring round the data point (``x``, ``y``), wider than a marker and hollow, so
-    that the point, and a neighbour's, still show through it (``marks.ring``'s 2 px border
-    hid the points of a crowded curve)."""
-    left, top = marks._place(fig, ax, x, y)
-    return (f'<div style="position:absolute;left:{left:.2f}%;top:{top:.2f}%;width:18px;'
-            f'height:18px;margin:-10px 0 0 -10px;border:1px solid {MARK_COLOR};'
-            f'border-radius:50%"></div>')
 
 
 def _ring_label(fig: BookFigure, ax: Any, x: float, y: float, rate: float) -> str:
