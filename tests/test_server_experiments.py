@@ -212,9 +212,12 @@ def test_layout_hit_rates_one_engine_per_part_and_the_arrival_gap(citylm):
                for tail in ("IT:", "ES:", "JP:")]
     layouts = {"one": ([range(6)], 8), "by group": ([range(3), range(3, 6)], 8),
                "alone": ([[i] for i in range(6)], 8)}
+    served: dict = {}
     hits, fed = layout_hit_rates(model, prompts, [2] * 6, layouts,
-                                 {"all at once": 0, "one per step": 1})
+                                 {"all at once": 0, "one per step": 1}, served=served)
     assert [len(fed["one per step", name]) for name in layouts] == [1, 2, 6]
+    alone = [model.reference_generate(p, 2) for p in prompts]
+    assert served.keys() == fed.keys() and all(out == alone for out in served.values())
     lines = sum(2 * len(tok.encode(head + "\n"))  # <bos> and the line, twice a group
                 for head in ("FR: Paris, Lyon", "DE: Berlin, Bonn"))
     total = sum(map(len, prompts))

@@ -132,6 +132,7 @@ def warm_up(model: Any, prompts: Sequence[Sequence[int]], **engine_kwargs: Any) 
 def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                      layouts: dict[str, tuple[Sequence[Sequence[int]], int]],
                      patterns: dict[str, int], slots_per_place: int = 125,
+                     served: dict[tuple[str, str], list[list[int]]] | None = None,
                      ) -> tuple[pd.DataFrame, dict[tuple[str, str], list[Any]]]:
     """Feed data-parallel layouts outside HTTP, so that the order requests reach the steps is
     fixed. A layout is ``(parts, places)``: one fresh radix-cache engine per part (the indices
@@ -139,7 +140,8 @@ def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: S
     ``slots_per_place`` KV slots a place. A pattern is a gap: request ``i`` arrives at step
     ``gap * i`` (0, all at once). Returns the hit rates (share of the prompt tokens found in
     the cache over a layout's engines; one row per pattern, one column per layout) and the
-    engines, by ``(pattern, layout)``."""
+    engines, by ``(pattern, layout)``. ``served``, if given, receives each run's outputs in
+    request order, by ``(pattern, layout)``, for the check against each request alone."""
     from minisrv import Engine
 
     fed: dict[tuple[str, str], list[Any]] = {}
@@ -147,11 +149,15 @@ def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: S
         for name, (parts, places) in layouts.items():
             engines = [Engine(model, kv_capacity=slots_per_place * places, max_running=places,
                               cache="radix") for _ in parts]
+            outputs: dict[int, list[int]] = {}
             for engine, indices in zip(engines, parts):
-                engine.generate([list(prompts[i]) for i in indices],
-                                [max_tokens[i] for i in indices],
-                                arrival_steps=[gap * i for i in indices])
+                got = engine.generate([list(prompts[i]) for i in indices],
+                                      [max_tokens[i] for i in indices],
+                                      arrival_steps=[gap * i for i in indices])
+                outputs.update(zip(indices, got))
             fed[pattern, name] = engines
+            if served is not None:
+                served[pattern, name] = [outputs[i] for i in sorted(outputs)]
     hits = pd.DataFrame({name: [sum(e.stats.cached_prompt_tokens for e in fed[p, name])
                                 / sum(e.stats.prompt_tokens for e in fed[p, name])
                                 for p in patterns] for name in layouts}, index=list(patterns))
