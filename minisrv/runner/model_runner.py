@@ -88,10 +88,14 @@ class ModelRunner:
 
     time_unit = "step"
     cost_unit = "tokens"
-    # all but ENDS_OWN_STEPS (the device thread ends its steps) and TIMES_HOST_COPIES (the
-    # host tier's copies take their own time on the device); checks: runner.speculative
-    capabilities = frozenset(Capability) - {Capability.ENDS_OWN_STEPS,
-                                            Capability.TIMES_HOST_COPIES}
+    # Listed, not "all but": a new capability is claimed only where it is written down.
+    # Not ENDS_OWN_STEPS (the device thread ends its steps) nor TIMES_HOST_COPIES (the host
+    # tier's copies take their own time on the device); checks: runner.speculative
+    capabilities = frozenset({
+        Capability.SAMPLES_PROCESSORS, Capability.VERIFIES_DRAFTS, Capability.JUMPS_FORWARD,
+        Capability.GIVES_LOGPROBS, Capability.SPLITS_STEP, Capability.COMPUTES_CHUNKS,
+        Capability.LENDS_KV_POOL,
+    })
 
     def __init__(self, model: CityLM, attention: str = "auto", *,
                  device: str | torch.device | None = None,

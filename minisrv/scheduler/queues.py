@@ -101,7 +101,7 @@ class RequestQueues:
         staying: list[Req] = []
         for req in (*self.finishing, *self.running):
             if req.state is ReqState.RUNNING:
-                last = len(req.output) >= req.params.max_new_tokens
+                last = req.remaining_new_tokens <= 0  # the length rule, as Req keeps it
                 (finishing if last else staying).append(req)
         self.finishing, self.running = finishing, staying
 
