@@ -6,15 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisrv.configs import CITYLM
 from minisrv.core import Batch, Entry
 from minisrv.engine import Engine
 from minisrv.kv import KVPool
 from minisrv.model import FLEX_AVAILABLE, FlatBatch
 from minisrv.request import Req
 from minisrv.runner import FlexAttention, LoopAttention, ModelRunner, PaddedAttention
+from minisrv.runner.attention import BACKENDS
 from minisrv.sampling import SamplingParams
 
-KINDS = ["loop", "padded", *(["flex"] if FLEX_AVAILABLE else [])]
+
+def _runs_here(backend: type) -> bool:
+    """Whether a registered backend can run on this CPU (each says so in its constructor:
+    Triton only under its interpreter, flex only where this torch has it)."""
+    try:
+        backend("cpu", torch.float32, CITYLM.head_dim, CITYLM.n_kv_heads)
+    except ValueError:
+        return False
+    return True
+
+
+KINDS = [kind for kind, backend in BACKENDS.items() if _runs_here(backend)]
+"""Every registered backend that runs here: a new one is tested by registering it."""
 
 
 def _prefilled(model, runner: ModelRunner, prompts: list[list[int]]) -> list[Req]:
