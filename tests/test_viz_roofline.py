@@ -268,6 +268,37 @@ def test_gpu_explorer_caption_rounds_the_gap_as_the_prose_does() -> None:
     assert "494x" not in ex.html and "494 times" not in ex.html  # the images are base64
 
 
+def test_gpu_explorer_reads_out_the_recorded_steps_over_the_roofline_at_every_context() -> None:
+    """The context slider moves the readout too: at a context the run did not time, the
+    caption sets the steps timed at 512 over that context's roofline, saying where they were
+    timed (the page's own comparison at context 8,192 and batch 256: about 5 times)."""
+    from minisrv.configs import H200, SMOLLM2_135M
+    from minisrv.experiments.gpu import recorded_gpu_run
+    from minisrv.sim.roofline import decode_step_cost
+    from minisrv.viz.gpu import gpu_roofline_explorer
+
+    steps, _ = recorded_gpu_run("h200")
+    ex = gpu_roofline_explorer(steps, "recorded", contexts=(8192,), batches=(256,))
+    padded = steps[steps["attention"] == "padded"].set_index("batch")["step_ms"]
+    far = ex.states[(8192, 256)]
+    roof_us = decode_step_cost(SMOLLM2_135M, H200, 256, 8192).time_s * 1e6
+    assert far["padded_over_roofline"] == pytest.approx(padded[256] * 1e3 / roof_us, rel=1e-4)
+    assert 4.5 < far["padded_over_roofline"] < 5.5
+    assert ex.states[(512, 256)]["padded_over_roofline"] > 10 * far["padded_over_roofline"]
+    assert "measured padded step (timed at context 512) took 50.0 ms, about 5 times that" in ex.html
+    assert "timed at context 512)" not in _caption_of(ex, 512, 256)
+
+
+def _caption_of(ex, context: int, batch: int) -> str:
+    """The caption of one state, from the page's JSON."""
+    import json
+
+    data = json.loads(ex.html.split('<script type="application/json">')[1].split("</script>")[0]
+                      .replace("<\\/", "</"))
+    index = sorted(ex.states).index((context, batch))
+    return data["states"][index]["caption"]
+
+
 def test_block_mask_figure_draws_the_tiles_ragged_tiles_makes() -> None:
     from minisrv.model import ragged_tiles
     from minisrv.viz.gpu import plot_block_mask

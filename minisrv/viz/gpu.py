@@ -308,15 +308,16 @@ def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.D
     text = (f"{cfg.name} at batch {batch}, context {context}: the {gpu.name}'s roofline step "
             f"is {roof_us:,.1f} µs, {table.loc[gpu.name, 'bound by']}-bound")
     ms = _measured_ms(measured, batch)
-    timed = set(measured["context"])
-    if ms is not None and context in timed:
-        text += f"; the measured padded step took {ms:,.1f} ms, about {_times(ms, roof_us)} that"
-        ragged = _measured_ms(measured, batch, "flex")
-        if ragged is not None:
-            text += f", the ragged step {ragged:,.1f} ms, about {_times(ragged, roof_us)}"
-    elif ms is not None:
-        text += (f"; the measured steps were timed at context "
-                 f"{', '.join(map(str, sorted(timed)))}, not at this one")
+    if ms is None:
+        return text + "."
+    timed = sorted(set(measured["context"]))
+    # at another context the run's steps still stand beside this roofline, said to be from
+    # the timed one: the page asks how far the roofline climbs towards them at long contexts
+    at = "" if context in timed else f" (timed at context {', '.join(map(str, timed))})"
+    text += f"; the measured padded step{at} took {ms:,.1f} ms, about {_times(ms, roof_us)} that"
+    ragged = _measured_ms(measured, batch, "flex")
+    if ragged is not None:
+        text += f", the ragged step {ragged:,.1f} ms, about {_times(ragged, roof_us)}"
     return text + "."
 
 
@@ -365,8 +366,9 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
     The figure (the measured run beside ``gpu``'s roofline at the context) depends on the
     context alone and is drawn once per context; the line that marks the batch on it, the
     table and the numbers change with the batch. Each state carries the roofline's step time
-    per GPU of the table, the bound on ``gpu``, and the measured padded and ragged steps at
-    that batch.
+    per GPU of the table, the bound on ``gpu``, the measured padded and ragged steps at that
+    batch, and each over ``gpu``'s roofline step at the state's context (the caption's
+    readout; at a context the run did not time, the caption says which it timed).
     ``batches`` must be batches the measurement timed (all of them by default, so every batch
     the page's text quotes can be selected); ``batch`` and ``context`` open the page.
     """
@@ -390,6 +392,9 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
         metrics["measured_ragged_ms"] = _measured_ms(measured, batch, "flex")
+        for call in ("padded", "ragged"):  # the caption's readout (every batch here was timed)
+            metrics[f"{call}_over_roofline"] = (metrics[f"measured_{call}_ms"] * 1e3
+                                                / metrics[f"step_us {gpu.name}"])
         return Frame([box, lines[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 

@@ -10,9 +10,12 @@ Each row says why, from a recorded run where there is one:
   an H200, SmolLM2-135M's shape in bf16) decoded 2.0x faster with flex than padded at batch
   64 and 0.89x at batch 256 (geometric mean 1.35x), a provisional choice; its step sweep
   favoured padded at large batches, where the compiled flex kernel walks one query tile's
-  key tiles one after another (the GPU appendix reads that from the record). The Triton
-  backend has not been measured on a GPU, so it is chosen nowhere until a recorded run puts
-  it ahead (``tests/test_choice.py`` checks this row against the recorded runs).
+  key tiles one after another (the GPU appendix reads that from the record). With
+  ``cuda_graph=True`` those decode-only steps take the padded call anyway (flex has no graph
+  hooks, so ``ModelRunner`` decodes through the padded backend's buffers), and the row decides
+  the steps with prefills. The Triton backend has not been measured on a GPU, so it is chosen
+  nowhere until a recorded run puts it ahead (``tests/test_choice.py`` checks this row against
+  the recorded runs).
 * CUDA below 8.0 (Colab's T4 is 7.5, float16 only): ``padded``. PyTorch tunes
   flex_attention's Triton kernel only from 8.0 on (below it ``get_flex_attn_fwd_configs``,
   ``torch/_inductor/template_heuristics/triton.py``, falls back to one generic tile shape),
