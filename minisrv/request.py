@@ -58,6 +58,10 @@ class Req:
     token_times: list[float] = field(default_factory=list)  # clock after each output token
     state: ReqState = ReqState.PENDING
     admitted_at: float | None = None  # clock when its prefill step started
+    # a server's engine loop: ``time.perf_counter()`` when it took the request from its
+    # inbox, between two steps (the engine's clock, in steps on CityLM, cannot say how long
+    # the request took to reach the engine, nor how long it then queued); None elsewhere
+    taken_at: float | None = None
     finish_reason: str | None = None  # "length" or "eos"
     # positions 0 .. kv_len - 1 have KV; where it lives is the request-to-token table's
     # record (``minisrv.kv.table``), the only one

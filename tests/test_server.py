@@ -334,9 +334,14 @@ def test_metrics_parse_and_name_every_series(server, client):
     assert 0 < values["minisrv:cache_hit_rate"] < 1  # "FR:" was served before: cached
 
 
-def test_bench_cli_prints_its_table(server):
+def test_bench_cli_prints_its_table(server, tmp_path):
+    """The report on stdout; with --output-json and --output-details, each request's TTFT
+    and send time too (``time.perf_counter()``, the clock a server on this machine reads)."""
+    report = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "minisrv", "bench", "--base-url", server, "--num-prompts",
-           "24", "--max-concurrency", "8", "--output-len", "2", "6", "--no-progress"]
+           "24", "--max-concurrency", "8", "--output-len", "2", "6", "--no-progress",
+           "--output-json", str(report), "--output-details"]
+    before = time.perf_counter()
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -344,6 +349,9 @@ def test_bench_cli_prints_its_table(server):
     for line in ("Output token throughput (tok/s):", "Median TTFT (ms):", "P99 ITL (ms):",
                  "Mean E2E Latency (ms):"):
         assert line in out.stdout
+    details = json.loads(report.read_text())
+    assert details["completed"] == 24 and len(details["ttfts_ms"]) == 24
+    assert all(before < t < time.perf_counter() for t in details["sent"])
 
 
 # ------------------------------------------------------------------------------ --dp

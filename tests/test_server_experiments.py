@@ -4,6 +4,7 @@ events with timestamps, benches of several layouts, and their plot."""
 from __future__ import annotations
 
 import re
+import statistics
 import threading
 
 import pytest
@@ -20,17 +21,19 @@ from minisrv.experiments.server import (  # noqa: E402
     beyond_spread,
     open_server,
     read_metrics,
-    stream_completion,
 )
 from minisrv.experiments.server_walk import (  # noqa: E402
     first_token_parts,
     layout_hit_rates,
-    queue_and_prefill,
     slot_ranges,
     sse_frame,
+    step_frame,
+    step_totals,
+    stream_completion,
     timed_steps,
     tree_event_frame,
     tree_path_frame,
+    ttft_split,
     warm_up,
 )
 from minisrv.sampling import SamplingParams  # noqa: E402
@@ -149,7 +152,8 @@ def test_timed_steps_set_each_step_of_a_streamed_request_before_its_event(server
     """The walk splits its first token's time with wall-clock stamps of the engine's steps
     (CityLM's engine clock counts steps): every step of the request is stamped, each event
     arrives after the step that computed its token ended, and the first event's time is the
-    sum of its three parts. The stamping is undone after the block."""
+    sum of its four parts: to the engine (until the engine loop took the request), queued,
+    the prefill step, to the client. The stamping is undone after the block."""
     url, engines = server
     engine = engines.loop.engine
     _, tok = citylm
@@ -160,21 +164,23 @@ def test_timed_steps_set_each_step_of_a_streamed_request_before_its_event(server
     req = next(r for r in engines.loop.finished if r.prompt == tok.encode("DE: Berlin,"))
     steps = [s.index for s in engine.trace if req.rid in s.prefill or req.rid in s.decode]
     assert len(steps) == 6 and set(steps) <= stamps.keys()
-    parts = first_token_parts(sse, stamps, steps)
+    parts = first_token_parts(sse, stamps, steps, req)
     assert min(parts.values()) >= 0
-    total = parts["to prefill"] + parts["prefill"] + parts["to first event"]
+    total = parts["to engine"] + parts["queued"] + parts["prefill"] + parts["to client"]
     assert total == pytest.approx(sse[0][0], abs=1e-6)
     assert parts["step to event, longest"] >= parts["step to event"]
     with pytest.raises(ValueError, match="token events"):
-        first_token_parts(sse, stamps, steps[:-1])
+        first_token_parts(sse, stamps, steps[:-1], req)
 
 
-def test_queue_and_prefill_splits_first_tokens_by_the_steps_stamps(citylm):
-    """Two places for four requests: the first two are prefilled at once (no queue), the
-    last two wait through the first pair's three steps (the fourth arrives after the first
-    of them) and are prefilled together. With step k stamped from 10 k s for k + 1 s, the
-    queue is (30 + 20) / 2 s for the second pair, none for the first, and each prefill step
-    lasts 1 s (step 0) or 4 s (step 3); an unstamped step is an error."""
+def test_ttft_split_counts_the_queue_from_when_the_engine_loop_took_each_request(citylm):
+    """Two places for four requests: the first two are prefilled at once, the last two wait
+    through the first pair's three steps and are prefilled together. Step k is stamped from
+    10 k s for k + 1 s; each request was sent at -1 s, taken by the loop at -0.5 s (the fourth,
+    which arrives a step later, at 9 s) and read its first event 0.25 s after its prefill step
+    ended. The queue counts from the loop's stamp, not from the start of the step the request
+    arrived in; the four parts add up to the TTFT; an unstamped prefill step, or a request no
+    engine loop took, is an error."""
     model, tok = citylm
     engine = Engine(model, kv_capacity=600, max_running=2, cache="radix", record_trace=True)
     reqs = engine.make_requests([tok.encode(p) for p in ("FR: Paris,", "DE:", "IT:", "ES:")],
@@ -182,14 +188,46 @@ def test_queue_and_prefill_splits_first_tokens_by_the_steps_stamps(citylm):
     engine.serve(reqs)
     assert [s.prefill for s in engine.trace if s.prefill] == [(0, 1), (2, 3)]
     stamps = {s.index: (10.0 * s.index, 10.0 * s.index + s.index + 1) for s in engine.trace}
-    parts = queue_and_prefill(reqs, engine.trace, stamps)
-    assert parts["queue"] == pytest.approx(1e3 * (30 + 20) / 4)
+    sent = [-1.0] * 4
+    with pytest.raises(ValueError, match="taken_at"):
+        ttft_split(reqs, engine.trace, stamps, sent, [0.0] * 4)
+    for r, taken in zip(reqs, (-0.5, -0.5, -0.5, 9.0)):
+        r.taken_at = taken
+    ends = [1.0, 1.0, 34.0, 34.0]  # the prefill steps' ends: step 0, and step 3 (30 + 4)
+    parts = ttft_split(reqs, engine.trace, stamps, sent, [e + 0.25 for e in ends])
+    assert parts["to engine"] == pytest.approx(1e3 * (0.5 * 3 + 10) / 4)
+    assert parts["queued"] == pytest.approx(1e3 * (0.5 + 0.5 + 30.5 + 21) / 4)
     assert parts["prefill"] == pytest.approx(1e3 * (1 + 1 + 4 + 4) / 4)
+    assert parts["to client"] == pytest.approx(250.0)
+    ttft = statistics.fmean(e + 0.25 - s for e, s in zip(ends, sent))
+    assert sum(parts[k] for k in ("to engine", "queued", "prefill", "to client")) == (
+        pytest.approx(1e3 * ttft))
     assert parts["prefill batch"] == 2
     prompt_tokens = [len(r.prompt) - r.cached_prompt_tokens for r in reqs]
     assert parts["prefill tokens"] == pytest.approx(sum(prompt_tokens) / 2)
     with pytest.raises(ValueError, match="unstamped"):
-        queue_and_prefill(reqs, engine.trace, {k: v for k, v in stamps.items() if k != 1})
+        ttft_split(reqs, engine.trace, {k: v for k, v in stamps.items() if k != 3}, sent, ends)
+
+
+def test_step_frame_and_totals_say_what_each_stamped_step_computed(citylm):
+    """Two requests of 3 tokens prefilled in one step, then two decode steps of both: the
+    frame has a row per stamped step (an unstamped one is left out) and the totals split the
+    time into prefill and decode, with the requests per decode step."""
+    model, tok = citylm
+    engine = Engine(model, kv_capacity=600, max_running=2, cache="radix", record_trace=True)
+    engine.generate([tok.encode("FR:"), tok.encode("DE:")], 3)
+    stamps = {s.index: (0.01 * s.index, 0.01 * s.index + 0.002 * (1 + bool(s.prefill)))
+              for s in engine.trace}
+    frame = step_frame(engine.trace, stamps)
+    assert list(frame["prefilled"]) == [2, 0, 0] and list(frame["decoded"]) == [0, 2, 2]
+    assert frame["ms"].tolist() == pytest.approx([4.0, 2.0, 2.0])
+    totals = step_totals(frame)
+    assert totals["steps"] == 3 and totals["decode steps"] == 2
+    assert totals["prompt tokens computed"] == engine.stats.prefill_tokens
+    assert totals["prefill steps (ms)"] == pytest.approx(4.0)
+    assert totals["decode steps (ms)"] == pytest.approx(4.0)
+    assert totals["requests per decode step"] == 2
+    assert len(step_frame(engine.trace, {0: stamps[0]})) == 1
 
 
 def test_warm_up_runs_the_second_prompt_after_the_first_and_finds_its_prefix(citylm):
@@ -245,7 +283,7 @@ def test_bench_layouts_serve_each_layout_and_tabulate_them(citylm):
     model, tok = citylm
     shared = "FR: Paris, Marseille, Lyon\nDE: Berlin, Hamburg, Munich\n"
     requests = [BenchRequest(shared + code, 4) for code in ("IT:", "ES:", "JP:", "US:")]
-    layouts = {"radix": Layout(EngineOptions(**OPTIONS)),
+    layouts = {"radix": Layout(EngineOptions(**OPTIONS, engine_kwargs={"record_trace": True})),
                "none": Layout(EngineOptions(**OPTIONS, cache="none"))}
     runs = bench_layouts(layouts, requests, ignore_eos=False, max_concurrency=1)
     want = [tok.decode(model.reference_generate(tok.encode(r.prompt), 4)) for r in requests]
@@ -258,6 +296,11 @@ def test_bench_layouts_serve_each_layout_and_tabulate_them(citylm):
     assert {"out tok/s", "ttft median (ms)", "e2e p99 (ms)"} <= set(table.columns)
     assert table["device busy (s)"].isna().all()  # a model's backend keeps no device time
     assert (table["duration (s)"] > 0).all()
+    # the traced engine's bench steps, stamped: one request at a time, one token per step
+    steps = runs["radix"].steps
+    assert len(steps) == runs["radix"].result.output_tokens and (steps["ms"] > 0).all()
+    assert (steps["prefilled"] == 1).sum() == 4 and steps["decoded"].max() == 1
+    assert runs["none"].steps is None  # a server's engine keeps no trace by default
 
 
 def test_running_server_reports_a_server_that_cannot_start():
@@ -540,7 +583,7 @@ def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_names_them_as_its_leg
     body = _rate_table(sweep, 4.0, 200.0).split("<tbody>")[1]
     for name in names:
         assert body.count(f">{name}</th>") == 1, name
-    assert body.count("<tr") == 3 * 2  # a block of 2 rates each
+    assert body.count("<tr") == 3  # the chosen rate's row of each
     legend = [t.get_text() for t in plot_policy_rate_sweep(sweep, 200.0).legends[0].get_texts()]
     assert legend == [*names, "offered"]
     html = rate_explorer(sweep, (200.0,), rate=4.0, ttft_slo_ms=200.0).html
@@ -620,19 +663,22 @@ def test_the_rate_explorer_marks_the_chosen_rate_on_both_panels():
         assert ys.rank().tolist() == rows["ttft p99 (ms)"].rank(ascending=False).tolist()
 
 
-def test_the_rate_explorer_highlights_the_chosen_rate_s_row_of_every_rate():
-    """Beside the marks on the figure, the chosen rate is marked in the table under it: every
-    policy and rate a row, the chosen rate's (alone) highlighted."""
+def test_the_rate_explorer_s_table_holds_the_chosen_rate_s_rows():
+    """Beside the marks on the figure, the table under it holds the chosen rate's rows, one per
+    configuration (every rate's, 21 rows on the page, had the reader look for three)."""
     pytest.importorskip("matplotlib")
+    from minisrv.experiments.server_sweep import goodput
     from minisrv.viz.server import _rate_table
 
     sweep = _rate_sweep()
     html = _rate_table(sweep, 64.0, 200.0)
     rows = html.split("<tbody>")[1].split("<tr")[1:]
-    assert [("background" in row) for row in rows] == [False, True, False] * 2
-    assert all("<th>64</th>" in rows[k] for k in (1, 4)) and "TTFT &lt;= 200 ms" in html
+    assert len(rows) == len(sweep.index.unique(level=0)) == 2
+    at_64 = goodput(sweep, 200.0).xs(64.0, level=1)
+    for row, (name, good) in zip(rows, at_64.items(), strict=True):
+        assert f"<th>{name}</th>" in row and f"<td>{good:.1f}</td>" in row
+    assert "at 64 req/s offered" in html and "TTFT &lt;= 200 ms" in html
     assert "completed (req/s)" in html  # beside goodput: behind the rate, or missing the target
-    assert html.count("<tr") == 2 + 2 * 3  # two header rows, a row per policy and rate
     with pytest.raises(ValueError):
         _rate_table(sweep, 32.0, 200.0)  # not a rate of the sweep
 

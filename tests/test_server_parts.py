@@ -156,6 +156,21 @@ def test_engine_loop_streams_every_request_its_reference_tokens(loop_and_events,
     assert events.snapshots[-1]["running"] == 0 and events.snapshots[-1]["token_usage"] == 0
 
 
+def test_engine_loop_stamps_when_it_takes_a_request_in(loop_and_events, model):
+    """The loop stamps each request with the moment it took it from its inbox
+    (``time.perf_counter()``), between the submit and its prefill: the engine's own clock,
+    in steps, cannot tell how long a request took to reach the engine, nor how long it then
+    queued. A request added to the engine directly carries no stamp."""
+    loop, events = loop_and_events
+    req = loop.make_request([0, 5, 6, 7], SamplingParams(max_new_tokens=3))
+    assert req.taken_at is None
+    before = time.perf_counter()
+    loop.submit(7, req)
+    events.wait(lambda: 7 in events.finish)
+    assert before <= req.taken_at <= time.perf_counter()
+    assert Engine(model, kv_capacity=50, max_running=1).add_request([0, 5]).taken_at is None
+
+
 def test_engine_loop_abort_frees_the_kv(loop_and_events):
     loop, events = loop_and_events
     loop.submit(1, loop.make_request([0, 5, 6, 7], SamplingParams(80, ignore_eos=True)))
@@ -346,7 +361,7 @@ def test_bench_summary_statistics_and_table():
     from minisrv.server.bench import RequestResult, _summarize, parse_goodput
 
     results = [RequestResult(True, ttft=0.1 * i, itls=[0.01 * i], e2e=0.5 * i,
-                             prompt_tokens=4, output_tokens=2) for i in range(1, 5)]
+                             prompt_tokens=4, output_tokens=2, sent=7.0 + i) for i in range(1, 5)]
     results.append(RequestResult(False, error="HTTP 400"))
     out = _summarize(results, duration=2.0)
     assert (out.completed, out.failed, out.output_tokens) == (4, 1, 8)
@@ -358,6 +373,10 @@ def test_bench_summary_statistics_and_table():
     # each request's TTFT, in the order sent, nan for the failed one, out of the JSON report
     assert out.ttfts_ms[:4] == pytest.approx([100.0, 200.0, 300.0, 400.0])
     assert math.isnan(out.ttfts_ms[4]) and "ttfts_ms" not in out.as_dict()
+    # --output-details: each request's TTFT, send time and text as well, in the order sent
+    details = out.as_dict(details=True)
+    assert details["sent"] == [8.0, 9.0, 10.0, 11.0, 0.0] and len(details["ttfts_ms"]) == 5
+    assert details.keys() - out.as_dict().keys() == {"texts", "errors", "ttfts_ms", "sent"}
     # goodput: ttft 100..400 ms, tpot = e2e - ttft (2 tokens) = 400i ms; e2e 500i ms
     slo = _summarize(results, duration=2.0, slo_ms={"ttft": 250.0, "tpot": 900.0})
     assert slo.goodput == 1.0 and "Request goodput" in slo.table()  # i = 1, 2 meet both

@@ -24,7 +24,8 @@ larger than the chapter does by passing other arguments.
   rejection rule's distribution, the roofline speed-up against k and batch;
 * ``server``, ``server_walk``, ``server_sweep`` (serving it for real): a server opened
   in-process, one request's events and radix-tree operations as tables, a load's first
-  tokens split into queue and prefill, layouts benchmarked and fed for their hit rates,
+  tokens split (to the engine, queued, prefill, back), layouts benchmarked (their steps
+  stamped) and fed for their hit rates,
   the simulated H100's engine against the request rate (``policy_rate_sweep``)
   and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
@@ -155,7 +156,7 @@ _PUBLIC = {
     "serve_speculative": "speculative",
     "spec_workloads": "speculative",
     "speedup_frame": "speculative",
-    "EventStream": "server",
+    "EventStream": "server_walk",
     "Layout": "server",
     "LayoutRun": "server",
     "bench_frame": "server",
@@ -165,12 +166,15 @@ _PUBLIC = {
     "run_sync": "server",
     "first_token_parts": "server_walk",
     "layout_hit_rates": "server_walk",
-    "queue_and_prefill": "server_walk",
+    "ttft_parts": "server_walk",
+    "ttft_split": "server_walk",
+    "step_frame": "server_walk",
+    "step_totals": "server_walk",
     "warm_up": "server_walk",
     "slot_ranges": "server_walk",
     "sse_frame": "server_walk",
     "timed_steps": "server_walk",
-    "stream_completion": "server",
+    "stream_completion": "server_walk",
     "tree_event_frame": "server_walk",
     "tree_path_frame": "server_walk",
     "SIM_CONFIGS": "server",

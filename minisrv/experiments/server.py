@@ -2,8 +2,8 @@
 
 ``open_server`` builds the same app ``minisrv serve`` runs, in this process, so the caller
 can read its engine while it serves (its trace, its radix tree, the requests it finished);
-``stream_completion`` sends one streamed request and timestamps every server-sent event
-(``server_walk`` tabulates them, and the radix tree's side of the same request);
+``server_walk`` sends one streamed request, timestamps every server-sent event and tabulates
+them, and the radix tree's side of the same request;
 ``bench_layouts`` serves each of several layouts in turn and replays the same requests
 against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
@@ -19,14 +19,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import json
 import math
 import random
 import string
-import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,10 +35,9 @@ from minisrv.checks import check_int
 from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
-__all__ = ["SIM_CONFIGS", "EventStream", "Layout", "LayoutRun", "bench_frame", "bench_layouts",
-           "beyond_spread", "open_server", "policy_rate_sweep", "prefix_heavy_requests",
-           "read_metrics", "request_timelines", "run_sync", "sim_server_runs", "spread",
-           "spread_summary", "stream_completion"]
+__all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
+           "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
+           "request_timelines", "run_sync", "sim_server_runs", "spread", "spread_summary"]
 
 T = TypeVar("T")
 
@@ -95,38 +92,6 @@ def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str,
         yield url, engines
 
 
-class EventStream(list):
-    """``stream_completion``'s events; ``sent`` is the ``time.perf_counter()`` reading when the
-    request was sent, so that other clocks of this process (``server_walk.timed_steps``) can be
-    set beside the events."""
-
-    sent: float = math.nan
-
-
-def stream_completion(url: str, body: Mapping[str, Any]) -> EventStream:
-    """POST ``body`` (with ``stream: true``) to ``/v1/completions``; return every event's
-    arrival in milliseconds after the request was sent, with its parsed chunk (``"[DONE]"``
-    for the last event), as an ``EventStream``.
-
-    The clock starts once the client exists: building an ``httpx.Client`` (its TLS context)
-    takes tens of milliseconds, a cost of the client that no server-side step explains."""
-    import httpx
-
-    events = EventStream()
-    with httpx.Client(timeout=60) as client:
-        start = events.sent = time.perf_counter()
-        with client.stream("POST", f"{url}/v1/completions",
-                           json={**body, "stream": True}) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    data = line[5:].strip()
-                    chunk = data if data == "[DONE]" else json.loads(data)
-                    events.append(((time.perf_counter() - start) * 1e3, chunk))
-    return events
-
-
 WARM_UP = BenchRequest("US:", 2)
 """Sent before a measured run: pays the first connection and step, and shares no prefix
 with the book's workloads, so it lends no run a cache hit."""
@@ -136,11 +101,14 @@ with the book's workloads, so it lends no run a cache hit."""
 class LayoutRun:
     """One layout's bench result, its server's own gauges and counters afterwards and, for an
     engine in this process over a timed device (the simulated H100), the seconds that device
-    spent on the bench's steps: the rest of the bench's duration it sat idle."""
+    spent on the bench's steps: the rest of the bench's duration it sat idle. For an engine in
+    this process that records its trace (``record_trace``), ``steps`` holds the bench's steps
+    (``server_walk.step_frame``: what each computed, its wall-clock time)."""
 
     result: BenchResult
     metrics: dict[str, float]
     device_busy_s: float | None = None
+    steps: pd.DataFrame | None = None
 
 
 def _device_busy(engines: Any) -> float | None:
@@ -168,17 +136,27 @@ def bench_layouts(layouts: Mapping[str, Layout], requests: Sequence[BenchRequest
                   **bench: Any) -> dict[str, LayoutRun]:
     """Serve each layout in turn and replay ``requests`` against it (``bench`` goes to
     ``run_bench``: ``max_concurrency``, ``request_rate``, ``ignore_eos`` ...), after one
-    ``WARM_UP`` request; read the server's ``/metrics`` before stopping it."""
+    ``WARM_UP`` request; read the server's ``/metrics`` before stopping it. The steps of an
+    engine in this process that records its trace (in the blocking loop) are stamped meanwhile
+    (``timed_steps``)."""
+    from minisrv.experiments.server_walk import step_frame, timed_steps
+
     bench.setdefault("progress", False)
     out: dict[str, LayoutRun] = {}
     for name, layout in layouts.items():
         with open_server(layout) as (url, engines):
             run_sync(run_bench(url, [WARM_UP], progress=False))
+            engine = getattr(getattr(engines, "loop", None), "engine", None)
+            traced = (engine is not None and engine.config.record_trace
+                      and not engine.config.overlap)  # one trace record per step
+            first = len(engine.trace) if traced else 0
             before = _device_busy(engines)
-            result = run_sync(run_bench(url, requests, **bench))
+            with timed_steps(engine) if traced else nullcontext({}) as stamps:
+                result = run_sync(run_bench(url, requests, **bench))
             after = _device_busy(engines)
             busy = None if before is None or after is None else after - before
-            out[name] = LayoutRun(result, read_metrics(url), busy)
+            steps = step_frame(engine.trace[first:], stamps) if traced else None
+            out[name] = LayoutRun(result, read_metrics(url), busy, steps)
     return out
 
 

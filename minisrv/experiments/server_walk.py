@@ -1,25 +1,30 @@
 """The server chapter's walk of one request, as tables: the server-sent events that carried
-its text (``sse_frame``, from ``server.stream_completion``), the radix-tree operations it
-caused (``tree_event_frame``) and the nodes, with their KV slots, that hold its tokens after it
-finished (``tree_path_frame``). Nodes are named by their text, ``<bos>`` spelled out, and
-KV slots are written as runs of consecutive numbers (``slot_ranges``). ``timed_steps`` stamps
-the engine's steps by the wall clock, ``first_token_parts`` sets them beside the events and
-``queue_and_prefill`` splits a load's first tokens by them; ``warm_up`` runs prompts once
+its text (``stream_completion`` sends it and times them, ``sse_frame`` tabulates them), the
+radix-tree operations it caused (``tree_event_frame``) and the nodes, with their KV slots, that
+hold its tokens after it finished (``tree_path_frame``). Nodes are named by their text,
+``<bos>`` spelled out, and KV slots are written as runs of consecutive numbers
+(``slot_ranges``). ``timed_steps`` stamps the engine's steps by the wall clock; ``ttft_parts``
+splits a first token's time by them and by the moment the engine loop took the request
+(``first_token_parts`` for the walk, ``ttft_split`` for a load's requests), and
+``step_frame`` / ``step_totals`` tabulate a run's steps; ``warm_up`` runs prompts once
 untimed. ``layout_hit_rates`` feeds data-parallel layouts of engines outside HTTP and reads
 their prefix-cache hit rates."""
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["first_token_parts", "layout_hit_rates", "queue_and_prefill", "slot_ranges",
-           "sse_frame", "timed_steps", "tree_event_frame", "tree_path_frame", "warm_up"]
+__all__ = ["EventStream", "first_token_parts", "layout_hit_rates", "slot_ranges", "sse_frame",
+           "step_frame", "step_totals", "stream_completion", "timed_steps", "tree_event_frame",
+           "tree_path_frame", "ttft_parts", "ttft_split", "warm_up"]
 
 
 def slot_ranges(slots: Sequence[int]) -> str:
@@ -32,6 +37,38 @@ def slot_ranges(slots: Sequence[int]) -> str:
         else:
             runs.append([slot, slot])
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+class EventStream(list):
+    """``stream_completion``'s events; ``sent`` is the ``time.perf_counter()`` reading when the
+    request was sent, so that other clocks of this process (``timed_steps``, ``Req.taken_at``)
+    can be set beside the events."""
+
+    sent: float = math.nan
+
+
+def stream_completion(url: str, body: Mapping[str, Any]) -> EventStream:
+    """POST ``body`` (with ``stream: true``) to ``/v1/completions``; return every event's
+    arrival in milliseconds after the request was sent, with its parsed chunk (``"[DONE]"``
+    for the last event), as an ``EventStream``.
+
+    The clock starts once the client exists: building an ``httpx.Client`` (its TLS context)
+    takes tens of milliseconds, a cost of the client that no server-side step explains."""
+    import httpx
+
+    events = EventStream()
+    with httpx.Client(timeout=60) as client:
+        start = events.sent = time.perf_counter()
+        with client.stream("POST", f"{url}/v1/completions",
+                           json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    data = line[5:].strip()
+                    chunk = data if data == "[DONE]" else json.loads(data)
+                    events.append(((time.perf_counter() - start) * 1e3, chunk))
+    return events
 
 
 def sse_frame(events: Sequence[tuple[float, Any]]) -> pd.DataFrame:
@@ -67,13 +104,31 @@ def timed_steps(engine: Any) -> Iterator[dict[int, tuple[float, float]]]:
         del engine.step  # the class's method again
 
 
+def ttft_parts(req: Any, step: tuple[float, float], sent: float,
+               first_event: float) -> dict[str, float]:
+    """One request's time to its first token in four parts, in ms, from ``time.perf_counter()``
+    readings: ``sent`` (the client sent it), the moment a server's engine loop took it from its
+    inbox (``req.taken_at``), its prefill step's start and end (``step``, from
+    ``timed_steps``) and ``first_event`` (the client read its first token). To the engine: the
+    connection, the handler that encodes the prompt, the hand-off to the engine thread.
+    Queued: from there to its prefill step, the steps of other requests that ran meanwhile
+    (none, if a running slot was free). The prefill step. To the client: the token handed to
+    its handler, written as an event, read. The four add up to the TTFT. ValueError for a
+    request no engine loop took."""
+    if req.taken_at is None:
+        raise ValueError(f"request r{req.rid} was not taken by a server's engine loop "
+                         "(Req.taken_at is None)")
+    began, ended = step
+    return {"to engine": (req.taken_at - sent) * 1e3, "queued": (began - req.taken_at) * 1e3,
+            "prefill": (ended - began) * 1e3, "to client": (first_event - ended) * 1e3}
+
+
 def first_token_parts(sse: Any, stamps: dict[int, tuple[float, float]],
-                      steps: Sequence[int]) -> dict[str, float]:
+                      steps: Sequence[int], req: Any) -> dict[str, float]:
     """Milliseconds of one streamed request's life, from ``stream_completion``'s ``sse`` (its
-    ``sent``), ``timed_steps``' ``stamps`` and ``steps``, the trace indices of the steps that
-    computed its tokens (the prefill first), one per token event: until the prefill step began
-    (the connection, the handler, the engine thread taking the request), the prefill step, from
-    its end to the first event's arrival, and for the later tokens the median decode step and
+    ``sent``), ``timed_steps``' ``stamps``, ``steps`` (the trace indices of the steps that
+    computed its tokens, the prefill first, one per token event) and ``req`` (its ``taken_at``):
+    its first token's ``ttft_parts``, and for the later tokens the median decode step and
     the median and longest time from a step's end to its event's arrival."""
     events = [t for t, c in sse if c != "[DONE]" and c["choices"] and c["choices"][0]["text"]]
     if len(events) != len(steps) or not set(steps) <= stamps.keys():
@@ -81,38 +136,57 @@ def first_token_parts(sse: Any, stamps: dict[int, tuple[float, float]],
                          f"{len(set(steps) - stamps.keys())} of them unstamped")
     ms = [((stamps[s][0] - sse.sent) * 1e3, (stamps[s][1] - sse.sent) * 1e3) for s in steps]
     lags = [t - end for t, (_, end) in zip(events[1:], ms[1:])]
-    return {"to prefill": ms[0][0], "prefill": ms[0][1] - ms[0][0],
-            "to first event": events[0] - ms[0][1],
+    return {**ttft_parts(req, stamps[steps[0]], sse.sent, sse.sent + events[0] / 1e3),
             "decode step": statistics.median(b - a for a, b in ms[1:]),
             "step to event": statistics.median(lags), "step to event, longest": max(lags)}
 
 
-def queue_and_prefill(reqs: Sequence[Any], trace: Sequence[Any],
-                      stamps: dict[int, tuple[float, float]]) -> dict[str, float]:
-    """Where the first tokens of a load went, by ``timed_steps``' stamps: for each of ``reqs``
-    (finished requests of a CityLM engine, whose clock counts steps) the wall-clock time of the
-    steps that ran while it waited in the queue (from the start of the step its arrival is
-    stamped with, the one running when it arrived or the next, to the start of its prefill
-    step) and that of its prefill step, both in ms and averaged over the requests; with the
-    mean number of requests, and of prompt tokens computed, in those prefill steps. What a TTFT
-    holds besides these is the way in and out of the engine: the connection, the encoding, the
-    event's way back (less the part of a running step before the request arrived, which the
-    queue time counts). Raises ``ValueError`` if a step the requests waited through is unstamped."""
+def ttft_split(reqs: Sequence[Any], trace: Sequence[Any], stamps: dict[int, tuple[float, float]],
+               sent: Sequence[float], first_events: Sequence[float]) -> dict[str, float]:
+    """Where the first tokens of a load went: ``ttft_parts`` of each of ``reqs`` (finished
+    requests of a CityLM engine, whose clock counts steps, so that a request's prefill step
+    is the step of ``trace`` that started at its ``admitted_at``), sent at ``sent[i]`` and its
+    first event read at ``first_events[i]``, averaged over the requests; with the mean number
+    of requests, and of prompt tokens computed, in their prefill steps. The four parts add
+    up to the mean TTFT. Raises ``ValueError`` if a prefill step is unstamped."""
     by_start = {s.start: s for s in trace}
-    queue, prefill, batch, tokens = [], [], [], []
-    for r in reqs:
+    parts, batch, tokens = [], [], []
+    for r, sent_at, read_at in zip(reqs, sent, first_events, strict=True):
         own = by_start[r.admitted_at]  # its prefill step
-        waited = [s for s in trace if r.arrival <= s.start < r.admitted_at]
-        if not {s.index for s in (*waited, own)} <= stamps.keys():
-            raise ValueError(f"request r{r.rid}: a step it waited through is unstamped")
-        began = stamps[waited[0].index][0] if waited else stamps[own.index][0]
-        queue.append((stamps[own.index][0] - began) * 1e3)
-        prefill.append((stamps[own.index][1] - stamps[own.index][0]) * 1e3)
+        if own.index not in stamps:
+            raise ValueError(f"request r{r.rid}: its prefill step is unstamped")
+        parts.append(ttft_parts(r, stamps[own.index], sent_at, read_at))
         batch.append(len(own.prefill))
         tokens.append(own.prefill_tokens)
-    return {"queue": statistics.fmean(queue), "prefill": statistics.fmean(prefill),
+    return {**{key: statistics.fmean(p[key] for p in parts) for key in parts[0]},
             "prefill batch": statistics.fmean(batch),
             "prefill tokens": statistics.fmean(tokens)}
+
+
+def step_frame(trace: Sequence[Any], stamps: dict[int, tuple[float, float]]) -> pd.DataFrame:
+    """The steps of ``trace`` that ``stamps`` holds, one row each: the requests it prefilled
+    and the prompt tokens it computed for them, the requests it decoded, and its wall-clock
+    duration (ms)."""
+    return pd.DataFrame([{"step": s.index, "prefilled": len(s.prefill),
+                          "prompt tokens": s.prefill_tokens, "decoded": len(s.decode),
+                          "ms": (stamps[s.index][1] - stamps[s.index][0]) * 1e3}
+                         for s in trace if s.index in stamps],
+                        columns=["step", "prefilled", "prompt tokens", "decoded", "ms"]
+                        ).set_index("step")
+
+
+def step_totals(steps: pd.DataFrame) -> dict[str, float]:
+    """A ``step_frame`` in a few numbers: its steps; the prompt tokens computed and the ms of
+    the steps that prefilled; the steps that only decoded, the requests in each on average
+    and their ms. What a run's throughput is made of: where its time went, and how many
+    tokens each decode step yielded. Counts are ints, so a table of several runs keeps them
+    so."""
+    decode = steps[steps["prefilled"] == 0]
+    return {"steps": len(steps), "prompt tokens computed": int(steps["prompt tokens"].sum()),
+            "prefill steps (ms)": float(steps.loc[steps["prefilled"] > 0, "ms"].sum()),
+            "decode steps": len(decode),
+            "requests per decode step": float(decode["decoded"].mean()),
+            "decode steps (ms)": float(decode["ms"].sum())}
 
 
 def warm_up(model: Any, prompts: Sequence[Sequence[int]], **engine_kwargs: Any) -> Any:

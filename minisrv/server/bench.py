@@ -43,6 +43,7 @@ class RequestResult:
     output_tokens: int = 0
     text: str = ""
     error: str = ""
+    sent: float = 0.0  # time.perf_counter() when it was sent
 
 
 @dataclass
@@ -64,10 +65,16 @@ class BenchResult:
     errors: list[str] = field(default_factory=list, repr=False)
     # each request's TTFT in the order sent (nan: it failed), which the percentiles summarize
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
+    # each request's send time, ``time.perf_counter()`` of the bench's process, in the order
+    # sent: on Linux the machine's monotonic clock (CLOCK_MONOTONIC), which every process
+    # there reads, so a server on the same machine can set its own stamps beside it
+    sent: list[float] = field(default_factory=list, repr=False)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items()
-                if k not in ("texts", "errors", "ttfts_ms")}
+    def as_dict(self, details: bool = False) -> dict[str, Any]:
+        """The totals and statistics; with ``details``, also each request's TTFT, send time
+        and text, and the errors (``--output-details``, as ``sglang.bench_serving``'s)."""
+        per_request = ("texts", "errors", "ttfts_ms", "sent")
+        return {k: v for k, v in asdict(self).items() if details or k not in per_request}
 
     def table(self) -> str:
         """The report, laid out as ``sglang.bench_serving`` prints it."""
@@ -136,7 +143,7 @@ async def _one(session: Any, url: str, model: str, req: BenchRequest, ignore_eos
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos, **extra}
     result = RequestResult(ok=False)
-    start = last = time.perf_counter()
+    start = last = result.sent = time.perf_counter()
     pieces: list[str] = []
     try:
         async with session.post(url, json=body) as response:
@@ -266,4 +273,5 @@ def _summarize(results: Sequence[RequestResult], duration: float,
         texts=[r.text for r in results],
         errors=[r.error for r in results if not r.ok],
         ttfts_ms=[r.ttft * 1e3 if r.ok else math.nan for r in results],
+        sent=[r.sent for r in results],
     )

@@ -121,6 +121,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--output-json", default=None, help="also write the results here")
+    p.add_argument("--output-details", action="store_true",
+                   help="with --output-json: each request's TTFT, send time and text too")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="count requests meeting these targets, e.g. ttft:200 tpot:50")
 
@@ -224,7 +226,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         print(f"error: {error}", file=sys.stderr)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(result.as_dict(), f, indent=2)
+            json.dump(result.as_dict(details=args.output_details), f, indent=2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

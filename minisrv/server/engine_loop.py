@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -151,7 +152,10 @@ class EngineLoop:
         return True
 
     def _add(self, key: int, req: Req) -> TokenEvent | None:
-        """Queue ``req`` in the engine; the 400 error event if the engine refuses it."""
+        """Queue ``req`` in the engine; the 400 error event if the engine refuses it. The
+        request is stamped with the time the loop took it (``Req.taken_at``): what came
+        before was its way to the engine, what follows, until its prefill step, its queue."""
+        req.taken_at = time.perf_counter()
         try:
             self.engine.add_request(req)
         except ValueError as exc:
