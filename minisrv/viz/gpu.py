@@ -302,22 +302,36 @@ def _times(ms: float, roof_us: float) -> str:
     return f"{float(f'{ms * 1e3 / roof_us:.2g}'):,.0f} times"
 
 
+def _timed_roofline(cfg: ModelConfig, gpu: GPUSpec, measured: pd.DataFrame,
+                    batch: int) -> tuple[int, float] | None:
+    """The one context ``measured`` timed its steps at and ``gpu``'s roofline step there, in µs
+    to 0.1 as the table shows it (None if it timed several): a measured step over the roofline
+    means something only at the context both were taken at, whatever context a state shows."""
+    timed = set(measured["context"])
+    if len(timed) != 1:
+        return None
+    (at,) = timed
+    return at, float(gpu_roofline_table(cfg, batch, at, [gpu]).loc[gpu.name, "step (µs)"])
+
+
 def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.DataFrame,
              batch: int, context: int) -> str:
     roof_us = table.loc[gpu.name, "step (µs)"]
     text = (f"{cfg.name} at batch {batch}, context {context}: the {gpu.name}'s roofline step "
             f"is {roof_us:,.1f} µs, {table.loc[gpu.name, 'bound by']}-bound")
     ms = _measured_ms(measured, batch)
-    if ms is None:
+    timed = _timed_roofline(cfg, gpu, measured, batch)
+    if ms is None or timed is None:
         return text + "."
-    timed = sorted(set(measured["context"]))
-    # at another context the run's steps still stand beside this roofline, said to be from
-    # the timed one: the page asks how far the roofline climbs towards them at long contexts
-    at = "" if context in timed else f" (timed at context {', '.join(map(str, timed))})"
-    text += f"; the measured padded step{at} took {ms:,.1f} ms, about {_times(ms, roof_us)} that"
+    at, at_us = timed
+    if at == context:
+        text += f"; the measured padded step took {ms:,.1f} ms, about {_times(ms, at_us)} that"
+    else:
+        text += (f"; at context {at:,}, where the run was timed, the measured padded step took "
+                 f"{ms:,.1f} ms, about {_times(ms, at_us)} the roofline's step there")
     ragged = _measured_ms(measured, batch, "flex")
     if ragged is not None:
-        text += f", the ragged step {ragged:,.1f} ms, about {_times(ragged, roof_us)}"
+        text += f", the ragged step {ragged:,.1f} ms, about {_times(ragged, at_us)}"
     return text + "."
 
 
@@ -367,8 +381,8 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
     context alone and is drawn once per context; the line that marks the batch on it, the
     table and the numbers change with the batch. Each state carries the roofline's step time
     per GPU of the table, the bound on ``gpu``, the measured padded and ragged steps at that
-    batch, and each over ``gpu``'s roofline step at the state's context (the caption's
-    readout; at a context the run did not time, the caption says which it timed).
+    batch, and each over ``gpu``'s roofline step at the context the run timed (the caption's
+    readout, which at another context says where the run was timed).
     ``batches`` must be batches the measurement timed (all of them by default, so every batch
     the page's text quotes can be selected); ``batch`` and ``context`` open the page.
     """
@@ -392,9 +406,10 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
         metrics["bound"] = str(table.loc[gpu.name, "bound by"])
         metrics["measured_padded_ms"] = _measured_ms(measured, batch)
         metrics["measured_ragged_ms"] = _measured_ms(measured, batch, "flex")
+        at = _timed_roofline(cfg, gpu, measured, batch)
         for call in ("padded", "ragged"):  # the caption's readout (every batch here was timed)
-            metrics[f"{call}_over_roofline"] = (metrics[f"measured_{call}_ms"] * 1e3
-                                                / metrics[f"step_us {gpu.name}"])
+            metrics[f"{call}_over_roofline"] = (None if at is None else
+                                                metrics[f"measured_{call}_ms"] * 1e3 / at[1])
         return Frame([box, lines[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
