@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minisrv.runner.attention import BACKENDS, make_attention
 from minisrv.runner.attention import choice as attention_choice
-from minisrv.runner.attention import make_attention
 from minisrv.runner.attention.choice import auto_attention, choose_attention
 
 MEASURED = Path(attention_choice.__file__).resolve().parents[2] / "measured"
@@ -23,10 +23,10 @@ MEASURED = Path(attention_choice.__file__).resolve().parents[2] / "measured"
 @pytest.mark.parametrize("capability,dtype,head_dim,backend", [
     ((7, 5), torch.float16, 64, "padded"),  # the T4: flex untuned and untimed below 8.0
     ((7, 5), torch.float32, 32, "padded"),
-    ((8, 0), torch.bfloat16, 64, "flex"),
-    ((8, 0), torch.float16, 128, "flex"),
-    ((9, 0), torch.bfloat16, 64, "flex"),
-    ((9, 0), torch.float32, 32, "flex"),
+    ((8, 0), torch.bfloat16, 64, "hybrid"),
+    ((8, 0), torch.float16, 128, "hybrid"),
+    ((9, 0), torch.bfloat16, 64, "hybrid"),
+    ((9, 0), torch.float32, 32, "hybrid"),
     ((9, 0), torch.float64, 64, "padded"),  # no Triton float64 flex kernel
     ((9, 0), torch.bfloat16, 8, "padded"),  # heads narrower than the compiled kernel takes
 ])
@@ -44,8 +44,8 @@ def test_the_cpu_stays_padded_and_cuda_needs_a_capability() -> None:
         choose_attention("cuda", None, torch.float16, 64)
 
 
-@pytest.mark.parametrize("capability,backend", [((7, 5), "padded"), ((8, 0), "flex"),
-                                                ((9, 0), "flex")])
+@pytest.mark.parametrize("capability,backend", [((7, 5), "padded"), ((8, 0), "hybrid"),
+                                                ((9, 0), "hybrid")])
 def test_auto_reads_the_capability_and_logs_once(monkeypatch, caplog, capability,
                                                  backend) -> None:
     """What ``make_attention("auto")`` resolves on a mocked GPU (no GPU needed: the table
@@ -59,19 +59,38 @@ def test_auto_reads_the_capability_and_logs_once(monkeypatch, caplog, capability
     assert len(lines) == 1 and lines[0].startswith(f"attention='auto' -> {backend}")
 
 
-def test_the_gpu_row_is_what_the_recorded_runs_measured_fastest() -> None:
-    """Every recorded engine-throughput CSV: the backend with the best geometric mean over
-    its batches is what the table picks for that GPU's capability (the Triton backend
-    joins once a recorded run has measured it, and wins only by measuring ahead)."""
+def _fastest(path: Path, times: dict[str, str] | None = None) -> tuple[str, str]:
+    """The backend with the best geometric mean over a recorded CSV's batches, and the
+    device: by ``measured tok/s`` (an engine run), or by the step times of ``times``'
+    columns (a step sweep: backend -> column, lower is better)."""
+    logs: dict[str, list[float]] = defaultdict(list)
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            device = row["device"]
+            if times is None:
+                logs[row["attention"]].append(math.log(float(row["measured tok/s"])))
+            else:
+                for backend, column in times.items():
+                    logs[backend].append(-math.log(float(row[column])))
+    return max(logs, key=lambda k: math.fsum(logs[k])), device
+
+
+CAPABILITIES = {"NVIDIA H200": (9, 0), "NVIDIA H100": (9, 0), "NVIDIA A100": (8, 0)}
+
+
+def test_each_half_of_the_gpu_row_is_what_its_record_measured_fastest() -> None:
+    """The GPU row is the hybrid, and each of its halves is what the recorded runs timed
+    fastest (geometric mean over their batches): its decode half, the step sweeps' (decodes
+    only); its half for steps with prefills, the engine runs' (prompts and decodes). The
+    Triton backend joins once a recorded run has measured it, and wins only by measuring
+    ahead."""
+    sweeps = sorted(MEASURED.glob("*_decode_steps.csv"))
     runs = sorted(MEASURED.glob("*_engine_throughput.csv"))
-    assert runs, "no recorded GPU run"
-    capabilities = {"NVIDIA H200": (9, 0), "NVIDIA H100": (9, 0), "NVIDIA A100": (8, 0)}
-    for path in runs:
-        speeds: dict[str, list[float]] = defaultdict(list)
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                speeds[row["attention"]].append(float(row["measured tok/s"]))
-                device = row["device"]
-        fastest = max(speeds, key=lambda k: math.fsum(map(math.log, speeds[k])))
-        cc = next(cc for name, cc in capabilities.items() if device.startswith(name))
-        assert choose_attention("cuda", cc, torch.bfloat16, 64).backend == fastest, path.name
+    assert sweeps and runs, "no recorded GPU run"
+    for path in runs + sweeps:
+        times = None if path in runs else {"flex": "flex ms", "padded": "padded ms"}
+        fastest, device = _fastest(path, times)
+        cc = next(cc for name, cc in CAPABILITIES.items() if device.startswith(name))
+        row = choose_attention("cuda", cc, torch.bfloat16, 64).backend
+        half = (BACKENDS[row].prefill_backend if path in runs else BACKENDS[row].decode_backend)
+        assert half.kind == fastest, path.name

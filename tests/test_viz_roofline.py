@@ -303,7 +303,7 @@ def _caption_of(ex, context: int, batch: int) -> str:
 
 def test_block_mask_figure_draws_the_tiles_ragged_tiles_makes() -> None:
     from minisrv.model import ragged_tiles
-    from minisrv.viz.gpu import plot_block_mask
+    from minisrv.viz.tiles import plot_block_mask
 
     new, cached = (300, 1, 1, 140), (0, 200, 90, 20)
     fig = plot_block_mask(new, cached, "a step", block=64)
@@ -372,7 +372,7 @@ def test_decode_block_masks_draw_one_tile_strip_and_each_requests_needed_scores(
     tiles exactly as ragged_tiles makes it, with one black segment per request spanning that
     request's keys (its one query row against its cached tokens and its new one)."""
     from minisrv.model import ragged_tiles
-    from minisrv.viz.gpu import plot_decode_block_masks
+    from minisrv.viz.tiles import plot_decode_block_masks
 
     steps = [("equal", [100] * 8), ("unequal", [20] * 7 + [300])]
     fig = plot_decode_block_masks(steps, block=64)

@@ -31,6 +31,7 @@ _HOMES = {
     "TritonAttention": "attention",
     "TableBatch": "table_batch",
     "FlexAttention": "attention",
+    "HybridAttention": "attention",
     "LoopAttention": "attention",
     "PaddedAttention": "attention",
     "PaddedStep": "attention",

@@ -5,29 +5,21 @@ names the device it describes, because in the book's CI the measurement comes fr
 while the predictions are for GPUs the page was never run on. ``gpu_roofline_widget`` (a
 kernel) and ``gpu_roofline_explorer`` (the page) put the roofline's context and batch under
 controls, beside the same measurement, with the chosen batch marked on both panels.
-``plot_block_mask`` draws the tiles the ragged
-attention call computes for one step, so the page shows the block mask it counts, and
-``plot_decode_block_masks`` draws its weak case: decodes sharing one query tile.
 ``plot_split_decode`` draws the Triton decode kernel's answer to it: one request's context
 cut into pieces that run side by side, merged by their log-sum-exp.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 import torch
-from matplotlib.colors import ListedColormap
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch, Rectangle
-from matplotlib.ticker import FuncFormatter
+from matplotlib.patches import Rectangle
 
 from minisrv.configs import H100, H200, SMOLLM2_135M, T4, GPUSpec, ModelConfig
 from minisrv.experiments.gpu import roofline_step_times
-from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
 from minisrv.runner.attention.splits import DECODE_BLOCK_N, kv_splits
 from minisrv.viz import marks
 from minisrv.viz.explorer import Explorer, Frame, explorer
@@ -41,17 +33,14 @@ from minisrv.viz.style import (
     styled,
 )
 
-__all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "TILE_COLORS", "gpu_roofline_explorer",
-           "gpu_roofline_table", "gpu_roofline_widget", "plot_block_mask",
-           "plot_decode_block_masks", "plot_split_decode", "plot_step_times_vs_roofline",
-           "split_pieces", "split_programs", "step_times_table"]
+__all__ = ["ATTENTION_LABELS", "GPU_CONTEXTS", "gpu_roofline_explorer",
+           "gpu_roofline_table", "gpu_roofline_widget", "plot_split_decode",
+           "plot_step_times_vs_roofline", "split_pieces", "split_programs", "step_times_table"]
 
 GPU_CONTEXTS: tuple[int, ...] = (8, 128, 512, 2048, 8192)
 """Contexts the page holds: from 8 tokens, where SmolLM2-135M's step on an H200 turns
 compute-bound within the recorded batches (from batch 245), so the explorer shows the bound
 flip, to 8K, where each request's cached K/V outweighs the weights' share."""
-TILE_COLORS: dict[str, str] = {"empty": "#f1f3f5", "partial": "#ffa94d", "full": "#4c6ef5"}
-"""The block mask's three kinds of tile: skipped, masked per element, computed without a mask."""
 TABLE_GPUS: tuple[GPUSpec, ...] = (H100, H200, T4)
 """The GPUs the chapter's roofline table compares."""
 ATTENTION_LABELS: dict[str, str] = {"flex": "ragged (flex)"}
@@ -107,90 +96,6 @@ def plot_step_times_vs_roofline(
     else:
         fig.suptitle(f"{model_name}, context {', '.join(map(str, contexts))}")
     legend_below(fig, ncol=1)
-    return fig
-
-
-@styled
-def plot_block_mask(new_lens: Sequence[int], cached_lens: Sequence[int], title: str,
-                    block: int = FLEX_BLOCK_SIZE) -> BookFigure:
-    """The query x key matrix of one ragged call, tile by tile, as ``ragged_tiles`` makes it:
-    empty tiles (skipped), partial ones (the mask evaluated per element) and full ones
-    (computed without a mask), with thin lines where each request's rows and keys begin.
-
-    Axes are in tokens, so a reader sees how much of the matrix each request owns and how
-    little of it the call computes; the image holds one pixel per tile (0 empty, 1 partial,
-    2 full)."""
-    partial, full = ragged_tiles(new_lens, cached_lens, block)
-    kinds = partial.int() + 2 * full.int()
-    n_q, n_k = kinds.shape
-    fig, ax = page_figure(6.4)  # square tiles: the full width keeps the axis labels whole
-    ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0, vmax=2,
-              extent=(0, n_k * block, n_q * block, 0), interpolation="nearest")
-    rows = cols = 0
-    for new, cached in zip(new_lens, cached_lens, strict=True):
-        if rows:  # where the next request's rows and keys begin
-            ax.axhline(rows, color="black", linewidth=0.4, alpha=0.6)
-            ax.axvline(cols, color="black", linewidth=0.4, alpha=0.6)
-        rows, cols = rows + new, cols + cached + new
-    ax.grid(False)
-    label_axes(ax, title, "key position (every request's keys end to end)",
-               "query row (new tokens end to end)")
-    counts = {"empty": int((kinds == 0).sum()), "partial": int((kinds == 1).sum()),
-              "full": int((kinds == 2).sum())}
-    legend_below(fig, [Patch(facecolor=color, edgecolor="#adb5bd",
-                             label=f"{name}: {counts[name]:,} tiles")
-                       for name, color in TILE_COLORS.items()], ncol=3)
-    return fig
-
-
-@styled
-def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
-                            block: int = FLEX_BLOCK_SIZE) -> BookFigure:
-    """Steps of decodes only, one panel each: the tiles of their query tile (as
-    ``ragged_tiles`` makes them, ``steps`` giving each panel's title and the decodes' cached
-    lengths), and, drawn over them in black, the scores each request needs, its one query row
-    against its own keys.
-
-    A decode has one query row, so up to ``block`` decodes share one query tile, and the
-    tiles are a strip one tile high; the panels stretch it to the page's width. The black
-    staircase against the coloured strip is the ragged call's weak case at a glance: every
-    key tile is computed for all the tile's rows while each row needs one request's keys."""
-    fig, axes = page_figure(1.9 * len(steps) + 0.6, rows=len(steps), squeeze=False)
-    shown = set()  # the tile kinds some strip holds: the legend names only those
-    for ax, (title, cached) in zip(axes[:, 0], steps, strict=True):
-        partial, full = ragged_tiles([1] * len(cached), cached, block)
-        kinds = partial.int() + 2 * full.int()
-        shown |= {int(k) for k in kinds.unique()}
-        ax.imshow(kinds.numpy(), cmap=ListedColormap(list(TILE_COLORS.values())), vmin=0,
-                  vmax=2, extent=(0, kinds.shape[1] * block, kinds.shape[0] * block, 0),
-                  interpolation="nearest", aspect="auto")
-        starts = [0, *itertools.accumulate(c + 1 for c in cached)]
-        longest = max(range(len(cached)), key=lambda r: cached[r])
-        alone = len(cached) > 1 and sorted(cached)[-2] < cached[longest]
-        # a row on the strip's edge would vanish into the frame: one far longer request's
-        # row is drawn thick, over the frame (zorder above the spines)
-        widths = [3.5 if alone and row == longest else 1.2 for row in range(len(cached))]
-        ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
-                  color="black", linewidths=widths, clip_on=False, zorder=3)
-        if alone:
-            # one request far longer than the rest: its row can sit on the strip's edge
-            mid = (starts[longest] + starts[longest + 1]) / 2
-            ax.annotate(f"the request at context {cached[longest]:,}: "
-                        f"{cached[longest] + 1:,} keys needed", xy=(mid, longest + 0.5),
-                        xytext=(mid, 0.35 * block), ha="center", va="center",
-                        fontsize="small", bbox={"facecolor": "white", "edgecolor": "none"},
-                        arrowprops={"arrowstyle": "->", "color": "black"})
-        ax.grid(False)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
-        counts = f"{int(partial.sum()):,} partial and {int(full.sum()):,} full key tiles"
-        label_axes(ax, f"{title}: {counts}", ylabel="query row")
-    axes[-1, 0].set_xlabel("key position (every request's keys end to end)")
-    kinds_shown = [(name, color) for k, (name, color) in enumerate(TILE_COLORS.items())
-                   if k in shown]
-    legend_below(fig, [*(Patch(facecolor=color, edgecolor="#adb5bd", label=f"{name} tile")
-                         for name, color in kinds_shown),
-                       Line2D([], [], color="black", label="scores a request needs")],
-                 ncol=len(kinds_shown) + 1)
     return fig
 
 

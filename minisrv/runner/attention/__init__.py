@@ -13,6 +13,8 @@ them). Every backend gives the tokens of ``CityLM.forward_flat`` (``minisrv.mode
 * ``padded.py``: masked SDPA per group of requests, and the static decode hooks;
 * ``loop.py``: one call per request; ``flex.py``: one ragged flex_attention call (these two
   have no static decode hooks: their metadata depends on the contexts' lengths);
+* ``hybrid.py``: decode-only steps through the padded call, steps with prefills through
+  flex's (SGLang's prefill and decode backends, split by the step's kind);
 * ``triton.py``: the Triton kernels of ``triton_ops.py``, over the pool in place, and
   their static decode hooks;
 * ``choice.py``: the table ``"auto"`` reads, from what the device declares.
@@ -32,6 +34,7 @@ import torch
 from minisrv.runner.attention.base import AttentionBackend, GraphHooks, write_kv
 from minisrv.runner.attention.choice import auto_attention
 from minisrv.runner.attention.flex import FlexAttention
+from minisrv.runner.attention.hybrid import HybridAttention
 from minisrv.runner.attention.loop import LoopAttention
 from minisrv.runner.attention.padded import (
     SPLIT_ELEMENTS,
@@ -50,6 +53,7 @@ __all__ = [
     "AttentionBackend",
     "FlexAttention",
     "GraphHooks",
+    "HybridAttention",
     "LoopAttention",
     "PaddedAttention",
     "PaddedGraphs",
@@ -64,7 +68,8 @@ __all__ = [
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     backend.kind: backend
-    for backend in (LoopAttention, PaddedAttention, FlexAttention, TritonAttention)
+    for backend in (LoopAttention, PaddedAttention, FlexAttention, HybridAttention,
+                    TritonAttention)
 }
 """Each backend by its name (its ``kind``), built as ``Backend(device, dtype, head_dim,
 n_kv_heads)``."""

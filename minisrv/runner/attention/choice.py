@@ -6,16 +6,19 @@ Each row says why, from a recorded run where there is one:
 * CPU: ``padded``. flex_attention runs unfused there (it builds the whole score matrix), so
   one padded SDPA call per group is as fast and needs no compiler; Triton only interprets.
 * CUDA, compute capability 8.0 and up, 16- or 32-bit weights, heads of at least 16:
-  ``flex``. The one recorded GPU run (``minisrv/measured/h200_engine_throughput.csv``,
-  an H200, SmolLM2-135M's shape in bf16) decoded 2.0x faster with flex than padded at batch
-  64 and 0.89x at batch 256 (geometric mean 1.35x), a provisional choice; its step sweep
-  favoured padded at large batches, where the compiled flex kernel walks one query tile's
-  key tiles one after another (the GPU appendix reads that from the record). With
-  ``cuda_graph=True`` those decode-only steps take the padded call anyway (flex has no graph
-  hooks, so ``ModelRunner`` decodes through the padded backend's buffers), and the row decides
-  the steps with prefills. The Triton backend has not been measured on a GPU, so it is chosen
-  nowhere until a recorded run puts it ahead (``tests/test_choice.py`` checks this row against
-  the recorded runs).
+  ``hybrid``: decode-only steps through the padded call, steps with prefills through flex's
+  ragged call (``hybrid.py``). The one recorded GPU run is of an H200, SmolLM2-135M's shape
+  in bf16, from before the fused step. Its decode step sweep
+  (``minisrv/measured/h200_decode_steps.csv``, context 512) timed the ragged call at 1.5x
+  the padded one's time (geometric mean over batches 1-256; 2.6x at 64, 5.4x at 256), where
+  the compiled kernel walks one query tile's key tiles one after another; its engine run
+  (``h200_engine_throughput.csv``, 64 new tokens after prompts of 128) went 1.35x faster
+  with flex (geometric mean of batches 64 and 256), which the decodes cannot explain, so
+  the steps with prefills keep flex, whose ragged call pads nothing. A provisional split:
+  no run has timed the hybrid itself. With ``cuda_graph=True`` the decode steps run the
+  padded backend's static buffers whatever the backend. The Triton backend has not been
+  measured on a GPU, so it is chosen nowhere until a recorded run puts it ahead
+  (``tests/test_choice.py`` checks each half against the record that timed it).
 * CUDA below 8.0 (Colab's T4 is 7.5, float16 only): ``padded``. PyTorch tunes
   flex_attention's Triton kernel only from 8.0 on (below it ``get_flex_attn_fwd_configs``,
   ``torch/_inductor/template_heuristics/triton.py``, falls back to one generic tile shape),
@@ -38,6 +41,7 @@ import torch
 
 from minisrv.model.ragged import FLEX_DTYPES, FLEX_MIN_HEAD_DIM
 from minisrv.runner.attention.flex import FlexAttention
+from minisrv.runner.attention.hybrid import HybridAttention
 from minisrv.runner.attention.padded import PaddedAttention
 
 __all__ = ["AttentionChoice", "auto_attention", "choose_attention"]
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 FLEX_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability PyTorch tunes flex_attention's Triton kernel for (Ampere)."""
 
-FLEX, PADDED = FlexAttention.kind, PaddedAttention.kind
+FLEX, HYBRID, PADDED = FlexAttention.kind, HybridAttention.kind, PaddedAttention.kind
 
 
 class AttentionChoice(NamedTuple):
@@ -74,8 +78,9 @@ def choose_attention(device_type: str, capability: tuple[int, int] | None,
     if dtype not in FLEX_DTYPES or head_dim < FLEX_MIN_HEAD_DIM:
         return AttentionChoice(PADDED, f"{cc}: the compiled flex kernel takes 16/32-bit "
                                          f"heads of >= 16, not {dtype} x {head_dim}")
-    return AttentionChoice(FLEX, f"{cc}: flex, fastest in the recorded H200 engine run "
-                                   f"(Triton not yet measured on a GPU)")
+    return AttentionChoice(HYBRID, f"{cc}: hybrid, decode-only steps padded (the recorded "
+                                     f"step sweep), steps with prefills flex (the recorded "
+                                     f"engine run); Triton not yet measured on a GPU")
 
 
 _logged: set[tuple[str, tuple[int, int] | None, torch.dtype, int]] = set()

@@ -1,0 +1,56 @@
+"""The hybrid backend (``minisrv.runner.attention.hybrid``): a step of decodes only goes
+through the padded call, a step with a prefill through flex's ragged call, chosen on the
+host before layer 0; an engine over it gives every request's tokens alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisrv.core import Batch, Entry
+from minisrv.engine import Engine
+from minisrv.model import FLEX_AVAILABLE
+from minisrv.request import Req
+from minisrv.runner import ModelRunner
+from minisrv.runner.attention import FlexAttention, HybridAttention, PaddedAttention
+from minisrv.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not FLEX_AVAILABLE, reason="the hybrid's prefills need flex")
+
+PROMPTS = [[0, 5, 6, 7, 8], [0, 5, 6, 9], [0, 12], [0, 5, 6, 7, 8, 14, 15, 16, 17]]
+LENGTHS = [7, 3, 9, 5]
+
+
+def _request(rid: int, prompt: list[int], runner: ModelRunner) -> Req:
+    req = Req(rid=rid, prompt=prompt, params=SamplingParams(max_new_tokens=4))
+    req.kv_slots = runner.pool.alloc(len(prompt))
+    return req
+
+
+def test_the_steps_kind_picks_the_call(model) -> None:
+    """Prefills (and a prefill beside a decode) run flex's ragged call; a step of decodes,
+    however many, runs the padded call: the choice is made once per step, in prepare."""
+    runner = ModelRunner(model, "hybrid")
+    runner.attach_kv(64)
+    first, second = _request(0, [0, 5, 9, 13], runner), _request(1, [0, 7, 3], runner)
+    prefill = runner.prepare(Batch.of([first, second], []))
+    assert isinstance(prefill.metadata.backend, FlexAttention)
+    for req, tokens in zip((first, second), runner.compute(prefill).tokens, strict=True):
+        req.output.extend(tokens)
+        req.kv_slots += runner.pool.alloc(1)
+    decodes = runner.prepare(Batch.of([], [first, second]))
+    assert isinstance(decodes.metadata.backend, PaddedAttention)
+    third = _request(2, [0, 8, 8, 8], runner)
+    mixed = runner.prepare(Batch((Entry(third, 0, 4), Entry(first, 4, 1)), n_prefill=1))
+    assert isinstance(mixed.metadata.backend, FlexAttention)
+
+
+def test_an_engine_over_the_hybrid_gives_each_requests_tokens_alone(model) -> None:
+    """Prefill, mixed and decode-only steps, a shared prefix found in the radix tree: the
+    tokens are each request's generated alone, whichever call each step took."""
+    engine = Engine(model, attention="hybrid", kv_capacity=200, max_running=3, mode="mixed",
+                    cache="radix")
+    assert isinstance(engine.backend.attn, HybridAttention)
+    assert engine.generate(PROMPTS, max_new_tokens=LENGTHS) == [
+        model.reference_generate(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert engine.stats.cached_tokens > 0
+    engine.scheduler.check_integrity()
