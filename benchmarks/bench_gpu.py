@@ -25,7 +25,8 @@ torch and Triton versions in every row:
 and, in the full run only, the two tables the GPU appendix draws (``decode_steps.csv``,
 ``engine_throughput.csv``, read by ``minisrv.experiments.gpu.recorded_gpu_run``): the padded
 against the ragged (flex) attention's decode step beside the roofline, and the engine's
-decode throughput for both.
+decode throughput for both and for the hybrid (decodes padded, prefills flex: ``auto``'s
+pick from compute capability 8.0 on).
 
     python benchmarks/bench_gpu.py [--quick] [--context 512] [--repeats 20] [--out DIR]
 
@@ -369,7 +370,7 @@ def attention_tables(context: int, repeats: int) -> dict[str, pd.DataFrame]:
     steps = steps.rename(columns={"padded": "padded ms", "flex": "flex ms"}).reset_index()
     rows = []
     for batch in (64, 256):
-        for attention in kinds:
+        for attention in (*kinds, "hybrid"):  # auto's pick from 8.0 on, untimed until now
             run = engine_decode_throughput(model, batch, 128, 64, attention=attention)
             predicted = predicted_decode_throughput(SMOLLM2_135M, gpu, run)
             rows.append({"batch": batch, "attention": attention, "prompt": 128, "new": 64,
