@@ -54,3 +54,24 @@ def test_an_engine_over_the_hybrid_gives_each_requests_tokens_alone(model) -> No
         model.reference_generate(p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert engine.stats.cached_tokens > 0
     engine.scheduler.check_integrity()
+
+
+def test_the_book_names_the_call_each_step_took(model) -> None:
+    """``hybrid_step_calls`` (the GPU appendix's table): a row per step, ``flex`` exactly
+    where the step computes more tokens than it has requests (a prefill, alone or beside
+    decodes), ``padded`` where it only decodes or its one prefill is one token (request 2,
+    its ``0`` cached); the tokens are each request's alone; any other attention is refused."""
+    from minisrv.experiments.gpu import hybrid_step_calls
+
+    engine = Engine(model, attention="hybrid", kv_capacity=200, max_running=2, mode="mixed",
+                    cache="radix")
+    outputs, steps = hybrid_step_calls(engine, PROMPTS, LENGTHS)
+    assert outputs == [model.reference_generate(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert steps["step"].tolist() == list(range(1, len(engine.trace) + 1))
+    ragged = steps["tokens"] > steps["prefills"] + steps["decodes"]
+    assert ((steps["call"] == "flex") == ragged).all()
+    assert (ragged & (steps["decodes"] > 0)).any()  # a prefill beside a decode: flex
+    assert (~ragged & (steps["prefills"] > 0)).any()  # a one-token prefill: padded
+    assert "prepare" not in vars(engine.backend.attn)  # the recording is taken off again
+    with pytest.raises(ValueError, match="not the hybrid"):
+        hybrid_step_calls(Engine(model, kv_capacity=200), PROMPTS, 2)

@@ -30,7 +30,8 @@ larger than the chapter does by passing other arguments.
   and its table read (``goodput``, ``completion_rate``, ``slo_attainment``);
 * ``structured`` (structured output): mask traces, a grammar's automaton, masked
   probabilities, JSON runs validated against their schema, the mask's cost per step;
-* ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs.
+* ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs,
+  the call each step of the hybrid attention took.
 
 Names are imported lazily (``from minisrv.experiments import rate_sweep`` loads only the
 scheduler chapter's module). The serving runtime never imports this package.
@@ -215,6 +216,7 @@ _PUBLIC = {
     "current_gpu": "gpu",
     "device_label": "gpu",
     "engine_decode_throughput": "gpu",
+    "hybrid_step_calls": "gpu",
     "predicted_decode_throughput": "gpu",
     "ragged_vs_padded": "gpu",
     "random_model": "gpu",

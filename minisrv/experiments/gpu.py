@@ -7,6 +7,8 @@
   device. Step time depends on shapes, not on weight values, so no download is needed to time.
 * ``step_time_sweep``, ``roofline_step_times`` and ``engine_decode_throughput`` measure decode
   on whatever device the model is on and put the roofline's prediction for a GPU beside it.
+* ``hybrid_step_calls`` serves prompts through the hybrid attention and names the call each
+  step took.
 * ``show_triton_kernel`` shows a kernel of ``minisrv.runner.attention.triton_ops`` without
   importing Triton, which a CPU-only torch does not bring.
 
@@ -33,6 +35,7 @@ from minisrv.kv import KVPool
 from minisrv.model import CityLM, FlatBatch
 from minisrv.model.hf import save_hf_folder
 from minisrv.runner import ModelBackend
+from minisrv.runner.attention import HybridAttention
 from minisrv.sampling import SamplingParams
 from minisrv.sim.roofline import decode_step_cost, decode_step_time
 from minisrv.sim.steptime import decode_step_seconds
@@ -45,6 +48,7 @@ __all__ = [
     "current_gpu",
     "device_label",
     "engine_decode_throughput",
+    "hybrid_step_calls",
     "predicted_decode_throughput",
     "ragged_vs_padded",
     "random_model",
@@ -207,6 +211,39 @@ def ragged_vs_padded(
     step = FlatBatch([seq[p:] for (p, _), seq in zip(mix, seqs)], slots, model.device)
     logits = {kind: model.forward_flat(step, pool, attention=kind) for kind in ("padded", "flex")}
     return (logits["flex"] - logits["padded"]).abs().max().item()
+
+
+def hybrid_step_calls(engine: Engine, prompts: Sequence[Sequence[int]],
+                      max_new_tokens: int | Sequence[int]) -> tuple[list[list[int]], pd.DataFrame]:
+    """Serve ``prompts`` on ``engine``, whose attention is ``"hybrid"``: each request's
+    tokens, and one row per step (``step`` from 1, how many requests it ``prefills`` and
+    ``decodes``, the ``tokens`` it computes, the ``call`` its attention took: ``padded`` or
+    ``flex``; a step of one token a request is a decode step to the hybrid).
+
+    The call is read from what the backend's ``prepare`` returned, not worked out again from
+    the step's kind, so the table shows what ran. Static decode steps (``cuda_graph=True``)
+    call no ``prepare``: ValueError then, not a short table.
+    """
+    attn = getattr(engine.backend, "attn", None)
+    if not isinstance(attn, HybridAttention):
+        raise ValueError(f"the engine's attention is not the hybrid: {attn!r}")
+    calls, prepare, before = [], attn.prepare, len(engine.trace)
+
+    def recorded(batch: Any) -> Any:
+        step = prepare(batch)
+        calls.append(step.backend.kind)
+        return step
+
+    attn.prepare = recorded  # type: ignore[method-assign]  # this engine's backend only
+    try:
+        outputs = engine.generate(prompts, max_new_tokens=max_new_tokens)
+    finally:
+        del attn.prepare
+    steps = engine.trace[before:]  # zip's strict: ValueError where a step skipped prepare
+    rows = [{"step": i, "prefills": len(s.prefill), "decodes": len(s.decode),
+             "tokens": s.prefill_tokens + len(s.decode), "call": call}
+            for i, (s, call) in enumerate(zip(steps, calls, strict=True), 1)]
+    return outputs, pd.DataFrame(rows)
 
 
 class DecodeRun(NamedTuple):
