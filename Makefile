@@ -56,8 +56,9 @@ test: setup
 	@# The Triton kernels on the CPU run under the interpreter, which must be on before triton
 	@# is first imported: their own invocation (compiled, on CUDA tensors, where a GPU is seen),
 	@# one process beside the workers, where it takes the time they leave the cores idle (servers
-	@# starting, timeouts awaited); its report follows theirs, and either failing fails.
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:xdist -q \
+	@# starting, timeouts awaited: niced, so it takes no other); its report follows theirs, and
+	@# either failing fails.
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 nice -n 15 $(BIN)/python -m pytest -p no:xdist -q \
 	  tests/test_triton_ops.py > .triton-tests.log 2>&1 & triton=$$!; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder \
 	  $(OTHER_CHAPTERS) tests \

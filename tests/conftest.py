@@ -14,15 +14,16 @@ DEVICES: list[str] = available_devices()
 """Devices the engine tests run on: the CPU always, CUDA when a GPU is visible."""
 
 LONGEST_FIRST = (
-    "02_scheduler.ipynb", "06_routing.ipynb", "07a_speculative_decoding.ipynb",
-    "05_cache_aware.ipynb", "test_server_faults.py", "03_selective_batching.ipynb",
-    "test_server.py", "03a_chunked_prefill.ipynb", "04a_host_tier.ipynb",
-    "04_radix_attention.ipynb", "test_server_watchdog.py", "08a_structured_output.ipynb",
-    "04b_pages.ipynb", "test_viz_roofline.py", "test_spec_reference.py", "test_spec_engine.py",
-    "test_overlap_measure.py", "test_notebook_runs.py", "test_chunked_prefill.py",
-    "test_explorers.py", "test_grammar.py", "01_kv_cache.ipynb")
-"""The files that take over ten seconds of a worker in ``make test`` (``--durations``, two
-workers, 2026-12-06), longest first; the rest follow in collection order, all shorter.
+    "02_scheduler.ipynb", "06_routing.ipynb", "05_cache_aware.ipynb",
+    "03_selective_batching.ipynb", "03a_chunked_prefill.ipynb", "test_server_faults.py",
+    "04a_host_tier.ipynb", "test_server.py", "04b_pages.ipynb", "07a_speculative_decoding.ipynb",
+    "08a_structured_output.ipynb", "04_radix_attention.ipynb", "test_server_watchdog.py",
+    "test_spec_engine.py", "09_gpu_appendix.ipynb", "test_spec_reference.py", "test_grammar.py",
+    "test_explorers.py", "test_notebook_runs.py", "test_server_experiments.py",
+    "01_kv_cache.ipynb")
+"""The files that take about ten seconds or more of a worker in ``make test``
+(``--durations``, two workers, 2026-12-07), longest first; the rest follow in collection
+order, all shorter.
 
 ``make test`` hands files to its workers whole (``--dist loadfile``), in collection order
 (``--no-loadscope-reorder``): longest first, so that short files fill both workers' ends.
