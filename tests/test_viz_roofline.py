@@ -154,8 +154,8 @@ def test_gpu_explorer_holds_the_roofline_table_beside_the_recorded_run() -> None
 
     steps, _ = recorded_gpu_run("h200")
     ex = gpu_roofline_explorer(steps, "recorded", contexts=(32, 2048), batches=(64,))
-    assert ex.default == {"context": 512, "batch": 1}  # the chapter's figure and its text
-    assert sorted(ex.states) == [(c, b) for c in (32, 512, 2048) for b in (1, 64)]
+    assert ex.default == {"context": 512, "batch": 16}  # the chapter's figure and its text
+    assert sorted(ex.states) == [(c, b) for c in (32, 512, 2048) for b in (16, 64)]
     padded = steps[steps["attention"] == "padded"].set_index("batch")["step_ms"]
     for (context, batch), state in ex.states.items():
         for gpu in (H100, H200, T4):

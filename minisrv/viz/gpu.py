@@ -240,7 +240,7 @@ def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.D
     return text + "."
 
 
-def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
+def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 16, context: int = 512,
                         cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200) -> Any:
     """Sliders for the roofline's context and a batch: the figure of ``measured`` beside
     ``gpu``'s roofline at that context, and the roofline table at that batch. Needs a kernel."""
@@ -276,7 +276,7 @@ def _batch_marks(fig: BookFigure, batches: Sequence[int]) -> dict[int, str]:
             for batch in batches}
 
 
-def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, context: int = 512,
+def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 16, context: int = 512,
                           cfg: ModelConfig = SMOLLM2_135M, gpu: GPUSpec = H200,
                           contexts: Sequence[int] = GPU_CONTEXTS,
                           batches: Sequence[int] | None = None) -> Explorer:
@@ -289,7 +289,8 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 1, co
     batch, and each over ``gpu``'s roofline step at the context the run timed (the caption's
     readout, which at another context says where the run was timed).
     ``batches`` must be batches the measurement timed (all of them by default, so every batch
-    the page's text quotes can be selected); ``batch`` and ``context`` open the page.
+    the page's text quotes can be selected); ``batch`` and ``context`` open the page (batch 16:
+    at batch 1, the axis's left end, the batch's line would lie on the y-axis).
     """
     timed = sorted(set(measured["batch"]))
     batches = sorted({*(timed if batches is None else batches), batch})
