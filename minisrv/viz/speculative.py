@@ -135,7 +135,7 @@ def plot_acceptance(sweep: pd.DataFrame, title: str = "") -> BookFigure:
     label_axes(left, title or f"Acceptance by position, k = {k_max}\n"
                              f"(positions examined in {MIN_REACHED}+ checks)",
                "guess position i", "P(guess i kept | 1..i-1 kept)")
-    label_axes(right, "Tokens per check", "draft length k (tokens)", "tokens per forward")
+    label_axes(right, "Tokens per check", "draft length k (tokens)", "tokens per check")
     handles = [Line2D([], [], color=c, marker="o", label=w)
                for w, c in zip(sweep["workload"].unique(), WORKLOAD_COLORS, strict=False)]
     handles += [Line2D([], [], color="grey", ls=style, label=name)
@@ -167,8 +167,8 @@ def plot_sampling(check: SamplingCheck, tok: Tokenizer, top: int = 16,
                        "token (guess kept or replaced)"),
     ]
     ax.set_xticks(x, [_show(tok, int(i)) for i in order])
-    label_axes(ax, title or "First letter of a new country line: what the check emits",
-               "token", "probability")
+    label_axes(ax, title or f"The {len(order)} most likely first letters of a new country line:"
+                            " what the check emits", "token", "probability")
     legend_below(fig, handles=handles, ncol=1)
     return fig
 
