@@ -9,6 +9,7 @@ tuples or DataFrames); ``minisrv.viz.radix`` only draws them. Progress bars are 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -39,6 +40,11 @@ __all__ = [
 ]
 
 
+# each model's runs, by what decides one: serve_with_cache's default ``served``
+_SERVED: weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Engine, RunResult]]] = (
+    weakref.WeakKeyDictionary())
+
+
 def serve_with_cache(model: Any, workload: Workload, cache: str, kv_capacity: int = 4000,
                      max_running: int = 8, served: dict | None = None,
                      **options: Any) -> tuple[Engine, RunResult]:
@@ -47,18 +53,20 @@ def serve_with_cache(model: Any, workload: Workload, cache: str, kv_capacity: in
     ``served``: the runs made so far, by everything that decides one (the cache, pool, cap,
     options and the workload's requests); a run found there is returned, not served again
     (a fresh engine serves the same workload the same way, step for step), a new one is
-    added. Callers read what they get and change nothing of it."""
+    added. Left out, the model's own dict is used, kept for as long as the model lives, so a
+    page's tables, sweeps and explorers share their runs without passing them around (as
+    ``alone_outputs`` shares its references). Callers read what they get and change nothing
+    of it."""
+    if served is None:
+        served = _SERVED.setdefault(model, {})
     key = (cache, kv_capacity, max_running, tuple(sorted(options.items())),
            tuple(map(tuple, workload.prompts)), tuple(workload.output_lens),
-           tuple(workload.arrivals)) if served is not None else None
-    if served is not None and key in served:
-        return served[key]
-    engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, cache=cache,
-                    **options)
-    result = engine, engine.run_workload(workload)
-    if served is not None:
-        served[key] = result
-    return result
+           tuple(workload.arrivals))
+    if key not in served:
+        engine = Engine(model, kv_capacity=kv_capacity, max_running=max_running, cache=cache,
+                        **options)
+        served[key] = engine, engine.run_workload(workload)
+    return served[key]
 
 
 class ServedRequest(NamedTuple):
@@ -234,8 +242,8 @@ def shared_header_workload(header: int = 2048, n: int = 200, question: int = 64,
 def simulated_cache_table(rate: float = 20.0, **workload_args: Any) -> pd.DataFrame:
     """``shared_header_workload`` on the simulated H100 serving LLaMA-3-8B (64 running at
     most), with ``cache="none"`` and ``cache="radix"``, one row each: the hit rate, the mean
-    and p99 time to first token with users arriving ``rate`` a second, and the throughput
-    with all of them arriving at once (the GPU never idle)."""
+    and p99 time to first token with users arriving ``rate`` a second, and the output tokens
+    per second with all of them arriving at once (the GPU never idle)."""
     from minisrv.sim import simulate
 
     paced = shared_header_workload(rate=rate, **workload_args)
@@ -247,6 +255,6 @@ def simulated_cache_table(rate: float = 20.0, **workload_args: Any) -> pd.DataFr
         rows[cache] = {"hit rate": request_hit_rate(result.requests),
                        "mean TTFT (ms)": 1e3 * m.mean_ttft,
                        "p99 TTFT (ms)": 1e3 * m.p99_ttft,
-                       "throughput, all at once (tok/s)": simulate(
+                       "output tok/s, all at once": simulate(
                            at_once, cache=cache, max_running=64).metrics.throughput}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("cache")

@@ -236,7 +236,8 @@ def event_caption(event: RecordedEvent) -> str:
     elif event.op == "insert":
         what = f"{event.length} tokens already cached"
     elif event.op == "evict":
-        what = f"freed {event.length} tokens ({len(event.evicted)} nodes)"
+        n = len(event.evicted)
+        what = f"freed {event.length} tokens ({n} node{'s' * (n != 1)})"
     else:  # lock, unlock: a request with no cached prefix holds only the root
         what = f"{event.length} tokens on the path" if event.length else "only the root"
     extras = []
@@ -306,7 +307,8 @@ def event_explorer(events: Sequence[RecordedEvent], tokenizer: Any = None,
         numbers = event_numbers(recorded)
         return Frame([to_graphviz(recorded, tokenizer, rankdir=rankdir)], numbers,
                      caption=f"Afterwards the cache holds {numbers['cached tokens']} tokens "
-                             f"in {numbers['nodes']} nodes, {numbers['locked nodes']} locked.")
+                             f"in {numbers['nodes']} node{'s' * (numbers['nodes'] != 1)}, "
+                             f"{numbers['locked nodes']} locked.")
 
     return explorer(draw, [("event", "event", list(range(len(events))), start)],
                     live=lambda: event_widget(events, tokenizer, start))
@@ -347,7 +349,6 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     from IPython.display import display
 
     built = {} if built is None else built
-    served: dict = {}  # a state visited again is not served again
     controls = {
         "capacity": slider(capacity, 250, 2000, "KV capacity (tokens)", step=50),
         "sessions": slider(sessions, 1, 12, "sessions"),
@@ -355,7 +356,7 @@ def chat_capacity_widget(model: Any, tok: Any, capacity: int = 400, sessions: in
     }
 
     def redraw(capacity: int, sessions: int, turns: int) -> None:
-        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, served)
+        run = _checked_chat_run(model, tok, capacity, sessions, turns, built, None)
         display(run.table)
 
     return panel(redraw, controls, per_row=3)
