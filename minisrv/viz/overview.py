@@ -145,10 +145,12 @@ def architecture_diagram() -> graphviz.Digraph:
     the scheduler's above the worker's, joined by the batch going down and the new tokens
     coming back, and by the host tier's copies of KV between the pool and host memory
     (SGLang's cache controller, in the scheduler's process). Speculative decoding sits in
-    the worker, as SGLang's ``EAGLEWorker`` (``speculative/eagle_worker.py``) wraps the
-    target model's worker and drafts and verifies inside its forward, allocating its drafts'
-    slots itself (``_draft_preprocess_decode``); minisrv's runner verifies there too, while
-    its scheduler asks the drafter for guesses as it forms the step. No row is more than
+    the worker, as SGLang 0.5.23's ``EAGLEWorkerV2`` (``speculative/eagle_worker_v2.py``)
+    wraps the target model's worker and drafts and verifies inside its forward, while the
+    drafts' slots are allocated as the scheduler prepares the batch
+    (``eagle_prepare_for_decode``, ``speculative/eagle_utils.py``); minisrv's runner
+    verifies there too, while its scheduler asks the drafter for guesses as it forms the
+    step. No row is more than
     three boxes wide, so the drawing fits the page column with every label at 10 pt or more
     (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package today;
     dashed grey boxes are what later chapters add.
