@@ -18,7 +18,8 @@ def test_every_module_the_chapter_map_names_exists() -> None:
 
 def test_the_architecture_draws_each_part_where_sglang_runs_it() -> None:
     """Speculative decoding runs in the model worker (SGLang's ``EAGLEWorker`` wraps the
-    target's worker), and the host tier is drawn, copying KV to and from the pool."""
+    target's worker), the host tier is drawn, copying KV to and from the pool, and the pages
+    chapter's block-hash cache sits with the other KV bookkeeping, in the scheduler."""
     from minisrv.viz.overview import architecture_diagram
 
     source = architecture_diagram().source
@@ -28,3 +29,5 @@ def test_the_architecture_draws_each_part_where_sglang_runs_it() -> None:
     assert "spec" in worker and "spec" not in scheduler
     assert "host" in scheduler and "host -> kvpool" in source
     assert COMPONENTS["host"].chapter == "04a_host_tier"
+    assert "blocks" in scheduler and "blocks" not in worker
+    assert COMPONENTS["blocks"].chapter == "04b_pages"

@@ -103,6 +103,8 @@ COMPONENTS: dict[str, Component] = {
     "slots": Component("Slot allocator,\nrequest-to-token\nrows",
                        ("kv/allocator.py", "kv/table.py"), "03_selective_batching"),
     "radix": Component("Radix cache\n(RadixAttention)", ("kv/radix.py",), "04_radix_attention"),
+    "blocks": Component("Pages, block-hash\ncache (vLLM)", ("kv/blocks.py", "kv/pages.py"),
+                        "04b_pages"),
     "host": Component("Host tier\n(evicted KV\nin CPU memory)", ("kv/host.py", "kv/hiradix.py"),
                       "04a_host_tier"),
     "attention": Component("Attention backend", ("runner/attention/",), "03_selective_batching"),
@@ -137,18 +139,21 @@ def architecture_diagram() -> graphviz.Digraph:
     """The serving stack of the lecture's architecture slide, as minisrv builds it.
 
     Requests flow down from the client to the model worker and answers flow back up. As in
-    SGLang, the scheduler owns the KV bookkeeping (the radix cache, which slots each
-    request's tokens occupy, the free slots) and the model worker holds the KV tensors and
-    the attention backend: the two are drawn as two frames, the scheduler's above the
-    worker's, joined by the batch going down and the new tokens coming back, and by the host
-    tier's copies of KV between the pool and host memory (SGLang's cache controller, in the
-    scheduler's process). Speculative decoding sits in the worker, as SGLang's
-    ``EAGLEWorker`` (``speculative/eagle_worker.py``) wraps the target model's worker and
-    drafts and verifies inside its forward; minisrv's runner verifies there too, while its
-    scheduler asks the drafter for guesses as it forms the step. No row is more
-    than three boxes wide, so the drawing fits the page column with every label at 10 pt or
-    more (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package
-    today; dashed grey boxes are what later chapters add.
+    SGLang, the scheduler owns the KV bookkeeping (the prefix cache, a radix tree or vLLM's
+    hashed blocks; which slots each request's tokens occupy; the free slots) and the model
+    worker holds the KV tensors and the attention backend: the two are drawn as two frames,
+    the scheduler's above the worker's, joined by the batch going down and the new tokens
+    coming back, and by the host tier's copies of KV between the pool and host memory
+    (SGLang's cache controller, in the scheduler's process). Speculative decoding sits in
+    the worker, as SGLang 0.5.23's ``EAGLEWorkerV2`` (``speculative/eagle_worker_v2.py``)
+    wraps the target model's worker and drafts and verifies inside its forward, while the
+    drafts' slots are allocated as the scheduler prepares the batch
+    (``eagle_prepare_for_decode``, ``speculative/eagle_utils.py``); minisrv's runner
+    verifies there too, while its scheduler asks the drafter for guesses as it forms the
+    step. No row is more than
+    three boxes wide, so the drawing fits the page column with every label at 10 pt or more
+    (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package today;
+    dashed grey boxes are what later chapters add.
     """
     g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.2",
                                                        ranksep="0.3", compound="true"))
@@ -167,8 +172,8 @@ def architecture_diagram() -> graphviz.Digraph:
         row.node("detokenizer")
     frames = {
         "cluster_scheduler": ("scheduler: picks each step, owns the KV bookkeeping",
-                              (("policy", "scheduler", "overlap"), ("chunked", "radix"),
-                               ("slots", "host"))),
+                              (("policy", "scheduler", "overlap"),
+                               ("chunked", "radix", "blocks"), ("slots", "host"))),
         "cluster_worker": ("model worker (GPU or CPU): runs the forward, holds the KV",
                            (("worker", "spec"), ("attention", "grammar", "kvpool"))),
     }
