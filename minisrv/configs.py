@@ -230,21 +230,23 @@ QWEN25_7B = ModelConfig(
 )
 
 MISTRAL_7B = ModelConfig(
-    # Mistral 7B: Jiang et al., "Mistral 7B" (arXiv:2310.06825), Table 1, and
-    # mistralai/Mistral-7B-v0.1/config.json (32 layers, d_model 4096, 32 query / 8 KV heads).
-    # 7.24e9 parameters.
-    name="Mistral-7B",
+    # Mistral-7B-v0.3: mistralai/Mistral-7B-v0.3/config.json (32 layers, d_model 4096, 32 query
+    # / 8 KV heads, vocabulary 32,768, "sliding_window": null). The shape is Table 1 of Jiang et
+    # al., "Mistral 7B" (arXiv:2310.06825), without v0.1's 4,096-token sliding window: v0.1's
+    # rolling buffer would keep at most 4,096 tokens per request, which this config, like every
+    # other here, cannot express. 7.25e9 parameters.
+    name="Mistral-7B-v0.3",
     n_layers=32,
     d_model=4096,
     n_heads=32,
     n_kv_heads=8,
     head_dim=128,
-    n_params=7.24e9,
+    n_params=7.25e9,
     attention="gqa",
     d_ff=14336,
-    vocab_size=32000,
+    vocab_size=32768,
     max_seq_len=32768,
-    rope_theta=10000.0,
+    rope_theta=1000000.0,
 )
 
 DEEPSEEK_V3 = ModelConfig(

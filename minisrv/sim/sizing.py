@@ -24,8 +24,10 @@ def check_positive_int(name: str, value: object) -> int:
 
 
 def gb(n_bytes: float) -> str:
-    """``n_bytes`` as decimal gigabytes with three significant digits, for error messages."""
-    return f"{n_bytes / 1e9:.3g} GB"
+    """``n_bytes`` as decimal gigabytes with three significant digits, for messages and
+    labels; whole gigabytes from 1,000 up ("1,342 GB", where ``.3g`` would print 1.34e+03)."""
+    n_gb = n_bytes / 1e9
+    return f"{n_gb:,.0f} GB" if n_gb >= 999.5 else f"{n_gb:.3g} GB"
 
 
 def kv_bytes_per_request(cfg: ModelConfig, context_len: int, dtype_bytes: float = 2) -> int:

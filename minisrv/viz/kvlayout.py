@@ -36,11 +36,14 @@ def layout_models() -> tuple[ModelConfig, ...]:
 
 
 def _group_colors(n: int) -> list:
-    """One colour per KV head: distinct colours for up to 10, a cycling map beyond."""
+    """One colour per KV head, never repeated: a repeated colour would say that two query
+    heads read one KV head. The ten distinct colours of ``tab10`` for up to 10 heads, ``n``
+    shades along a continuous map beyond (MHA's 64)."""
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    return [colormaps["turbo"](x) for x in np.linspace(0.05, 0.95, n)]
 
 
 def _cache_segments(cfg: ModelConfig) -> list[tuple[str, int, int | None]]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import LogLocator
 
 from minisrv.configs import MODELS, GPUSpec, ModelConfig
 from minisrv.kvsize import (
@@ -22,6 +23,7 @@ from minisrv.kvsize import (
 )
 from minisrv.sim.roofline import decode_step_cost
 from minisrv.sim.sizing import (
+    gb,
     kv_bytes_per_request,
     max_concurrent_requests,
     weight_bytes,
@@ -66,7 +68,7 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
-ALL_HEADS_COLUMN = "KV if every head kept K, V ÷ actual"
+ALL_HEADS_COLUMN = "all heads ÷ actual"
 """``kv_table``'s last column: the cache if every query head kept its own K and V, over the
 cache the model really keeps (the saving GQA, MQA or MLA buys)."""
 
@@ -179,13 +181,16 @@ def plot_roofline(
     drawn dashed at ``max_concurrent_requests``). A pale band marks compute-bound batches;
     everything else is memory-bound. The grey lines are the two roofs: reading the weights
     alone (the floor of every step) and the arithmetic alone. ``batch`` marks one batch size.
+    Without ``max_batch`` the batch axis ends at a power of ten, so its last label sits at
+    the edge in every figure (an explorer lays all its states out as its first one).
     """
     fig, (ax_time, ax_tput) = page_figure(height_in=7.6, rows=2, sharex=True)
     title = f"{cfg.name} decoding on {gpu.name}, {dtype_bytes:g} bytes per number"
     if not _weights_fit(cfg, gpu, dtype_bytes):
-        title += f"\nweights ({weight_bytes(cfg, dtype_bytes) / 1e9:.3g} GB) do not fit"
+        title += f"\nweights ({gb(weight_bytes(cfg, dtype_bytes))}) do not fit"
     walls = {c: memory_wall(cfg, gpu, c, dtype_bytes) for c in contexts}
-    limit = max_batch or max(256, 2 * max(walls.values(), default=0), batch or 1)
+    limit = max_batch or 10 ** int(np.ceil(np.log10(max(256, 2 * max(walls.values(), default=0),
+                                                         batch or 1))))
     batches = _batch_grid(limit)
     for context in contexts:
         color = context_color(context)
@@ -214,6 +219,8 @@ def plot_roofline(
         ax.set(xscale="log", yscale="log", xlim=(1, batches[-1]))
         ax.grid(True, which="major", alpha=0.3)
         plain_log_ticks(ax)
+    # throughput spans few decades: 20,000 and 50,000 labelled, so a plateau can be read off
+    ax_tput.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     label_axes(ax_time, f"Step time: {title}", ylabel="decode step time (ms)")
     label_axes(ax_tput, "Throughput", "batch size (requests decoding together)",
                "throughput (tokens/s)")
@@ -245,20 +252,20 @@ def plot_memory_budget(
     kv = batch * kv_bytes_per_request(cfg, context_len, dtype_bytes) / 1e9
     capacity = gpu.memory_bytes / 1e9
     fig, ax = page_figure(height_in=2.2)
-    ax.barh(0, weights, color="0.55", label=f"weights {weights:.3g} GB")
+    ax.barh(0, weights, color="0.55", label=f"weights {gb(weights * 1e9)}")
     overflow = weights + kv > capacity
-    kv_label = f"KV cache, {batch:,} requests x {context_len:,} tokens each: {kv:.3g} GB"
+    kv_label = f"KV cache, {batch:,} requests x {context_len:,} tokens each: {gb(kv * 1e9)}"
     color = context_color(context_len)  # the context's colour in the roofline figure
     fits = min(kv, max(capacity - weights, 0))
     ax.barh(0, fits, left=weights, color=color, label=kv_label)
     if overflow:  # the same colour, hatched: the part of the cache past the card
         ax.barh(0, kv - fits, left=weights + fits, color=color, alpha=0.35, hatch="//",
-                edgecolor=color, label=f"past the capacity: {weights + kv - capacity:.3g} GB")
+                edgecolor=color, label=f"past the capacity: {gb((weights + kv - capacity) * 1e9)}")
     free = capacity - weights - kv
     if free > 0:
-        left = f"{free:.3g} GB" if free >= 1 else f"{free * 1e3:.0f} MB"  # not "0.0524 GB"
+        left = gb(free * 1e9) if free >= 1 else f"{free * 1e3:.0f} MB"  # not "0.0524 GB"
         ax.barh(0, free, left=weights + kv, color="0.9", label=f"free {left}")
-    ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {capacity:.3g} GB")
+    ax.axvline(capacity, color="black", lw=2.5, label=f"{gpu.name} capacity {gb(capacity * 1e9)}")
     ax.set(yticks=[], xlim=(0, max(capacity, weights + kv) * 1.02))
     ax.grid(False, axis="y")
     verdict = "do not fit" if overflow else "fit"
