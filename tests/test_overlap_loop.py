@@ -83,22 +83,49 @@ def test_overlap_equals_blocking_and_each_request_alone(
     assert_drained(overlapped)
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", [False, True, None])
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_each_finished_request_wastes_exactly_one_token(model, skip, ignore_eos) -> None:
     """Mixed steps decode everyone running, so every late stop costs one token; with
-    ``skip_finishing_decode`` only an ``<eos>`` before the length limit does."""
+    ``skip_finishing_decode`` (``None``: the default, on as in SGLang) only an ``<eos>``
+    before the length limit does."""
     prompts = [[0, 3 + i, 7, 2 * i + 4] for i in range(8)]
     params = [SamplingParams(max_new_tokens=m, ignore_eos=ignore_eos) for m in range(3, 11)]
+    options = {} if skip is None else {"skip_finishing_decode": skip}
     engine = Engine(model, mode="mixed", max_running=8, kv_capacity=400, overlap=True,
-                    skip_finishing_decode=skip)
+                    **options)
     outputs = engine.generate(prompts, sampling=params)
     reqs_ended_on_eos = sum(len(out) < p.max_new_tokens for out, p in zip(outputs, params))
-    expected = reqs_ended_on_eos if skip else len(prompts)
+    expected = len(prompts) if skip is False else reqs_ended_on_eos
     assert engine.stats.late_stop_tokens == engine.stats.wasted_tokens == expected
     if ignore_eos:
         assert reqs_ended_on_eos == 0
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_every_streamed_token_keeps_its_logprobs(model, skip) -> None:
+    """The overlapped loop streams a step's tokens after finishing its requests: a request
+    that finished, late or skipped for its length, keeps its logprobs until they are read,
+    and the logprobs equal the blocking loop's."""
+    prompts = [[0, 4, 9], [0, 5], [0, 6, 7, 8]]
+    params = [SamplingParams(4 + i, logprobs=1, ignore_eos=True) for i in range(3)]
+    got = []
+    for overlap in (False, True):
+        engine = Engine(model, max_running=2, overlap=overlap, skip_finishing_decode=skip)
+        reqs = engine.make_requests(prompts, sampling=params)
+        for req in reqs:
+            engine.add_request(req, checked=True)
+        logprobs: dict[int, list[float]] = {req.rid: [] for req in reqs}
+        while (out := engine.step()).record is not None:
+            for req, entries in out.logprobs.items():
+                logprobs[req.rid].extend(value for value, _ in entries)
+        got.append(logprobs)
+        assert [len(logprobs[req.rid]) for req in reqs] == [p.max_new_tokens for p in params]
+        assert_drained(engine)
+    blocking, overlapped = got
+    for rid, values in blocking.items():
+        assert overlapped[rid] == pytest.approx(values, abs=1e-6)  # no NaN: none was lost
 
 
 def test_sampled_outputs_equal_the_reference(model) -> None:

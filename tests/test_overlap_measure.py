@@ -54,7 +54,7 @@ def test_future_trace_links_each_placeholder_to_the_token_it_became(model, mode,
 
 
 def test_future_trace_frame_shows_every_step(model) -> None:
-    engine = Engine(model, max_running=2, overlap=True)
+    engine = Engine(model, max_running=2, overlap=True, skip_finishing_decode=False)
     engine.generate(PROMPTS[:3], LENGTHS[:3], arrival_steps=ARRIVALS[:3])
     frame = future_trace_frame(engine, TOK)
     assert list(frame.index) == [r.index for r in engine.trace]

@@ -1,12 +1,12 @@
 """Future token ids: step i+1's inputs name step i's outputs before they exist.
 
 The overlapped loop forms step i+1 while the device still computes step i, so a decoding
-request's next input (its newest token) is not known yet. As in SGLang 0.4-0.5, the CPU
-hands out a *future id* instead: a negative number ``-k`` that names slot ``k`` of a buffer
-on the device. When step i has sampled its tokens, the device writes them to their slots
-(``store``); before step i+1's forward, one ``torch.where`` replaces every negative id by
-its slot's value (``resolve``). Nothing waits on the CPU, and the tokens never leave the
-device between the two steps.
+request's next input (its newest token) is not known yet. As in SGLang 0.4 to 0.5.9 (0.5.23
+indexes its buffer by request slot instead), the CPU hands out a *future id*: a negative
+number ``-k`` that names slot ``k`` of a buffer on the device. When step i has sampled its
+tokens, the device writes them to their slots (``store``); before step i+1's forward, one
+``torch.where`` replaces every negative id by its slot's value (``resolve``). Nothing waits
+on the CPU, and the tokens never leave the device between the two steps.
 
 Slots are handed out round-robin from a ring of ``capacity``, so a slot is handed out again
 after ``capacity`` further reservations: the loop sizes the ring so that every future is

@@ -82,13 +82,16 @@ class BatchCompleter:
         return finished
 
     def finish(self, prefilled: list[Req], finished: list[Req],
-               late: frozenset[int] = frozenset()) -> None:
+               late: frozenset[int] = frozenset(), release: bool = True) -> None:
         """The one finish path: prefilled requests that go on give their KV to the cache (a
         chunk's request the KV of that chunk); finished ones give theirs, leave, and are
         counted.
 
         ``late`` holds the ids of finished requests found so one step late (the overlapped
         loop): the step in flight computed one more token for those, whose KV goes first.
+        ``release=False`` keeps the backend's state of every finished request (its sampler
+        state and unread logprobs) for the caller to release: the overlapped loop streams a
+        step's tokens, and their logprobs, after it has finished the step's requests.
         """
         queues, memory = self.queues, self.memory
         done = {id(req) for req in finished}
@@ -99,7 +102,7 @@ class BatchCompleter:
         requeued = False  # a request retracted while its last token was computed
         for req in finished:
             requeued |= req.state == ReqState.WAITING
-            self._finish_one(req, late=id(req) in late)
+            self._finish_one(req, late=id(req) in late, release=release)
         if finished:
             queues.drop_left()
         if requeued:
@@ -107,19 +110,19 @@ class BatchCompleter:
                                    if req.state == ReqState.WAITING)
         self.recorder.count_memory()
 
-    def _finish_one(self, req: Req, late: bool) -> None:
+    def _finish_one(self, req: Req, late: bool, release: bool) -> None:
         """``req`` ends: its KV to the cache (after dropping the token computed past its end,
         if ``late``), its seat freed; a request retracted meanwhile holds no KV any more."""
         if req.state == ReqState.WAITING:
             req.state = ReqState.FINISHED
-            self.backend.release(req)
+            if release:
+                self.backend.release(req)
         else:
             if late:
                 req.output.pop()
                 self.memory.truncate(req, 1)
             self.memory.cache_finished(req)
-            # the step in flight still samples with a late one's generator
-            self.lifecycle.leave(req, ReqState.FINISHED, release=not late)
+            self.lifecycle.leave(req, ReqState.FINISHED, release=release)
         self.recorder.stats.finished += 1
 
 

@@ -68,7 +68,7 @@ class EngineConfig:
     cache: Cache = "none"  # "radix": RadixAttention's tree; "blocks": vLLM's block hashes
     mode: Mode = "prefill-first"  # how a step is formed
     overlap: bool = False  # form step i+1 on the CPU while the device computes step i
-    skip_finishing_decode: bool = False  # overlap: leave requests ending on length out of i+1
+    skip_finishing_decode: bool = True  # overlap: requests ending on length skip i+1 (SGLang)
     admission: Admission = "budget"  # how memory is promised to admitted requests
     admission_order: AdmissionOrder = "allocate-each"  # when admissions get KV (forming.py)
     new_token_ratio: float = 0.7  # budget: share of remaining output assumed still needed

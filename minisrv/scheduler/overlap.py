@@ -13,9 +13,11 @@ Every request of a launched step carries a *future id* (a negative placeholder,
 admission see exactly what the blocking loop sees. The stop check is therefore one step
 late: a request that finished in step i was still running when step i+1 was formed, so (if
 step i+1 decodes it) it computes one extra token, which is discarded and counted in
-``stats.wasted_tokens``. With ``skip_finishing_decode=True`` a request whose length limit
-ends it in step i is set aside (``RequestQueues.set_aside_finishing``) and left out of step
-i+1, so only ``<eos>`` costs a token. The device thread, its CUDA stream and the future map
+``stats.wasted_tokens``. A request whose length limit ends it in step i is set aside
+(``RequestQueues.set_aside_finishing``) and left out of step i+1, so only ``<eos>`` costs a
+token: ``skip_finishing_decode``, on by default because SGLang 0.5.23's overlapped loop
+always does it (``event_loop_overlap`` sets ``enable_skip_finishing_decode``); ``False``
+shows the late stop check in full. The device thread, its CUDA stream and the future map
 are the runner's (``minisrv.runner.device``): the engine builds that ``DeviceWorker`` and
 hands it to the loop, which sees it as the contract's ``StepWorker``. The loop talks to
 the scheduler's parts by their public calls (``queues``, ``recorder``, ``completer``,
@@ -148,15 +150,22 @@ class OverlapLoop:
             sched.backend.release(req)
         self._release_later.clear()
         finished, late, streamed, extra = self._apply(step, result)
-        sched.completer.finish(batch.prefill, finished, late)
+        # the backend's state of a finished request outlives finish: the step in flight
+        # still samples with a late one's, and streaming reads the others' logprobs
+        sched.completer.finish(batch.prefill, finished, late, release=False)
         self._release_later.extend(req for req in finished if id(req) in late)
         record = sched.recorder.record(batch, step.before, result, finished, extra)
         if sched.config.record_trace:
             self.future_trace.append(self._future_step(record.index, step, result, finished))
         on_token = sched.completer.on_token
-        if stream and on_token is not None:  # last: a raising callback finds state consistent
-            for req, token in streamed:
-                on_token(req, token)
+        try:  # streaming last: a raising callback finds the state consistent
+            if stream and on_token is not None:
+                for req, token in streamed:
+                    on_token(req, token)
+        finally:
+            for req in finished:
+                if id(req) not in late:
+                    sched.backend.release(req)
         return record
 
     def drain(self) -> StepRecord | None:
