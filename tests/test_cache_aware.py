@@ -144,6 +144,8 @@ def test_comparison_drawings_from_tables(model) -> None:
         for ax in fig.axes:
             assert ax.get_title(loc="left") and ax.get_xlabel() and ax.get_ylabel()
         assert fig.legends and all(ax.get_legend() is None for ax in fig.axes)  # off the data
+    scaled = pv.plot_policy_comparison(table, tops=(1000, 40))  # an explorer's common scale
+    assert [ax.get_ylim() for ax in scaled.axes] == [(0, 100), (0, 1050), (0, 42)]
 
 
 def test_a_capacity_sweep_takes_the_runs_it_is_given(model, monkeypatch) -> None:
@@ -166,10 +168,14 @@ def test_a_capacity_sweep_takes_the_runs_it_is_given(model, monkeypatch) -> None
     assert again.equals(fresh)
 
 
-def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> None:
+def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model, monkeypatch) -> None:
     from minisrv.tokenizer import Tokenizer
     from minisrv.viz import policy as pv
 
+    scales = []  # every state's figure is drawn to the largest prefill and wait of them all
+    draw = pv.plot_policy_comparison
+    monkeypatch.setattr(pv, "plot_policy_comparison",
+                        lambda table, title, tops: scales.append(tops) or draw(table, title, tops))
     tok = Tokenizer()
     work = ca.interleaved_groups(tok, n_groups=2)
     reference = ca.reference_outputs(model, work)
@@ -188,6 +194,10 @@ def test_the_policy_explorer_states_are_the_experiment_against_fcfs(model) -> No
             for name in ("hit rate", "prefill tokens", "mean wait (steps)", "max wait (steps)"):
                 assert state[f"{side} {name}"] == table.loc[row, name]
         assert state["requests checked"] == 2 * 16
+    states = [ex.metrics(capacity=c, gap=g) for c, g in itertools.product((120, 400), (1.0, 4.0))]
+    top = {name: max(s[f"{side} {name}"] for s in states for side in ("FCFS", "policy"))
+           for name in ("prefill tokens", "max wait (steps)")}
+    assert set(scales) == {(top["prefill tokens"], top["max wait (steps)"])}
     # the gap moves the arrivals: the waits of a spaced stream are not those of a dense one
     assert (ex.metrics(capacity=400, gap=4.0)["FCFS max wait (steps)"]
             != ex.metrics(capacity=400, gap=1.0)["FCFS max wait (steps)"])

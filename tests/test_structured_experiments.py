@@ -74,10 +74,14 @@ def test_masked_probabilities_are_the_renormalised_model(citylm, vocab) -> None:
     grammar = compile_grammar(vocab, regex=st.FULL_STOP)
     prompt = tok.encode("FR:")
     tokens = constrained_generate(model, prompt, grammar, SamplingParams(max_new_tokens=30)).tokens
-    for step in st.step_probabilities(model, prompt, grammar, tokens):
+    steps = st.step_probabilities(model, prompt, grammar, tokens)
+    for step in steps:
         assert 0 < step.allowed_mass <= 1 + 1e-6
         assert step.masked == pytest.approx(step.free / step.allowed_mass, rel=1e-4, abs=1e-12)
         assert step.masked >= step.free - 1e-7
+    # after the third name the comma CityLM wants is what the full stop's grammar forbids
+    lyon = min(range(len(steps)), key=lambda i: steps[i].allowed_mass)
+    assert steps[lyon].forbidden == "," and steps[lyon - 1].text == "n"
 
 
 def test_records_ebnf_gives_two_parseable_records(citylm, vocab) -> None:

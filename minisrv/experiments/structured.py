@@ -19,7 +19,7 @@ import json
 import random
 import string
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -198,13 +198,16 @@ def automaton(grammar: CompiledGrammar, max_states: int = 200) -> Automaton:
 @dataclass(frozen=True)
 class StepProbability:
     """One step of a constrained output: the token, its probability under the model alone
-    (``free``), under the mask (``masked``, renormalised over the allowed tokens), and the
-    share of the model's probability the mask allowed (``allowed_mass``)."""
+    (``free``), under the mask (``masked``, renormalised over the allowed tokens), the share
+    of the model's probability the mask allowed (``allowed_mass``), and the forbidden token
+    the model rated highest (``forbidden``, its text; "" where the mask forbade nothing):
+    where the allowed share is small, what the model wanted instead."""
 
     text: str
     free: float
     masked: float
     allowed_mass: float
+    forbidden: str
 
 
 @torch.inference_mode()
@@ -215,14 +218,16 @@ def step_probabilities(model: Any, prompt: Sequence[int], grammar: CompiledGramm
     ids = torch.tensor([*prompt, *tokens], dtype=torch.long, device=model.device)
     logits = model(ids, model.new_cache())[len(prompt) - 1: len(ids) - 1].float()
     state = GrammarState(grammar)
+    text_of = [t.decode("utf-8", "replace") for t in grammar.vocab.token_bytes]
     rows = []
     for row, token in zip(logits, tokens):
         free = torch.softmax(row, -1)
         allowed = state.allowed_mask().to(row.device)
         masked = torch.softmax(row.masked_fill(~allowed, float("-inf")), -1)
-        text = grammar.vocab.token_bytes[token].decode("utf-8", "replace")
-        rows.append(StepProbability(text, free[token].item(), masked[token].item(),
-                                    free[allowed].sum().item()))
+        wanted = int(free.masked_fill(allowed, -1.0).argmax())  # the likeliest forbidden one
+        rows.append(StepProbability(text_of[token], free[token].item(), masked[token].item(),
+                                    free[allowed].sum().item(),
+                                    "" if bool(allowed.all()) else text_of[wanted]))
         state.accept(token)
     return rows
 
@@ -325,11 +330,14 @@ def _states_in_flight(grammar: Any, vocab: Vocabulary, batch: int) -> list[Gramm
     return states
 
 
-def _median_us(run: Any, repeats: int) -> float:
+def _median_us(run: Callable[..., Any], repeats: int, fresh: Callable[[], tuple] = tuple) -> float:
+    """Median microseconds of ``run(*fresh())``; ``fresh`` makes each call's arguments (a
+    copy of what ``run`` changes in place) outside the timing."""
     times = []
     for _ in range(repeats):
+        args = fresh()
         start = time.perf_counter()
-        run()
+        run(*args)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1e6
 
@@ -337,13 +345,14 @@ def _median_us(run: Any, repeats: int) -> float:
 def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str | None = None,
                  json_schema: dict[str, Any] | None = None) -> float:
     """Median microseconds of one step's mask as minisrv computes it (``GrammarLogitsProcessor``:
-    one fill per row from Python, then the apply on CPU float32 logits) for ``batch``
-    constrained rows, each a few random allowed tokens into its grammar."""
+    XGrammar's batched fill, then its apply on CPU float32 logits) for ``batch`` constrained
+    rows, each a few random allowed tokens into its grammar. Each call masks a fresh copy of
+    the logits, copied outside the timing."""
     grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
     states = _states_in_flight(grammar, vocab, batch)
     processor = GrammarLogitsProcessor(vocab.size)
     logits = torch.randn(batch, vocab.size)
-    return _median_us(lambda: processor(logits.clone(), states), repeats)
+    return _median_us(processor, repeats, lambda: (logits.clone(), states))
 
 
 def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
@@ -354,7 +363,7 @@ def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
     grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
     states = _states_in_flight(grammar, vocab, batch)
     processor = GrammarLogitsProcessor(vocab.size)
-    return _median_us(lambda: processor.fill(states), repeats)
+    return _median_us(processor.fill, repeats, lambda: (states,))
 
 
 def decode_step_ms(batch: int, context: int = 1000) -> float:

@@ -60,16 +60,25 @@ class GrammarLogitsProcessor:
     def __call__(self, logits: torch.Tensor,
                  states: Sequence[GrammarState | None]) -> torch.Tensor:
         """Mask ``logits`` in place (and return it) for the constrained rows of ``states``."""
+        self._check(logits, states)
+        bitmask, rows = self.fill(states)  # on the CPU, one bit per token and row
+        if rows:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, indices=rows,
+                                            backend=_kernel(logits))
+        return logits
+
+    def _check(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [rows, vocab] with one state per row, got "
                              f"{tuple(logits.shape)} and {len(states)} states")
         if logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, the grammar vocabulary "
                              f"{self.vocab_size}")
-        bitmask, rows = self.fill(states)
-        if rows:
-            device_mask = bitmask.to(logits.device, non_blocking=True)
-            backend = "torch_native" if logits.dtype == torch.float64 else "auto"
-            xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size,
-                                            indices=rows, backend=backend)
-        return logits
+
+
+def _kernel(logits: torch.Tensor) -> str:
+    """XGrammar's apply kernel for ``logits``: its own choice for the device ("auto": C++ on a
+    CPU, Triton on a GPU), except for float64 logits (the tests' float64 CityLM), which the C++
+    kernel refuses (float32 and 16-bit floats only); they go to its plain-torch kernel."""
+    return "torch_native" if logits.dtype == torch.float64 else "auto"

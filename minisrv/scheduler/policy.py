@@ -4,7 +4,7 @@ A prefix cache only pays off if requests that share a prefix run while that pref
 cached. First come, first served (FCFS) ignores the cache: with four interleaved few-shot
 groups and a small cache, each request evicts the examples the next one needs. SGLang
 therefore lets the scheduler reorder its waiting queue every round by what the radix tree
-holds (``schedule_policy.py`` in SGLang 0.5); this module is that decision, as a pure
+holds (``schedule_policy.py`` in SGLang 0.5.23); this module is that decision, as a pure
 function of the queue and the tree, so the scheduler, the book and a reader call the same
 code (``QueuePolicy`` is the scheduler's part that applies it, once per admission round):
 
@@ -14,8 +14,8 @@ code (``QueuePolicy`` is the scheduler's part that applies it, once per admissio
   order. The length is capped at ``len(prompt) - 1`` because one token must still be computed
   to get the logits of the next. Matching costs time proportional to the queue, so with more
   than ``WAITING_QUEUE_PREFIX_MATCH_MAX`` (128) requests waiting, LPM serves that round in
-  FCFS order without matching at all. The name is minisrv's: SGLang writes the number into
-  ``SchedulePolicy._determine_active_policy`` (``len(waiting_queue) > 128``).
+  FCFS order without matching at all. SGLang 0.5.23 names it the same (before, the number
+  stood in ``SchedulePolicy._determine_active_policy``) and caps its ``hrrn`` policy too.
 * ``"dfs-weight"``: each request sits at the node where its match ends; a node weighs the
   requests at it plus its children's weights. A depth-first walk from the root visits heavier
   children first (equal weights in the order the branches entered the tree) and emits a
@@ -87,7 +87,7 @@ TREE_POLICIES: frozenset[str] = frozenset({"dfs-weight"})
 IN_BATCH_POLICIES: frozenset[str] = frozenset({"fcfs", "lpm", "dfs-weight"})
 
 # Past this many waiting requests LPM stops matching, for the cost of matching the queue
-# (minisrv's name; SGLang's ``_determine_active_policy`` tests ``len(waiting_queue) > 128``).
+# (SGLang 0.5.23's name and value, which its source calls arbitrary).
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
 # A request is checked against the scratch tree when its real cached prefix is <= this ...
 # (SGLang: IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD, an environment variable of that name)

@@ -93,7 +93,12 @@ class _Layouts:
     A constrained layout is solved anew at every draw and took 60% of drawing a frame of
     chapter 03a's two panels. The states of an explorer are one figure drawn with other
     numbers, so the layout of the first (the default state) serves them all: each frame then
-    costs one draw, and switching states never shifts an axis under the reader's eye.
+    costs one draw, and switching states never shifts an axis under the reader's eye. Other
+    numbers can need other margins, though: three-digit ticks after two-digit ones pushed
+    chapter 06's y-labels off the figure, and a legend of eight workers in two rows, laid out
+    for four in one, covered its x-label. So the shape counts the characters of each axes'
+    longest y tick label and the entries of each legend, and a state that differs in them
+    gets a layout of its own.
     """
 
     def __init__(self) -> None:
@@ -105,7 +110,10 @@ class _Layouts:
 
         if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
             return
-        shape = (tuple(fig.get_size_inches()), tuple(type(ax).__name__ for ax in fig.axes))
+        shape = (tuple(fig.get_size_inches()), tuple(type(ax).__name__ for ax in fig.axes),
+                 tuple(max((len(t.get_text()) for t in ax.get_yticklabels()), default=0)
+                       for ax in fig.axes),
+                 tuple(len(legend.get_texts()) for legend in fig.legends))
         if shape not in self.places:
             fig.draw_without_rendering()  # the one solve of this shape
             self.places[shape] = [ax.get_position() for ax in fig.axes]

@@ -102,9 +102,12 @@ def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
 
 
 @styled
-def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
+def plot_policy_comparison(table: pd.DataFrame, title: str = "",
+                           tops: tuple[float, float] | None = None) -> BookFigure:
     """Hit rate, prefill tokens and waits (mean and max, in steps) per policy: one bar per
-    row of a ``policy_table``/``few_shot_experiment`` table."""
+    row of a ``policy_table``/``few_shot_experiment`` table. ``tops``: the largest prefill
+    tokens and wait to scale for (an explorer's over all its states, so that moving a control
+    changes the bars, not the axes); ``None`` scales to this table."""
     fig, axes = page_figure(height_in=3.8, cols=3)
     labels = list(table.index)
     colors = [COLORS.get(label, "tab:blue") for label in labels]
@@ -121,6 +124,9 @@ def plot_policy_comparison(table: pd.DataFrame, title: str = "") -> BookFigure:
     axes[2].bar([i + width / 2 for i in x], table["max wait (steps)"], width, color=colors,
                 hatch="//", edgecolor="white", label="max")
     label_axes(axes[2], "Queueing delay", "policy", "wait (steps)")
+    if tops is not None:
+        axes[1].set_ylim(0, 1.05 * tops[0])
+        axes[2].set_ylim(0, 1.05 * tops[1])
     for ax in axes:
         ax.set_xticks(list(x), names, rotation=40, ha="right", rotation_mode="anchor")
     legend_below(fig, [Patch(facecolor="#999999", alpha=0.55, label="mean wait"),
@@ -243,6 +249,11 @@ def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIE
                 n_groups=n_groups, reference=reference)
         return rows[policy, capacity, gap]
 
+    tables = [row(policy, capacity, gap) for policy in ("fcfs", *policies)
+              for capacity in capacities for gap in gaps]
+    tops = (max(t["prefill tokens"].max() for t in tables),
+            max(t["max wait (steps)"].max() for t in tables))  # one scale for every state
+
     def draw(capacity: int, gap: float, policy: str = policies[0]) -> Frame:
         table = pd.concat([row("fcfs", capacity, gap), row(policy, capacity, gap)])
         everyone = f"{len(work)}/{len(work)}"
@@ -254,7 +265,8 @@ def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIE
                    for side, row_name in (("FCFS", "fcfs"), ("policy", policy))
                    for name in ("hit rate", "prefill tokens", "mean wait (steps)",
                                 "max wait (steps)")}
-        return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity, gap)),
+        return Frame([plot_policy_comparison(table, _comparison_title(n_groups, capacity, gap),
+                                             tops),
                       table.drop(columns="outputs identical").round(3)],  # checked above
                      {**numbers, "requests checked": 2 * len(work)},
                      caption=_hit_finding(NAMES.get(policy, policy),
