@@ -3,7 +3,9 @@
 Every slot is in exactly one of three places: free in the allocator, owned by a running
 request (the tokens it computed itself), or owned by the prefix cache (a cached prefix,
 shared by every request that matched it). All moves between them happen here, following
-SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
+SGLang 0.5.23 (``mem_cache/common.py``): ``checkpoint_kv_cache`` after a prefill or chunk,
+``release_kv_cache`` when a request leaves (``checkpoint=True`` at finish, inserting first;
+both insert through ``RadixCache.checkpoint``):
 
 * **admission**: match the request's longest cached prefix and lock it; allocate slots for
   the rest (evicting unlocked prefixes when the pool is short);
@@ -230,8 +232,8 @@ class KVManager:
     # ------------------------------------------------------------------ handing KV over
     def cache_unfinished(self, req: Req, end: int | None = None) -> None:
         """Right after ``req``'s prefill (or a chunk of it: its KV up to ``end``), put its KV
-        in the cache and switch ``req`` to the cache's copy (SGLang's
-        ``cache_unfinished_req``).
+        in the cache and switch ``req`` to the cache's copy (SGLang 0.5.23's
+        ``checkpoint_kv_cache``, which calls ``RadixCache.checkpoint(req, up_to=...)``).
 
         Where the tree already held some of these tokens (another request prefilled the same
         text meanwhile), ``req``'s duplicate slots are freed and its table row takes the
@@ -253,7 +255,8 @@ class KVManager:
         req.cached_len, req.cache_node = match.length, match.node
 
     def cache_finished(self, req: Req) -> None:
-        """Give a finished request's KV (prompt + output) to the cache, then unlock.
+        """Give a finished request's KV (prompt + output) to the cache, then unlock (SGLang
+        0.5.23's ``release_kv_cache(req, tree_cache, checkpoint=True)``).
 
         Its KV is not freed but kept for the next turn of a chat or any request with the same
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
