@@ -1,9 +1,10 @@
 """The radix tree over two tiers: each node's KV on the device, in host memory, or both.
 
-RadixAttention drops what it evicts. With a host tier (SGLang's HiCache,
-``mem_cache/hiradix_cache.py``) eviction from the device *moves* a node's KV to host memory
-when the node has a host copy, so a later request that matches it copies it back instead of
-recomputing it. The tree's shape stays the same; each node records where its KV lives:
+RadixAttention drops what it evicts. With a host tier (SGLang's HiCache:
+``mem_cache/unified_radix_cache.py`` in 0.5.23, ``hiradix_cache.py`` earlier) eviction from
+the device *moves* a node's KV to host memory when the node has a host copy, so a later
+request that matches it copies it back instead of recomputing it. The tree's shape stays the
+same; each node records where its KV lives:
 
 * ``value``, its device slots (empty once the device evicted it), and
 * ``host_value``, its host slots (``None`` until it is backed up).
@@ -20,7 +21,7 @@ When a node gets its host copy is the write policy (``HOST_POLICIES``):
 
 * ``write_through``: as soon as it is cached (every prefix is backed up, PCIe traffic for
   all of them, and an eviction costs nothing);
-* ``write_through_selective``: once two requests have inserted through it (SGLang's rule,
+* ``write_through_selective``: once the inserts of two requests reached it (SGLang's rule,
   below: only prefixes cached again are copied);
 * ``write_back``: only when the device evicts it (the least traffic; the eviction waits for
   its copy).
@@ -235,7 +236,7 @@ class HiRadixCache(RadixCache):
         return path[::-1]
 
     def _count_insert(self, walked: Sequence[TreeNode], inserted_len: int) -> None:
-        """An insert walked through ``walked`` (top first, ending with the leaf it added):
+        """An insert walked through ``walked`` (top first, then the leaf it added, if any):
         each node that ends past ``inserted_len``, the tokens this request inserted before,
         is hit once more; a node that ends within them was counted by this request's earlier
         insert. A node without a host copy is backed up once its hits reach the policy's
