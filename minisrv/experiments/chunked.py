@@ -48,7 +48,9 @@ CHUNK_SIZES: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
 """The chunk sizes the chapter sweeps."""
 
 SGLANG_DEFAULT = 8192
-"""SGLang's ``chunked_prefill_size`` on a large GPU (prefill-first steps by default)."""
+"""SGLang 0.5.23's ``chunked_prefill_size`` on an H100 (``_handle_gpu_memory_settings`` in
+``srt/arg_groups/memory_hook.py``: 8192 from 60 to 160 GB). Its steps are prefill-first
+unless ``--enable-mixed-chunk`` (off by default)."""
 
 VLLM_V1_DEFAULT = 8192
 """vLLM V1's ``max_num_batched_tokens`` for its OpenAI server on an H100 (2048 on smaller
@@ -129,9 +131,9 @@ def chunk_runs(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
 
 
 def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> pd.DataFrame:
-    """One row per run of ``chunk_runs``: inter-token latency (p99, max), TTFT (mean; p99 of
-    the short chats; mean of the long prompts, those of ``long_from`` tokens or more),
-    throughput and steps."""
+    """One row per run of ``chunk_runs``: its step mode, inter-token latency (p99, max), TTFT
+    (mean; p99 of the short chats; mean of the long prompts, those of ``long_from`` tokens or
+    more), throughput and steps."""
     import pandas as pd
 
     rows = []
@@ -140,7 +142,8 @@ def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> 
         long = [r for r in result.requests if r.prompt_len >= long_from]
         short = [r for r in result.requests if r.prompt_len < long_from]
         rows.append({
-            "chunk": size, "p99_itl": m.p99_itl, "max_itl": m.max_itl, "mean_ttft": m.mean_ttft,
+            "chunk": size, "mode": result.mode, "p99_itl": m.p99_itl, "max_itl": m.max_itl,
+            "mean_ttft": m.mean_ttft,
             "p99_ttft_short": float(np.percentile([r.ttft for r in short], 99)) if short else 0.0,
             "mean_ttft_long": float(np.mean([r.ttft for r in long])) if long else 0.0,
             "throughput": m.throughput, "steps": m.steps,

@@ -356,9 +356,9 @@ def trace_hits(model: Any, workload: Workload,
                      max(size for _, _, size in settings))
 
 
-PREEMPT_SETTINGS = (("radix", 1, 0), ("radix", 1, 100_000))
-"""(cache, page size, host tier tokens) of the preemption runs: the tree, without and with a
-host tier of 100,000 tokens."""
+PREEMPT_SETTINGS = (("radix", BLOCK_SIZE, 0), ("radix", BLOCK_SIZE, 100_000))
+"""(cache, page size, host tier tokens) of the preemption runs: the tree at vLLM's block size,
+without and with a host tier of 100,000 tokens."""
 
 
 def preemption_runs(backend: Any, workload: Workload,
@@ -367,9 +367,14 @@ def preemption_runs(backend: Any, workload: Workload,
                     **options: Any) -> dict[tuple[str, int, int], PageRun]:
     """``page_run`` of ``workload`` under each (cache, page size, host tier) of ``settings``
     (a pool small enough that requests are retracted, through ``options``), keys counted
-    by no tile. ``no_cache``: the run without a prefix cache at pages of one token, served
-    already with the same options; it comes first, as ``("none", 1, 0)``."""
-    runs = {} if no_cache is None else {("none", 1, 0): no_cache}
+    by no tile. ``no_cache``: the run without a prefix cache, served already with the same
+    options at a page size of ``settings``; it comes first, as ``("none", its page size, 0)``."""
+    runs = {}
+    if no_cache is not None:
+        if no_cache.page_size not in {size for _, size, _ in settings}:
+            raise ValueError(f"the run without a cache is at pages of {no_cache.page_size}, "
+                             f"none of the settings' page sizes: {settings}")
+        runs["none", no_cache.page_size, 0] = no_cache
     for cache, size, host in settings:
         runs[cache, size, host] = page_run(backend, workload, size, cache, tile_every=0,
                                            host_cache_tokens=host, **options)
@@ -380,12 +385,14 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun],
                      workload: Workload) -> pd.DataFrame:
     """Retractions, the computed tokens they threw away, tokens prefilled and, of those,
     recomputed (beyond the prompts of ``workload``, named in the index), and tokens loaded
-    back from the host tier, one row per (cache, page size, host tier) of ``runs``."""
+    back from the host tier, one row per (cache, page size, host tier) of ``runs``; a page
+    size that every run shares is named once, in the index."""
     names = {"none": "no prefix cache", "radix": "radix tree", "blocks": "block cache"}
     prompts = sum(map(len, workload.prompts))
+    sizes = {size for _, size, _ in runs}
     rows = {}
     for (cache, size, host), run in runs.items():
-        label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
+        label = names.get(cache, cache) + ("" if len(sizes) == 1 else f", pages of {size}")
         label += f", host tier of {host:,} tokens" if host else ""
         rows[label] = {"retractions": run.retractions,
                        "thrown away (tokens)": run.wasted_tokens,
@@ -393,5 +400,6 @@ def preemption_table(runs: Mapping[tuple[str, int, int], PageRun],
                        "recomputed (tokens)": run.prefill_tokens - prompts,
                        "loaded back (tokens)": run.loaded_tokens}
     frame = pd.DataFrame.from_dict(rows, orient="index")
-    frame.index.name = f"cache (prompts: {prompts:,} tokens)"
+    shared = f", pages of {next(iter(sizes))}" if len(sizes) == 1 else ""
+    frame.index.name = f"cache{shared} (prompts: {prompts:,} tokens)"
     return frame

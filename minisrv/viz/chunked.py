@@ -15,6 +15,7 @@ from minisrv.experiments.chunked import (
     CHUNK_SIZES,
     SGLANG_DEFAULT,
     VLLM_SMALL_GPU,
+    VLLM_V1_DEFAULT,
     SpikeRun,
     chunk_runs,
     chunk_table,
@@ -35,7 +36,7 @@ from minisrv.viz.style import (
 
 __all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
            "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_table", "share_title",
-           "step_table"]
+           "step_table", "tradeoff_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -81,27 +82,45 @@ def step_table(trace: Sequence[StepRecord], budget: int, rid_names: dict[int, st
     return one_header_row(pd.DataFrame(rows).set_index("step"))
 
 
+def _defaults_at(size: int, mode: str) -> str:
+    """Which engines' default budget ``size`` is, in ``mode``: SGLang's runs mixed steps only
+    with ``--enable-mixed-chunk``."""
+    if mode != "mixed":
+        return "SGLang's default" if size == SGLANG_DEFAULT else ""
+    names = [name for default, name in ((VLLM_V1_DEFAULT, "vLLM on H100"),
+                                        (VLLM_SMALL_GPU, "vLLM, smaller GPUs"),
+                                        (SGLANG_DEFAULT, "SGLang mixed")) if size == default]
+    return ", ".join(names)
+
+
 @styled
 def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
-                  title: str = "") -> BookFigure:
+                  prefill_first: pd.DataFrame | None = None, title: str = "") -> BookFigure:
     """Left: worst and p99 inter-token gap against the long prompts' mean TTFT, one point
-    per chunk size (no chunking marked apart). Right: throughput per chunk size."""
+    per chunk size (no chunking marked apart; ``prefill_first``'s rows, ``chunk_table`` of
+    prefill-first runs, as diamonds), each engine's default named. Right: throughput per
+    chunk size."""
     fig, (left, right) = page_figure(height_in=3.8, cols=2, width_ratios=[3, 2])
     chunked = sweep[sweep["chunk"].notna()]
     whole = sweep[sweep["chunk"].isna()]
-    for column, color, name in (("max_itl", COLORS[0], "worst gap"),
-                                ("p99_itl", COLORS[1], "p99 gap")):
-        left.plot(chunked["mean_ttft_long"], 1e3 * chunked[column], "o-", color=color,
-                  label=f"{name}, chunked")
-        left.plot(whole["mean_ttft_long"], 1e3 * whole[column], "s", color=color, mfc="white",
-                  label=f"{name}, no chunking")
-    for _, row in chunked.iterrows():
-        size = int(row["chunk"])
-        mark = {SGLANG_DEFAULT: " (SGLang, vLLM on H100)",
-                VLLM_SMALL_GPU: " (vLLM, smaller GPUs)"}.get(size, "")
-        left.annotate(f"{size}{mark}", (row["mean_ttft_long"], 1e3 * row["max_itl"]),
+    first = prefill_first if prefill_first is not None else sweep.iloc[:0]
+    for rows, kind, marker, face in ((chunked, "chunked", "o-", None),
+                                     (whole, "no chunking", "s", "white"),
+                                     (first, "prefill-first", "D", "white")):
+        for column, color, name in (("max_itl", COLORS[0], "worst gap"),
+                                    ("p99_itl", COLORS[1], "p99 gap")):
+            if len(rows):  # one legend column per kind of run, worst gap above p99
+                left.plot(rows["mean_ttft_long"], 1e3 * rows[column], marker, color=color,
+                          mfc=face, label=f"{name}, {kind}")
+    for _, row in pd.concat([chunked, first]).iterrows():
+        size, mode = int(row["chunk"]), row["mode"]
+        label = str(size) if mode == "mixed" else f"{size}, {mode}"
+        if names := _defaults_at(size, mode):
+            label += f" ({names})"
+        left.annotate(label, (row["mean_ttft_long"], 1e3 * row["max_itl"]),
                       textcoords="offset points", xytext=(4, 4), fontsize=9)
     left.set_yscale("log")
+    left.margins(y=0.15)  # room above the highest point for its label
     label_axes(left, title or "Inter-token gap against TTFT", "mean TTFT, long prompts (s)",
                "inter-token gap (ms)")
     data = throughput if throughput is not None else sweep
@@ -113,8 +132,21 @@ def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
     right.margins(y=0.25)  # room above the tallest bar for its label
     right.tick_params(axis="x", rotation=60)
     label_axes(right, "Throughput", "chunk size (tokens)", "output tokens / s")
-    legend_below(fig, ncol=2)
+    legend_below(fig, ncol=3 if len(first) else 2)
     return fig
+
+
+def tradeoff_table(*tables: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``chunk_table`` tables in whole milliseconds: worst and p99 gap, the long
+    prompts' mean TTFT; a row named by its chunk size ("none": no chunking) and its mode
+    where that is not mixed."""
+    rows = pd.concat(tables)
+    table = (rows[["max_itl", "p99_itl", "mean_ttft_long"]] * 1e3).round(0).astype(int)
+    table.columns = ["worst gap (ms)", "p99 gap (ms)", "mean TTFT long (ms)"]
+    table.index = [("none" if pd.isna(size) else str(int(size)))
+                   + ("" if mode == "mixed" else f", {mode}")
+                   for size, mode in zip(rows["chunk"], rows["mode"], strict=True)]
+    return table
 
 
 def _size_label(size: float) -> str:
@@ -256,10 +288,12 @@ def chunk_explorer(
                      {"max_itl": float(chunked["max_itl"]), "p99_itl": float(chunked["p99_itl"]),
                       "mean_ttft_long": float(chunked["mean_ttft_long"]),
                       "throughput": float(chunked["throughput"]),
-                      "max_itl_unchunked": float(whole["max_itl"])},
+                      "max_itl_unchunked": float(whole["max_itl"]),
+                      "mean_ttft_long_unchunked": float(whole["mean_ttft_long"])},
                      caption=f"Chunks of {chunk}: worst gap {1e3 * chunked['max_itl']:.0f} ms "
                              f"against {1e3 * whole['max_itl']:.0f} ms unchunked; long prompts' "
-                             f"first token after {chunked['mean_ttft_long']:.2f} s.")
+                             f"mean TTFT {1e3 * chunked['mean_ttft_long']:,.0f} ms against "
+                             f"{1e3 * whole['mean_ttft_long']:,.0f} ms unchunked.")
 
     # The page's range steps through the sizes in order (powers of two, as the widget's log2
     # slider does) and shows the size itself.
@@ -271,16 +305,24 @@ def chunk_explorer(
     return explorer(draw, controls, live=lambda: chunk_widget(n, rate))
 
 
-GAP_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap"}
+METRIC_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap",
+                "mean_ttft_long": "mean TTFT long"}
 
 
-def share_table(ex: Explorer, gaps: Sequence[tuple[str, int]] = (
-        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384)),
+def share_table(ex: Explorer, columns: Sequence[tuple[str, int | None]] = (
+        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384),
+        ("mean_ttft_long", 256), ("mean_ttft_long", None)),
         shares: Sequence[float] = EXPLORER_SHARES) -> pd.DataFrame:
     """What ``chunk_explorer``'s states give along the share of long prompts: one row per
-    share, one column per (gap, chunk size) of ``gaps``, in whole milliseconds."""
-    columns = {f"{GAP_NAMES[gap]} at {chunk:,} (ms)":
-               [round(1e3 * ex.metrics(chunk=chunk, share=share)[gap]) for share in shares]
-               for gap, chunk in gaps}
+    share, one column per (metric, chunk size) of ``columns`` (a size of ``None``: without
+    chunking, which every state of a share holds beside its own), in whole milliseconds."""
+    def value(metric: str, chunk: int | None, share: float) -> float:
+        if chunk is None:
+            return ex.metrics(chunk=ex.default["chunk"], share=share)[f"{metric}_unchunked"]
+        return ex.metrics(chunk=chunk, share=share)[metric]
+
+    table = {f"{METRIC_NAMES[metric]} {'unchunked' if chunk is None else f'at {chunk:,}'} (ms)":
+             [round(1e3 * value(metric, chunk, share)) for share in shares]
+             for metric, chunk in columns}
     index = pd.Index([f"{share:.0%}" for share in shares], name="long prompts")
-    return one_header_row(pd.DataFrame(columns, index=index))
+    return one_header_row(pd.DataFrame(table, index=index))

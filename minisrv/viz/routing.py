@@ -41,15 +41,16 @@ __all__ = [
 def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
     """One row per labelled run: hit rate (percent, one decimal), throughput, latency, load
     ratio, requests per worker. Units are the cluster's clock unit (seconds for simulated GPUs,
-    steps for CityLM)."""
+    steps for CityLM). Latency and load ratio are text with two decimals: as numbers, pandas
+    shows a column of 1.0 and 1.1 with one."""
     rows = []
     for label, r in results.items():
         rows.append({
             "run": label,
             "hit rate (%)": round(100 * r.hit_rate, 1),
             f"throughput (tok/{r.time_unit})": _tokens_per_unit(r.throughput),
-            f"mean latency ({r.time_unit})": round(r.mean_latency, 2),
-            "load ratio": round(r.load_ratio, 2),
+            f"mean latency ({r.time_unit})": f"{r.mean_latency:.2f}",
+            "load ratio": f"{r.load_ratio:.2f}",
             "requests per worker": " / ".join(str(n) for n in r.worker_requests),
         })
     return one_header_row(pd.DataFrame(rows).set_index("run"))
