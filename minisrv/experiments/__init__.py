@@ -84,6 +84,7 @@ _PUBLIC = {
     "break_even_length": "host_tier",
     "chat_tier_run": "host_tier",
     "chat_tier_table": "host_tier",
+    "copies_by_turn": "host_tier",
     "load_seconds": "host_tier",
     "long_chats": "host_tier",
     "prefill_seconds": "host_tier",

@@ -244,7 +244,7 @@ class KVManager:
         end = req.kv_len if end is None else end
         tokens = req.all_tokens[:end]  # a tuple: the tree's key type
         slots = self.table.slots(req, 0, end)
-        already = tree.insert(tokens, slots, tag=tag)
+        already = self._insert(req, tokens, slots)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
             return
@@ -265,10 +265,19 @@ class KVManager:
         """
         tokens = req.all_tokens[: req.kv_len]
         slots = self.table.slots(req)
-        already = self.tree.insert(tokens, slots, tag=_tag(req))
+        already = self._insert(req, tokens, slots)
         whole = req.kv_len - req.kv_len % self.page_size
         self.kv.free([*slots[req.cached_len:already], *slots[max(already, whole):]])
         self._unlock(req)
+
+    def _insert(self, req: Req, tokens: tuple[int, ...], slots: Sequence[int]) -> int:
+        """Insert ``req``'s ``tokens`` and remember how far it has inserted (the tree's whole
+        pages), so that its next insert counts a hit only on what lies past (SGLang's
+        ``cache_inserted_len``). Returns what was already cached, as ``insert`` does."""
+        already = self.tree.insert(tokens, slots, tag=_tag(req), inserted_len=req.inserted_len)
+        whole = len(tokens) - len(tokens) % self.page_size
+        req.inserted_len = max(req.inserted_len, whole)
+        return already
 
     def release(self, req: Req) -> int:
         """Free the slots ``req`` owns and unlock its cached prefix (retraction, abort);
@@ -298,7 +307,7 @@ class KVManager:
         self.table.give_back(req)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node, tag=_tag(req))
-        req.kv_len, req.cached_len, req.cache_node = 0, 0, None
+        req.kv_len, req.cached_len, req.cache_node, req.inserted_len = 0, 0, None, 0
 
     # ------------------------------------------------------------------ steps
     def launched(self, reqs: Sequence[Req]) -> None:
