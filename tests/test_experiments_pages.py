@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from minisrv.experiments import page_pool as pp
+from minisrv.experiments import page_preemption as pre
 from minisrv.experiments import pages as pg
 from minisrv.sim import SimBackend
 from minisrv.workloads import Workload, gpu_scale_workload
@@ -118,14 +119,14 @@ def test_hit_table_has_a_row_per_run_and_preemption_table_counts_recomputed_toke
     assert list(table["hit rate"]) == [f"{runs['radix'].hit_rate:.1%}",
                                        f"{runs['blocks'].hit_rate:.1%}"]
     none = pg.page_run(SimBackend(), work, 1, kv_capacity=64, max_running=1)
-    preempt = pg.preemption_runs(SimBackend(), work, (("radix", 1, 0),), no_cache=none,
+    preempt = pre.preemption_runs(SimBackend(), work, (("radix", 1, 0),), no_cache=none,
                                  kv_capacity=64, max_running=1)
     assert list(preempt) == [("none", 1, 0), ("radix", 1, 0)] and preempt["none", 1, 0] is none
-    frame = pg.preemption_table(preempt, work)
+    frame = pre.preemption_table(preempt, work)
     assert frame.index.name == "cache, pages of 1 (prompts: 112 tokens)"
     assert list(frame.index) == ["no prefix cache", "radix tree"]
     with pytest.raises(ValueError, match="pages of 1"):  # a baseline at another page size
-        pg.preemption_runs(SimBackend(), work, (("radix", 16, 0),), no_cache=none,
+        pre.preemption_runs(SimBackend(), work, (("radix", 16, 0),), no_cache=none,
                            kv_capacity=64, max_running=1)
     assert frame["recomputed (tokens)"].tolist() == [none.prefill_tokens - 112,
                                                      preempt["radix", 1, 0].prefill_tokens - 112]
