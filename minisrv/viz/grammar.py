@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import graphviz
@@ -66,15 +67,18 @@ def _column_labels(token_text: Sequence[str]) -> list[tuple[float, str]]:
     its middle (``A–Z``), every other token its own glyph. Letter by letter, 61 one-character
     labels on two staggered rows were hard to pair with their columns; the chosen letter is
     the row's label anyway."""
-    glyphs, labels, i = _glyphs(token_text), [], 0
-    while i < len(glyphs):
-        j = i
-        while (j + 1 < len(glyphs) and glyphs[i].isalpha() and len(glyphs[i]) == 1
-               and glyphs[j + 1].isalpha() and len(glyphs[j + 1]) == 1
-               and glyphs[j + 1].isupper() == glyphs[i].isupper()):
-            j += 1
-        labels.append(((i + j) / 2, glyphs[i] if j == i else f"{glyphs[i]}–{glyphs[j]}"))
-        i = j + 1
+    glyphs = _glyphs(token_text)
+
+    def run_of(i: int) -> str | int:  # a letter's case, or the column itself
+        g = glyphs[i]
+        return ("upper" if g.isupper() else "lower") if len(g) == 1 and g.isalpha() else i
+
+    labels = []
+    for _, group in groupby(range(len(glyphs)), key=run_of):
+        run = list(group)
+        first, last = run[0], run[-1]
+        labels.append(((first + last) / 2,
+                       glyphs[first] if len(run) == 1 else f"{glyphs[first]}–{glyphs[last]}"))
     return labels
 
 
