@@ -162,12 +162,13 @@ class BlockCache(PrefixCache):
         return self._collided.get((parent, tokens))
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
+               tag: str = "", inserted_len: int = 0) -> int:
         """Cache the full blocks of ``tokens``; the tail after the last one is not kept.
 
         Args:
             tokens: the token run, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
+            inserted_len: unused: this cache counts no hits (``PrefixCache.insert``).
 
         Returns:
             How many leading tokens were cached already (whole blocks). The cache keeps the

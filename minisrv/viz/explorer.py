@@ -212,14 +212,17 @@ class Explorer:
     """Precomputed states of an experiment behind HTML controls, plus the kernel widget.
 
     Build one with ``explorer(...)``. ``states`` maps each tuple of control values (in the
-    controls' order) to its ``Frame``'s metrics; ``metrics(**values)`` reads one.
+    controls' order) to its ``Frame``'s metrics; ``metrics(**values)`` reads one. ``runs``:
+    the runs its states were drawn from, where the code after it reads them too.
     """
 
     def __init__(self, controls: Sequence[Control], frames: Mapping[tuple, Frame],
-                 live: Callable[[], Any] | None = None, title: str = "") -> None:
+                 live: Callable[[], Any] | None = None, title: str = "",
+                 runs: Any = None) -> None:
         self.controls = list(controls)
         self.live = live
         self.title = title
+        self.runs = runs
         self.states = {key: dict(frame.metrics) for key, frame in frames.items()}
         self.html = self._render(frames)
 
@@ -308,14 +311,16 @@ def _widget_bundle(widget: Any) -> dict[str, Any]:
 
 
 def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequence[Any], Any]],
-             live: Callable[[], Any] | None = None, title: str = "") -> Explorer:
+             live: Callable[[], Any] | None = None, title: str = "",
+             runs: Any = None) -> Explorer:
     """Run ``draw(**values)`` for every combination of the controls' values and return the
     ``Explorer`` that switches between them.
 
     ``controls``: ``(name, label, values, default)`` per control, in the order they appear;
     ``draw`` returns a ``Frame`` (the experiment's figure or table and its numbers) and is
     the same code the chapter's static figure and kernel widget run. ``live`` builds the
-    kernel widget (called only where a kernel can show it).
+    kernel widget (called only where a kernel can show it). ``runs``: what ``draw`` reads,
+    kept on the explorer (``Explorer.runs``) for the cells after it.
     """
     made = [Control(name, label, list(values), default)
             for name, label, values, default in controls]
@@ -336,4 +341,4 @@ def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequ
             if not isinstance(frame, Frame):
                 raise TypeError(f"draw must return a Frame, got {type(frame).__name__}")
             frames[key] = frame
-        return Explorer(made, frames, live=live, title=title)
+        return Explorer(made, frames, live=live, title=title, runs=runs)
