@@ -47,7 +47,9 @@ def test_each_state_is_the_sweep_s_run_at_its_values(sweep, other, explorer) -> 
             row = table.loc[size]
             assert (state["max_itl"], state["p99_itl"], state["mean_ttft_long"]) == (
                 row["max_itl"], row["p99_itl"], row["mean_ttft_long"])
-            assert state["max_itl_unchunked"] == table[table.index.isna()]["max_itl"].iloc[0]
+            whole = table[table.index.isna()].iloc[0]
+            assert (state["max_itl_unchunked"], state["p99_itl_unchunked"]) == (
+                whole["max_itl"], whole["p99_itl"])
 
 
 def test_the_explorer_starts_at_the_chapter_s_mix_and_the_widget_s_size() -> None:
@@ -122,9 +124,29 @@ def test_the_tradeoff_names_each_engine_s_default_in_its_mode(sweep) -> None:
     table = vc.tradeoff_table(mixed, first)
     assert list(table.index)[0] == "none"
     assert list(table.index)[-1] == f"{SGLANG_DEFAULT}, prefill-first"
-    labels = [t.get_text() for t in vc.plot_tradeoff(mixed, None, first).axes[0].texts]
-    assert f"{SGLANG_DEFAULT}, prefill-first (SGLang's default)" in labels
+    legend = vc.plot_tradeoff(mixed, None, first).legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert f"{SGLANG_DEFAULT:,}, prefill-first (SGLang's default)" in labels
     assert not any("SGLang's default" in t for t in labels if "prefill-first" not in t)
+    assert "2,048: vLLM, smaller GPUs" in labels
+
+
+def test_every_panel_of_the_tradeoff_reads_against_the_same_chunk_sizes(sweep) -> None:
+    """The reader finds each point by its chunk size on every panel, "none" first: drawn
+    against the TTFT, the p99 line ran back over the worst gap's and its points were not
+    named."""
+    table = chunk_table(sweep)
+    fig = vc.plot_tradeoff(table, table)
+    expected = ["none", "256", "512", "1K", "2K", "4K", "8K", "16K"]
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == expected
+    gaps, ttft, _ = fig.axes
+    for ax, column in ((gaps, "max_itl"), (gaps, "p99_itl"), (ttft, "mean_ttft_long")):
+        line = next(line for line in ax.get_lines()
+                    if list(line.get_ydata()) == list(1e3 * table[column][1:]))
+        assert list(line.get_xdata()) == list(range(1, len(CHUNK_SIZES) + 1))
+    with pytest.raises(ValueError, match="not among the sweep"):
+        vc.plot_tradeoff(table[table["chunk"] != 8192], None, table[table["chunk"] == 8192])
 
 
 def test_the_step_table_has_one_header_row() -> None:

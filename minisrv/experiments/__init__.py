@@ -55,7 +55,6 @@ _PUBLIC = {
     "sweep_table": "scheduler",
     "throughput_at_latency": "scheduler",
     "CHUNK_SIZES": "chunked",
-    "LLAMA3_8B_LONG": "chunked",
     "SGLANG_DEFAULT": "chunked",
     "VLLM_SMALL_GPU": "chunked",
     "VLLM_V1_DEFAULT": "chunked",

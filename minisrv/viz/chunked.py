@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from minisrv.engine import RunResult
 from minisrv.experiments.chunked import (
@@ -95,44 +96,69 @@ def _defaults_at(size: int, mode: str) -> str:
 
 @styled
 def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
-                  prefill_first: pd.DataFrame | None = None, title: str = "") -> BookFigure:
-    """Left: worst and p99 inter-token gap against the long prompts' mean TTFT, one point
-    per chunk size (no chunking marked apart; ``prefill_first``'s rows, ``chunk_table`` of
-    prefill-first runs, as diamonds), each engine's default named. Right: throughput per
-    chunk size."""
-    fig, (left, right) = page_figure(height_in=3.8, cols=2, width_ratios=[3, 2])
+                  prefill_first: pd.DataFrame | None = None) -> BookFigure:
+    """The chunk size's trade-off, three panels against the same chunk sizes (``sweep``'s,
+    "none" first: no chunking, whose level is also dashed across): the worst and the p99
+    inter-token gap, the long prompts' mean TTFT, the throughput (``throughput``'s rows if
+    given, else ``sweep``'s). ``prefill_first``'s rows (``chunk_table`` of prefill-first
+    runs) are hollow diamonds at their size; a grey line marks each size that is an
+    engine's default, named in the legend.
+
+    Every point sits over its chunk size: drawn against the TTFT instead, the p99 line
+    doubled back over the worst gap's and only one line's points could be labelled."""
+    fig, axes = page_figure(height_in=3.6, cols=3)
     chunked = sweep[sweep["chunk"].notna()]
-    whole = sweep[sweep["chunk"].isna()]
+    whole = sweep[sweep["chunk"].isna()].iloc[0]
+    sizes = [int(c) for c in chunked["chunk"]]
+    at: dict[int | None, int] = {None: 0} | {size: i + 1 for i, size in enumerate(sizes)}
     first = prefill_first if prefill_first is not None else sweep.iloc[:0]
-    for rows, kind, marker, face in ((chunked, "chunked", "o-", None),
-                                     (whole, "no chunking", "s", "white"),
-                                     (first, "prefill-first", "D", "white")):
-        for column, color, name in (("max_itl", COLORS[0], "worst gap"),
-                                    ("p99_itl", COLORS[1], "p99 gap")):
-            if len(rows):  # one legend column per kind of run, worst gap above p99
-                left.plot(rows["mean_ttft_long"], 1e3 * rows[column], marker, color=color,
-                          mfc=face, label=f"{name}, {kind}")
-    for _, row in pd.concat([chunked, first]).iterrows():
-        size, mode = int(row["chunk"]), row["mode"]
-        label = str(size) if mode == "mixed" else f"{size}, {mode}"
-        if names := _defaults_at(size, mode):
-            label += f" ({names})"
-        left.annotate(label, (row["mean_ttft_long"], 1e3 * row["max_itl"]),
-                      textcoords="offset points", xytext=(4, 4), fontsize=9)
-    left.set_yscale("log")
-    left.margins(y=0.15)  # room above the highest point for its label
-    label_axes(left, title or "Inter-token gap against TTFT", "mean TTFT, long prompts (s)",
-               "inter-token gap (ms)")
+
+    def where(chunks: pd.Series) -> list[int]:
+        missing = [c for c in chunks if not pd.isna(c) and int(c) not in at]
+        if missing:
+            raise ValueError(f"chunk sizes {missing} are not among the sweep's {sizes}")
+        return [at[None if pd.isna(c) else int(c)] for c in chunks]
+
+    gaps, ttft, rate = axes
+    handles = []
+    for ax, column, color, name in ((gaps, "max_itl", COLORS[0], "worst gap"),
+                                    (gaps, "p99_itl", COLORS[1], "p99 gap"),
+                                    (ttft, "mean_ttft_long", COLORS[3], "mean TTFT, long prompts")):
+        handles += ax.plot(where(chunked["chunk"]), 1e3 * chunked[column], "o-", color=color,
+                           label=name)
+        ax.axhline(1e3 * whole[column], color=color, ls="--", lw=1)
+        ax.plot([0], [1e3 * whole[column]], "s", color=color, mfc="white")
+        ax.plot(where(first["chunk"]), 1e3 * first[column], "D", ms=9, color=color, mfc="none")
     data = throughput if throughput is not None else sweep
-    labels = ["none" if pd.isna(c) else f"{int(c) // 1024}K" if c >= 1024 else str(int(c))
-              for c in data["chunk"]]
-    bars = right.bar(labels, data["throughput"], color=COLORS[2])
-    right.bar_label(bars, [f"{v:,.0f}" for v in data["throughput"]], rotation=90,
-                    padding=2, fontsize=8)
-    right.margins(y=0.25)  # room above the tallest bar for its label
-    right.tick_params(axis="x", rotation=60)
-    label_axes(right, "Throughput", "chunk size (tokens)", "output tokens / s")
-    legend_below(fig, ncol=3 if len(first) else 2)
+    bars = rate.bar(where(data["chunk"]), data["throughput"], color=COLORS[2])
+    for text in rate.bar_label(bars, [f"{v:,.0f}" for v in data["throughput"]], rotation=90,
+                               padding=2, fontsize=8):
+        text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})  # over a line
+    handles.append(Line2D([], [], color="#555555", marker="s", mfc="white", ls="--", lw=1,
+                          label="no chunking"))
+    for size, mode in zip(first["chunk"], first["mode"], strict=True):
+        names = _defaults_at(int(size), mode)
+        handles.append(Line2D([], [], color="#555555", marker="D", mfc="none", ls="none",
+                              label=f"{int(size):,}, {mode}" + (f" ({names})" if names else "")))
+    defaults = [(size, names) for size in sizes if (names := _defaults_at(size, "mixed"))]
+    for (size, names), style in zip(defaults, ((0, (1, 1.5)), (0, (6, 2, 1, 2)), "-."),
+                                    strict=False):
+        for ax in axes:
+            ax.axvline(at[size], color="#7f7f7f", ls=style, lw=1.5, zorder=0)
+        handles.append(Line2D([], [], color="#7f7f7f", ls=style, lw=1.5,
+                              label=f"{size:,}: {names}"))
+    gaps.set_yscale("log")
+    plain_log_ticks(gaps)
+    gaps.margins(y=0.1)
+    rate.margins(y=0.3)  # room above the tallest bar for its label
+    labels = ["none", *(_size_label(c) for c in sizes)]
+    for ax, title, ylabel in ((gaps, "Inter-token gap", "gap (ms)"),
+                              (ttft, "Long prompts' TTFT", "mean TTFT (ms)"),
+                              (rate, "Throughput", "output tokens / s")):
+        ax.set_xticks(range(len(labels)), labels, rotation=60)
+        ax.minorticks_off()
+        label_axes(ax, title, "chunk size (tokens)", ylabel)
+    legend_below(fig, handles, ncol=2)
     return fig
 
 
@@ -289,6 +315,7 @@ def chunk_explorer(
                       "mean_ttft_long": float(chunked["mean_ttft_long"]),
                       "throughput": float(chunked["throughput"]),
                       "max_itl_unchunked": float(whole["max_itl"]),
+                      "p99_itl_unchunked": float(whole["p99_itl"]),
                       "mean_ttft_long_unchunked": float(whole["mean_ttft_long"])},
                      caption=f"Chunks of {chunk}: worst gap {1e3 * chunked['max_itl']:.0f} ms "
                              f"against {1e3 * whole['max_itl']:.0f} ms unchunked; long prompts' "
@@ -310,7 +337,7 @@ METRIC_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap",
 
 
 def share_table(ex: Explorer, columns: Sequence[tuple[str, int | None]] = (
-        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384),
+        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384), ("p99_itl", None),
         ("mean_ttft_long", 256), ("mean_ttft_long", None)),
         shares: Sequence[float] = EXPLORER_SHARES) -> pd.DataFrame:
     """What ``chunk_explorer``'s states give along the share of long prompts: one row per
