@@ -43,7 +43,8 @@ NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-we
 @styled
 def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> BookFigure:
     """Hit rate against cache capacity per policy (``forest_sweep``), the optimum as a
-    horizontal line and the longest request as a vertical one; log capacity axis."""
+    horizontal line and ``longest``, the smallest pool that runs every request (its longest
+    prompt and one output token), as a vertical one; log capacity axis."""
     fig, ax = page_figure(height_in=4.4)
     markers = {"fcfs": "s", "random": "^", "lpm": "o", "dfs-weight": "x"}
     for policy in table.columns:
@@ -55,7 +56,7 @@ def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> Boo
                 ms=8 if policy == "dfs-weight" else 6, color=COLORS.get(policy),
                 label=NAMES.get(policy, policy), lw=1.5)
     ax.axvline(longest, color="tab:red", ls=":", lw=1.5,
-               label=f"longest request ({longest} tokens)")
+               label=f"longest prompt + output token ({longest})")
     ax.set_xscale("log")
     ax.set_ylim(0, 100)
     label_axes(ax, title or "Serving order and cache size: hit rate of a prefix forest",
@@ -86,11 +87,20 @@ def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
 @styled
 def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
     """CPU time of one scheduling round against the number of waiting requests
-    (``scheduling_cost``), log-log, with SGLang's matching limit marked."""
+    (``scheduling_cost``), log-log, with SGLang's matching limit marked. Past the limit LPM
+    takes FCFS's time: its line goes on dashed, with hollow markers around FCFS's, and FCFS
+    is drawn on top, so that neither hides the other."""
     fig, ax = page_figure(height_in=4.0)
     for policy in table.columns:
-        ax.plot(table.index, table[policy], marker="o", color=COLORS.get(policy),
-                label=NAMES.get(policy, policy))
+        style = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy),
+                 "zorder": 3 if policy == "fcfs" else 2}
+        times = table[policy]
+        capped = int((table.index <= WAITING_QUEUE_PREFIX_MATCH_MAX).sum())
+        if policy == "lpm" and 0 < capped < len(times):
+            ax.plot(times.index[capped - 1:], times.iloc[capped - 1:], ls="--", ms=10,
+                    mfc="none", mew=1.5, markevery=slice(1, None), **{**style, "label": None})
+            times = times.iloc[:capped]
+        ax.plot(times.index, times, **style)
     ax.axvline(WAITING_QUEUE_PREFIX_MATCH_MAX, color="tab:red", ls=":",
                label=f"{WAITING_QUEUE_PREFIX_MATCH_MAX} waiting: LPM stops matching")
     ax.set_xscale("log")
