@@ -194,20 +194,23 @@ def test_the_page_explorer_shows_each_caches_batch_and_empty_slots() -> None:
         assert state[f"empty slots (tree), pages of {s}"] == mine["radix", s].waste
 
 
-def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
+def test_the_page_explorer_draws_every_pool_on_one_scale_per_panel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool that evicts nothing must not get an axis of its own around zero: every state's
-    evicted panel runs from 0 to just above the most any state evicted, so moving the pool
-    moves the bars, not the scale."""
+    evicted panel runs from 0 to just above the most any state evicted, and its batch and
+    empty-slot panels likewise share one scale, so moving the pool moves the bars, not the
+    scale."""
     pytest.importorskip("matplotlib")
     import minisrv.viz.pages as vp
 
     tops: list[tuple[float, float]] = []
+    scales: list[list[tuple[float, float]]] = []  # the batch and empty-slot axes
     draw = vp.plot_page_state
 
     def spy(*args: object, **kwargs: object) -> object:
         fig = draw(*args, **kwargs)
         tops.append(fig.axes[0].get_ylim())
+        scales.append([fig.axes[2].get_ylim(), fig.axes[3].get_ylim()])
         return fig
 
     monkeypatch.setattr(vp, "plot_page_state", spy)
@@ -219,6 +222,10 @@ def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
                for c in ("tree", "blocks") for s in (1, 16))
     assert most > 0 and len(tops) == 2 and tops[0] == tops[1]
     assert tops[0][0] == 0 and most < tops[0][1] < 1.2 * most
+    assert scales[0] == scales[1]
+    batches = [explorer.metrics(pool=pool)[f"mean batch ({c}), pages of {s}"]
+               for pool in (160, 4096) for c in ("tree", "blocks") for s in (1, 16)]
+    assert max(batches) < scales[0][0][1] < 1.2 * max(batches)
 
 
 def test_empty_slots_by_pool_has_a_row_per_page_size_and_a_column_per_pool() -> None:

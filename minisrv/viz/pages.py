@@ -84,14 +84,15 @@ def _evicted(run: PageRun) -> int:
 @styled
 def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int],
                     chosen: int | None = None, title: str = "",
-                    evicted_top: float | None = None,
-                    empty_top: float | None = None) -> BookFigure:
+                    evicted_top: float | None = None, empty_top: float | None = None,
+                    batch_top: float | None = None) -> BookFigure:
     """Four panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
     cached tokens each cache evicted for room, the hit rate, the mean batch and the share of
     slots left empty, of the tree and of the block cache; ``chosen`` shaded. ``evicted_top``:
     the top of the evicted panel's axis, so that the states of an explorer share one scale
-    (a run that evicted nothing would otherwise get an axis around zero); ``empty_top``
-    likewise for the empty slots (%)."""
+    (a run that evicted nothing would otherwise get an axis around zero); ``empty_top`` and
+    ``batch_top`` likewise for the empty slots (%) and the mean batch, so a smaller batch
+    shows as lower bars, not as a rescaled axis."""
     fig, axes = page_figure(2.9, 1, 4)
     x = list(range(len(sizes)))
     width = 0.38
@@ -113,6 +114,8 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
         axes[0].set_ylim(0, evicted_top)
     if empty_top is not None:
         axes[3].set_ylim(0, empty_top)
+    if batch_top is not None:
+        axes[2].set_ylim(0, batch_top)
     label_axes(axes[0], "Evicted", "page size", "cached tokens")
     label_axes(axes[1], "Hit rate", "page size", "% of prompt tokens")
     label_axes(axes[2], "Batch", "page size", "requests per step")
@@ -146,7 +149,7 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     """Every workload of ``workloads`` served by the radix tree and the block cache at every
     page size of ``sizes`` in a pool of each of ``pools`` tokens (``served_runs`` with
     ``options``); a state, (workload, pool), draws that workload's runs at every page size
-    (``plot_page_state``, every state on one evicted axis), so moving the pool shows what
+    (``plot_page_state``, every state on one scale per panel), so moving the pool shows what
     eviction takes at each page size.
     ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it);
     the explorer keeps them as its ``runs``.
@@ -159,11 +162,11 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                  **{**options, "kv_capacity": pool})
     names = list(workloads)
     first = start or (names[0], pools[0])
-    most = max(_evicted(runs[pool][name, cache, s])  # one evicted axis for every state
-               for pool in pools for name in names for cache, s in settings)
-    evicted_top = 1.08 * max(most, 1)
-    empty_top = 108 * max(max(runs[pool][name, cache, s].waste for pool in pools
-                              for name in names for cache, s in settings), 0.01)
+    every_run = [runs[pool][name, cache, s] for pool in pools for name in names
+                 for cache, s in settings]
+    evicted_top = 1.08 * max(max(map(_evicted, every_run)), 1)  # one scale for every state
+    empty_top = 108 * max(max(run.waste for run in every_run), 0.01)
+    batch_top = 1.08 * max(max(run.mean_batch for run in every_run), 1)
 
     def draw(pool: int, workload: str = first[0]) -> Frame:
         mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
@@ -177,7 +180,7 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
         empty = {cache: ", ".join(f"{numbers[f'empty slots ({cache}), pages of {s}']:.1%}"
                                   for s in sizes) for cache in ("tree", "blocks")}
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens",
-                                      evicted_top, empty_top)],
+                                      evicted_top, empty_top, batch_top)],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
                              f"{', '.join(map(str, sizes))}: the tree evicts {evicted['tree']} "
