@@ -92,6 +92,7 @@ _PUBLIC = {
     "sim_tier_runs": "host_tier",
     "sim_tier_table": "host_tier",
     "tier_walk": "host_tier",
+    "ttft_by_turn": "host_tier",
     "cache_comparison": "radix",
     "capacity_sweep": "radix",
     "chat_capacity_report": "radix",

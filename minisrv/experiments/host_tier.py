@@ -51,6 +51,7 @@ __all__ = [
     "sim_tier_runs",
     "sim_tier_table",
     "tier_walk",
+    "ttft_by_turn",
 ]
 
 
@@ -69,6 +70,7 @@ class TierRun(NamedTuple):
     # tokens copied to the host while the tree served each request (its inserts; under
     # write_back the evictions made for it), in workload order
     copied: tuple[int, ...] = ()
+    ttft: tuple[float, ...] = ()  # each request's time to first token, in workload order
 
 
 class _Copies:
@@ -96,7 +98,8 @@ def _run(engine: Engine, workload: Workload) -> tuple[TierRun, list[Any]]:
     run = TierRun(stats.hit_rate, stats.prefill_tokens, stats.host_hit_tokens,
                   stats.loaded_tokens, backed, -1, len(result.requests), metrics.mean_ttft,
                   metrics.throughput,
-                  tuple(copies.by_tag[f"r{req.rid}"] for req in result.requests))
+                  tuple(copies.by_tag[f"r{req.rid}"] for req in result.requests),
+                  tuple(req.ttft for req in result.requests))
     return run, result.requests
 
 
@@ -164,13 +167,25 @@ def long_chats(sessions: int = 64, turns: int = 8, low: int = 512, high: int = 2
                     f"{sessions} chats x {turns} turns of {low}-{high} new tokens")
 
 
+class _SerialBackupSim(SimBackend):
+    """A simulated GPU whose backups to the host hold up the next step as its load-backs do:
+    the bound on what the copies ``SimBackend`` runs behind the steps could cost, for a link
+    (or an eviction that waits on its copy) that does not overlap them."""
+
+    def charge_host_copies(self, loaded: int, backed_up: int) -> None:
+        """Both directions before the next step, one after the other."""
+        super().charge_host_copies(loaded + backed_up, 0)
+
+
 def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_through",
                  device_tokens: int = 200_000, cfg: ModelConfig = LONG_CONTEXT_8B,
-                 gpu: GPUSpec = H100, max_running: int = 64) -> TierRun:
+                 gpu: GPUSpec = H100, max_running: int = 64,
+                 serial_backups: bool = False) -> TierRun:
     """``workload`` on the simulated ``gpu`` serving ``cfg``: a device pool of
     ``device_tokens`` and a host tier of ``host_tokens``, load-backs charged at the host
-    link's bandwidth."""
-    engine = Engine(SimBackend(cfg, gpu), kv_capacity=device_tokens, max_running=max_running,
+    link's bandwidth (and backups too, before the next step, with ``serial_backups``)."""
+    backend = (_SerialBackupSim if serial_backups else SimBackend)(cfg, gpu)
+    engine = Engine(backend, kv_capacity=device_tokens, max_running=max_running,
                     cache="radix", host_cache_tokens=host_tokens, host_cache_policy=policy,
                     chunked_prefill_size=8192, record_trace=False)
     return _run(engine, workload)[0]
@@ -210,6 +225,18 @@ def copies_by_turn(run: TierRun, sessions: int = 64) -> pd.DataFrame:
         rows[turn + 1] = {"requests that copied": sum(1 for n in part if n),
                           "tokens copied": sum(part)}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("turn").T
+
+
+def ttft_by_turn(runs: Mapping[str, TierRun], sessions: int = 64) -> pd.DataFrame:
+    """Mean time to first token per turn of ``long_chats`` (request ``i`` is turn
+    ``i // sessions + 1``), one row per named run: on a saturated server the mean over a whole
+    run depends on where the run stops, the per-turn means show how fast the queue grows."""
+    rows = {}
+    for name, run in runs.items():
+        turns = len(run.ttft) // sessions
+        rows[name] = {turn + 1: sum(run.ttft[turn * sessions:(turn + 1) * sessions]) / sessions
+                      for turn in range(turns)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(columns="turn")
 
 
 def load_seconds(n: int, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100,
