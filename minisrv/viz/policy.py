@@ -34,10 +34,13 @@ __all__ = [
     "policy_explorer",
 ]
 
-COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
-          "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
-NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight",
-         "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
+COLORS = {"fcfs": "tab:gray", "fcfs-lock": "tab:brown", "random": "tab:orange",
+          "lpm": "tab:blue", "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
+NAMES = {"fcfs": "FCFS", "fcfs-lock": "FCFS, SGLang's admission order (lock-round-first)",
+         "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight", "lof": "LOF",
+         "optimal": "optimum 1 - distinct/total"}
+"""Colours and legend names by policy; ``fcfs-lock`` is FCFS under
+``admission_order="lock-round-first"``, a column a chapter adds to ``capacity_table``'s."""
 
 
 @styled
@@ -72,6 +75,8 @@ def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
     policies = table["hit rate"].columns
     for policy in policies:
         kw = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy)}
+        if policy == "fcfs-lock":  # dashed and hollow: where both FCFS orders agree, FCFS shows
+            kw |= {"ls": "--", "mfc": "none", "ms": 9, "zorder": 1}
         left.plot(table.index, 100 * table["hit rate"][policy], **kw)
         right.plot(table.index, table["prefill tokens"][policy], **kw)
     label_axes(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
