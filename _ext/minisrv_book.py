@@ -6,9 +6,10 @@ Loaded by ``_config.yml`` (``sphinx: local_extensions: {minisrv_book: _ext}``).
    per chapter: each document starts again at 1. Sphinx numbers them across the whole book
    when the table of contents is not numbered, so chapter 01 began at "Exercise 3".
 2. The bibliography labels its entries by author and year, and the text cites by that label
-   (``bibtex_reference_style: label``): "[Zheng et al., 2024]" in the text links to the entry
-   labelled "Zheng et al., 2024", sorted by author and year, instead of one labelled "[3]";
-   two works of one first author and year read "2024a" and "2024b" in both places.
+   (``bibtex_reference_style: authoryear``): "[Zheng et al., 2024]" in the text links to the
+   entry labelled "Zheng et al., 2024", sorted by author and year, instead of one labelled
+   "[3]"; two works of one first author and year read "2024a" and "2024b" in both places.
+   Several works in one citation are separated by semicolons, since every label holds a comma.
 3. Each entry of the bibliography page ends with the pages that cite it, each a link to its
    first citation there: sphinxcontrib-bibtex draws back-references only within one page,
    and the book cites from its chapters into one references page.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import codecs
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import latexcodec  # noqa: F401  (registers the "ulatex" codec used to read names)
@@ -26,9 +28,13 @@ from pybtex.plugin import register_plugin
 from pybtex.style.formatting.plain import Style as PlainStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.sorting.author_year_title import SortingStyle as AuthorYearTitleSorting
+from sphinxcontrib.bibtex.plugin import register_plugin as register_bibtex_plugin
+from sphinxcontrib.bibtex.style.referencing import BracketStyle
+from sphinxcontrib.bibtex.style.referencing.label import LabelReferenceStyle
 
 STYLE_NAME = "authoryear"
-"""Name of the pybtex formatting (and label) style: ``bibtex_default_style`` in _config.yml."""
+"""Name of the pybtex formatting (and label) style, ``bibtex_default_style`` in _config.yml,
+and of the citation style in the text, ``bibtex_reference_style``."""
 
 
 def _plain(name: str) -> str:
@@ -117,6 +123,25 @@ class AuthorYearStyle(PlainStyle):
 register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
 register_plugin("pybtex.style.sorting", STYLE_NAME, AuthorYearSorting)
 register_plugin("pybtex.style.formatting", STYLE_NAME, AuthorYearStyle)
+
+
+def _semicolon_brackets() -> BracketStyle:
+    return BracketStyle(sep="; ")
+
+
+@dataclass
+class AuthorYearReferenceStyle(LabelReferenceStyle):
+    """Cites by the bibliography's label, several works apart by semicolons: "[DeepSeek-AI,
+    2024b; Lepikhin et al., 2021]". sphinxcontrib-bibtex's ``label`` style joins them with
+    commas, and every author-year label holds one, so the reader could not tell where one
+    work ends."""
+
+    bracket_parenthetical: BracketStyle = field(default_factory=_semicolon_brackets)
+    bracket_textual: BracketStyle = field(default_factory=_semicolon_brackets)
+
+
+register_bibtex_plugin("sphinxcontrib.bibtex.style.referencing", STYLE_NAME,
+                       AuthorYearReferenceStyle)
 
 
 def number_per_document(app: Any, env: Any) -> list[str]:

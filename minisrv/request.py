@@ -72,6 +72,10 @@ class Req:
     retractions: int = 0  # times it was pushed back to the queue to free memory
     cached_len: int = 0  # leading tokens whose KV slots belong to the prefix cache (locked)
     cache_node: TreeNode | None = None  # the cache node locking that prefix while it runs
+    # leading tokens this request has already inserted into the prefix cache (SGLang's
+    # ``cache_inserted_len``): its later inserts count a hit only on the nodes past them, so
+    # a request counts each node once (``HiRadixCache``'s write policies read the count)
+    inserted_len: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
     draft_tokens: int = 0  # speculative decoding: guesses checked for it
     accepted_tokens: int = 0  # of those, kept (acceptance rate: accepted / drafted)

@@ -283,9 +283,23 @@ def test_config_numbers_per_chapter_and_labels_references_by_author_and_year() -
     ext = _book_extension()
     # The text cites by the bibliography's label ("Zheng et al., 2024"), so two works of one
     # first author and year read "2024a" / "2024b" in the text as in the list (issue 24).
-    assert config["sphinx"]["config"]["bibtex_reference_style"] == "label"
+    assert config["sphinx"]["config"]["bibtex_reference_style"] == ext.STYLE_NAME
     assert config["sphinx"]["config"]["bibtex_default_style"] == ext.STYLE_NAME
     assert ":style:" not in (ROOT / "references.md").read_text(), "one style, set in _config"
+
+
+def test_several_works_in_one_citation_are_apart_by_semicolons() -> None:
+    """Every label holds a comma ("Lepikhin et al., 2021"), so commas between two works read
+    as one work's parts: "[DeepSeek-AI, 2024b; Lepikhin et al., 2021]" (round 50)."""
+    from pybtex.richtext import Text
+    from sphinxcontrib.bibtex.plugin import find_plugin
+
+    ext = _book_extension()
+    style = find_plugin("sphinxcontrib.bibtex.style.referencing", ext.STYLE_NAME)()
+    labels = [Text("DeepSeek-AI, 2024b"), Text("Lepikhin et al., 2021")]
+    for role in ("p", "t"):
+        cited = style.outer(role, labels).format().render_as("text")
+        assert "DeepSeek-AI, 2024b; Lepikhin et al., 2021" in cited, (role, cited)
 
 
 def test_numbering_restarts_in_every_document() -> None:

@@ -234,6 +234,7 @@ def test_the_explorer_caption_states_the_hit_rates_as_a_finding() -> None:
 
     assert _hit_finding("LPM", 0.5, 0.5) == ("LPM and FCFS hit the same share of prompt tokens, "
                                               "50.0%.")
-    assert _hit_finding("LPM", 0.763, 0.05) == ("LPM hits 76.3% of prompt tokens, FCFS 5.0%: "
+    assert _hit_finding("LPM", 0.763, 0.05) == ("LPM hits 76.3% of prompt tokens, FCFS "
+                                                 "(minisrv's admission order) 5.0%: "
                                                  "71.3 points more.")
     assert _hit_finding("LPM", 0.60, 0.71).endswith("11.0 points fewer.")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from minisrv.experiments import page_pool as pp
+from minisrv.experiments import page_preemption as pre
 from minisrv.experiments import pages as pg
 from minisrv.sim import SimBackend
 from minisrv.workloads import Workload, gpu_scale_workload
@@ -107,8 +108,9 @@ def test_the_eviction_trace_shows_the_tree_dropping_a_leaf_and_the_queue_single_
 
 def test_hit_table_has_a_row_per_run_and_preemption_table_counts_recomputed_tokens() -> None:
     """The hit table reads the runs it is given, in order; the preemption table names the
-    prompts' tokens and what was prefilled beyond them, and takes a run already served
-    without a cache as its first row instead of serving it again."""
+    prompts' tokens, the page size all its runs share and what was prefilled beyond the
+    prompts, and takes a run already served without a cache, at the same page size, as its
+    first row instead of serving it again."""
     work, runs = _two_caches_part()
     keyed = {("parting", cache, 1): run for cache, run in runs.items()}
     table = pg.hit_table(keyed)
@@ -117,11 +119,15 @@ def test_hit_table_has_a_row_per_run_and_preemption_table_counts_recomputed_toke
     assert list(table["hit rate"]) == [f"{runs['radix'].hit_rate:.1%}",
                                        f"{runs['blocks'].hit_rate:.1%}"]
     none = pg.page_run(SimBackend(), work, 1, kv_capacity=64, max_running=1)
-    preempt = pg.preemption_runs(SimBackend(), work, (("radix", 1, 0),), no_cache=none,
+    preempt = pre.preemption_runs(SimBackend(), work, (("radix", 1, 0),), no_cache=none,
                                  kv_capacity=64, max_running=1)
     assert list(preempt) == [("none", 1, 0), ("radix", 1, 0)] and preempt["none", 1, 0] is none
-    frame = pg.preemption_table(preempt, work)
-    assert frame.index.name == "cache (prompts: 112 tokens)"
+    frame = pre.preemption_table(preempt, work)
+    assert frame.index.name == "cache, pages of 1 (prompts: 112 tokens)"
+    assert list(frame.index) == ["no prefix cache", "radix tree"]
+    with pytest.raises(ValueError, match="pages of 1"):  # a baseline at another page size
+        pre.preemption_runs(SimBackend(), work, (("radix", 16, 0),), no_cache=none,
+                           kv_capacity=64, max_running=1)
     assert frame["recomputed (tokens)"].tolist() == [none.prefill_tokens - 112,
                                                      preempt["radix", 1, 0].prefill_tokens - 112]
 
@@ -137,7 +143,7 @@ def test_the_page_explorer_offers_a_workload_menu_only_for_several_workloads() -
     options = {"sizes": (1, 16), "pools": (256, 4096), "max_running": 4}
     runs: dict = {}
     one = page_explorer(SimBackend(), None, {"shared": work}, runs=runs, **options)
-    assert [c.name for c in one.controls] == ["pool"]
+    assert [c.name for c in one.controls] == ["pool"] and one.runs is runs
     state = one.metrics(pool=256)
     assert state["hit rate (tree), pages of 16"] == runs[256]["shared", "radix", 16].hit_rate
     two = page_explorer(SimBackend(), None, {"shared": work, "again": work}, **options)
@@ -163,9 +169,10 @@ def test_the_page_explorer_shows_what_each_cache_evicted_from_its_own_log() -> N
             assert (evicted > 0) == (pool == 160)
 
 
-def test_the_page_explorer_shows_each_caches_batch() -> None:
-    """The legend names both caches, so the batch panel draws both: a bar per cache and page
-    size, each the height of its own run's mean batch, and the state's numbers name both."""
+def test_the_page_explorer_shows_each_caches_batch_and_empty_slots() -> None:
+    """The legend names both caches, so the batch and empty-slot panels draw both: a bar per
+    cache and page size, each the height of its own run's mean batch or share of empty
+    slots, and the state's numbers name both."""
     pytest.importorskip("matplotlib")
     from minisrv.viz.pages import page_explorer, plot_page_state
 
@@ -177,26 +184,33 @@ def test_the_page_explorer_shows_each_caches_batch() -> None:
     state = explorer.metrics(pool=160)
     mine = {(cache, s): runs[160]["apart", cache, s] for cache in ("radix", "blocks")
             for s in (1, 16)}
-    heights = sorted(p.get_height() for p in plot_page_state(mine, (1, 16)).axes[2].patches)
+    axes = plot_page_state(mine, (1, 16)).axes
+    heights = sorted(p.get_height() for p in axes[2].patches)
     assert heights == sorted(run.mean_batch for run in mine.values())
+    empty = sorted(p.get_height() for p in axes[3].patches)
+    assert empty == sorted(100 * run.waste for run in mine.values()) and max(empty) > 0
     for s in (1, 16):
         assert state[f"mean batch (blocks), pages of {s}"] == mine["blocks", s].mean_batch
+        assert state[f"empty slots (tree), pages of {s}"] == mine["radix", s].waste
 
 
-def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
+def test_the_page_explorer_draws_every_pool_on_one_scale_per_panel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool that evicts nothing must not get an axis of its own around zero: every state's
-    evicted panel runs from 0 to just above the most any state evicted, so moving the pool
-    moves the bars, not the scale."""
+    evicted panel runs from 0 to just above the most any state evicted, and its batch and
+    empty-slot panels likewise share one scale, so moving the pool moves the bars, not the
+    scale."""
     pytest.importorskip("matplotlib")
     import minisrv.viz.pages as vp
 
     tops: list[tuple[float, float]] = []
+    scales: list[list[tuple[float, float]]] = []  # the batch and empty-slot axes
     draw = vp.plot_page_state
 
     def spy(*args: object, **kwargs: object) -> object:
         fig = draw(*args, **kwargs)
         tops.append(fig.axes[0].get_ylim())
+        scales.append([fig.axes[2].get_ylim(), fig.axes[3].get_ylim()])
         return fig
 
     monkeypatch.setattr(vp, "plot_page_state", spy)
@@ -208,6 +222,10 @@ def test_the_page_explorer_draws_every_pool_on_one_evicted_axis(
                for c in ("tree", "blocks") for s in (1, 16))
     assert most > 0 and len(tops) == 2 and tops[0] == tops[1]
     assert tops[0][0] == 0 and most < tops[0][1] < 1.2 * most
+    assert scales[0] == scales[1]
+    batches = [explorer.metrics(pool=pool)[f"mean batch ({c}), pages of {s}"]
+               for pool in (160, 4096) for c in ("tree", "blocks") for s in (1, 16)]
+    assert max(batches) < scales[0][0][1] < 1.2 * max(batches)
 
 
 def test_empty_slots_by_pool_has_a_row_per_page_size_and_a_column_per_pool() -> None:

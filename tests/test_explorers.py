@@ -86,37 +86,54 @@ def test_bad_controls_are_refused_before_any_run(controls, message) -> None:
         explorer(lambda **_: pytest.fail("ran an experiment"), controls)
 
 
-def test_every_frame_takes_the_layout_of_the_default_state(monkeypatch) -> None:
+def test_every_frame_takes_the_layout_of_the_first_of_its_shape(monkeypatch) -> None:
+    """States of one shape share the default's layout; wider tick labels or a legend of more
+    entries get a layout of their own (chapter 06's three-digit ticks and legend of eight
+    workers, laid out as its default, lost their y-label and covered their x-label)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-    from minisrv.viz.style import label_axes, page_figure
+    from minisrv.viz.style import label_axes, legend_below, page_figure
+
+    def plot(top: int, lines: int) -> Figure:
+        fig, ax = page_figure(height_in=2.0)
+        for i in range(lines):
+            ax.plot([0, 1], [0, top], label=f"line {i}")
+        label_axes(ax, f"state {top}", "x", "y")
+        legend_below(fig, ncol=4)
+        return fig
 
     figures, draws = {}, []
     figure_draw = Figure.draw
     monkeypatch.setattr(Figure, "draw", lambda self, r: (draws.append(self), figure_draw(self, r)))
 
-    def draw(a: int) -> Frame:
-        fig, ax = page_figure(height_in=2.0)
-        ax.plot([0, 1], [0, 10 ** a])  # a longer tick label each state: another layout
-        label_axes(ax, f"state {a}", "x", "y")
-        figures[a] = fig
-        return Frame([fig], {"a": a})
+    def draw(top: int, lines: int) -> Frame:
+        figures[top, lines] = plot(top, lines)
+        return Frame([figures[top, lines]], {"top": top})
 
-    explorer(draw, [("a", "a", [1, 4, 7], 4)])
-    places = {a: fig.axes[0].get_position().bounds for a, fig in figures.items()}
-    assert places[1] == places[4] == places[7]
-    from matplotlib.layout_engine import ConstrainedLayoutEngine
-
+    # ticks of two digits up to 40, 60 and 80; of four up to 4000
+    explorer(draw, [("top", "top", [40, 60, 80, 4000], 40), ("lines", "lines", [1, 8], 1)])
+    places = {key: fig.axes[0].get_position().bounds for key, fig in figures.items()}
+    assert places[40, 1] == places[60, 1] == places[80, 1]
+    assert places[40, 8] == places[80, 8] != places[40, 1]
+    assert places[4000, 1] != places[40, 1]
     assert not any(isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
                    for fig in figures.values())  # no solve left for savefig
-    # one draw per frame, and one solve of the shared layout: savefig draws a figure that
-    # keeps any layout engine (even "none"'s placeholder) twice
-    assert len(draws) == len(figures) + 1
-    alone, ax = page_figure(height_in=2.0)  # the default's layout is the one it has alone
-    ax.plot([0, 1], [0, 10 ** 4])
-    label_axes(ax, "state 4", "x", "y")
+    # one draw per frame and one solve per shape: savefig draws a figure that keeps any
+    # layout engine (even "none"'s placeholder) twice
+    assert len(draws) == len(figures) + 4
+    alone = plot(40, 1)  # the default's layout is the one it has alone
     alone.draw_without_rendering()
-    assert ax.get_position().bounds == pytest.approx(places[4])
+    assert alone.axes[0].get_position().bounds == pytest.approx(places[40, 1])
+    for fig in figures.values():  # every label on the figure, clear of the legend
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        ylabel = fig.axes[0].yaxis.label.get_window_extent(renderer)
+        xlabel = fig.axes[0].xaxis.label.get_window_extent(renderer)
+        legend = fig.legends[0].get_window_extent(renderer)
+        assert ylabel.x0 >= 0 and not xlabel.overlaps(legend)
 
 
 def test_a_draw_that_returns_no_frame_is_refused() -> None:

@@ -147,19 +147,104 @@ def test_the_three_policies_back_up_what_they_promise() -> None:
     assert [through.tier_of(n) for n in through.nodes()[1:]].count("both") == 5
 
 
-def test_selective_backs_a_prompt_up_when_its_request_finishes(model) -> None:
-    """SGLang inserts a request twice, after its prefill and when it finishes: under
-    ``write_through_selective`` the second insert is the prompt's second count, so the prompt
-    gets its host copy at once, and the answer (counted once) waits for the next turn."""
+def path_of(tree: HiRadixCache, node) -> tuple[int, ...]:
+    """The tokens from the root down to the end of ``node``."""
+    keys = []
+    while node is not tree.root:
+        keys.append(node.key)
+        node = node.parent
+    return tuple(token for key in reversed(keys) for token in key)
+
+
+def depth_hits_tiers(tree: HiRadixCache) -> list[tuple[int, int, str]]:
+    """(where the node ends, its hits, its tier) of every node but the root, by depth."""
+    return sorted((len(path_of(tree, node)), node.hits, tree.tier_of(node))
+                  for node in tree.nodes()[1:])
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_request_counts_each_node_once_and_the_next_turn_once_more(model, chunk) -> None:
+    """SGLang 0.5.23 counts a hit at every insert but only past what the same request
+    inserted before (``inserted_len``): a request's prefill (each chunk of it) and its finish
+    count each node once, so under ``write_through_selective`` nothing is copied until the
+    next turn walks through its history, its second request."""
     engine = Engine(model, kv_capacity=90, max_running=4, cache="radix",
-                    host_cache_tokens=400, host_cache_policy="write_through_selective")
-    prompt = [1, *range(20, 32)]
-    req, = engine.make_requests([prompt], None, SamplingParams(max_new_tokens=6,
-                                                                ignore_eos=True))
-    engine.serve([req])
+                    chunked_prefill_size=chunk, host_cache_tokens=400,
+                    host_cache_policy="write_through_selective")
     tree = engine.scheduler.memory.tree
-    tiers = [(len(node.key), tree.tier_of(node)) for node in tree.nodes()[1:]]
-    assert tiers == [(len(prompt), "both"), (5, "device")]  # 6 sampled, 5 with KV
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompt = [1, *range(20, 32)]
+    first, = engine.make_requests([prompt], None, params)
+    engine.serve([first])
+    rows = depth_hits_tiers(tree)
+    assert {(hits, tier) for _, hits, tier in rows} == {(1, "device")}
+    assert rows[-1][0] == len(prompt) + 5 and tree.backups == 0  # 6 sampled, 5 with KV
+    assert first.inserted_len == 0  # reset when the request left
+    history = [*prompt, *first.output]
+    second, = engine.make_requests([[*history, 40, 41]], None, params)
+    engine.serve([second])
+    for end, hits, tier in depth_hits_tiers(tree):
+        first_turns = end <= len(history) - 1  # what the first turn cached
+        assert (hits, tier) == ((2, "both") if first_turns else (1, "device"))
+    assert tree.backed_up_tokens == len(history) - 1
+
+
+def test_an_insert_counts_only_what_lies_past_its_requests_earlier_inserts() -> None:
+    """A node that ends within ``inserted_len`` was counted by the same request before; one
+    that ends past it is counted, even if it starts within it (SGLang's ``node_end >
+    inserted_len``)."""
+    tree = HiRadixCache(HostPool(100), "write_through_selective")
+    tree.insert(list(range(8)))
+    tree.insert(list(range(12)), inserted_len=8)  # the same request, 4 tokens further
+    assert depth_hits_tiers(tree) == [(8, 1, "device"), (12, 1, "device")]
+    tree.insert(list(range(16)), inserted_len=10)  # [8, 12) ends past 10: counted again
+    assert depth_hits_tiers(tree) == [(8, 1, "device"), (12, 2, "both"), (16, 1, "device")]
+
+
+def test_a_split_keeps_the_count_and_a_dropped_node_takes_its_count_along() -> None:
+    """A split (by a match or by another request's insert) gives the upper part the node's
+    count; a node the device drops (no host copy) counts nothing any more: the same tokens
+    cached again start at one. A host-only node an insert fills again is counted, as SGLang
+    counts the node it restores from the request's fresh KV."""
+    device = SlotAllocator(40)
+    tree = HiRadixCache(HostPool(100), "write_through_selective", on_evict=device.free)
+    prompt = list(range(10))
+    tree.insert(prompt, device.alloc(10))
+    tree.match_prefix(prompt[:4])  # splits at 4, counts nothing
+    assert depth_hits_tiers(tree) == [(4, 1, "device"), (10, 1, "device")]
+    other = [*prompt[:6], 90, 91]  # a second request: splits at 6, counts the path
+    slots = device.alloc(8)
+    already = tree.insert(other, slots)
+    device.free(slots[:already])
+    assert depth_hits_tiers(tree) == [(4, 2, "both"), (6, 2, "both"), (8, 1, "device"),
+                                      (10, 1, "device")]
+    tree.evict(40)  # the leaves had one count and no copy: dropped
+    assert depth_hits_tiers(tree) == [(4, 2, "host"), (6, 2, "host")]
+    slots = device.alloc(10)
+    assert tree.insert(prompt, slots) == 0  # the host-only part is filled from these slots
+    assert depth_hits_tiers(tree) == [(4, 3, "both"), (6, 3, "both"), (10, 1, "device")]
+    tree.check_tiers()
+
+
+def test_selective_copies_a_history_only_if_the_device_holds_it_until_the_next_turn() -> None:
+    """With room on the device for every history, each turn's insert gives its chat's previous
+    prompt the second hit and copies it, and the selective policy hits what ``write_through``
+    hits; in a device pool too small for that, the histories are dropped with one hit and the
+    tier stays nearly empty. Each copy is charged to the request whose insert made it."""
+    from minisrv.experiments.host_tier import copies_by_turn, long_chats, sim_tier_run
+
+    chats = long_chats(sessions=4, turns=3, low=64, high=128, output=16)
+    first, second = chats.prompts[:4], chats.prompts[4:8]
+    roomy, tight = (sim_tier_run(chats, 5000, "write_through_selective", device_tokens=size)
+                    for size in (5000, 600))
+    through = sim_tier_run(chats, 5000, "write_through", device_tokens=600)
+    copies = copies_by_turn(roomy, sessions=4)
+    assert list(copies.loc["requests that copied"]) == [1, 4, 4]  # <bos>, then every chat
+    assert list(copies.loc["tokens copied"]) == [
+        1, sum(len(p) - 1 for p in first), sum(len(b) - len(a) for a, b in zip(first, second))]
+    assert roomy.hit_rate == through.hit_rate
+    assert tight.hit_rate < through.hit_rate / 2
+    assert sum(tight.copied) == tight.backed_up_tokens < roomy.backed_up_tokens
 
 
 ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "evict", "evict_host"]),
@@ -171,12 +256,14 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "finish", "evict", "evict_hos
        page_size=st.sampled_from([1, 4]))
 def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host,
                                                              page_size) -> None:
-    """Requests admitted (match, evict-to-host, load back), finished (cached) and evicted
-    in any order: no slot of either pool leaked or shared, no locked node evicted; in
-    pages, both pools move whole pages."""
+    """Requests admitted (match, evict-to-host, load back, their prefill inserted in two
+    chunks), finished (cached) and evicted in any order: no slot of either pool leaked or
+    shared, no locked node evicted; in pages, both pools move whole pages; and no node has
+    more hits than requests have inserted through it (a request counts a node once)."""
     memory = KVManager(SlotAllocator(48, page_size), "radix", HostPool(host, page_size=page_size),
                        policy)
     running: list[Req] = []
+    covered: dict[int, tuple[int, ...]] = {}  # each request's longest insert
     rid = 0
     for op, seed, size in ops:
         if op == "admit":
@@ -187,6 +274,10 @@ def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host,
             match = memory.match(req)
             if memory.allocate(req, match):
                 running.append(req)
+                half = (req.cached_len + req.kv_len) // 2
+                memory.cache_unfinished(req, half)  # a first chunk, then the rest
+                memory.cache_unfinished(req)
+                covered[req.rid] = req.all_tokens
             else:
                 memory.drop_match(req, match)
         elif op == "finish" and running:
@@ -196,6 +287,7 @@ def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host,
             else:
                 req.output.append(size % 4)
                 memory.alloc_tokens(req, 1)
+                covered[req.rid] = req.all_tokens
                 memory.cache_finished(req)
         elif op == "evict":
             locked = [n for n in memory.tree.nodes()[1:] if n.lock_ref]
@@ -205,6 +297,9 @@ def test_allocate_evict_load_free_keep_both_pools_consistent(ops, policy, host,
             memory.tree.evict_host(size)
         memory.check_integrity(running)
         memory.transfer()
+        for node in memory.tree.nodes()[1:]:  # no request counts a node twice
+            path = path_of(memory.tree, node)
+            assert node.hits <= sum(run[:len(path)] == path for run in covered.values())
     for req in running:
         memory.release(req)
     memory.check_integrity([])
@@ -294,13 +389,13 @@ def test_the_sim_table_is_shown_without_spurious_digits_under_one_header_row() -
     index = pd.MultiIndex.from_tuples([("none", "-"), ("1M", "write_back")],
                                       names=["host tier", "policy"])
     table = pd.DataFrame({"hit rate": [0.0381, 0.7772], "mean TTFT (s)": [14.2213, 3.7823],
-                          "throughput (tok/s)": [758.903, 1335.2],
+                          "output tok/s": [758.903, 1335.2],
                           "loaded (M tokens)": [0.0, 2.3619],
                           "backed up (M tokens)": [0.0, 0.7504]}, index=index)
     shown = sim_table_view(table)
     assert shown.loc[("1M", "write_back")].tolist() == ["77.7%", "3.8", 1335, "2.36", "0.75"]
     assert shown.index.names == [None, None] and shown.columns.name == "host tier / policy"
-    assert table.loc[("none", "-"), "throughput (tok/s)"] == 758.903  # the numbers unchanged
+    assert table.loc[("none", "-"), "output tok/s"] == 758.903  # the numbers unchanged
 
 
 def test_the_size_explorer_draws_hit_rate_against_every_tier_size_and_policy() -> None:
@@ -350,9 +445,9 @@ def test_a_busy_step_makes_loading_back_win_from_the_first_tokens() -> None:
     alone, busy = break_even_length(), break_even_length(busy=2048)
     assert 100 < alone < 1000 and busy < 16
     table = break_even(busy=2048)
-    assert (table.loc[[16, 64, 128], "same, in a busy step"] > 1).all()
+    assert (table.loc[[16, 64, 128], "same ratio, in a busy step"] > 1).all()
     assert (table.loc[[16, 64, 128], "recompute / (load + prefill)"] < 1).all()
-    assert table["same, in a busy step"].is_monotonic_increasing
+    assert table["same ratio, in a busy step"].is_monotonic_increasing
     assert prefill_step_seconds([(100, 20)]) == prefill_seconds(100, 20)
     both = prefill_step_seconds([(2048, 0), (100, 0)])
     assert both > prefill_seconds(2048)  # a compute-bound step grows with every token

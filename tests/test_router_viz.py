@@ -24,9 +24,10 @@ def test_table_and_plots_describe_the_runs() -> None:
     assert list(table.index) == ["round-robin", "cache-aware"]
     assert table.loc["cache-aware", "hit rate (%)"] == round(100 * runs["cache-aware"].hit_rate, 1)
     assert table.loc["round-robin", "requests per worker"] == "20 / 20"
+    assert table.loc["round-robin", "load ratio"] == "1.00"  # two decimals, not "1.0"
     assert table.columns.name == "run" and table.index.name is None  # one header row
     for label, run in runs.items():  # whole tokens/s where there are hundreds of them
-        shown = table.loc[label, "throughput (tok/s)"]
+        shown = table.loc[label, "output tok/s"]
         assert abs(shown - run.throughput) <= (0.5 if run.throughput >= 100 else 0.05)
     fig = rv.plot_policy_comparison(runs, "t")
     assert fig._suptitle.get_text() == "t"
@@ -59,8 +60,8 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_worker
             state = ex.metrics(hot_share=hot_share, n_workers=workers)
             for run in ("round robin", "cache-aware"):
                 assert state[f"{run} hit rate"] == table.loc[run, "hit rate (%)"] / 100
-                assert state[f"{run} throughput"] == table.loc[run, "throughput (tok/s)"]
-                assert state[f"{run} load ratio"] == table.loc[run, "load ratio"]
+                assert state[f"{run} throughput"] == table.loc[run, "output tok/s"]
+                assert state[f"{run} load ratio"] == float(table.loc[run, "load ratio"])
     # a hot group keeps its prefix in every worker's cache, even under round robin
     assert ex.metrics(hot_share=0.6, n_workers=3)["round robin hit rate"] > ex.metrics(
         hot_share=0.0, n_workers=3)["round robin hit rate"]

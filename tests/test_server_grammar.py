@@ -101,6 +101,24 @@ def test_json_on_citylm_is_a_400_naming_what_it_cannot_spell(citylm_server) -> N
     assert ok.status_code == 200  # the server keeps serving
 
 
+def test_json_schema_strict_is_a_boolean_and_the_schema_is_enforced_either_way() -> None:
+    """``json_schema.strict`` true, false or absent gives the same grammar (minisrv has no
+    unconstrained mode); anything but a JSON boolean is a 400, as in OpenAI and SGLang."""
+    from types import SimpleNamespace
+
+    from minisrv.server.door import BadRequest, grammar_fields
+
+    def fields(**spec):
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, **spec}}
+        return grammar_fields(SimpleNamespace(response_format=fmt))
+
+    want = {"json_schema": json.dumps(SCHEMA, sort_keys=True)}
+    assert fields() == fields(strict=True) == fields(strict=False) == want
+    for bad in ("true", 1, 0):
+        with pytest.raises(BadRequest, match="strict must be true or false"):
+            fields(strict=bad)
+
+
 def test_the_openai_client_gets_strict_schema_valid_json(tmp_path) -> None:
     """``response_format`` json_schema (an enum, a bounded string), greedy and at seeds 0-4,
     and json_object at seeds 0-4 (greedy, the random model repeats itself inside a key

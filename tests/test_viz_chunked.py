@@ -3,6 +3,8 @@ size and share of long prompts, and the chapter's own sweep is reused only for i
 
 from __future__ import annotations
 
+import html
+
 import pytest
 
 from minisrv.experiments.chunked import (
@@ -45,7 +47,9 @@ def test_each_state_is_the_sweep_s_run_at_its_values(sweep, other, explorer) -> 
             row = table.loc[size]
             assert (state["max_itl"], state["p99_itl"], state["mean_ttft_long"]) == (
                 row["max_itl"], row["p99_itl"], row["mean_ttft_long"])
-            assert state["max_itl_unchunked"] == table[table.index.isna()]["max_itl"].iloc[0]
+            whole = table[table.index.isna()].iloc[0]
+            assert (state["max_itl_unchunked"], state["p99_itl_unchunked"]) == (
+                whole["max_itl"], whole["p99_itl"])
 
 
 def test_the_explorer_starts_at_the_chapter_s_mix_and_the_widget_s_size() -> None:
@@ -87,16 +91,62 @@ def test_the_figure_needs_the_unchunked_run(sweep) -> None:
         vc.plot_chunk_choice({2048: sweep[2048]}, 2048)
 
 
-def test_the_share_table_reads_the_explorer_s_states(explorer) -> None:
+def test_the_share_table_reads_the_explorer_s_states(explorer, other) -> None:
     ex = explorer
-    table = vc.share_table(ex, gaps=(("max_itl", 2048), ("p99_itl", 16384)), shares=(0.2, 0.5))
+    table = vc.share_table(ex, columns=(("max_itl", 2048), ("p99_itl", 16384),
+                                        ("mean_ttft_long", None)), shares=(0.2, 0.5))
     assert list(table.index) == ["20%", "50%"] and table.columns.name == "long prompts"
-    assert list(table.columns) == ["worst gap at 2,048 (ms)",
-                                   "p99 gap at 16,384 (ms)"]
+    assert list(table.columns) == ["worst gap at 2,048 (ms)", "p99 gap at 16,384 (ms)",
+                                   "mean TTFT long unchunked (ms)"]
+    unchunked = chunk_table({None: other[None]}).iloc[0]
+    assert table.loc["50%"].tolist()[-1] == round(1e3 * unchunked["mean_ttft_long"])
     for share, label in ((0.2, "20%"), (0.5, "50%")):
-        assert table.loc[label].tolist() == [
+        assert table.loc[label].tolist()[:2] == [
             round(1e3 * ex.metrics(chunk=2048, share=share)["max_itl"]),
             round(1e3 * ex.metrics(chunk=16384, share=share)["p99_itl"])]
+
+
+def test_the_caption_sets_the_long_prompts_ttft_beside_the_unchunked_one(explorer) -> None:
+    state = explorer.metrics(chunk=256, share=0.2)
+    assert state["mean_ttft_long_unchunked"] == explorer.metrics(
+        chunk=16384, share=0.2)["mean_ttft_long_unchunked"]
+    caption = (f"long prompts' mean TTFT {1e3 * state['mean_ttft_long']:,.0f} ms against "
+               f"{1e3 * state['mean_ttft_long_unchunked']:,.0f} ms unchunked")
+    assert html.escape(caption) in explorer.html
+
+
+def test_the_tradeoff_names_each_engine_s_default_in_its_mode(sweep) -> None:
+    from minisrv.experiments.chunked import SGLANG_DEFAULT
+
+    mixed = chunk_table(sweep)
+    first = chunk_table(chunk_runs((SGLANG_DEFAULT,), long_prompt_workload(n=N, long_share=0.2),
+                                   mode="prefill-first"))
+    table = vc.tradeoff_table(mixed, first)
+    assert list(table.index)[0] == "none"
+    assert list(table.index)[-1] == f"{SGLANG_DEFAULT}, prefill-first"
+    legend = vc.plot_tradeoff(mixed, None, first).legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert f"{SGLANG_DEFAULT:,}, prefill-first (SGLang's default)" in labels
+    assert not any("SGLang's default" in t for t in labels if "prefill-first" not in t)
+    assert "2,048: vLLM, smaller GPUs" in labels
+
+
+def test_every_panel_of_the_tradeoff_reads_against_the_same_chunk_sizes(sweep) -> None:
+    """The reader finds each point by its chunk size on every panel, "none" first: drawn
+    against the TTFT, the p99 line ran back over the worst gap's and its points were not
+    named."""
+    table = chunk_table(sweep)
+    fig = vc.plot_tradeoff(table, table)
+    expected = ["none", "256", "512", "1K", "2K", "4K", "8K", "16K"]
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == expected
+    gaps, ttft, _ = fig.axes
+    for ax, column in ((gaps, "max_itl"), (gaps, "p99_itl"), (ttft, "mean_ttft_long")):
+        line = next(line for line in ax.get_lines()
+                    if list(line.get_ydata()) == list(1e3 * table[column][1:]))
+        assert list(line.get_xdata()) == list(range(1, len(CHUNK_SIZES) + 1))
+    with pytest.raises(ValueError, match="not among the sweep"):
+        vc.plot_tradeoff(table[table["chunk"] != 8192], None, table[table["chunk"] == 8192])
 
 
 def test_the_step_table_has_one_header_row() -> None:

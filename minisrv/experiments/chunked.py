@@ -1,8 +1,8 @@
 """The chunked-prefill chapter's runs: the inter-token spike a long prompt causes, and the
 trade-off of the chunk size (inter-token latency against time to first token).
 
-Everything runs on the simulated GPU (LLaMA-3-8B's shapes on an H100, with the 128K context
-of Llama 3.1 so that prompts of 4K-32K tokens are allowed) through the same ``Scheduler``
+Everything runs on the simulated GPU (LLaMA-3.1-8B on an H100: LLaMA-3-8B's shapes with a
+128K context, so that prompts of 4K-32K tokens are allowed) through the same ``Scheduler``
 as the real model. ``spike_run`` is the opening experiment: chats decoding, then one long
 prompt arrives. ``chunk_sweep`` serves a mix of short chats and long prompts at each chunk
 size, ``None`` meaning no chunking (``chunk_runs`` keeps the runs, ``chunk_table`` reads
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from minisrv.configs import LLAMA3_8B
+from minisrv.configs import LLAMA31_8B
 from minisrv.engine import RunResult
 from minisrv.metrics import itl_values
 from minisrv.sim import simulate
@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # imported where a table is made: the runs need no pandas
 
 __all__ = [
     "CHUNK_SIZES",
-    "LLAMA3_8B_LONG",
     "SGLANG_DEFAULT",
     "VLLM_SMALL_GPU",
     "VLLM_V1_DEFAULT",
@@ -40,15 +39,13 @@ __all__ = [
     "spike_workload",
 ]
 
-LLAMA3_8B_LONG = LLAMA3_8B.with_(name="LLaMA-3-8B (128K context)", max_seq_len=131072)
-"""LLaMA-3-8B's shapes with Llama 3.1's context length: the step times are the same, only
-longer prompts are accepted."""
-
 CHUNK_SIZES: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
 """The chunk sizes the chapter sweeps."""
 
 SGLANG_DEFAULT = 8192
-"""SGLang's ``chunked_prefill_size`` on a large GPU (prefill-first steps by default)."""
+"""SGLang 0.5.23's ``chunked_prefill_size`` on an H100 (``handle_gpu_memory_settings`` in
+``srt/arg_groups/memory_hook.py``: 8192 from 60 to 160 GB). Its steps are prefill-first
+unless ``--enable-mixed-chunk`` (off by default)."""
 
 VLLM_V1_DEFAULT = 8192
 """vLLM V1's ``max_num_batched_tokens`` for its OpenAI server on an H100 (2048 on smaller
@@ -112,7 +109,7 @@ class SpikeRun(NamedTuple):
 def spike_run(chunk: int | None = None, mode: str = "mixed", **workload_args) -> SpikeRun:
     """Serve ``spike_workload`` with ``chunked_prefill_size=chunk``; the chats' worst gap
     and the long prompt's TTFT."""
-    result = simulate(spike_workload(**workload_args), cfg=LLAMA3_8B_LONG, mode=mode,
+    result = simulate(spike_workload(**workload_args), cfg=LLAMA31_8B, mode=mode,
                       max_running=MAX_RUNNING, chunked_prefill_size=chunk)
     chats, long = result.requests[:-1], result.requests[-1]
     return SpikeRun(chunk, result, float(itl_values(chats).max()), long.ttft, mode)
@@ -124,14 +121,14 @@ def chunk_runs(sizes: Sequence[int | None] = (None, *CHUNK_SIZES),
     """``workload`` (``long_prompt_workload()`` by default) served at each chunk size, by
     size; ``None``: no chunking. The runs keep their traces and token times for figures."""
     workload = workload if workload is not None else long_prompt_workload()
-    return {size: simulate(workload, cfg=LLAMA3_8B_LONG, mode=mode, max_running=MAX_RUNNING,
+    return {size: simulate(workload, cfg=LLAMA31_8B, mode=mode, max_running=MAX_RUNNING,
                            chunked_prefill_size=size) for size in sizes}
 
 
 def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> pd.DataFrame:
-    """One row per run of ``chunk_runs``: inter-token latency (p99, max), TTFT (mean; p99 of
-    the short chats; mean of the long prompts, those of ``long_from`` tokens or more),
-    throughput and steps."""
+    """One row per run of ``chunk_runs``: its step mode, inter-token latency (p99, max), TTFT
+    (mean; p99 of the short chats; mean of the long prompts, those of ``long_from`` tokens or
+    more), throughput and steps."""
     import pandas as pd
 
     rows = []
@@ -140,7 +137,8 @@ def chunk_table(runs: Mapping[int | None, RunResult], long_from: int = 4096) -> 
         long = [r for r in result.requests if r.prompt_len >= long_from]
         short = [r for r in result.requests if r.prompt_len < long_from]
         rows.append({
-            "chunk": size, "p99_itl": m.p99_itl, "max_itl": m.max_itl, "mean_ttft": m.mean_ttft,
+            "chunk": size, "mode": result.mode, "p99_itl": m.p99_itl, "max_itl": m.max_itl,
+            "mean_ttft": m.mean_ttft,
             "p99_ttft_short": float(np.percentile([r.ttft for r in short], 99)) if short else 0.0,
             "mean_ttft_long": float(np.mean([r.ttft for r in long])) if long else 0.0,
             "throughput": m.throughput, "steps": m.steps,

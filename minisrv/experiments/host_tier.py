@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -20,6 +21,8 @@ from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
 from minisrv.engine import Engine
 from minisrv.experiments.radix import chat_workload
 from minisrv.kv import NodeView
+from minisrv.kv.events import TreeEvent
+from minisrv.kv.hiradix import HiRadixCache
 from minisrv.kv.host import HOST_POLICIES
 from minisrv.kvsize import kv_bytes_per_token
 from minisrv.sim import SimBackend
@@ -39,6 +42,7 @@ __all__ = [
     "break_even_length",
     "chat_tier_run",
     "chat_tier_table",
+    "copies_by_turn",
     "load_seconds",
     "long_chats",
     "prefill_seconds",
@@ -47,6 +51,7 @@ __all__ = [
     "sim_tier_runs",
     "sim_tier_table",
     "tier_walk",
+    "ttft_by_turn",
 ]
 
 
@@ -62,15 +67,39 @@ class TierRun(NamedTuple):
     requests: int
     mean_ttft: float  # steps (CityLM) or seconds (simulated GPU)
     throughput: float  # output tokens per step or per second
+    # tokens copied to the host while the tree served each request (its inserts; under
+    # write_back the evictions made for it), in workload order
+    copied: tuple[int, ...] = ()
+    ttft: tuple[float, ...] = ()  # each request's time to first token, in workload order
+
+
+class _Copies:
+    """A tree listener that charges each copy to the host to the request whose operation made
+    it (the tree's event tag, ``r<rid>``), so a run can say which requests' inserts gave a
+    prefix the hit that got it copied."""
+
+    def __init__(self, tree: Any) -> None:
+        self.seen = 0
+        self.by_tag: Counter[str] = Counter()
+        if isinstance(tree, HiRadixCache):
+            tree.listener = self
+
+    def __call__(self, tree: HiRadixCache, event: TreeEvent) -> None:
+        if tree.backed_up_tokens != self.seen:
+            self.by_tag[event.tag] += tree.backed_up_tokens - self.seen
+            self.seen = tree.backed_up_tokens
 
 
 def _run(engine: Engine, workload: Workload) -> tuple[TierRun, list[Any]]:
+    copies = _Copies(engine.tree)
     result = engine.run_workload(workload)
     stats, metrics = engine.stats, result.metrics
     backed = getattr(engine.tree, "backed_up_tokens", 0)
     run = TierRun(stats.hit_rate, stats.prefill_tokens, stats.host_hit_tokens,
                   stats.loaded_tokens, backed, -1, len(result.requests), metrics.mean_ttft,
-                  metrics.throughput)
+                  metrics.throughput,
+                  tuple(copies.by_tag[f"r{req.rid}"] for req in result.requests),
+                  tuple(req.ttft for req in result.requests))
     return run, result.requests
 
 
@@ -138,13 +167,25 @@ def long_chats(sessions: int = 64, turns: int = 8, low: int = 512, high: int = 2
                     f"{sessions} chats x {turns} turns of {low}-{high} new tokens")
 
 
+class _SerialBackupSim(SimBackend):
+    """A simulated GPU whose backups to the host hold up the next step as its load-backs do:
+    the bound on what the copies ``SimBackend`` runs behind the steps could cost, for a link
+    (or an eviction that waits on its copy) that does not overlap them."""
+
+    def charge_host_copies(self, loaded: int, backed_up: int) -> None:
+        """Both directions before the next step, one after the other."""
+        super().charge_host_copies(loaded + backed_up, 0)
+
+
 def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_through",
                  device_tokens: int = 200_000, cfg: ModelConfig = LONG_CONTEXT_8B,
-                 gpu: GPUSpec = H100, max_running: int = 64) -> TierRun:
+                 gpu: GPUSpec = H100, max_running: int = 64,
+                 serial_backups: bool = False) -> TierRun:
     """``workload`` on the simulated ``gpu`` serving ``cfg``: a device pool of
     ``device_tokens`` and a host tier of ``host_tokens``, load-backs charged at the host
-    link's bandwidth."""
-    engine = Engine(SimBackend(cfg, gpu), kv_capacity=device_tokens, max_running=max_running,
+    link's bandwidth (and backups too, before the next step, with ``serial_backups``)."""
+    backend = (_SerialBackupSim if serial_backups else SimBackend)(cfg, gpu)
+    engine = Engine(backend, kv_capacity=device_tokens, max_running=max_running,
                     cache="radix", host_cache_tokens=host_tokens, host_cache_policy=policy,
                     chunked_prefill_size=8192, record_trace=False)
     return _run(engine, workload)[0]
@@ -165,12 +206,37 @@ def sim_tier_table(runs: Mapping[tuple[int, str], TierRun]) -> pd.DataFrame:
     size, policy)."""
     rows = {(f"{size / 1e6:g}M" if size else "none", policy if size else "-"): {
         "hit rate": run.hit_rate, "mean TTFT (s)": run.mean_ttft,
-        "throughput (tok/s)": run.throughput,
+        "output tok/s": run.throughput,
         "loaded (M tokens)": run.loaded_tokens / 1e6,
         "backed up (M tokens)": run.backed_up_tokens / 1e6} for (size, policy), run in runs.items()}
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.names = ["host tier", "policy"]
     return table
+
+
+def copies_by_turn(run: TierRun, sessions: int = 64) -> pd.DataFrame:
+    """Per turn of ``long_chats`` (request ``i`` is turn ``i // sessions + 1``): how many of
+    its requests made copies to the host and how many tokens they copied (``TierRun.copied``).
+    Under ``write_through_selective`` a request copies what its insert gave a second hit: the
+    prefixes another request cached that were still on the device when it came."""
+    rows = {}
+    for turn in range(len(run.copied) // sessions):
+        part = run.copied[turn * sessions:(turn + 1) * sessions]
+        rows[turn + 1] = {"requests that copied": sum(1 for n in part if n),
+                          "tokens copied": sum(part)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("turn").T
+
+
+def ttft_by_turn(runs: Mapping[str, TierRun], sessions: int = 64) -> pd.DataFrame:
+    """Mean time to first token per turn of ``long_chats`` (request ``i`` is turn
+    ``i // sessions + 1``), one row per named run: on a saturated server the mean over a whole
+    run depends on where the run stops, the per-turn means show how fast the queue grows."""
+    rows = {}
+    for name, run in runs.items():
+        turns = len(run.ttft) // sessions
+        rows[name] = {turn + 1: sum(run.ttft[turn * sessions:(turn + 1) * sessions]) / sessions
+                      for turn in range(turns)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(columns="turn")
 
 
 def load_seconds(n: int, cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100,
@@ -223,7 +289,7 @@ def break_even(lengths: Sequence[int] = (16, 64, 128, 256, 512, 1024, 4096, 1638
         busy_load, busy_recompute = _costs(n, suffix, busy, cfg, gpu)
         rows[n] = {"load + prefill (ms)": 1e3 * load, "recompute (ms)": 1e3 * recompute,
                    "recompute / (load + prefill)": recompute / load,
-                   "same, in a busy step": busy_recompute / busy_load}
+                   "same ratio, in a busy step": busy_recompute / busy_load}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("prefix tokens")
 
 

@@ -1,8 +1,9 @@
 """The pages chapter's runs: what a page of KV costs (slots no token fills), what it buys (a
 shorter table, longer runs of consecutive slots for the attention kernel to load), what it
-loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache,
-retraction with and without a host tier, with every piece the prefix cache evicts logged.
-The pool read mid-run and the eviction trace are ``minisrv.experiments.page_pool``'s.
+loses (prefix hits cut to whole pages), the radix tree beside vLLM's block-hash cache, with
+every piece the prefix cache evicts logged. Retraction at those pages is
+``minisrv.experiments.page_preemption``'s; the pool read mid-run and the eviction trace are
+``minisrv.experiments.page_pool``'s.
 
 Each function builds fresh engines, serves a workload and returns plain results (named
 tuples, DataFrames); ``minisrv.viz.pages`` only draws them. Every CityLM run keeps its
@@ -29,9 +30,9 @@ from minisrv.workloads import Workload
 
 __all__ = [
     "BLOCK_SIZE", "CACHE_SETTINGS", "Eviction", "KEY_TILE", "KEY_TILES", "PAGE_SIZES",
-    "PREEMPT_SETTINGS", "PageRun", "TRACE_SETTINGS", "TraceHits", "empty_slots_by_pool",
+    "PageRun", "TRACE_SETTINGS", "TraceHits", "empty_slots_by_pool",
     "first_chats", "first_requests", "hit_table", "index_bytes", "key_runs", "occupancy_table",
-    "page_run", "preemption_runs", "preemption_table", "served_runs", "table_sizes",
+    "page_run", "served_runs", "table_sizes",
     "tile_runs", "trace_hits",
 ]
 
@@ -354,44 +355,3 @@ def trace_hits(model: Any, workload: Workload,
         hits[label], outputs[label] = run.cached_prompt, run.outputs
     return TraceHits([list(p) for p in workload.prompts], hits, outputs,
                      max(size for _, _, size in settings))
-
-
-PREEMPT_SETTINGS = (("radix", 1, 0), ("radix", 1, 100_000))
-"""(cache, page size, host tier tokens) of the preemption runs: the tree, without and with a
-host tier of 100,000 tokens."""
-
-
-def preemption_runs(backend: Any, workload: Workload,
-                    settings: Sequence[tuple[str, int, int]] = PREEMPT_SETTINGS,
-                    no_cache: PageRun | None = None,
-                    **options: Any) -> dict[tuple[str, int, int], PageRun]:
-    """``page_run`` of ``workload`` under each (cache, page size, host tier) of ``settings``
-    (a pool small enough that requests are retracted, through ``options``), keys counted
-    by no tile. ``no_cache``: the run without a prefix cache at pages of one token, served
-    already with the same options; it comes first, as ``("none", 1, 0)``."""
-    runs = {} if no_cache is None else {("none", 1, 0): no_cache}
-    for cache, size, host in settings:
-        runs[cache, size, host] = page_run(backend, workload, size, cache, tile_every=0,
-                                           host_cache_tokens=host, **options)
-    return runs
-
-
-def preemption_table(runs: Mapping[tuple[str, int, int], PageRun],
-                     workload: Workload) -> pd.DataFrame:
-    """Retractions, the computed tokens they threw away, tokens prefilled and, of those,
-    recomputed (beyond the prompts of ``workload``, named in the index), and tokens loaded
-    back from the host tier, one row per (cache, page size, host tier) of ``runs``."""
-    names = {"none": "no prefix cache", "radix": "radix tree", "blocks": "block cache"}
-    prompts = sum(map(len, workload.prompts))
-    rows = {}
-    for (cache, size, host), run in runs.items():
-        label = names.get(cache, cache) + ("" if size == 1 else f", pages of {size}")
-        label += f", host tier of {host:,} tokens" if host else ""
-        rows[label] = {"retractions": run.retractions,
-                       "thrown away (tokens)": run.wasted_tokens,
-                       "prefilled (tokens)": run.prefill_tokens,
-                       "recomputed (tokens)": run.prefill_tokens - prompts,
-                       "loaded back (tokens)": run.loaded_tokens}
-    frame = pd.DataFrame.from_dict(rows, orient="index")
-    frame.index.name = f"cache (prompts: {prompts:,} tokens)"
-    return frame

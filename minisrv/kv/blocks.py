@@ -10,13 +10,16 @@ full block are always computed again. This module follows these vLLM files:
 
 * ``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens`` (the chained hash of
   ``(parent hash, block tokens, extra keys)``; minisrv has no extra keys, no LoRA nor
-  images), ``FreeKVCacheBlockQueue`` (free blocks in eviction order, least recently freed at
-  the head; a request's blocks are freed in reverse order, so a chain's tail goes first);
+  images), ``FreeKVCacheBlockQueue`` (every free block, taken from the head: cached ones
+  least recently freed first; a request's blocks are freed in reverse order, so a chain's
+  tail goes first);
 * ``vllm/v1/core/block_pool.py``: ``cached_block_hash_to_block`` (the dict), ``touch`` (a
   hit on a block nobody references takes it out of the free queue), ``free_blocks`` (a block
-  whose count drops to 0 is appended to the queue, still cached), ``get_new_blocks`` and
+  whose count drops to 0 is appended to the queue's tail if it has a hash, still cached,
+  and prepended to its head if not, to be reused first), ``get_new_blocks`` and
   ``_maybe_evict_cached_block`` (a cached block is forgotten only when an allocation pops it
-  from the queue's head);
+  from the queue's head). minisrv's queue holds cached blocks only; its other free pages
+  are the allocator's;
 * ``vllm/v1/core/kv_cache_manager.py``: ``get_computed_blocks`` (the hit is at most
   ``request.num_tokens - 1`` tokens, ``max_cache_hit_length``: the last token is computed
   again for its logits; minisrv's ``KVManager.match`` asks the cache for the prompt without
@@ -162,12 +165,13 @@ class BlockCache(PrefixCache):
         return self._collided.get((parent, tokens))
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
+               tag: str = "", inserted_len: int = 0) -> int:
         """Cache the full blocks of ``tokens``; the tail after the last one is not kept.
 
         Args:
             tokens: the token run, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
+            inserted_len: unused: this cache counts no hits (``PrefixCache.insert``).
 
         Returns:
             How many leading tokens were cached already (whole blocks). The cache keeps the

@@ -118,8 +118,14 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
-        """Cache ``tokens``; return how many leading tokens were already cached."""
+               tag: str = "", inserted_len: int = 0) -> int:
+        """Cache ``tokens``; return how many leading tokens were already cached.
+
+        ``inserted_len``: how many leading tokens the inserting request inserted before
+        (SGLang's ``InsertParams.inserted_len``). A cache that counts hits counts only the
+        nodes past it, so a request inserting again (its next chunk, its finish) counts no
+        node twice; the others ignore it.
+        """
 
     @abstractmethod
     def lock(self, node: TreeNode, *, tag: str = "") -> None:
@@ -189,7 +195,7 @@ class NoCache(PrefixCache):
         return MatchResult(0, self.root, [])
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
+               tag: str = "", inserted_len: int = 0) -> int:
         """Keep nothing; the caller remains the owner of all ``values``."""
         if values is not None and len(values) != len(tokens):
             raise ValueError(f"insert got {len(tokens)} tokens but {len(values)} values; "

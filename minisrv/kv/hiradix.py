@@ -1,9 +1,10 @@
 """The radix tree over two tiers: each node's KV on the device, in host memory, or both.
 
-RadixAttention drops what it evicts. With a host tier (SGLang's HiCache,
-``mem_cache/hiradix_cache.py``) eviction from the device *moves* a node's KV to host memory
-when the node has a host copy, so a later request that matches it copies it back instead of
-recomputing it. The tree's shape stays the same; each node records where its KV lives:
+RadixAttention drops what it evicts. With a host tier (SGLang's HiCache:
+``mem_cache/unified_radix_cache.py`` in 0.5.23, ``hiradix_cache.py`` earlier) eviction from
+the device *moves* a node's KV to host memory when the node has a host copy, so a later
+request that matches it copies it back instead of recomputing it. The tree's shape stays the
+same; each node records where its KV lives:
 
 * ``value``, its device slots (empty once the device evicted it), and
 * ``host_value``, its host slots (``None`` until it is backed up).
@@ -20,20 +21,23 @@ When a node gets its host copy is the write policy (``HOST_POLICIES``):
 
 * ``write_through``: as soon as it is cached (every prefix is backed up, PCIe traffic for
   all of them, and an eviction costs nothing);
-* ``write_through_selective``: once inserts have walked through it twice (SGLang's rule,
+* ``write_through_selective``: once the inserts of two requests reached it (SGLang's rule,
   below: only prefixes cached again are copied);
 * ``write_back``: only when the device evicts it (the least traffic; the eviction waits for
   its copy).
 
-Hits are counted as SGLang's ``_inc_hit_count_and_check`` counts them
-(``mem_cache/unified_cache/unified_tree_core.py``): each insert adds one to every device node
-it walks through and to the leaf it adds, never to a host-only node it fills again, and
-``write_through_selective`` backs a node up at its second count (SGLang's
-``write_through_threshold``, 1 for ``write_through`` and 2 for the selective policy, in
-``mem_cache/unified_radix_cache.py``). A request inserts twice, after its prefill and when it
-finishes, so its prompt is copied when it finishes and its answer when the next turn's prompt
-is inserted. SGLang does not count the insert of a chunk before a prompt's last one
-(``chunked=True``); minisrv counts every insert.
+Hits are counted as SGLang 0.5.23 counts them (``_inc_hit_count_and_check``,
+``_finish_insert_walk_node`` and ``_should_backup_after_insert`` in
+``mem_cache/unified_cache/unified_tree_core.py``): an insert adds one to every node it walks
+through, a host-only one it fills again included, and to the leaf it adds, but only to the
+nodes that end past what the same request inserted before (``inserted_len``, SGLang's
+``req.kv.cache_inserted_len``). A request inserts after each prefill chunk and when it
+finishes, and counts each node once across them; a node reaches a second count only when
+another request, such as the chat's next turn, inserts through it. The write threshold
+(``BACKUP_HITS``) is SGLang's ``write_through_threshold`` in
+``mem_cache/unified_radix_cache.py``: 1 for ``write_through``, 2 for the selective policy. A
+node the device drops (no host copy) takes its count with it: the same tokens cached again
+start a new node at one.
 
 A device eviction of a node without a host copy drops it, and with it its host-only
 subtree (which no match could reach any more). Copies are queued in the host pool's plan
@@ -54,9 +58,9 @@ from minisrv.kv.radix import RadixCache
 
 __all__ = ["HiRadixCache", "HiTreeNode", "HostMatch"]
 
-SELECTIVE_HITS = 2
-"""``write_through_selective`` backs a node up once inserts have walked through it this many
-times (SGLang's ``write_through_threshold`` for that policy)."""
+BACKUP_HITS = {"write_through": 1, "write_through_selective": 2}
+"""A node without a host copy is backed up at this many hits (SGLang's
+``write_through_threshold``); ``write_back`` counts none and copies at eviction."""
 
 
 class HiTreeNode(TreeNode):
@@ -68,7 +72,7 @@ class HiTreeNode(TreeNode):
                  parent: TreeNode | None, last_access: int) -> None:
         super().__init__(node_id, key, value, parent, last_access)
         self.host_value: list[int] | None = None  # host slots, one per token, once backed up
-        self.hits = 0  # inserts that walked through this node on the device, or added it
+        self.hits = 0  # requests whose inserts walked through this node or added it
 
 
 class HiRadixCache(RadixCache):
@@ -124,10 +128,11 @@ class HiRadixCache(RadixCache):
 
     # ----------------------------------------------------------------- insert
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
+               tag: str = "", inserted_len: int = 0) -> int:
         """``RadixCache.insert``, where host-only nodes on the path take the new device
-        slots (their KV is on the device again, and on the host as before), and the device
-        nodes walked through and the new leaf are counted a hit (``_count_insert``).
+        slots (their KV is on the device again, and on the host as before), and the nodes
+        walked through and the new leaf count a hit where they end past ``inserted_len``
+        (``_count_insert``).
 
         Returns the tokens already cached *on the device*: the caller keeps and frees
         ``values[:returned]``, the tree keeps the rest, as ``PrefixCache`` says.
@@ -146,6 +151,7 @@ class HiRadixCache(RadixCache):
                 split_ids.append(child.id)
             self._to_device(child, vals[pos:pos + matched])
             path_ids.append(child.id)
+            walked.append(child)
             pos, node = pos + matched, child
             if cut:
                 break
@@ -155,9 +161,7 @@ class HiRadixCache(RadixCache):
             inserted = (leaf.id,)
             path_ids.append(leaf.id)
             walked.append(leaf)
-            if self.policy == "write_through":
-                self._backup(leaf)
-        self._count_insert(walked)
+        self._count_insert(walked, inserted_len)
         self._report("insert", tag, length, tuple(path_ids), tuple(split_ids), inserted=inserted)
         return length
 
@@ -231,18 +235,24 @@ class HiRadixCache(RadixCache):
             node = node.parent
         return path[::-1]
 
-    def _count_insert(self, walked: Sequence[TreeNode]) -> None:
-        """An insert walked through ``walked`` (device nodes, top first, and the leaf it
-        added): each is hit once more, and under ``write_through_selective`` a node without
-        a host copy is backed up at its second hit, parents before children. ``write_back``
-        counts nothing, as in SGLang."""
-        if self.policy == "write_back":
+    def _count_insert(self, walked: Sequence[TreeNode], inserted_len: int) -> None:
+        """An insert walked through ``walked`` (top first, then the leaf it added, if any):
+        each node that ends past ``inserted_len``, the tokens this request inserted before,
+        is hit once more; a node that ends within them was counted by this request's earlier
+        insert. A node without a host copy is backed up once its hits reach the policy's
+        ``BACKUP_HITS``, parents before children. ``write_back`` counts nothing, as in
+        SGLang."""
+        threshold = BACKUP_HITS.get(self.policy)
+        if threshold is None:
             return
+        end = 0
         for node in walked:
             assert isinstance(node, HiTreeNode)
+            end += len(node.key)
+            if end <= inserted_len:
+                continue
             node.hits += 1
-            if (self.policy == "write_through_selective" and node.host_value is None
-                    and node.hits >= SELECTIVE_HITS):
+            if node.host_value is None and node.hits >= threshold:
                 self._backup(node)
 
     def _backup(self, node: HiTreeNode) -> bool:

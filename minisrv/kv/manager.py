@@ -3,7 +3,9 @@
 Every slot is in exactly one of three places: free in the allocator, owned by a running
 request (the tokens it computed itself), or owned by the prefix cache (a cached prefix,
 shared by every request that matched it). All moves between them happen here, following
-SGLang's ``cache_unfinished_req`` / ``cache_finished_req``:
+SGLang 0.5.23 (``mem_cache/common.py``): ``checkpoint_kv_cache`` after a prefill or chunk,
+``release_kv_cache`` when a request leaves (``checkpoint=True`` at finish, inserting first;
+both insert through ``RadixCache.checkpoint``):
 
 * **admission**: match the request's longest cached prefix and lock it; allocate slots for
   the rest (evicting unlocked prefixes when the pool is short);
@@ -230,8 +232,8 @@ class KVManager:
     # ------------------------------------------------------------------ handing KV over
     def cache_unfinished(self, req: Req, end: int | None = None) -> None:
         """Right after ``req``'s prefill (or a chunk of it: its KV up to ``end``), put its KV
-        in the cache and switch ``req`` to the cache's copy (SGLang's
-        ``cache_unfinished_req``).
+        in the cache and switch ``req`` to the cache's copy (SGLang 0.5.23's
+        ``checkpoint_kv_cache``, which calls ``RadixCache.checkpoint(req, up_to=...)``).
 
         Where the tree already held some of these tokens (another request prefilled the same
         text meanwhile), ``req``'s duplicate slots are freed and its table row takes the
@@ -242,7 +244,7 @@ class KVManager:
         end = req.kv_len if end is None else end
         tokens = req.all_tokens[:end]  # a tuple: the tree's key type
         slots = self.table.slots(req, 0, end)
-        already = tree.insert(tokens, slots, tag=tag)
+        already = self._insert(req, tokens, slots)
         match = tree.match_prefix(tokens, tag=tag)
         if match.length <= req.cached_len:  # the cache keeps nothing (NoCache)
             return
@@ -253,7 +255,8 @@ class KVManager:
         req.cached_len, req.cache_node = match.length, match.node
 
     def cache_finished(self, req: Req) -> None:
-        """Give a finished request's KV (prompt + output) to the cache, then unlock.
+        """Give a finished request's KV (prompt + output) to the cache, then unlock (SGLang
+        0.5.23's ``release_kv_cache(req, tree_cache, checkpoint=True)``).
 
         Its KV is not freed but kept for the next turn of a chat or any request with the same
         prefix; it becomes evictable. Slots duplicating what the tree already held are freed
@@ -262,10 +265,19 @@ class KVManager:
         """
         tokens = req.all_tokens[: req.kv_len]
         slots = self.table.slots(req)
-        already = self.tree.insert(tokens, slots, tag=_tag(req))
+        already = self._insert(req, tokens, slots)
         whole = req.kv_len - req.kv_len % self.page_size
         self.kv.free([*slots[req.cached_len:already], *slots[max(already, whole):]])
         self._unlock(req)
+
+    def _insert(self, req: Req, tokens: tuple[int, ...], slots: Sequence[int]) -> int:
+        """Insert ``req``'s ``tokens`` and remember how far it has inserted (the tree's whole
+        pages), so that its next insert counts a hit only on what lies past (SGLang's
+        ``cache_inserted_len``). Returns what was already cached, as ``insert`` does."""
+        already = self.tree.insert(tokens, slots, tag=_tag(req), inserted_len=req.inserted_len)
+        whole = len(tokens) - len(tokens) % self.page_size
+        req.inserted_len = max(req.inserted_len, whole)
+        return already
 
     def release(self, req: Req) -> int:
         """Free the slots ``req`` owns and unlock its cached prefix (retraction, abort);
@@ -295,7 +307,7 @@ class KVManager:
         self.table.give_back(req)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node, tag=_tag(req))
-        req.kv_len, req.cached_len, req.cache_node = 0, 0, None
+        req.kv_len, req.cached_len, req.cache_node, req.inserted_len = 0, 0, None, 0
 
     # ------------------------------------------------------------------ steps
     def launched(self, reqs: Sequence[Req]) -> None:

@@ -36,7 +36,6 @@ optional ``tag`` (e.g. the request it serves) that is passed through to the list
 used for nothing else.
 """
 
-
 from __future__ import annotations
 
 import heapq
@@ -113,12 +112,13 @@ class RadixCache(PrefixCache):
         return MatchResult(length, node, values)
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
-               tag: str = "") -> int:
+               tag: str = "", inserted_len: int = 0) -> int:
         """Cache ``tokens`` with their ``values`` (one per token; ``None``: standalone mode).
 
         Args:
             tokens: the token run to cache, e.g. a prompt, or prompt + output.
             values: the KV slot of each token; defaults to ``None`` per token.
+            inserted_len: unused: this tree counts no hits (``PrefixCache.insert``).
 
         Returns:
             How many leading tokens were already cached. The tree keeps the values of the

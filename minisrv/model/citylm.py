@@ -209,11 +209,11 @@ class CityLM(nn.Module):
 
         All new tokens form one [T_total, d] matrix, so embeddings, norms, projections, the
         MLP and the LM head each run once for the whole step. Only attention is per request:
-        each token is rotated by its own position, its K/V are written to its request's slot
-        in ``pool``, and it attends to its own request's slots (``"loop"``: a call per
-        request; ``"padded"``, ``"flex"``: one for all; ``minisrv.runner.attention`` picks
-        per device). Returns logits [T_total, vocab], or with ``last_only`` [requests, vocab]
-        for each request's last token. Checks run before the pool is written.
+        each token is rotated by its own position, its K/V go to its request's slot in
+        ``pool``, and it attends to its request's slots (``"loop"``: a call per request;
+        ``"padded"``: one per group, decodes apart from prefills; ``"flex"``: one for all;
+        ``minisrv.runner.attention`` picks per device). Returns logits [T_total, vocab], or
+        with ``last_only`` [requests, vocab] for the last tokens. Checks precede any pool write.
         """
         batch = batch.to(self.device)
         self.check_flat(batch, pool, attention)

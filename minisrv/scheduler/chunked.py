@@ -7,7 +7,7 @@ as the scheduler's ``chunked`` request (SGLang's ``chunked_req``). It keeps its 
 KV between steps; every later step continues it first, and nobody else starts a prefill
 until its last chunk, the one that samples its first token, is formed. Each completed
 chunk's KV goes into the prefix cache (``KVManager.cache_unfinished`` up to the chunk's
-end, SGLang's ``cache_unfinished_req``), so a request arriving meanwhile with the same
+end, SGLang 0.5.23's ``checkpoint_kv_cache``), so a request arriving meanwhile with the same
 prefix reuses it.
 
 How a step is formed follows SGLang:

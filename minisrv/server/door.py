@@ -168,9 +168,11 @@ def sampling_params(body: Any, max_tokens: int, j: int,
 
 def grammar_fields(body: Any) -> dict[str, str]:
     """The grammar a body asks for, as ``SamplingParams`` fields: OpenAI's ``response_format``
-    (``json_object``: any JSON object; ``json_schema``: its ``schema``, strict) or SGLang's
-    ``regex`` / ``ebnf``. The engine compiles it when the request reaches it (cached by text),
-    so an invalid grammar, or one the model's vocabulary cannot spell, is a 400 there."""
+    (``json_object``: any JSON object; ``json_schema``: its ``schema``) or SGLang's ``regex`` /
+    ``ebnf``. A schema is enforced whether ``json_schema.strict`` is true or false, as in SGLang
+    0.5.23 unless its chat template hands the format to the model (which minisrv's never does).
+    The engine compiles it when the request reaches it (cached by text), so an invalid
+    grammar, or one the model's vocabulary cannot spell, is a 400 there."""
     fields: dict[str, str] = {}
     fmt = getattr(body, "response_format", None)
     if fmt is not None:
@@ -183,6 +185,10 @@ def grammar_fields(body: Any) -> dict[str, str]:
             if not isinstance(schema, dict):
                 raise BadRequest("response_format json_schema needs a json_schema.schema object",
                                  "response_format")
+            strict = spec.get("strict")
+            if strict is not None and not isinstance(strict, bool):  # OpenAI's wire type
+                raise BadRequest("response_format json_schema.strict must be true or false, "
+                                 f"got {strict!r}", "response_format")
             fields["json_schema"] = json.dumps(schema, sort_keys=True)
         elif kind != "text":
             raise BadRequest("response_format type must be text, json_object or json_schema, "

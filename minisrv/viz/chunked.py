@@ -9,12 +9,14 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from minisrv.engine import RunResult
 from minisrv.experiments.chunked import (
     CHUNK_SIZES,
     SGLANG_DEFAULT,
     VLLM_SMALL_GPU,
+    VLLM_V1_DEFAULT,
     SpikeRun,
     chunk_runs,
     chunk_table,
@@ -35,7 +37,7 @@ from minisrv.viz.style import (
 
 __all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
            "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_table", "share_title",
-           "step_table"]
+           "step_table", "tradeoff_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -81,40 +83,96 @@ def step_table(trace: Sequence[StepRecord], budget: int, rid_names: dict[int, st
     return one_header_row(pd.DataFrame(rows).set_index("step"))
 
 
+def _defaults_at(size: int, mode: str) -> str:
+    """Which engines' default budget ``size`` is, in ``mode``: SGLang's runs mixed steps only
+    with ``--enable-mixed-chunk``."""
+    if mode != "mixed":
+        return "SGLang's default" if size == SGLANG_DEFAULT else ""
+    names = [name for default, name in ((VLLM_V1_DEFAULT, "vLLM on H100"),
+                                        (VLLM_SMALL_GPU, "vLLM, smaller GPUs"),
+                                        (SGLANG_DEFAULT, "SGLang mixed")) if size == default]
+    return ", ".join(names)
+
+
 @styled
 def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
-                  title: str = "") -> BookFigure:
-    """Left: worst and p99 inter-token gap against the long prompts' mean TTFT, one point
-    per chunk size (no chunking marked apart). Right: throughput per chunk size."""
-    fig, (left, right) = page_figure(height_in=3.8, cols=2, width_ratios=[3, 2])
+                  prefill_first: pd.DataFrame | None = None) -> BookFigure:
+    """The chunk size's trade-off, three panels against the same chunk sizes (``sweep``'s,
+    "none" first: no chunking, whose level is also dashed across): the worst and the p99
+    inter-token gap, the long prompts' mean TTFT, the throughput (``throughput``'s rows if
+    given, else ``sweep``'s). ``prefill_first``'s rows (``chunk_table`` of prefill-first
+    runs) are hollow diamonds at their size; a grey line marks each size that is an
+    engine's default, named in the legend.
+
+    Every point sits over its chunk size: drawn against the TTFT instead, the p99 line
+    doubled back over the worst gap's and only one line's points could be labelled."""
+    fig, axes = page_figure(height_in=3.6, cols=3)
     chunked = sweep[sweep["chunk"].notna()]
-    whole = sweep[sweep["chunk"].isna()]
-    for column, color, name in (("max_itl", COLORS[0], "worst gap"),
-                                ("p99_itl", COLORS[1], "p99 gap")):
-        left.plot(chunked["mean_ttft_long"], 1e3 * chunked[column], "o-", color=color,
-                  label=f"{name}, chunked")
-        left.plot(whole["mean_ttft_long"], 1e3 * whole[column], "s", color=color, mfc="white",
-                  label=f"{name}, no chunking")
-    for _, row in chunked.iterrows():
-        size = int(row["chunk"])
-        mark = {SGLANG_DEFAULT: " (SGLang, vLLM on H100)",
-                VLLM_SMALL_GPU: " (vLLM, smaller GPUs)"}.get(size, "")
-        left.annotate(f"{size}{mark}", (row["mean_ttft_long"], 1e3 * row["max_itl"]),
-                      textcoords="offset points", xytext=(4, 4), fontsize=9)
-    left.set_yscale("log")
-    label_axes(left, title or "Inter-token gap against TTFT", "mean TTFT, long prompts (s)",
-               "inter-token gap (ms)")
+    whole = sweep[sweep["chunk"].isna()].iloc[0]
+    sizes = [int(c) for c in chunked["chunk"]]
+    at: dict[int | None, int] = {None: 0} | {size: i + 1 for i, size in enumerate(sizes)}
+    first = prefill_first if prefill_first is not None else sweep.iloc[:0]
+
+    def where(chunks: pd.Series) -> list[int]:
+        missing = [c for c in chunks if not pd.isna(c) and int(c) not in at]
+        if missing:
+            raise ValueError(f"chunk sizes {missing} are not among the sweep's {sizes}")
+        return [at[None if pd.isna(c) else int(c)] for c in chunks]
+
+    gaps, ttft, rate = axes
+    handles = []
+    for ax, column, color, name in ((gaps, "max_itl", COLORS[0], "worst gap"),
+                                    (gaps, "p99_itl", COLORS[1], "p99 gap"),
+                                    (ttft, "mean_ttft_long", COLORS[3], "mean TTFT, long prompts")):
+        handles += ax.plot(where(chunked["chunk"]), 1e3 * chunked[column], "o-", color=color,
+                           label=name)
+        ax.axhline(1e3 * whole[column], color=color, ls="--", lw=1)
+        ax.plot([0], [1e3 * whole[column]], "s", color=color, mfc="white")
+        ax.plot(where(first["chunk"]), 1e3 * first[column], "D", ms=9, color=color, mfc="none")
     data = throughput if throughput is not None else sweep
-    labels = ["none" if pd.isna(c) else f"{int(c) // 1024}K" if c >= 1024 else str(int(c))
-              for c in data["chunk"]]
-    bars = right.bar(labels, data["throughput"], color=COLORS[2])
-    right.bar_label(bars, [f"{v:,.0f}" for v in data["throughput"]], rotation=90,
-                    padding=2, fontsize=8)
-    right.margins(y=0.25)  # room above the tallest bar for its label
-    right.tick_params(axis="x", rotation=60)
-    label_axes(right, "Throughput", "chunk size (tokens)", "output tokens / s")
-    legend_below(fig, ncol=2)
+    bars = rate.bar(where(data["chunk"]), data["throughput"], color=COLORS[2])
+    for text in rate.bar_label(bars, [f"{v:,.0f}" for v in data["throughput"]], rotation=90,
+                               padding=2, fontsize=8):
+        text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})  # over a line
+    handles.append(Line2D([], [], color="#555555", marker="s", mfc="white", ls="--", lw=1,
+                          label="no chunking"))
+    for size, mode in zip(first["chunk"], first["mode"], strict=True):
+        names = _defaults_at(int(size), mode)
+        handles.append(Line2D([], [], color="#555555", marker="D", mfc="none", ls="none",
+                              label=f"{int(size):,}, {mode}" + (f" ({names})" if names else "")))
+    defaults = [(size, names) for size in sizes if (names := _defaults_at(size, "mixed"))]
+    for (size, names), style in zip(defaults, ((0, (1, 1.5)), (0, (6, 2, 1, 2)), "-."),
+                                    strict=False):
+        for ax in axes:
+            ax.axvline(at[size], color="#7f7f7f", ls=style, lw=1.5, zorder=0)
+        handles.append(Line2D([], [], color="#7f7f7f", ls=style, lw=1.5,
+                              label=f"{size:,}: {names}"))
+    gaps.set_yscale("log")
+    plain_log_ticks(gaps)
+    gaps.margins(y=0.1)
+    rate.margins(y=0.3)  # room above the tallest bar for its label
+    labels = ["none", *(_size_label(c) for c in sizes)]
+    for ax, title, ylabel in ((gaps, "Inter-token gap", "gap (ms)"),
+                              (ttft, "Long prompts' TTFT", "mean TTFT (ms)"),
+                              (rate, "Throughput", "output tokens / s")):
+        ax.set_xticks(range(len(labels)), labels, rotation=60)
+        ax.minorticks_off()
+        label_axes(ax, title, "chunk size (tokens)", ylabel)
+    legend_below(fig, handles, ncol=2)
     return fig
+
+
+def tradeoff_table(*tables: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``chunk_table`` tables in whole milliseconds: worst and p99 gap, the long
+    prompts' mean TTFT; a row named by its chunk size ("none": no chunking) and its mode
+    where that is not mixed."""
+    rows = pd.concat(tables)
+    table = (rows[["max_itl", "p99_itl", "mean_ttft_long"]] * 1e3).round(0).astype(int)
+    table.columns = ["worst gap (ms)", "p99 gap (ms)", "mean TTFT long (ms)"]
+    table.index = [("none" if pd.isna(size) else str(int(size)))
+                   + ("" if mode == "mixed" else f", {mode}")
+                   for size, mode in zip(rows["chunk"], rows["mode"], strict=True)]
+    return table
 
 
 def _size_label(size: float) -> str:
@@ -256,10 +314,13 @@ def chunk_explorer(
                      {"max_itl": float(chunked["max_itl"]), "p99_itl": float(chunked["p99_itl"]),
                       "mean_ttft_long": float(chunked["mean_ttft_long"]),
                       "throughput": float(chunked["throughput"]),
-                      "max_itl_unchunked": float(whole["max_itl"])},
+                      "max_itl_unchunked": float(whole["max_itl"]),
+                      "p99_itl_unchunked": float(whole["p99_itl"]),
+                      "mean_ttft_long_unchunked": float(whole["mean_ttft_long"])},
                      caption=f"Chunks of {chunk}: worst gap {1e3 * chunked['max_itl']:.0f} ms "
                              f"against {1e3 * whole['max_itl']:.0f} ms unchunked; long prompts' "
-                             f"first token after {chunked['mean_ttft_long']:.2f} s.")
+                             f"mean TTFT {1e3 * chunked['mean_ttft_long']:,.0f} ms against "
+                             f"{1e3 * whole['mean_ttft_long']:,.0f} ms unchunked.")
 
     # The page's range steps through the sizes in order (powers of two, as the widget's log2
     # slider does) and shows the size itself.
@@ -271,16 +332,24 @@ def chunk_explorer(
     return explorer(draw, controls, live=lambda: chunk_widget(n, rate))
 
 
-GAP_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap"}
+METRIC_NAMES = {"max_itl": "worst gap", "p99_itl": "p99 gap",
+                "mean_ttft_long": "mean TTFT long"}
 
 
-def share_table(ex: Explorer, gaps: Sequence[tuple[str, int]] = (
-        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384)),
+def share_table(ex: Explorer, columns: Sequence[tuple[str, int | None]] = (
+        ("max_itl", 2048), ("p99_itl", 256), ("p99_itl", 16384), ("p99_itl", None),
+        ("mean_ttft_long", 256), ("mean_ttft_long", None)),
         shares: Sequence[float] = EXPLORER_SHARES) -> pd.DataFrame:
     """What ``chunk_explorer``'s states give along the share of long prompts: one row per
-    share, one column per (gap, chunk size) of ``gaps``, in whole milliseconds."""
-    columns = {f"{GAP_NAMES[gap]} at {chunk:,} (ms)":
-               [round(1e3 * ex.metrics(chunk=chunk, share=share)[gap]) for share in shares]
-               for gap, chunk in gaps}
+    share, one column per (metric, chunk size) of ``columns`` (a size of ``None``: without
+    chunking, which every state of a share holds beside its own), in whole milliseconds."""
+    def value(metric: str, chunk: int | None, share: float) -> float:
+        if chunk is None:
+            return ex.metrics(chunk=ex.default["chunk"], share=share)[f"{metric}_unchunked"]
+        return ex.metrics(chunk=chunk, share=share)[metric]
+
+    table = {f"{METRIC_NAMES[metric]} {'unchunked' if chunk is None else f'at {chunk:,}'} (ms)":
+             [round(1e3 * value(metric, chunk, share)) for share in shares]
+             for metric, chunk in columns}
     index = pd.Index([f"{share:.0%}" for share in shares], name="long prompts")
-    return one_header_row(pd.DataFrame(columns, index=index))
+    return one_header_row(pd.DataFrame(table, index=index))

@@ -93,7 +93,12 @@ class _Layouts:
     A constrained layout is solved anew at every draw and took 60% of drawing a frame of
     chapter 03a's two panels. The states of an explorer are one figure drawn with other
     numbers, so the layout of the first (the default state) serves them all: each frame then
-    costs one draw, and switching states never shifts an axis under the reader's eye.
+    costs one draw, and switching states never shifts an axis under the reader's eye. Other
+    numbers can need other margins, though: three-digit ticks after two-digit ones pushed
+    chapter 06's y-labels off the figure, and a legend of eight workers in two rows, laid out
+    for four in one, covered its x-label. So the shape counts the characters of each axes'
+    longest y tick label and the entries of each legend, and a state that differs in them
+    gets a layout of its own.
     """
 
     def __init__(self) -> None:
@@ -105,7 +110,10 @@ class _Layouts:
 
         if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
             return
-        shape = (tuple(fig.get_size_inches()), tuple(type(ax).__name__ for ax in fig.axes))
+        shape = (tuple(fig.get_size_inches()), tuple(type(ax).__name__ for ax in fig.axes),
+                 tuple(max((len(t.get_text()) for t in ax.get_yticklabels()), default=0)
+                       for ax in fig.axes),
+                 tuple(len(legend.get_texts()) for legend in fig.legends))
         if shape not in self.places:
             fig.draw_without_rendering()  # the one solve of this shape
             self.places[shape] = [ax.get_position() for ax in fig.axes]
@@ -204,14 +212,17 @@ class Explorer:
     """Precomputed states of an experiment behind HTML controls, plus the kernel widget.
 
     Build one with ``explorer(...)``. ``states`` maps each tuple of control values (in the
-    controls' order) to its ``Frame``'s metrics; ``metrics(**values)`` reads one.
+    controls' order) to its ``Frame``'s metrics; ``metrics(**values)`` reads one. ``runs``:
+    the runs its states were drawn from, where the code after it reads them too.
     """
 
     def __init__(self, controls: Sequence[Control], frames: Mapping[tuple, Frame],
-                 live: Callable[[], Any] | None = None, title: str = "") -> None:
+                 live: Callable[[], Any] | None = None, title: str = "",
+                 runs: Any = None) -> None:
         self.controls = list(controls)
         self.live = live
         self.title = title
+        self.runs = runs
         self.states = {key: dict(frame.metrics) for key, frame in frames.items()}
         self.html = self._render(frames)
 
@@ -300,14 +311,16 @@ def _widget_bundle(widget: Any) -> dict[str, Any]:
 
 
 def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequence[Any], Any]],
-             live: Callable[[], Any] | None = None, title: str = "") -> Explorer:
+             live: Callable[[], Any] | None = None, title: str = "",
+             runs: Any = None) -> Explorer:
     """Run ``draw(**values)`` for every combination of the controls' values and return the
     ``Explorer`` that switches between them.
 
     ``controls``: ``(name, label, values, default)`` per control, in the order they appear;
     ``draw`` returns a ``Frame`` (the experiment's figure or table and its numbers) and is
     the same code the chapter's static figure and kernel widget run. ``live`` builds the
-    kernel widget (called only where a kernel can show it).
+    kernel widget (called only where a kernel can show it). ``runs``: what ``draw`` reads,
+    kept on the explorer (``Explorer.runs``) for the cells after it.
     """
     made = [Control(name, label, list(values), default)
             for name, label, values, default in controls]
@@ -328,4 +341,4 @@ def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequ
             if not isinstance(frame, Frame):
                 raise TypeError(f"draw must return a Frame, got {type(frame).__name__}")
             frames[key] = frame
-        return Explorer(made, frames, live=live, title=title)
+        return Explorer(made, frames, live=live, title=title, runs=runs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import graphviz
@@ -61,6 +62,26 @@ def _glyphs(token_text: Sequence[str]) -> list[str]:
             for t in token_text]
 
 
+def _column_labels(token_text: Sequence[str]) -> list[tuple[float, str]]:
+    """The mask's column labels as (x, text): a run of letters of one case is one label under
+    its middle (``A–Z``), every other token its own glyph. Letter by letter, 61 one-character
+    labels on two staggered rows were hard to pair with their columns; the chosen letter is
+    the row's label anyway."""
+    glyphs = _glyphs(token_text)
+
+    def run_of(i: int) -> str | int:  # a letter's case, or the column itself
+        g = glyphs[i]
+        return ("upper" if g.isupper() else "lower") if len(g) == 1 and g.isalpha() else i
+
+    labels = []
+    for _, group in groupby(range(len(glyphs)), key=run_of):
+        run = list(group)
+        first, last = run[0], run[-1]
+        labels.append(((first + last) / 2,
+                       glyphs[first] if len(run) == 1 else f"{glyphs[first]}–{glyphs[last]}"))
+    return labels
+
+
 @styled
 def plot_masks(steps: Sequence[MaskStep], token_text: Sequence[str],
                title: str = "The mask, step by step", shown: int | None = None) -> BookFigure:
@@ -81,18 +102,26 @@ def plot_masks(steps: Sequence[MaskStep], token_text: Sequence[str],
     fig, ax = page_figure(height_in=1.4 + 0.24 * len(steps))
     ax.imshow(grid, cmap=ListedColormap([FORBIDDEN, ALLOWED, CHOSEN, NOT_YET]), vmin=0,
               vmax=3, aspect="auto", interpolation="nearest")
-    # One character per column at the house size, the columns' labels on two staggered rows
-    # (even ids above, odd ids below) so that neighbours never touch.
-    glyphs = _glyphs(token_text)
-    ax.set_xticks(range(0, len(glyphs), 2), glyphs[::2])
-    ax.set_xticks(range(1, len(glyphs), 2), glyphs[1::2], minor=True)
-    ax.tick_params(axis="x", which="minor", pad=FONT_SIZES["ticks"] * 1.6)
+    # One character per column at the house size, neighbouring columns' labels on two
+    # staggered rows so that they never touch, each hung from its column by its tick; the
+    # letters' ranges on the upper row, without a tick.
+    labels = _column_labels(token_text)
+    ones = [label for label in labels if len(label[1]) == 1]
+    upper = ones[::2] + [label for label in labels if len(label[1]) > 1]
+    lower = ones[1::2]
+    ax.set_xticks([x for x, _ in upper], [t for _, t in upper])
+    ax.set_xticks([x for x, _ in lower], [t for _, t in lower], minor=True)
+    drop = FONT_SIZES["ticks"] * 1.6
+    ax.tick_params(axis="x", which="major", length=3, width=0.6)
+    ax.tick_params(axis="x", which="minor", length=drop, width=0.6, pad=2)
+    for tick in ax.xaxis.get_major_ticks()[len(ones[::2]):]:
+        tick.tick1line.set_visible(False)
     ax.set_yticks(range(len(steps)),
                   [f"{r + 1}: {_show(token_text[s.token])}" for r, s in enumerate(steps)])
     for label in ax.get_yticklabels()[shown:]:
         label.set_color("none")
     ax.grid(False)
-    ax.tick_params(which="both", length=0)
+    ax.tick_params(axis="y", length=0)
     label_axes(ax, title, f"token of the vocabulary ({GLYPH_KEY})", "step: token chosen")
     legend_below(fig, [Patch(color=ALLOWED, label="allowed by the grammar"),
                        Patch(color=CHOSEN, label="chosen (greedy)"),

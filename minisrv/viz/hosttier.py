@@ -56,12 +56,12 @@ def tier_graphviz(views: Sequence[NodeView], tokenizer: Any = None,
 
 def sim_table_view(table: pd.DataFrame) -> pd.DataFrame:
     """``sim_tier_table`` as the page shows it: the hit rate in percent, TTFT to a tenth of a
-    second, throughput in whole tokens, token counts in millions to two places, one header
-    row. The numbers themselves stay in ``table``."""
+    second, output tokens per second to the whole token, token counts in millions to two
+    places, one header row. The numbers themselves stay in ``table``."""
     shown = pd.DataFrame({
         "hit rate": table["hit rate"].map("{:.1%}".format),
         "mean TTFT (s)": table["mean TTFT (s)"].map("{:.1f}".format),
-        "throughput (tok/s)": table["throughput (tok/s)"].round().astype(int),
+        "output tok/s": table["output tok/s"].round().astype(int),
         "loaded (M tokens)": table["loaded (M tokens)"].map("{:.2f}".format),
         "backed up (M tokens)": table["backed up (M tokens)"].map("{:.2f}".format),
     }, index=table.index)
@@ -121,14 +121,14 @@ def _frame(size: int, policy: str, runs: Mapping[tuple[int, str], TierRun],
            sizes: Sequence[int], policies: Sequence[str], history_tokens: int = 0) -> Frame:
     run = _run_at(runs, size, policy)
     numbers = {"host tier (tokens)": size, "policy": policy, "hit rate": run.hit_rate,
-               "mean TTFT (s)": run.mean_ttft, "throughput (tok/s)": run.throughput,
+               "mean TTFT (s)": run.mean_ttft, "output tok/s": run.throughput,
                "backed up (tokens)": run.backed_up_tokens}
     tier = f"host tier of {size:,} tokens, {policy}" if size else "no host tier"
     return Frame([plot_tier_sizes(runs, sizes, policies, (size, policy), history_tokens)],
                  numbers,
                  caption=f"{tier}: {run.hit_rate:.1%} of prompt tokens hit, "
                          f"{run.backed_up_tokens / 1e6:.2f}M tokens copied to the host, "
-                         f"mean TTFT {run.mean_ttft:.1f} s, {run.throughput:,.0f} tokens/s")
+                         f"mean TTFT {run.mean_ttft:.1f} s, {run.throughput:,.0f} output tokens/s")
 
 
 def host_size_explorer(workload: Any, sizes: Sequence[int],

@@ -87,15 +87,18 @@ class Component(NamedTuple):
 
 COMPONENTS: dict[str, Component] = {
     "api": Component("HTTP server\n(OpenAI API, SSE)", ("server/",), "08_server"),
-    "router": Component("Router\n(cache-aware,\nload balance)", ("router/",), "06_routing"),
     "tokenizer": Component("Tokenizer", ("tokenizer.py",), "00_overview"),
-    "scheduler": Component("Scheduler\n(main loop,\nbatching)", ("scheduler/",), "02_scheduler"),
+    "router": Component("Router\n(cache-aware,\nload balance)", ("router/",), "06_routing"),
+    "scheduler": Component("Scheduler\n(main loop,\nbatching)", ("scheduler/", "engine.py"),
+                           "02_scheduler"),
     "policy": Component("Scheduling\npolicy\n(FCFS, LPM, DFS)", ("scheduler/policy.py",),
                         "05_cache_aware"),
     "overlap": Component("Overlap loop\n(future tokens)", ("scheduler/overlap.py",), "07_overlap"),
     "chunked": Component("Chunked prefill\n(token budget)", ("scheduler/chunked.py",),
                          "03a_chunked_prefill"),
-    "worker": Component("Model worker\n(CityLM forward)", ("model/",), "00_overview"),
+    "worker": Component("Model runner\n(one forward\nper step)", ("runner/model_runner.py",
+                                                                   "model/"),
+                        "03_selective_batching"),
     "spec": Component("Speculative\ndecoding\n(drafts, checks)",
                       ("spec/", "runner/speculative.py", "scheduler/speculative.py"),
                       "07a_speculative_decoding"),
@@ -110,7 +113,7 @@ COMPONENTS: dict[str, Component] = {
     "attention": Component("Attention backend", ("runner/attention/",), "03_selective_batching"),
     "grammar": Component("Grammar masks\n(structured\noutput)", ("grammar/",),
                          "08a_structured_output"),
-    "detokenizer": Component("Detokenizer", ("tokenizer.py",), "00_overview"),
+    "detokenizer": Component("Detokenizer", ("server/textstream.py",), "08_server"),
 }
 
 
@@ -138,7 +141,9 @@ def component_table() -> list[dict[str, str]]:
 def architecture_diagram() -> graphviz.Digraph:
     """The serving stack of the lecture's architecture slide, as minisrv builds it.
 
-    Requests flow down from the client to the model worker and answers flow back up. As in
+    Requests flow down from the client to the model worker and answers flow back up. The
+    HTTP process tokenizes a prompt before the router sees it (``server/door.py``;
+    ``Router.route`` takes token ids), and the detokenizer is its ``TextStream``. As in
     SGLang, the scheduler owns the KV bookkeeping (the prefix cache, a radix tree or vLLM's
     hashed blocks; which slots each request's tokens occupy; the free slots) and the model
     worker holds the KV tensors and the attention backend: the two are drawn as two frames,
@@ -150,10 +155,10 @@ def architecture_diagram() -> graphviz.Digraph:
     drafts' slots are allocated as the scheduler prepares the batch
     (``eagle_prepare_for_decode``, ``speculative/eagle_utils.py``); minisrv's runner
     verifies there too, while its scheduler asks the drafter for guesses as it forms the
-    step. No row is more than
-    three boxes wide, so the drawing fits the page column with every label at 10 pt or more
-    (``tests/test_viz_style.py`` checks the width). Solid boxes exist in the package today;
-    dashed grey boxes are what later chapters add.
+    step. No row is more than three boxes wide, so the drawing fits the page column with
+    every label at 10 pt or more (``tests/test_viz_style.py`` checks the width); the host
+    tier sits at the right of its row, so its copies to the pool clear the frame's caption.
+    Solid boxes exist in the package today; dashed grey boxes are what later chapters add.
     """
     g = graphviz.Digraph("architecture", **graph_attrs(rankdir="TB", nodesep="0.2",
                                                        ranksep="0.3", compound="true"))
@@ -168,7 +173,7 @@ def architecture_diagram() -> graphviz.Digraph:
                style="rounded,filled" if built else "rounded,filled,dashed")
     with g.subgraph() as row:
         row.attr(rank="same")
-        row.node("tokenizer")
+        row.node("router")
         row.node("detokenizer")
     frames = {
         "cluster_scheduler": ("scheduler: picks each step, owns the KV bookkeeping",
@@ -188,18 +193,21 @@ def architecture_diagram() -> graphviz.Digraph:
                         row.node(key)
                     for left, right in zip(keys, keys[1:]):  # in this order, left to right
                         row.edge(left, right, style="invis")
-            for upper, lower in zip(rows, rows[1:]):  # and the rows top to bottom
-                frame.edge(upper[len(upper) // 2], lower[len(lower) // 2], style="invis")
-    g.edge("api", "router", label=" request", weight="8")
-    g.edge("router", "tokenizer", label=" one replica", weight="8")
-    g.edge("tokenizer", "scheduler", label=" token ids", weight="8")
+            for upper, lower in zip(rows, rows[1:]):  # and the rows top to bottom (a
+                # row of two hangs its left box under the middle one: host to the right)
+                frame.edge(upper[len(upper) // 2], lower[(len(lower) - 1) // 2], style="invis")
+    g.edge("api", "tokenizer", label=" prompt", weight="8")
+    g.edge("tokenizer", "router", label=" token ids", weight="8")
+    g.edge("router", "scheduler", label=" one replica", weight="8")
     g.edge("scheduler", "detokenizer", label=" streamed tokens")
     g.edge("detokenizer", "api", label=" text", constraint="false")
     g.edge("policy", "scheduler", arrowhead="none", style="dotted")
     g.edge("scheduler", "overlap", arrowhead="none", style="dotted")
-    g.edge("slots", "worker", label=" next batch", ltail="cluster_scheduler",
+    # frame to frame (ltail, lhead); drawn from slots to spec, the boxes above one another,
+    # so the two frames line up
+    g.edge("slots", "spec", label=" next batch", ltail="cluster_scheduler",
            lhead="cluster_worker")
-    g.edge("worker", "slots", label=" new tokens", ltail="cluster_worker",
+    g.edge("spec", "slots", label=" new tokens", ltail="cluster_worker",
            lhead="cluster_scheduler")
     g.edge("worker", "attention", arrowhead="none", style="dotted")
     g.edge("worker", "spec", arrowhead="none", style="dotted")

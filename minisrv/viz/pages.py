@@ -6,12 +6,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from matplotlib.colors import to_rgba
 from matplotlib.patches import Patch, Rectangle
 
 from minisrv.experiments.page_pool import PoolSnapshot, page_roles
 from minisrv.experiments.pages import PAGE_SIZES, PageRun, TraceHits, page_run, served_runs
 from minisrv.viz.explorer import Explorer, Frame, explorer
-from minisrv.viz.style import BookFigure, label_axes, legend_below, page_figure, styled
+from minisrv.viz.style import (
+    FONT_SIZES,
+    BookFigure,
+    label_axes,
+    legend_below,
+    page_figure,
+    styled,
+)
 from minisrv.viz.widgets import panel, slider
 
 __all__ = ["CACHE_COLORS", "page_explorer", "page_widget", "plot_page_state",
@@ -76,13 +84,16 @@ def _evicted(run: PageRun) -> int:
 @styled
 def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int],
                     chosen: int | None = None, title: str = "",
-                    evicted_top: float | None = None) -> BookFigure:
-    """Three panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
-    cached tokens each cache evicted for room, the hit rate and the mean batch of the tree
-    and of the block cache; ``chosen`` shaded. ``evicted_top``: the top of the
-    evicted panel's axis, so that the states of an explorer share one scale (a run that
-    evicted nothing would otherwise get an axis around zero)."""
-    fig, axes = page_figure(2.9, 1, 3)
+                    evicted_top: float | None = None, empty_top: float | None = None,
+                    batch_top: float | None = None) -> BookFigure:
+    """Four panels over ``sizes`` for one workload's runs (keyed (cache, page size)): the
+    cached tokens each cache evicted for room, the hit rate, the mean batch and the share of
+    slots left empty, of the tree and of the block cache; ``chosen`` shaded. ``evicted_top``:
+    the top of the evicted panel's axis, so that the states of an explorer share one scale
+    (a run that evicted nothing would otherwise get an axis around zero); ``empty_top`` and
+    ``batch_top`` likewise for the empty slots (%) and the mean batch, so a smaller batch
+    shows as lower bars, not as a rescaled axis."""
+    fig, axes = page_figure(2.9, 1, 4)
     x = list(range(len(sizes)))
     width = 0.38
     for k, cache in enumerate(("radix", "blocks")):
@@ -94,14 +105,21 @@ def plot_page_state(runs: Mapping[tuple[str, int], PageRun], sizes: Sequence[int
                     color=CACHE_COLORS[cache], label=label)
         axes[2].bar(at, [runs[cache, s].mean_batch for s in sizes], width,
                     color=CACHE_COLORS[cache])
+        axes[3].bar(at, [100 * runs[cache, s].waste for s in sizes], width,
+                    color=CACHE_COLORS[cache])
     for ax in axes:
         _page_axis(ax, sizes, chosen)
     axes[1].set_ylim(0, 100)
     if evicted_top is not None:
         axes[0].set_ylim(0, evicted_top)
+    if empty_top is not None:
+        axes[3].set_ylim(0, empty_top)
+    if batch_top is not None:
+        axes[2].set_ylim(0, batch_top)
     label_axes(axes[0], "Evicted", "page size", "cached tokens")
     label_axes(axes[1], "Hit rate", "page size", "% of prompt tokens")
-    label_axes(axes[2], "Batch", "page size", "mean requests per step")
+    label_axes(axes[2], "Batch", "page size", "requests per step")
+    label_axes(axes[3], "Empty slots", "page size", "% of slots held")
     legend_below(fig, ncol=2)
     if title:
         fig.suptitle(title, x=0.02, ha="left")
@@ -118,7 +136,9 @@ def _state_numbers(runs: Mapping[tuple[str, int], PageRun],
                     f"hit rate (tree), pages of {s}": tree.hit_rate,
                     f"hit rate (blocks), pages of {s}": blocks.hit_rate,
                     f"mean batch (tree), pages of {s}": tree.mean_batch,
-                    f"mean batch (blocks), pages of {s}": blocks.mean_batch}
+                    f"mean batch (blocks), pages of {s}": blocks.mean_batch,
+                    f"empty slots (tree), pages of {s}": tree.waste,
+                    f"empty slots (blocks), pages of {s}": blocks.waste}
     return numbers
 
 
@@ -129,9 +149,10 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
     """Every workload of ``workloads`` served by the radix tree and the block cache at every
     page size of ``sizes`` in a pool of each of ``pools`` tokens (``served_runs`` with
     ``options``); a state, (workload, pool), draws that workload's runs at every page size
-    (``plot_page_state``, every state on one evicted axis), so moving the pool shows what
+    (``plot_page_state``, every state on one scale per panel), so moving the pool shows what
     eviction takes at each page size.
-    ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it).
+    ``runs``: runs by pool, each a ``served_runs`` dict (reused, the new runs added to it);
+    the explorer keeps them as its ``runs``.
     ``start``: the first state, (workload, pool). A single workload gets no control (a
     menu of one entry chooses nothing)."""
     settings = [(cache, s) for s in sizes for cache in ("radix", "blocks")]
@@ -141,9 +162,11 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                  **{**options, "kv_capacity": pool})
     names = list(workloads)
     first = start or (names[0], pools[0])
-    most = max(_evicted(runs[pool][name, cache, s])  # one evicted axis for every state
-               for pool in pools for name in names for cache, s in settings)
-    evicted_top = 1.08 * max(most, 1)
+    every_run = [runs[pool][name, cache, s] for pool in pools for name in names
+                 for cache, s in settings]
+    evicted_top = 1.08 * max(max(map(_evicted, every_run)), 1)  # one scale for every state
+    empty_top = 108 * max(max(run.waste for run in every_run), 0.01)
+    batch_top = 1.08 * max(max(run.mean_batch for run in every_run), 1)
 
     def draw(pool: int, workload: str = first[0]) -> Frame:
         mine = {(cache, s): runs[pool][workload, cache, s] for cache, s in settings}
@@ -154,20 +177,24 @@ def page_explorer(model: Any, tok: Any, workloads: Mapping[str, Any],
                                     for s in sizes) for cache in ("tree", "blocks")}
         batch = {cache: ", ".join(f"{numbers[f'mean batch ({cache}), pages of {s}']:.1f}"
                                   for s in sizes) for cache in ("tree", "blocks")}
+        empty = {cache: ", ".join(f"{numbers[f'empty slots ({cache}), pages of {s}']:.1%}"
+                                  for s in sizes) for cache in ("tree", "blocks")}
         return Frame([plot_page_state(mine, sizes, None, f"{workload}, pool {pool:,} tokens",
-                                      evicted_top)],
+                                      evicted_top, empty_top, batch_top)],
                      numbers,
                      caption=f"{workload}, pool of {pool:,} tokens, pages of "
                              f"{', '.join(map(str, sizes))}: the tree evicts {evicted['tree']} "
-                             f"cached tokens, hits {hits['tree']} of prompt tokens and runs "
-                             f"{batch['tree']} requests per step; the block cache evicts "
-                             f"{evicted['blocks']}, hits {hits['blocks']} and runs "
-                             f"{batch['blocks']}")
+                             f"cached tokens, hits {hits['tree']} of prompt tokens, runs "
+                             f"{batch['tree']} requests per step and leaves {empty['tree']} "
+                             f"of its slots empty; the block cache evicts {evicted['blocks']}, "
+                             f"hits {hits['blocks']}, runs {batch['blocks']} and leaves "
+                             f"{empty['blocks']} empty")
 
     choose = [("workload", "workload", names, first[0])] if len(names) > 1 else []
     return explorer(draw, [*choose, ("pool", "pool (tokens)", list(pools), first[1])],
                     live=lambda: page_widget(model, workloads, 16,
-                                             **{**options, "kv_capacity": first[1]}))
+                                             **{**options, "kv_capacity": first[1]}),
+                    runs=runs)
 
 
 def page_widget(model: Any, workloads: Mapping[str, Any], size: int = 16,
@@ -202,15 +229,21 @@ OWNER_COLORS = ("#74c0fc", "#b2f2bb", "#eebefa")
 
 
 def _cell(ax: Any, x: float, y: float, color: str, text: str, w: float = 0.9,
-          h: float = 0.8, **text_kw: Any) -> None:
-    ax.add_patch(Rectangle((x - w / 2, y - h / 2), w, h, facecolor=color, edgecolor="0.3",
-                           lw=0.8))
-    ax.text(x, y, text, ha="center", va="center", **{"fontsize": 8, **text_kw})
+          h: float = 0.8, fill: float = 1.0, **text_kw: Any) -> None:
+    """A box coloured from its left edge over ``fill`` of its width (a page's share of
+    tokens), a pale tint of the colour beyond (still the holder's), ``text`` centred on it."""
+    left, bottom = x - w / 2, y - h / 2
+    ax.add_patch(Rectangle((left, bottom), w, h, facecolor=to_rgba(color, 0.4),
+                           edgecolor="none"))
+    ax.add_patch(Rectangle((left, bottom), w * fill, h, facecolor=color, edgecolor="none"))
+    ax.add_patch(Rectangle((left, bottom), w, h, facecolor="none", edgecolor="0.3", lw=0.8))
+    ax.text(x, y, text, ha="center", va="center", **{"fontsize": FONT_SIZES["ticks"],
+                                                      **text_kw})
 
 
 def _bare(ax: Any, title: str) -> None:
     ax.set_axis_off()
-    ax.set_title(title, loc="left", fontsize=10)
+    ax.set_title(title, loc="left", fontsize=FONT_SIZES["text"])
 
 
 @styled
@@ -218,7 +251,8 @@ def plot_pool_snapshot(snapshot: PoolSnapshot) -> BookFigure:
     """The pool of ``snapshot`` in three panels: each running request's block table (the
     page of each of its blocks), the pool's pages coloured by who holds them (the free
     queue's order on its pages), and the cached blocks as chains of hashes, each block's
-    hash taken over its parent's (last four hex digits), with its reference count."""
+    hash taken over its parent's (last four hex digits), with its reference count. A
+    request's pages are coloured as far as its tokens fill them."""
     roles = page_roles(snapshot)
     owners = list(snapshot.rows)
     colors = {**ROLE_COLORS, **{o: OWNER_COLORS[i % len(OWNER_COLORS)]
@@ -242,34 +276,37 @@ def plot_pool_snapshot(snapshot: PoolSnapshot) -> BookFigure:
                             gridspec_kw={"height_ratios": [len(owners), 2, n_chains]})
     table_ax, pool_ax, chain_ax = axes
     ps = snapshot.page_size
+    fill = {page: 1.0 for page in roles}  # cached blocks are full, free pages white anyway
     for i, (label, row) in enumerate(snapshot.rows.items()):
         for k, page in enumerate(row):
-            _cell(table_ax, k, i, colors[roles[page]], f"page {page}")
+            if roles[page] == label:
+                fill[page] = min(ps, snapshot.lengths[label] - ps * k) / ps
+            _cell(table_ax, k, i, colors[roles[page]], f"page {page}", fill=fill[page])
         table_ax.text(-0.6, i, f"{label} ({snapshot.lengths[label]} tokens)", ha="right",
-                      va="center", fontsize=9)
+                      va="center", fontsize=FONT_SIZES["ticks"])
     _bare(table_ax, f"Block tables: block k of a request holds its tokens {ps}k to "
                     f"{ps}k + {ps - 1}")
     queue = {page: k + 1 for k, page in enumerate(snapshot.free_queue)}
     for page in range(snapshot.n_pages):
         text = f"{page}" + (f"\nq{queue[page]}" if page in queue else "")
-        _cell(pool_ax, page % half, page // half, colors[roles[page]], text)
+        _cell(pool_ax, page % half, page // half, colors[roles[page]], text, fill=fill[page])
     _bare(pool_ax, "The pool's pages (qN: N-th in the free queue, q1 evicted first)")
-    step, w = 1.9, 1.75  # a block's distance from its parent's, a block's width
+    step, w = 2.0, 1.7  # a block's distance from its parent's, a block's width
     seed_row = (n_chains - 1) / 2
-    _cell(chain_ax, 0, seed_row, "white", "seed", w=0.6)
+    _cell(chain_ax, 0.1, seed_row, "white", "seed", w=0.7)
     for page, row in chain_rows.items():
         b, depth = blocks[page], _depth(blocks, page)
         x = step * (depth + 1)
         _cell(chain_ax, x, row, colors[roles[page]],
-              f"page {page}  #{b.hash & 0xFFFF:04x}  ref {b.ref}", w=w, fontsize=7.5)
-        tail = (0.3, seed_row) if b.parent is None else (x - step + w / 2, chain_rows[b.parent])
+              f"page {page}  #{b.hash & 0xFFFF:04x}\nref {b.ref}", w=w, h=0.86, fontsize=9)
+        tail = (0.45, seed_row) if b.parent is None else (x - step + w / 2, chain_rows[b.parent])
         chain_ax.annotate("", (x - w / 2, row), tail,
                           arrowprops={"arrowstyle": "->", "color": "0.3", "lw": 0.8})
     _bare(chain_ax, "Cached blocks: hash of (parent's hash, the block's tokens), reference count")
     table_ax.set_xlim(-0.55, max(longest, half) - 0.45)
     pool_ax.set_xlim(-0.55, half - 0.45)
     deepest = max(_depth(blocks, page) for page in chain_rows)
-    chain_ax.set_xlim(-0.4, max(step * (deepest + 1) + w / 2 + 0.1, 8.5))
+    chain_ax.set_xlim(-0.3, max(step * (deepest + 1) + w / 2 + 0.05, 8.5))
     for ax, rows in ((table_ax, len(owners)), (pool_ax, 2), (chain_ax, n_chains)):
         ax.set_ylim(rows - 0.5, -0.5)
     handles = [Patch(facecolor=colors[o], edgecolor="0.3", label=f"{o}'s own") for o in owners]

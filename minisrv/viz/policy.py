@@ -34,16 +34,20 @@ __all__ = [
     "policy_explorer",
 ]
 
-COLORS = {"fcfs": "tab:gray", "random": "tab:orange", "lpm": "tab:blue",
-          "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
-NAMES = {"fcfs": "FCFS", "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight",
-         "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
+COLORS = {"fcfs": "tab:gray", "fcfs-lock": "tab:brown", "random": "tab:orange",
+          "lpm": "tab:blue", "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
+NAMES = {"fcfs": "FCFS", "fcfs-lock": "FCFS, SGLang's admission order (lock-round-first)",
+         "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight", "lof": "LOF",
+         "optimal": "optimum 1 - distinct/total"}
+"""Colours and legend names by policy; ``fcfs-lock`` is FCFS under
+``admission_order="lock-round-first"``, a column a chapter adds to ``capacity_table``'s."""
 
 
 @styled
 def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> BookFigure:
     """Hit rate against cache capacity per policy (``forest_sweep``), the optimum as a
-    horizontal line and the longest request as a vertical one; log capacity axis."""
+    horizontal line and ``longest``, the smallest pool that runs every request (its longest
+    prompt and one output token), as a vertical one; log capacity axis."""
     fig, ax = page_figure(height_in=4.4)
     markers = {"fcfs": "s", "random": "^", "lpm": "o", "dfs-weight": "x"}
     for policy in table.columns:
@@ -55,7 +59,7 @@ def plot_forest_sweep(table: pd.DataFrame, longest: int, title: str = "") -> Boo
                 ms=8 if policy == "dfs-weight" else 6, color=COLORS.get(policy),
                 label=NAMES.get(policy, policy), lw=1.5)
     ax.axvline(longest, color="tab:red", ls=":", lw=1.5,
-               label=f"longest request ({longest} tokens)")
+               label=f"longest prompt + output token ({longest})")
     ax.set_xscale("log")
     ax.set_ylim(0, 100)
     label_axes(ax, title or "Serving order and cache size: hit rate of a prefix forest",
@@ -71,6 +75,8 @@ def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
     policies = table["hit rate"].columns
     for policy in policies:
         kw = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy)}
+        if policy == "fcfs-lock":  # dashed and hollow: where both FCFS orders agree, FCFS shows
+            kw |= {"ls": "--", "mfc": "none", "ms": 9, "zorder": 1}
         left.plot(table.index, 100 * table["hit rate"][policy], **kw)
         right.plot(table.index, table["prefill tokens"][policy], **kw)
     label_axes(left, "Hit rate", "KV pool capacity (tokens)", "hit rate (% of prompt tokens)")
@@ -86,11 +92,20 @@ def plot_capacity_table(table: pd.DataFrame, title: str = "") -> BookFigure:
 @styled
 def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
     """CPU time of one scheduling round against the number of waiting requests
-    (``scheduling_cost``), log-log, with SGLang's matching limit marked."""
+    (``scheduling_cost``), log-log, with SGLang's matching limit marked. Past the limit LPM
+    takes FCFS's time: its line goes on dashed, with hollow markers around FCFS's, and FCFS
+    is drawn on top, so that neither hides the other."""
     fig, ax = page_figure(height_in=4.0)
     for policy in table.columns:
-        ax.plot(table.index, table[policy], marker="o", color=COLORS.get(policy),
-                label=NAMES.get(policy, policy))
+        style = {"marker": "o", "color": COLORS.get(policy), "label": NAMES.get(policy, policy),
+                 "zorder": 3 if policy == "fcfs" else 2}
+        times = table[policy]
+        capped = int((table.index <= WAITING_QUEUE_PREFIX_MATCH_MAX).sum())
+        if policy == "lpm" and 0 < capped < len(times):
+            ax.plot(times.index[capped - 1:], times.iloc[capped - 1:], ls="--", ms=10,
+                    mfc="none", mew=1.5, markevery=slice(1, None), **{**style, "label": None})
+            times = times.iloc[:capped]
+        ax.plot(times.index, times, **style)
     ax.axvline(WAITING_QUEUE_PREFIX_MATCH_MAX, color="tab:red", ls=":",
                label=f"{WAITING_QUEUE_PREFIX_MATCH_MAX} waiting: LPM stops matching")
     ax.set_xscale("log")
@@ -191,12 +206,14 @@ two CityLM runs of a quarter to half a second of CPU time."""
 
 
 def _hit_finding(name: str, hit: float, fcfs: float) -> str:
-    """The explorer's caption: what the policy hit beside FCFS, said as a finding."""
+    """The explorer's caption: what the policy hit beside FCFS, said as a finding. The
+    explorer's FCFS admits in minisrv's default order, which on a tight pool hits far less
+    than SGLang's (the page's capacity table has both), so the caption names it."""
     if round(100 * hit, 1) == round(100 * fcfs, 1):
         return f"{name} and FCFS hit the same share of prompt tokens, {hit:.1%}."
     more = "more" if hit > fcfs else "fewer"
-    return (f"{name} hits {hit:.1%} of prompt tokens, FCFS {fcfs:.1%}: "
-            f"{abs(100 * (hit - fcfs)):.1f} points {more}.")
+    return (f"{name} hits {hit:.1%} of prompt tokens, FCFS (minisrv's admission order) "
+            f"{fcfs:.1%}: {abs(100 * (hit - fcfs)):.1f} points {more}.")
 
 
 def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIES,

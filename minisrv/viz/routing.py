@@ -41,15 +41,17 @@ __all__ = [
 def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
     """One row per labelled run: hit rate (percent, one decimal), throughput, latency, load
     ratio, requests per worker. Units are the cluster's clock unit (seconds for simulated GPUs,
-    steps for CityLM)."""
+    steps for CityLM). The throughput column is labelled "output" since it counts generated
+    tokens only, not the prompt tokens some benchmarks add. Latency and load ratio are text with
+    two decimals: as numbers, pandas shows a column of 1.0 and 1.1 with one."""
     rows = []
     for label, r in results.items():
         rows.append({
             "run": label,
             "hit rate (%)": round(100 * r.hit_rate, 1),
-            f"throughput (tok/{r.time_unit})": _tokens_per_unit(r.throughput),
-            f"mean latency ({r.time_unit})": round(r.mean_latency, 2),
-            "load ratio": round(r.load_ratio, 2),
+            f"output tok/{r.time_unit}": _tokens_per_unit(r.throughput),
+            f"mean latency ({r.time_unit})": f"{r.mean_latency:.2f}",
+            "load ratio": f"{r.load_ratio:.2f}",
             "requests per worker": " / ".join(str(n) for n in r.worker_requests),
         })
     return one_header_row(pd.DataFrame(rows).set_index("run"))
@@ -234,7 +236,7 @@ def routing_explorer(n: int = 300, seed: int = 0,
         key = (hot_share, n_workers)
         table, figure = reports[key] if key in reports else routing_report(
             n, n_workers=n_workers, hot_share=hot_share or None, seed=seed)
-        tput = next(c for c in table.columns if c.startswith("throughput"))
+        tput = next(c for c in table.columns if c.startswith("output tok"))
         numbers = {f"{run} {name}": float(table.loc[run, column]) / scale
                    for run in table.index
                    for name, column, scale in (("hit rate", "hit rate (%)", 100),

@@ -292,28 +292,37 @@ def plot_latency_throughput(sweep: pd.DataFrame, target: float) -> BookFigure:
 
     fig, ax = page_figure(height_in=3.8)
     ax.axhline(target, color="black", ls="--", lw=1, label=f"latency target {target:.1f} s")
-    # A point's rate is written beside it unless an earlier label sits close by: past its
-    # saturation static batching piles its points up at one throughput.
+    # Past its saturation a mode piles its points up at one throughput: a run of points that
+    # close together gets one label, its rates as a range ("32–128/s"), at its last point.
     span_x = np.ptp(sweep["throughput"]) or 1.0
     span_y = np.ptp(np.log10(sweep["mean_latency"])) or 1.0
-    labelled: list[tuple[float, float]] = []
     for mode, group in sweep.groupby("mode", sort=False):
         group = group.sort_values("rate")
         color = MODE_COLORS.get(mode)
         ax.plot(group["throughput"], group["mean_latency"], "o-", color=color,
                 label=MODE_LABELS.get(mode, mode))
+        runs: list[list[tuple[float, float, float]]] = []
         for rate, x, y in zip(group["rate"], group["throughput"], group["mean_latency"],
                               strict=True):
-            here = (x / span_x, np.log10(y) / span_y)
-            if any(abs(here[0] - a) < 0.06 and abs(here[1] - b) < 0.08 for a, b in labelled):
-                continue
-            labelled.append(here)
-            ax.annotate(f"{rate:g}/s", (x, y), textcoords="offset points", xytext=(5, -11),
-                        fontsize=FONT_SIZES["ticks"], color=color)
+            if runs and (abs(x - runs[-1][-1][1]) / span_x < 0.06
+                         and abs(np.log10(y / runs[-1][-1][2])) / span_y < 0.08):
+                runs[-1].append((rate, x, y))
+            else:
+                runs.append([(rate, x, y)])
+        for run in runs:
+            rates = f"{run[0][0]:g}–{run[-1][0]:g}" if len(run) > 1 else f"{run[0][0]:g}"
+            ax.annotate(f"{rates}/s", run[-1][1:], textcoords="offset points",
+                        xytext=(5, -11), fontsize=FONT_SIZES["ticks"], color=color)
+        # the crossing's value above the target line and to the left of its mark, where a
+        # rising curve leaves room
         at = throughput_at_latency(sweep, mode, target)
         ax.plot([at], [target], "D", ms=8, mfc="white", mec=color, mew=2)
         ax.annotate(f"{at:,.0f} tok/s", (at, target), textcoords="offset points",
-                    xytext=(6, 6), fontsize=FONT_SIZES["ticks"], color=color)
+                    xytext=(-7, 5), ha="right", fontsize=FONT_SIZES["ticks"], color=color)
+    # room on the left for the leftmost crossing's value, and below the lowest point's label
+    lo, hi = sweep["throughput"].min(), sweep["throughput"].max()
+    ax.set_xlim(lo - 0.2 * (hi - lo), hi + 0.06 * (hi - lo))
+    ax.set_ylim(sweep["mean_latency"].min() / 1.5, sweep["mean_latency"].max() * 1.4)
     ax.set_yscale("log")
     plain_log_ticks(ax)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))

@@ -8,9 +8,9 @@ key and value straight from the pool. The table is int32 [rows, width]; a step n
 request's ``row``, its ``context`` (tokens it attends over, the new ones included) and its
 ``new`` token count; positions ``context - new .. context - 1`` are the new tokens.
 
-Three kernels, as SGLang's Triton backend has for page size 1
-(``triton_ops/decode_attention.py``, ``extend_attention.py``), written here from the same
-ideas, not copied:
+Three kernels, as SGLang's Triton backend has for page size 1 (0.5.23 imports them from
+``sglang.kernels.ops.attention``: ``decode_attention``, ``extend_attention``), written here
+from the same ideas, not copied:
 
 * decode (one query per request): the context is cut into up to ``max_splits`` pieces,
   each program runs an online softmax over one piece for all query heads that share a KV
