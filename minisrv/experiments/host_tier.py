@@ -214,16 +214,20 @@ def sim_tier_table(runs: Mapping[tuple[int, str], TierRun]) -> pd.DataFrame:
     return table
 
 
+def _by_turn(values: Sequence[Any], sessions: int) -> dict[int, Sequence[Any]]:
+    """``values`` in workload order, split by turn of ``long_chats`` (request ``i`` is turn
+    ``i // sessions + 1``), whole turns only."""
+    return {turn + 1: values[turn * sessions:(turn + 1) * sessions]
+            for turn in range(len(values) // sessions)}
+
+
 def copies_by_turn(run: TierRun, sessions: int = 64) -> pd.DataFrame:
     """Per turn of ``long_chats`` (request ``i`` is turn ``i // sessions + 1``): how many of
     its requests made copies to the host and how many tokens they copied (``TierRun.copied``).
     Under ``write_through_selective`` a request copies what its insert gave a second hit: the
     prefixes another request cached that were still on the device when it came."""
-    rows = {}
-    for turn in range(len(run.copied) // sessions):
-        part = run.copied[turn * sessions:(turn + 1) * sessions]
-        rows[turn + 1] = {"requests that copied": sum(1 for n in part if n),
-                          "tokens copied": sum(part)}
+    rows = {turn: {"requests that copied": sum(1 for n in part if n), "tokens copied": sum(part)}
+            for turn, part in _by_turn(run.copied, sessions).items()}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("turn").T
 
 
@@ -231,11 +235,9 @@ def ttft_by_turn(runs: Mapping[str, TierRun], sessions: int = 64) -> pd.DataFram
     """Mean time to first token per turn of ``long_chats`` (request ``i`` is turn
     ``i // sessions + 1``), one row per named run: on a saturated server the mean over a whole
     run depends on where the run stops, the per-turn means show how fast the queue grows."""
-    rows = {}
-    for name, run in runs.items():
-        turns = len(run.ttft) // sessions
-        rows[name] = {turn + 1: sum(run.ttft[turn * sessions:(turn + 1) * sessions]) / sessions
-                      for turn in range(turns)}
+    rows = {name: {turn: sum(part) / sessions
+                   for turn, part in _by_turn(run.ttft, sessions).items()}
+            for name, run in runs.items()}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis(columns="turn")
 
 
