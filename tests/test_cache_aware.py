@@ -236,5 +236,8 @@ def test_the_explorer_caption_states_the_hit_rates_as_a_finding() -> None:
                                               "50.0%.")
     assert _hit_finding("LPM", 0.763, 0.05) == ("LPM hits 76.3% of prompt tokens, FCFS "
                                                  "(minisrv's admission order) 5.0%: "
-                                                 "71.3 points more.")
+                                                 "71.3 points more. In SGLang's order, which "
+                                                 "locks a round's prefixes first, FCFS can hit "
+                                                 "far more in a tight pool (the capacity table "
+                                                 "has both orders).")
     assert _hit_finding("LPM", 0.60, 0.71).endswith("11.0 points fewer.")

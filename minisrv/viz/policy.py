@@ -103,7 +103,9 @@ def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
         capped = int((table.index <= WAITING_QUEUE_PREFIX_MATCH_MAX).sum())
         if policy == "lpm" and 0 < capped < len(times):
             ax.plot(times.index[capped - 1:], times.iloc[capped - 1:], ls="--", ms=10,
-                    mfc="none", mew=1.5, markevery=slice(1, None), **{**style, "label": None})
+                    mfc="none", mew=1.5, markevery=slice(1, None),
+                    **{**style, "label": f"LPM past {WAITING_QUEUE_PREFIX_MATCH_MAX} "
+                                         "(no matching, FCFS's time)"})
             times = times.iloc[:capped]
         ax.plot(times.index, times, **style)
     ax.axvline(WAITING_QUEUE_PREFIX_MATCH_MAX, color="tab:red", ls=":",
@@ -208,12 +210,17 @@ two CityLM runs of a quarter to half a second of CPU time."""
 def _hit_finding(name: str, hit: float, fcfs: float) -> str:
     """The explorer's caption: what the policy hit beside FCFS, said as a finding. The
     explorer's FCFS admits in minisrv's default order, which on a tight pool hits far less
-    than SGLang's (the page's capacity table has both), so the caption names it."""
+    than SGLang's (the page's capacity table has both), so the caption names it, and says
+    beside a lead of LPM's that SGLang's order can narrow it."""
     if round(100 * hit, 1) == round(100 * fcfs, 1):
         return f"{name} and FCFS hit the same share of prompt tokens, {hit:.1%}."
     more = "more" if hit > fcfs else "fewer"
-    return (f"{name} hits {hit:.1%} of prompt tokens, FCFS (minisrv's admission order) "
-            f"{fcfs:.1%}: {abs(100 * (hit - fcfs)):.1f} points {more}.")
+    finding = (f"{name} hits {hit:.1%} of prompt tokens, FCFS (minisrv's admission order) "
+               f"{fcfs:.1%}: {abs(100 * (hit - fcfs)):.1f} points {more}.")
+    if hit < fcfs:
+        return finding
+    return (f"{finding} In SGLang's order, which locks a round's prefixes first, FCFS can hit "
+            "far more in a tight pool (the capacity table has both orders).")
 
 
 def policy_explorer(model: Any, tok: Any, policies: Sequence[str] = PAGE_POLICIES,
