@@ -77,6 +77,9 @@ class Req:
     # a request counts each node once (``HiRadixCache``'s write policies read the count)
     inserted_len: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens found in the cache at its first admission
+    # the scheduler's prefill tokens when it arrived (SGLang's ``arrival_processed_tokens``):
+    # the HRRN policy measures its wait as the prefill computed since
+    arrival_prefilled: int = 0
     draft_tokens: int = 0  # speculative decoding: guesses checked for it
     accepted_tokens: int = 0  # of those, kept (acceptance rate: accepted / drafted)
     jump_forward_tokens: int = 0  # tokens its grammar forced, appended without a step

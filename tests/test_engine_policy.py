@@ -122,3 +122,36 @@ def test_lpm_becomes_fcfs_while_more_than_128_wait() -> None:
     # left, LPM matches again and the warm prompt overtakes the rest
     order = fallback_order(limit + 1)
     assert order[:2] == [0, limit] and order[2:] == list(range(1, limit))
+
+
+def cold_request_admitted(model, policy: str, n_warm: int = 40
+                          ) -> tuple[int, list[Req], Engine]:
+    """How many warm requests an engine (one running at a time) admits before a cold one.
+    The warm ones share a cached 39-token head (each computes 1 token) and arrive one every
+    2 steps, as fast as they are served; the cold one (20 tokens) arrives with the first."""
+    head = [0, *range(2, 40)]
+    engine = Engine(model, kv_capacity=10_000, max_running=1, cache="radix", policy=policy)
+    engine.generate([[*head, 45]], 2)  # the head is cached
+    start = engine.scheduler.recorder.clock
+    prompts = [[*head, 40], [7] * 20, *([*head, 40 + i % 20] for i in range(1, n_warm))]
+    arrivals = [start, start, *(start + 2 * i for i in range(1, n_warm))]
+    params = [SamplingParams(max_new_tokens=2, ignore_eos=True)] * len(prompts)
+    reqs = engine.make_requests(prompts, None, params, arrivals)
+    serve_checked(engine, reqs)
+    assert [r.output for r in reqs] == [model.reference_generate(p, 2, ignore_eos=True)
+                                        for p in prompts]
+    order = sorted(reqs, key=lambda r: (r.admitted_at, r.rid))
+    return order.index(reqs[1]), reqs, engine
+
+
+def test_hrrn_admits_a_cold_request_that_lpm_starves(model) -> None:
+    """LPM serves every warm request first: each matches 39 tokens, the cold one none.
+    HRRN ranks by prefill tokens computed since arrival over tokens left: after the first
+    warm request's 1 token the cold one has waited 1 / 20, and the next warm one, just
+    arrived, 0 / 1, so the cold one goes second."""
+    lpm, _, _ = cold_request_admitted(model, "lpm")
+    hrrn, reqs, engine = cold_request_admitted(model, "hrrn")
+    assert (lpm, hrrn) == (40, 1)
+    # the clock HRRN reads: every prefill token the scheduler computed, noted at arrivals
+    assert engine.scheduler.queues.prefilled == engine.stats.prefill_tokens
+    assert [r.arrival_prefilled for r in reqs[:3]] == [40, 40, 41]  # the warm-up's 40

@@ -78,6 +78,50 @@ def test_lpm_past_128_waiting_is_fcfs_without_matching_or_check() -> None:
     assert dfs.order[0] == n - 1 and dfs.matched[-1] == 4
 
 
+# ------------------------------------------------------------------------------ HRRN
+def test_hrrn_ranks_tokens_waited_over_tokens_left_and_ties_keep_queue_order() -> None:
+    tree = tree_of([1, 2, 3, 4, 5])
+    prompts = [[1, 2, 3, 9],        # matches 3: 1 token left, waited 0 -> ratio 0
+               [9, 9, 9, 9, 9],     # cold: 5 left, waited 100 -> 20
+               [1, 2, 3, 4, 5, 6],  # matches 5: 1 left, waited 10 -> 10
+               [8, 8]]              # cold: 2 left, waited 0 -> 0 (ties with 0: in order)
+    result = calc_priority("hrrn", tree, prompts, waited_tokens=[0, 100, 10, 0])
+    assert result == PriorityResult([1, 2, 0, 3], [], [3, 0, 5, 0])
+    # Nobody has waited (no prefill since they arrived): queue order, as in SGLang's sort
+    # (which breaks the ties by rid).
+    assert calc_priority("hrrn", tree, prompts, waited_tokens=[0] * 4).order == [0, 1, 2, 3]
+
+
+def test_hrrn_lets_a_cold_request_overtake_once_it_has_waited_long_enough() -> None:
+    tree = tree_of(list(range(100, 140)))
+    warm, cold = [*range(100, 140), 1], [7] * 41  # 1 token left against 41
+    # The warm one waited 40 prefill tokens: ratio 40 / 1. The cold one passes it past
+    # 40 x 41 tokens waited (at exactly 1,640 they tie and the queue order stands).
+    for waited, first in ((40, 0), (40 * 41, 0), (40 * 41 + 1, 1)):
+        order = calc_priority("hrrn", tree, [warm, cold], waited_tokens=[40, waited]).order
+        assert order[0] == first, waited
+
+
+def test_hrrn_past_128_waiting_is_fcfs_without_matching() -> None:
+    tree = tree_of([7, 7, 7, 7])
+    n = WAITING_QUEUE_PREFIX_MATCH_MAX + 1
+    queue = [[i, 1] for i in range(n - 1)] + [[7, 7, 7, 7, 1]]
+    clock = tree.clock
+    past = calc_priority("hrrn", tree, queue, waited_tokens=[0] * (n - 1) + [500])
+    assert past == PriorityResult(list(range(n)), [], [0] * n)
+    assert tree.clock == clock  # the tree was not consulted
+
+
+def test_hrrn_needs_one_non_negative_wait_per_request() -> None:
+    tree = tree_of([1, 2, 3])
+    with pytest.raises(ValueError, match="hrrn' needs waited_tokens, one per prompt"):
+        calc_priority("hrrn", tree, [[1], [2]])
+    with pytest.raises(ValueError, match="hrrn' needs waited_tokens, one per prompt"):
+        calc_priority("hrrn", tree, [[1], [2]], waited_tokens=[1])
+    with pytest.raises(ValueError, match=">= 0"):
+        calc_priority("hrrn", tree, [[1]], waited_tokens=[-1])
+
+
 # ------------------------------------------------------------------------- DFS-weight
 def hand_tree() -> RadixCache:
     """root -> (1,1,1,1) -> {(2,2), (3,3)}; root -> (5,5,5). (1,1,1,1) entered first."""
@@ -197,7 +241,8 @@ def test_random_is_a_reproducible_permutation() -> None:
 @pytest.mark.parametrize("policy", sorted(CACHE_AWARE))
 def test_cache_aware_policies_without_a_cache_are_fcfs(policy: str) -> None:
     head = list(range(100, 140))
-    result = calc_priority(policy, NoCache(), [head + [1], head + [2], [1, 2]])
+    result = calc_priority(policy, NoCache(), [head + [1], head + [2], [1, 2]],
+                           waited_tokens=[0, 0, 90])
     assert result == PriorityResult([0, 1, 2], [], [0, 0, 0])
 
 
@@ -263,8 +308,9 @@ def test_every_round_is_a_permutation_and_follows_its_rule(cached, queue, policy
     if policy in ("lof", "random") and check:
         check = None
     outs = [len(p) % 3 for p in queue]
+    waits = [(7 * i + seed) % 5 * 10 for i in range(len(queue))]
     result = calc_priority(policy, tree, queue, in_batch_prefix_check=check, seed=seed,
-                           max_new_tokens=outs)
+                           max_new_tokens=outs, waited_tokens=waits)
     n = len(queue)
     assert sorted(result.order) == list(range(n))
     assert set(result.deprioritized) <= set(range(n))
@@ -289,6 +335,11 @@ def test_every_round_is_a_permutation_and_follows_its_rule(cached, queue, policy
     if policy in ("lpm", "fcfs"):
         deferred = set(result.deprioritized)
         key = [(i in deferred, -result.matched[i] if policy == "lpm" else 0, i)
+               for i in range(n)]
+        assert result.order == sorted(range(n), key=lambda i: key[i])
+    if policy == "hrrn":  # highest waited / uncached first, deferred last, ties in order
+        deferred = set(result.deprioritized)
+        key = [(i in deferred, -waits[i] / (len(queue[i]) - result.matched[i]), i)
                for i in range(n)]
         assert result.order == sorted(range(n), key=lambda i: key[i])
     if policy == "dfs-weight":

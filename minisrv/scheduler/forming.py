@@ -47,6 +47,7 @@ class BatchFormer:
             batch = self.get_next_batch_to_run()
         else:
             batch = self.get_next_budgeted_batch()
+        self.queues.prefilled += batch.prefill_tokens  # HRRN's clock
         return batch if self.wide is None else self.wide.expand(batch)
 
     def get_next_batch_to_run(self) -> Batch:
@@ -94,7 +95,8 @@ class BatchFormer:
             return  # nobody waits, or no seat is free: no budget to work out
         adder = self.admission.adder(queues.running, self.memory, self.max_running)
         if queues.waiting and adder.has_place:
-            queues.waiting = self.policy.prioritize(queues.waiting, self.memory.tree)
+            queues.waiting = self.policy.prioritize(queues.waiting, self.memory.tree,
+                                                    queues.prefilled)
         if self.config.admission_order == "lock-round-first":
             yield from self.lock_round_first(adder)
             return

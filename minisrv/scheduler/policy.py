@@ -15,12 +15,20 @@ code (``QueuePolicy`` is the scheduler's part that applies it, once per admissio
   to get the logits of the next. Matching costs time proportional to the queue, so with more
   than ``WAITING_QUEUE_PREFIX_MATCH_MAX`` (128) requests waiting, LPM serves that round in
   FCFS order without matching at all. SGLang 0.5.23 names it the same (before, the number
-  stood in ``SchedulePolicy._determine_active_policy``) and caps its ``hrrn`` policy too.
+  stood in ``SchedulePolicy._determine_active_policy``) and caps ``hrrn`` too.
 * ``"dfs-weight"``: each request sits at the node where its match ends; a node weighs the
   requests at it plus its children's weights. A depth-first walk from the root visits heavier
   children first (equal weights in the order the branches entered the tree) and emits a
   node's own requests after its children. Requests sharing a prefix therefore run back to
   back, deepest shared prefix first. It never falls back to FCFS.
+* ``"hrrn"``: highest response ratio next, SGLang 0.5.23's answer to LPM's starvation
+  (``_sort_by_hrrn``). A request's ratio is the prefill tokens the server has computed since
+  it arrived over its own uncached tokens (its prompt past the capped match): it grows while
+  the request waits, fastest for a request with little left to compute, so nobody waits
+  forever and a long match still helps. Highest first; deferred requests last. Capped at
+  ``WAITING_QUEUE_PREFIX_MATCH_MAX`` waiting like LPM. Ties (every ratio 0 when no prefill
+  ran since the requests arrived) keep queue order; SGLang breaks them by ``rid``, a random
+  hex string unless the client sets it.
 * ``"lof"``: longest ``max_new_tokens`` first (stable), cache-agnostic.
 * ``"random"``: a seeded shuffle, the baseline a cache-aware order must beat.
 
@@ -64,6 +72,7 @@ __all__ = [
     "Policy",
     "POLICIES",
     "CACHE_AWARE",
+    "CAPPED_POLICIES",
     "TREE_POLICIES",
     "IN_BATCH_POLICIES",
     "WAITING_QUEUE_PREFIX_MATCH_MAX",
@@ -78,13 +87,15 @@ __all__ = [
     "distinct_prefix_tokens",
 ]
 
-Policy = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
+Policy = Literal["fcfs", "lpm", "dfs-weight", "hrrn", "lof", "random"]
 POLICIES: tuple[str, ...] = get_args(Policy)
-CACHE_AWARE: frozenset[str] = frozenset({"lpm", "dfs-weight"})
+CACHE_AWARE: frozenset[str] = frozenset({"lpm", "dfs-weight", "hrrn"})
+# Policies that stop matching past WAITING_QUEUE_PREFIX_MATCH_MAX waiting requests.
+CAPPED_POLICIES: frozenset[str] = frozenset({"lpm", "hrrn"})
 # Policies that walk the radix tree's nodes, not only its match lengths.
 TREE_POLICIES: frozenset[str] = frozenset({"dfs-weight"})
 # Policies the in-batch prefix check may be combined with (it needs matches against a tree).
-IN_BATCH_POLICIES: frozenset[str] = frozenset({"fcfs", "lpm", "dfs-weight"})
+IN_BATCH_POLICIES: frozenset[str] = frozenset({"fcfs", "lpm", "dfs-weight", "hrrn"})
 
 # Past this many waiting requests LPM stops matching, for the cost of matching the queue
 # (SGLang 0.5.23's name and value, which its source calls arbitrary).
@@ -104,7 +115,7 @@ class PriorityResult(NamedTuple):
     deprioritized: list[int]  # indices the in-batch check deferred, in queue order
     matched: list[int]  # per prompt (input order): cached prefix, capped at len - 1 (in
     #                     whole pages where page_size > 1); 0 when the round made no match
-    #                     (FCFS/LOF/random, LPM past 128 waiting)
+    #                     (FCFS/LOF/random, LPM and HRRN past 128 waiting)
 
 
 class QueuePolicy:
@@ -119,19 +130,24 @@ class QueuePolicy:
                       else in_batch_prefix_check)
         self.rng = random.Random(seed)
 
-    def prioritize(self, waiting: deque[Req], tree: PrefixCache) -> deque[Req]:
+    def prioritize(self, waiting: deque[Req], tree: PrefixCache,
+                   prefilled: int = 0) -> deque[Req]:
         """``waiting`` in the order of this round (FCFS without the in-batch check: as is).
+        ``prefilled``: the prefill tokens the scheduler has computed so far (SGLang's
+        ``processed_tokens_counter``), which HRRN's ratios count from each request's arrival.
 
         Only the order is read here, so a round computes nothing the order does without:
         DFS-weight's in-batch set (reported by ``calc_priority``, not used in its order),
-        and the output limits that only LOF sorts by."""
+        the output limits that only LOF sorts by and the waits that only HRRN does."""
         if self.policy == "fcfs" and not self.check:
             return waiting
         queue = list(waiting)
         result = calc_priority(
             self.policy, tree, [r.all_tokens for r in queue],
             in_batch_prefix_check=self.check and self.policy != "dfs-weight", seed=self.rng,
-            max_new_tokens=[r.max_new_tokens for r in queue] if self.policy == "lof" else None)
+            max_new_tokens=[r.max_new_tokens for r in queue] if self.policy == "lof" else None,
+            waited_tokens=([prefilled - r.arrival_prefilled for r in queue]
+                           if self.policy == "hrrn" else None))
         return deque(queue[i] for i in result.order)
 
 
@@ -153,6 +169,7 @@ def calc_priority(
     in_batch_prefix_check: bool | None = None,
     seed: int | random.Random | None = None,
     max_new_tokens: Sequence[int] | None = None,
+    waited_tokens: Sequence[int] | None = None,
 ) -> PriorityResult:
     """Order the waiting queue for one scheduling round.
 
@@ -170,6 +187,8 @@ def calc_priority(
         seed: for ``"random"``: an int seed or a ``random.Random`` to draw from (a scheduler
             passes its own generator so successive rounds differ but runs repeat).
         max_new_tokens: for ``"lof"``: each request's output limit, in queue order.
+        waited_tokens: for ``"hrrn"``: the prefill tokens the server computed since each
+            request arrived, in queue order.
 
     Returns:
         ``PriorityResult(order, deprioritized, matched)``.
@@ -191,21 +210,23 @@ def calc_priority(
         rng = seed if isinstance(seed, random.Random) else random.Random(seed)
         rng.shuffle(queue)
         return PriorityResult(queue, [], [0] * n)
+    if policy == "hrrn":
+        _check_waits(waited_tokens, n)
     no_cache = isinstance(tree, NoCache)
-    past_max = policy == "lpm" and n > WAITING_QUEUE_PREFIX_MATCH_MAX
+    past_max = policy in CAPPED_POLICIES and n > WAITING_QUEUE_PREFIX_MATCH_MAX
     if no_cache or past_max or (policy == "fcfs" and not check):
         return PriorityResult(queue, [], [0] * n)
     _check_tree(policy, tree)
-    return cache_aware_order(policy, tree, [tuple(p) for p in prompts], check)
+    return cache_aware_order(policy, tree, [tuple(p) for p in prompts], check,
+                             waited_tokens or ())
 
 
-def cache_aware_order(policy: str, tree: PrefixCache,
-                      prompts: Sequence[tuple[int, ...]],
-                      check: bool) -> PriorityResult:
-    """A round that matches the queue against the tree: LPM, DFS-weight, or
-    FCFS with the in-batch check (``calc_priority`` past its early returns).
-    ``prompts`` are tuples, the cache's keys; ``check`` runs the in-batch
-    prefix check."""
+def cache_aware_order(policy: str, tree: PrefixCache, prompts: Sequence[tuple[int, ...]],
+                      check: bool, waited_tokens: Sequence[int] = ()) -> PriorityResult:
+    """A round that matches the queue against the tree: LPM, DFS-weight, HRRN, or FCFS
+    with the in-batch check (``calc_priority`` past its early returns, which checked the
+    arguments). ``prompts`` are tuples, the cache's keys; ``check`` runs the in-batch
+    prefix check; ``waited_tokens``: HRRN's, one per prompt."""
     real, nodes = _match_all(tree, prompts)  # each path marked just used (LRU)
     page = tree.page_size  # a match is whole pages, so its cap is too
     matched = [min(n, (len(p) - 1) // page * page)
@@ -217,10 +238,12 @@ def cache_aware_order(policy: str, tree: PrefixCache,
     queue = range(len(prompts))
     if policy == "lpm":
         key = {i: -matched[i] for i in queue}  # longest match first
+    elif policy == "hrrn":  # highest ratio of tokens waited to tokens left to compute
+        key = {i: -waited_tokens[i] / (len(prompts[i]) - matched[i]) for i in queue}
     else:
         key = dict.fromkeys(queue, 0)  # FCFS: queue order
     for i in deferred:
-        key[i] = 1  # behind every request with a match (keys <= 0)
+        key[i] = 1  # behind every request not deferred (their keys are <= 0)
     order = sorted(queue, key=key.__getitem__)  # stable: ties keep queue order
     return PriorityResult(order, deferred, matched)
 
@@ -242,6 +265,14 @@ def _check_tree(policy: str, tree: PrefixCache) -> None:
 def _check_policy(policy: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _check_waits(waited_tokens: Sequence[int] | None, n: int) -> None:
+    if waited_tokens is None or len(waited_tokens) != n:
+        got = "none" if waited_tokens is None else f"{len(waited_tokens)} values"
+        raise ValueError(f"policy 'hrrn' needs waited_tokens, one per prompt ({n}); got {got}")
+    if any(w < 0 for w in waited_tokens):
+        raise ValueError("waited_tokens counts prefill tokens since each arrival: >= 0")
 
 
 def _longest_output_first(max_new_tokens: Sequence[int] | None, n: int) -> list[int]:

@@ -35,6 +35,9 @@ class RequestQueues:
         self.running: list[Req] = []
         self.finishing: list[Req] = []
         self.chunks = ChunkedPrefill()
+        # prefill tokens scheduled so far (SGLang's ``processed_tokens_counter``): each
+        # arrival notes it, and HRRN counts a request's wait in tokens from there
+        self.prefilled = 0
 
     @property
     def chunked(self) -> Req | None:
@@ -72,6 +75,7 @@ class RequestQueues:
         while self._pending and self._pending[0][0] <= clock:
             req = heapq.heappop(self._pending)[2]
             req.state = ReqState.WAITING
+            req.arrival_prefilled = self.prefilled
             self.waiting.append(req)
             arrived.append(req)
         return arrived

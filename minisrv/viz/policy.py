@@ -35,10 +35,11 @@ __all__ = [
 ]
 
 COLORS = {"fcfs": "tab:gray", "fcfs-lock": "tab:brown", "random": "tab:orange",
-          "lpm": "tab:blue", "dfs-weight": "tab:green", "lof": "tab:purple", "optimal": "black"}
+          "lpm": "tab:blue", "dfs-weight": "tab:green", "hrrn": "tab:red", "lof": "tab:purple",
+          "optimal": "black"}
 NAMES = {"fcfs": "FCFS", "fcfs-lock": "FCFS, SGLang's admission order (lock-round-first)",
-         "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight", "lof": "LOF",
-         "optimal": "optimum 1 - distinct/total"}
+         "random": "random", "lpm": "LPM", "dfs-weight": "DFS-weight", "hrrn": "HRRN",
+         "lof": "LOF", "optimal": "optimum 1 - distinct/total"}
 """Colours and legend names by policy; ``fcfs-lock`` is FCFS under
 ``admission_order="lock-round-first"``, a column a chapter adds to ``capacity_table``'s."""
 
@@ -153,7 +154,7 @@ def plot_policy_comparison(table: pd.DataFrame, title: str = "",
     return fig
 
 
-WIDGET_POLICIES = ("lpm", "dfs-weight", "random", "lof")
+WIDGET_POLICIES = ("lpm", "dfs-weight", "hrrn", "random", "lof")
 """The policies the widget and the explorer compare with FCFS."""
 
 
