@@ -116,9 +116,9 @@ def step_cost_from_totals(
 
 def rates_step_cost(rates: ModelRates, gpu: GPUSpec, new_tokens: int, attended_pairs: int,
                     cached_tokens: int) -> StepCost:
-    """``step_cost_from_totals``'s arithmetic, for totals known to be valid and the model's
-    rates worked out beforehand: the simulated GPU's every step (``SimBackend``), whose
-    totals come from a batch and whose model and width were checked once."""
+    """The roofline: a step's FLOPs and bytes from its three totals and the model's rates,
+    and the slower of the two times. The totals are trusted here (``step_cost_from_totals``
+    checks them), so the simulated GPU can call this on every step."""
     flops = rates.per_token * new_tokens + rates.per_pair * attended_pairs
     traffic = rates.weights + rates.kv_token * (cached_tokens + new_tokens)
     compute_s = flops / gpu.flops
@@ -196,7 +196,7 @@ def decode_step_time(
 ) -> float:
     """Seconds for one decode step. LLaMA-3-8B on an H100 at context 1024: 4.83 ms for one
     request, 5.44 ms for 16, 7.36 ms for 64. Memory fit is not checked here: compare the batch
-    with ``kvsize.max_concurrent_requests``.
+    with ``sim.sizing.max_concurrent_requests``.
     """
     return decode_step_cost(cfg, gpu, batch_size, context_len, dtype_bytes).time_s
 

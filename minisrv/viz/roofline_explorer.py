@@ -5,6 +5,7 @@ of ``minisrv.viz.roofline``, drawn for the contexts around the chosen one."""
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
 from minisrv.configs import GPUS, MODELS, GPUSpec, ModelConfig
@@ -27,6 +28,13 @@ def _requests(n: int) -> str:
     return f"{n:,} request{'' if n == 1 else 's'}"
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to three significant figures, trailing zeros kept (4.80, not ``.3g``'s
+    4.8), so that a step reads like the chapter's 4.83 beside it; whole from 100 ms."""
+    ms = seconds * 1e3
+    return f"{ms:.{max(0, 2 - math.floor(math.log10(ms)))}f}"
+
+
 def summary_line(
     cfg: ModelConfig, gpu: GPUSpec, context_len: int, batch: int, dtype_bytes: float = 2
 ) -> str:
@@ -43,7 +51,7 @@ def summary_line(
     head = (f"batch {batch:,} at context {context_len:,}" if runs == batch else
             f"batch {batch:,} > wall {runs:,} at context {context_len:,}")
     return (
-        f"{head}: step {cost.time_s * 1e3:.3g} ms ({cost.bound}-bound)\n"
+        f"{head}: step {_ms(cost.time_s)} ms ({cost.bound}-bound)\n"
         f"{runs / cost.time_s:,.0f} tokens/s = {gain:.3g}x batch 1; {_requests(wall)} fit"
     )
 
