@@ -156,12 +156,18 @@ def test_figure_titles_name_no_machine_and_count_in_the_singular(pool_case) -> N
     assert named == "One decode step on cuda"  # a benchmark's report may name it
     # per-request shares differ by factors, so they are read on a log axis
     assert vb.plot_decode_step_times(steps).axes[1].get_yscale() == "log"
+    # the step's growth on linear axes; the shares beside the 1/b of a step that stays flat
+    left, right = vb.plot_decode_step_times(steps).axes
+    assert left.get_xscale() == "linear"
+    assert [list(line.get_ydata()) for line in right.get_lines()
+            if line.get_label().startswith("1/b")] == [[1.0, 0.5]]
     one = SimpleNamespace(retractions=1, wasted_tokens=34, steps=151)
     assert vb.pool_run_title(one) == "1 retraction, 34 tokens recomputed, 151 steps"
     run = run_pool(model, work, ref, capacity=400, max_running=2)
     assert vb.plot_pool_run(run).axes[0].get_title("left") == vb.pool_run_title(
         run.engine.stats)
     assert vb.pool_run_title(run.engine.stats).startswith("0 retractions, ")
+    assert vb.plot_pool_run(run, title="").axes[0].get_title("left") == ""  # a caption says it
     # a ratio of 0 is drawn above the x-axis, not on it
     assert vb.plot_pool_run(run).axes[2].get_ylim()[0] < 0
 

@@ -31,9 +31,11 @@ def plot_decode_step_times(
     """Per-request time of a decode step against batch size, one line per attention kind.
 
     ``table[attention][batch_size]`` is the step time in seconds (``decode_step_seconds``).
-    Left: the whole step, its axis from 0 so that slow growth looks small; right: divided
-    by the batch, relative to batch 1. ``device``, if given, is named in the left panel's
-    title (a benchmark's report, not the book's page).
+    Left: the whole step on linear axes, the time from 0, so that growth reads as it is
+    (linear in the batch for the loop); right: divided by the batch, relative to batch 1,
+    on log axes beside the dashed 1/b a step would give if it took no longer than one
+    request's, its ticks labelled down to the smallest share. ``device``, if given, is
+    named in the left panel's title (a benchmark's report, not the book's page).
     """
     fig, (left, right) = page_figure(height_in=3.8, cols=2)
     for attention, times in table.items():
@@ -43,16 +45,20 @@ def plot_decode_step_times(
         base = times[sizes[0]] / sizes[0]
         right.plot(sizes, [times[b] / b / base for b in sizes], "o-", color=color, label=label)
     sizes = sorted({b for times in table.values() for b in times})
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-        ax.minorticks_off()
+    right.plot(sizes, [sizes[0] / b for b in sizes], "--", color="grey", lw=1,
+               label="1/b: a step no longer than one request's")
     label_axes(left, "One decode step" + (f" on {device}" if device else ""),
                "batch size (requests)", "step time (ms)")
+    left.set_xlim(0, None)
     left.set_ylim(0, None)
-    right.axhline(1.0, color="grey", lw=0.8, ls=":")
+    right.set_xscale("log", base=2)
+    right.set_xticks(sizes, [str(b) for b in sizes])
     # shares differ by factors: on a log axis 0.07 and 0.10 stay apart
     right.set_yscale("log")
+    right.minorticks_off()
+    low = min(line.get_ydata().min() for line in right.get_lines())
+    ticks = [t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0) if t >= low / 2]
+    right.set_yticks(ticks, [f"{t:g}" for t in ticks])
     label_axes(right, "Time per request", "batch size (requests)",
                "time per request (x batch 1)")
     legend_below(fig)
@@ -60,11 +66,13 @@ def plot_decode_step_times(
 
 
 @styled
-def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
+def plot_pool_run(run: PoolRun, title: str | None = None) -> BookFigure:
     """Used slots (top), running requests (middle) and ``new_token_ratio`` (bottom) per step.
 
     The running requests get their own panel: on the slot axis a count of requests would
     read as a number of slots. Red lines mark the steps before which requests were retracted.
+    ``title``: None gives the run's counts (``pool_run_title``); "" none, where a caption
+    says them.
     """
     trace, sched = run.engine.trace, run.engine.scheduler
     steps = [s.index for s in trace]
@@ -92,7 +100,7 @@ def plot_pool_run(run: PoolRun, title: str = "") -> BookFigure:
                        label="retraction" if i == 0 and ax is bottom else None)
     handles = [h for ax in (top, middle, bottom) for h in ax.get_legend_handles_labels()[0]]
     legend_below(fig, handles, ncol=3)
-    label_axes(top, title or pool_run_title(run.engine.stats))
+    label_axes(top, pool_run_title(run.engine.stats) if title is None else title)
     return fig
 
 
@@ -178,8 +186,8 @@ def pool_explorer(
     already made (``run_pool`` of this workload and decay, checked); each serves the state
     of its pool, cap and initial ratio. ``check``: called as ``check(outputs, reference,
     what=...)`` for every state (the book's ``CHECKS.alone``, so the page counts these
-    requests too). A state's caption gives the run in text: its figure's title (retractions,
-    recomputed tokens, steps), then the mean decode batch and the peak of slots used. Its
+    requests too). A state's caption gives the run in text, in place of its figure's title:
+    retractions, recomputed tokens, steps, the mean decode batch and the peak of slots used. Its
     metrics also count the decode steps and those at the cap, which tell two runs of one
     mean apart: one holding the cap, one starting above the mean and dwindling.
     """
@@ -211,7 +219,7 @@ def pool_explorer(
         peak = max(s.kv_used for s in run.engine.trace)
         decodes = [len(s.decode) for s in run.engine.trace if s.decode]
         mean_batch = sum(decodes) / len(decodes)
-        return Frame([plot_pool_run(run)],
+        return Frame([plot_pool_run(run, title="")],
                      {"steps": stats.steps, "retractions": stats.retractions,
                       "recomputed_tokens": stats.wasted_tokens,
                       "peak_slots": peak,
