@@ -213,8 +213,8 @@ def plot_speedup(frame: pd.DataFrame, acceptance: float, batch: int | None = Non
     marks = [h for label, h in seen.items() if not label.startswith("k = ")]
     # the legend fills column by column: interleaved, its first row is the draft lengths
     # and its second the marks, where one row of all seven would be wider than the figure
-    legend_below(fig, handles=[h for pair in zip_longest(lines, marks) for h in pair if h],
-                 ncol=len(lines))
+    handles = [h for pair in zip_longest(lines, marks) for h in pair if h is not None]
+    legend_below(fig, handles=handles, ncol=len(lines))
     return fig
 
 
