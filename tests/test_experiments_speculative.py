@@ -195,6 +195,23 @@ def test_the_speedup_explorer_holds_the_roofline_of_each_state() -> None:
     assert list(table.index) == list(range(1, 9))
 
 
+def test_the_speedup_figure_marks_the_tables_batch() -> None:
+    """The explorer's batch slider moves a dashed line on both panels (it once changed only
+    the table under a figure shared by every batch); the legend's first row is the k's."""
+    pytest.importorskip("matplotlib")
+    from minisrv.viz.speculative import plot_speedup
+
+    frame = speedup_frame(0.7, ks=(1, 2, 4, 8), batches=(1, 64, 1024))
+    fig = plot_speedup(frame, 0.7, batch=64)
+    for ax in fig.axes:
+        assert [64, 64] in [list(line.get_xdata()) for line in ax.get_lines()]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[::2] == ["k = 1", "k = 2", "k = 4", "k = 8"]  # column by column: row one
+    assert "the table's batch" in labels
+    unmarked = plot_speedup(frame, 0.7)
+    assert "the table's batch" not in [t.get_text() for t in unmarked.legends[0].get_texts()]
+
+
 def test_the_speedup_widget_builds() -> None:
     pytest.importorskip("ipywidgets")
     from minisrv.viz.speculative import speedup_widget

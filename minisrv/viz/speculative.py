@@ -8,6 +8,8 @@ The numbers come from ``minisrv.experiments.speculative``; nothing is computed h
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import zip_longest
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -20,7 +22,7 @@ from minisrv.scheduler import StepRecord
 from minisrv.sim.sizing import max_concurrent_requests
 from minisrv.sim.speedup import expected_tokens_per_check
 from minisrv.tokenizer import Tokenizer
-from minisrv.viz.explorer import Explorer, Frame, explorer, part_html
+from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
     BookFigure,
     label_axes,
@@ -174,9 +176,11 @@ def plot_sampling(check: SamplingCheck, tok: Tokenizer, top: int = 16,
 
 
 @styled
-def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> BookFigure:
+def plot_speedup(frame: pd.DataFrame, acceptance: float, batch: int | None = None,
+                 title: str = "") -> BookFigure:
     """One panel per context: the roofline speed-up against the batch, one line per k; the
-    break-even line at 1, the formula's batch-1 value, and the largest batch that fits."""
+    break-even line at 1, the formula's batch-1 value, the largest batch that fits, and
+    ``batch`` (the explorer's table: its row of every curve) as a dashed line."""
     contexts = sorted(frame["context"].unique())
     fig, axes = page_figure(height_in=3.8, cols=len(contexts), sharey=True)
     axes = np.atleast_1d(axes)
@@ -194,12 +198,23 @@ def plot_speedup(frame: pd.DataFrame, acceptance: float, title: str = "") -> Boo
             # batches past it do not fit: a veil over their curves, kept for the trend
             ax.axvspan(fits, part["batch"].max(), color="0.92", alpha=0.75, lw=0, zorder=3,
                        label="does not fit")
+        if batch is not None:
+            ax.axvline(batch, color="black", ls="--", lw=1, zorder=4, label="the table's batch")
         ax.set_xscale("log", base=2)
         label_axes(ax, f"context {context} tokens", "batch size (requests)",
                    "speed-up (x)" if ax is axes[0] else None)
     fig.suptitle(title or f"Speculation's speed-up, LLaMA-3-8B on an H100, a = {acceptance:g}",
                  x=0.02, ha="left")
-    legend_below(fig, ncol=5)
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    lines = [h for label, h in seen.items() if label.startswith("k = ")]
+    marks = [h for label, h in seen.items() if not label.startswith("k = ")]
+    # the legend fills column by column: interleaved, its first row is the draft lengths
+    # and its second the marks, where one row of all seven would be wider than the figure
+    handles = [h for pair in zip_longest(lines, marks) for h in pair if h is not None]
+    legend_below(fig, handles=handles, ncol=len(lines))
     return fig
 
 
@@ -273,27 +288,27 @@ def _speedup_metrics(table: pd.DataFrame) -> dict[str, float]:
 def speedup_explorer(acceptance: float = 0.7, batch: int = 1,
                      acceptances: Sequence[float] | None = None,
                      batches: Sequence[int] | None = None) -> Explorer:
-    """``plot_speedup`` over the acceptance rate, with the speed-up of every k from 1 to 8
-    at one batch below it (``speedup_at``), for the page.
+    """``plot_speedup`` over the acceptance rate and the batch, with the speed-up of every k
+    from 1 to 8 at that batch below it (``speedup_at``), for the page.
 
-    The figure depends on the acceptance rate alone, so it is drawn once per rate and shared
-    by every batch. The grid runs the batch from a lone request (the figure's dots: the
-    formula's tokens per check) past the crossings where long drafts, then short ones, stop
-    paying at 256 tokens of context. Each state carries the tokens per check and the
-    speed-ups of its table; the kernel face is ``speedup_widget``, which takes any value.
+    The curves depend on the acceptance rate alone, so they are computed once per rate; each
+    state's figure marks its batch, the row its table lists. The grid runs the batch from a
+    lone request (the figure's dots: the formula's tokens per check) past the crossings where
+    long drafts, then short ones, stop paying at 256 tokens of context. Each state carries
+    the tokens per check and the speed-ups of its table; the kernel face is
+    ``speedup_widget``, which takes any value.
     """
     acceptances = sorted({*EXPLORER_ACCEPTANCES, acceptance} if acceptances is None
                          else acceptances)
     batches = sorted({*EXPLORER_BATCHES, batch} if batches is None else batches)
-    figures: dict[float, str] = {}
+    curves: dict[float, pd.DataFrame] = {}
 
     def draw(acceptance: float, batch: int) -> Frame:
-        if acceptance not in figures:
-            figures[acceptance] = part_html(
-                plot_speedup(speedup_frame(acceptance, ks=FIGURE_KS), acceptance))
+        if acceptance not in curves:
+            curves[acceptance] = speedup_frame(acceptance, ks=FIGURE_KS)
         table = speedup_at(acceptance, batch)
-        return Frame([figures[acceptance], _shown_table(table)], _speedup_metrics(table),
-                     caption=_speedup_caption(table, batch))
+        return Frame([plot_speedup(curves[acceptance], acceptance, batch), _shown_table(table)],
+                     _speedup_metrics(table), caption=_speedup_caption(table, batch))
 
     return explorer(draw, [("acceptance", ACCEPTANCE_LABEL, acceptances, acceptance),
                            ("batch", "batch (requests)", batches, batch)],
@@ -309,7 +324,7 @@ def speedup_widget(acceptance: float = 0.7, batch: int = 1):
                 "batch": slider(batch, 1, 1024, "batch (requests)")}
 
     def redraw(acceptance: float, batch: int) -> None:
-        display(plot_speedup(speedup_frame(acceptance, ks=FIGURE_KS), acceptance))
+        display(plot_speedup(speedup_frame(acceptance, ks=FIGURE_KS), acceptance, batch))
         table = speedup_at(acceptance, batch)
         display(_shown_table(table))
         print(_speedup_caption(table, batch))
