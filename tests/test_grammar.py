@@ -252,6 +252,29 @@ def test_a_grammar_citylm_cannot_spell_is_refused_naming_what_is_missing(kwargs,
     assert vocab.compiles == 0 and vocab.cache == {}  # nothing half-compiled kept
 
 
+def test_a_search_out_of_budget_is_refused_as_undecided_not_as_missing_characters() -> None:
+    """A free-text field tried in token-id order ('a', 'aa', ...) swallows the witness search's
+    budget on a vocabulary that has every character the grammar needs; the refusal must say
+    that, not name "characters outside ASCII" it does not need (review 54)."""
+    import itertools
+    import string
+
+    import xgrammar as xgr
+
+    from minisrv.grammar.vocab import Vocabulary
+
+    words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+    info = xgr.TokenizerInfo(["</s>", *string.printable, *words], xgr.VocabType.RAW,
+                             stop_token_ids=[0])
+    vocab = Vocabulary(info, "letters")
+    with pytest.raises(ValueError, match="undecided whether the letters vocabulary can spell "
+                       "this regex: no complete text found within the search budget") as err:
+        compile_grammar(vocab, regex=r'\{"n": "[a-z]+"\}')
+    assert "outside ASCII" not in str(err.value) and "cannot spell" not in str(err.value)
+    assert "has every character" in str(err.value)
+    assert vocab.cache == {}
+
+
 def test_spellable_grammars_pass_with_a_witness(vocab) -> None:
     for kind, text, pattern in GRAMMARS:
         witness = grammar(vocab, kind, text).witness

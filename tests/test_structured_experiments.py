@@ -153,6 +153,8 @@ def test_the_drawings_show_the_mask_and_the_automaton(citylm, vocab) -> None:
     dot = vg.draw_automaton(machine.compressed()).source
     assert dot.count("doublecircle") == len(machine.compressed().accepting)
     assert "Paris" in dot
+    # the leading space is drawn ␣, as in the explorer: quoted, ' ' read as an empty string
+    assert "␣" in dot and "' '" not in dot
 
 
 def test_served_masks_checks_each_request_against_it_alone(citylm, vocab) -> None:

@@ -3,7 +3,8 @@
 Compilation builds xgrammar's per-state token-mask cache over the whole vocabulary: tens of
 milliseconds for a JSON schema, far longer than a decode step, so the engine must do it once
 per grammar text (the cache here) and off its step loop. Bad input is a ``ValueError``
-naming the problem: an invalid regex, schema or EBNF, or characters the vocabulary lacks.
+naming the problem: an invalid regex, schema or EBNF, characters the vocabulary lacks, or a
+spelling search that ran out of its budget before it could decide (``spelling``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,14 @@ def _compile_checked(vocab: Vocabulary, kind: str, text: str) -> CompiledGrammar
         return CompiledGrammar(kind, text, compiled, vocab, witness.decode("utf-8", "replace"))
     probe = _xgr_compile(probe_vocabulary().compiler, kind, text)
     missing = missing_chars(probe, vocab, spelling.dead_ends)
+    if spelling.out_of_budget and not missing:
+        # The search stopped on one path (a free-text field tried in token-id order can take
+        # the whole budget) and no character was missing on it: the cause is the budget.
+        raise ValueError(
+            f"undecided whether the {vocab.name} vocabulary can spell {WHAT[kind]}: no "
+            f"complete text found within the search budget ({spelling.masks} masks), and the "
+            f"vocabulary has every character the grammar asked for on the way"
+        )
     named = ", ".join(repr(c) for c in missing) if missing else "characters outside ASCII"
     raise ValueError(
         f"the {vocab.name} vocabulary cannot spell {WHAT[kind]}: it needs {named}, which no "

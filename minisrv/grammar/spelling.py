@@ -14,7 +14,8 @@ vocabulary (the witness, kept on the compiled grammar), so the first mask is nev
 does not prove that every prefix a model may choose can be completed (``Paris1|London``
 passes through ``London``, yet a model that writes ``Paris`` is stuck); that rarer dead end
 is caught at run time (the state then allows only the stop token and sets ``dead_end``). A
-grammar whose depth-first spelling needs more than ``budget`` masks is refused too.
+grammar whose depth-first spelling needs more than ``budget`` masks is refused too (as
+undecided, naming the budget, where no character was missing on the search's way).
 """
 
 from __future__ import annotations

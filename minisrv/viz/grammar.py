@@ -28,6 +28,7 @@ from minisrv.experiments.structured import (
 from minisrv.viz.explorer import FRAME_DPI, WEBP, Explorer, Frame, explorer
 from minisrv.viz.style import (
     FONT_SIZES,
+    GRAPH_FONTS,
     SCREEN_DPI,
     BookFigure,
     book_style,
@@ -142,12 +143,17 @@ def draw_automaton(machine: Automaton, title: str | None = None) -> graphviz.Dig
         dot.node(str(s), shape="doublecircle" if accepting else "circle",
                  style="filled", fillcolor="#d3f9d8" if s == 0 else "white")
     for a, text, b in machine.edges:
-        # a space shown quoted: graphviz's fonts draw "␣" too small to read
-        shown = _show(text) if len(text) == 1 else text
-        shown = "' '" if text == " " else shown.replace(" ", "·")
-        dot.edge(str(a), str(b), label=f" {shown} ",
-                 penwidth="2" if len(text) > 1 else "1")
+        dot.edge(str(a), str(b), label=_edge_label(text), penwidth="2" if len(text) > 1 else "1")
     return dot
+
+
+def _edge_label(text: str) -> str:
+    """An arrow's characters: a lone space as ␣, as the mask explorer draws it, enlarged
+    (graphviz's fonts draw the glyph too small to read at the edge size; quoted, ``' '`` read
+    as an empty string); a space inside a chain as ·."""
+    if text == " ":
+        return f'<<FONT POINT-SIZE="{int(GRAPH_FONTS["edge"]) + 6}">␣</FONT><BR/> >'
+    return f" {_show(text) if len(text) == 1 else text.replace(' ', '·')} "
 
 
 @styled
