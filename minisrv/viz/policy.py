@@ -115,7 +115,7 @@ def plot_scheduling_cost(table: pd.DataFrame, title: str = "") -> BookFigure:
     ax.set_yscale("log")
     label_axes(ax, title or "What a scheduling round costs", "waiting requests (log scale)",
            "CPU time per round (ms, log scale)")
-    legend_below(fig, ncol=3)
+    legend_below(fig, ncol=2)
     return fig
 
 
