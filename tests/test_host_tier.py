@@ -201,6 +201,24 @@ def test_an_insert_counts_only_what_lies_past_its_requests_earlier_inserts() -> 
     assert depth_hits_tiers(tree) == [(8, 1, "device"), (12, 2, "both"), (16, 1, "device")]
 
 
+def test_a_two_tier_tree_reports_its_paths_as_node_ids_like_the_one_tier_tree() -> None:
+    """A listener hears the same path for every operation from either tree: node ids from
+    below the root down, for a lock as for a match or an insert (the drawings colour by them)."""
+    from minisrv.kv import RadixCache
+
+    heard: dict[str, list] = {"one": [], "two": []}
+    for name, tree in (("one", RadixCache()), ("two", HiRadixCache(HostPool(100)))):
+        tree.listener = lambda _tree, event, name=name: heard[name].append(
+            (event.op, event.path, event.split, event.inserted))
+        tree.insert(list(range(8)))
+        match = tree.match_prefix([*range(4), 99])
+        tree.lock(match.node)
+        tree.insert([*range(4), 7, 7])
+    assert heard["one"] == heard["two"]
+    assert [op for op, *_ in heard["one"]] == ["insert", "match", "lock", "insert"]
+    assert heard["one"][2][1] == heard["one"][1][1] and heard["one"][1][2] == heard["one"][1][1]
+
+
 def test_a_split_keeps_the_count_and_a_dropped_node_takes_its_count_along() -> None:
     """A split (by a match or by another request's insert) gives the upper part the node's
     count; a node the device drops (no host copy) counts nothing any more: the same tokens

@@ -312,7 +312,7 @@ def test_drawing_marks_split_inserted_locked_and_evicted_nodes() -> None:
     cache.lock(node, tag="B")
     cache.insert(tok.encode("FR: Paris\nUS: New York"), tag="B")
     source = to_graphviz(recorder, tok).source  # coloured by the last event: the insert
-    assert "US: New York" in source and "FR: Paris⏎" in source
+    assert "US:␣New␣York" in source and "FR:␣Paris⏎" in source
     assert COLORS["inserted"] in source and "lock 1" in source
     split_event = recorder.events[1]
     assert COLORS["split"] in to_graphviz(split_event, tok).source

@@ -59,8 +59,7 @@ def reports_path(op: str) -> Callable[[Method], Method]:
         def reported(self: Any, node: TreeNode, *, tag: str = "") -> None:
             method(self, node, tag=tag)
             if self.listener is not None:
-                path = self._path_to(node)
-                self._report(op, tag, len(self.prefix_of(node)), path, ())
+                self._report(op, tag, len(self.prefix_of(node)), node)
 
         return reported  # type: ignore[return-value]
 
@@ -88,7 +87,7 @@ def reports_evicted(method: Method) -> Method:
         finally:
             del self._remove_leaf
         if freed or n_tokens:
-            self._report("evict", tag, freed, (), (), evicted=tuple(evicted))
+            self._report("evict", tag, freed, self.root, evicted=tuple(evicted))
         return freed
 
     return reported  # type: ignore[return-value]

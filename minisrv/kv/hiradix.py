@@ -139,10 +139,10 @@ class HiRadixCache(RadixCache):
         """
         key = self._pages.whole(insert_key(tokens, values))
         self.clock += 1
-        node, length, _, path, split = self._walk(key, collect=False)
-        walked = self._path_to(node)
+        node, length, split = self._walk(key)
+        walked = self._nodes_to(node)
         vals = [None] * len(key) if values is None else list(values[:len(key)])
-        pos, path_ids, split_ids = length, list(path), list(split)
+        pos, split_ids = length, [node.id] if split else []
         while pos < len(key) and (child := node.children.get(self._pages.at(key, pos))) is not None:
             matched = self._pages.matched(child.key, key, pos)
             cut = matched < len(child.key)
@@ -150,19 +150,17 @@ class HiRadixCache(RadixCache):
                 child = self._split(child, matched)
                 split_ids.append(child.id)
             self._to_device(child, vals[pos:pos + matched])
-            path_ids.append(child.id)
             walked.append(child)
             pos, node = pos + matched, child
             if cut:
                 break
         inserted: tuple[int, ...] = ()
         if pos < len(key):
-            leaf = self._add_leaf(node, key[pos:], vals[pos:])
-            inserted = (leaf.id,)
-            path_ids.append(leaf.id)
-            walked.append(leaf)
+            node = self._add_leaf(node, key[pos:], vals[pos:])
+            inserted = (node.id,)
+            walked.append(node)
         self._count_insert(walked, inserted_len)
-        self._report("insert", tag, length, tuple(path_ids), tuple(split_ids), inserted=inserted)
+        self._report("insert", tag, length, node, tuple(split_ids), inserted=inserted)
         return length
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
@@ -226,7 +224,7 @@ class HiRadixCache(RadixCache):
         self._touch(node)
 
     # ----------------------------------------------------------------- hits and backups
-    def _path_to(self, node: TreeNode) -> list[TreeNode]:
+    def _nodes_to(self, node: TreeNode) -> list[TreeNode]:
         """The nodes from below the root down to ``node``, top first."""
         path: list[TreeNode] = []
         while node is not self.root:

@@ -87,7 +87,7 @@ class RadixCache(PrefixCache):
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()  # tie-breaker: heap entries never compare nodes
         self._shape = 0  # bumped whenever a node is added, split or removed
-        self._last: tuple[Any, ...] = (None, -1)  # (key, shape, walk result) of the last match
+        self._last: tuple[Any, ...] = (None, -1)  # (key, shape, end node, length) of the last match
 
     # ----------------------------------------------------------------- lookups
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
@@ -107,9 +107,9 @@ class RadixCache(PrefixCache):
         """
         key = tuple(tokens)
         self.clock += 1
-        node, length, values, path, split = self._walk_again_or_anew(key)
-        self._report("match", tag, length, path, split)
-        return MatchResult(length, node, values)
+        node, length, split = self._walk_again_or_anew(key)
+        self._report("match", tag, length, node, (node.id,) if split else ())
+        return MatchResult(length, node, self._values_to(node))
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "", inserted_len: int = 0) -> int:
@@ -127,13 +127,14 @@ class RadixCache(PrefixCache):
         """
         key = self._pages.whole(insert_key(tokens, values))
         self.clock += 1
-        node, length, _, path, split = self._walk(key, collect=False)
+        node, length, split = self._walk(key)
+        split_ids = (node.id,) if split else ()
         inserted: tuple[int, ...] = ()
         if length < len(key):
             vals = [None] * (len(key) - length) if values is None else list(values[length:len(key)])
-            inserted = (self._add_leaf(node, key[length:], vals).id,)
-            path = path + inserted
-        self._report("insert", tag, length, path, split, inserted=inserted)
+            node = self._add_leaf(node, key[length:], vals)
+            inserted = (node.id,)
+        self._report("insert", tag, length, node, split_ids, inserted=inserted)
         return length
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], values: list[Any]) -> TreeNode:
@@ -146,59 +147,47 @@ class RadixCache(PrefixCache):
         self._push(leaf)
         return leaf
 
-    def _walk(self, key: tuple[int, ...], collect: bool
-              ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
-        """Follow ``key`` from the root, splitting the last edge if the match ends inside it.
+    def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, bool]:
+        """Follow ``key`` down from the root, one edge at a time, as far as the tree holds it;
+        where the match ends inside an edge, split the edge there and stop on its upper part.
+        Every node passed counts as just used (LRU).
 
-        Returns (end node, matched length, matched values if ``collect``, path ids, split ids).
+        Returns (the node where the match ends, the matched length, whether it split an edge).
         """
         node, pos = self.root, 0
         node.last_access = self.clock
-        values: list[Any] = []
-        path: list[int] = []
-        split: list[int] = []
+        split = False
         while pos < len(key) and (child := self._next(node, key, pos)) is not None:
-            matched = self._pages.matched(child.key, key, pos)
-            cut = matched < len(child.key)  # the match ends inside this edge
-            if cut:
+            matched = self._pages.matched(child.key, key, pos)  # tokens of the edge that match
+            split = matched < len(child.key)  # the match ends inside this edge
+            if split:
                 child = self._split(child, matched)
-                split.append(child.id)
             self._touch(child)
-            if collect:
-                values.extend(child.value)
-            path.append(child.id)
-            pos, node = pos + matched, child
-            if cut:
+            node, pos = child, pos + matched
+            if split:
                 break
-        return node, pos, values, tuple(path), tuple(split)
+        return node, pos, split
 
-    def _walk_again_or_anew(self, key: tuple[int, ...]
-                            ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
+    def _walk_again_or_anew(self, key: tuple[int, ...]) -> tuple[TreeNode, int, bool]:
         """``_walk(key)``, with a shortcut: asked the very tuple of the previous match, with
         no node added, split or removed since, only ``_rewalk`` the path found then."""
         if key is self._last[0] and self._shape == self._last[1]:
-            return self._rewalk(*self._last[2:])
-        node, length, values, path, split = self._walk(self._pages.whole(key), collect=True)
-        self._last = (key, self._shape, node, length, path)
-        return node, length, values, path, split
+            node, length = self._last[2:]
+            self._rewalk(node)
+            return node, length, False
+        node, length, split = self._walk(self._pages.whole(key))
+        self._last = (key, self._shape, node, length)
+        return node, length, split
 
-    def _rewalk(self, node: TreeNode, length: int, path: tuple[int, ...]
-                ) -> tuple[TreeNode, int, list[Any], tuple[int, ...], tuple[int, ...]]:
-        """``_walk`` again for the same key object in a tree of the same shape: the same path,
-        so only its LRU stamps are renewed and its values gathered, without comparing tokens
-        again. The scheduler asks this at every step for the request at the head of the queue
-        while it does not fit."""
-        nodes: list[TreeNode] = []
+    def _rewalk(self, node: TreeNode) -> None:
+        """``_walk`` again for the same key object in a tree of the same shape: renew the LRU
+        stamps of the path that ends at ``node``, comparing no token. The scheduler asks this
+        at every step for the request at the head of the queue while it does not fit."""
         walker = node
         while walker is not self.root:
             self._touch(walker)
-            nodes.append(walker)
             walker = walker.parent
         self.root.last_access = self.clock
-        values: list[Any] = []
-        for walker in reversed(nodes):
-            values.extend(walker.value)
-        return node, length, values, path, ()
 
     def _next(self, node: TreeNode, key: tuple[int, ...], pos: int) -> TreeNode | None:
         """The child of ``node`` whose edge starts with ``key``'s page at ``pos``, where a
@@ -380,17 +369,28 @@ class RadixCache(PrefixCache):
         return "device"
 
     def _path_to(self, node: TreeNode) -> tuple[int, ...]:
+        """The ids of the nodes from below the root down to ``node``, top first."""
         ids: list[int] = []
         while node is not None and node is not self.root:
             ids.append(node.id)
             node = node.parent
         return tuple(reversed(ids))
 
-    def _report(self, op: str, tag: str, length: int, path: tuple[int, ...],
-                split: tuple[int, ...], inserted: tuple[int, ...] = (),
+    def _values_to(self, node: TreeNode) -> list[Any]:
+        """The values (KV slots) of the prefix that ends at ``node``, in order."""
+        parts: list[list[Any]] = []
+        while node is not self.root:
+            parts.append(node.value)
+            node = node.parent
+        return list(itertools.chain.from_iterable(reversed(parts)))
+
+    def _report(self, op: str, tag: str, length: int, end: TreeNode,
+                split: tuple[int, ...] = (), inserted: tuple[int, ...] = (),
                 evicted: tuple[NodeView, ...] = ()) -> None:
+        """Tell the listener, if any, of an operation whose path ends at ``end`` (root: none)."""
         if self.listener is not None:
-            self.listener(self, TreeEvent(op, tag, length, path, split, inserted, evicted))
+            self.listener(self, TreeEvent(op, tag, length, self._path_to(end), split, inserted,
+                                          evicted))
 
     def __repr__(self) -> str:
         info = self.size_info()

@@ -97,11 +97,11 @@ class TreeRecorder:
 
 
 def edge_text(key: Sequence[int], tokenizer: Any = None) -> str:
-    """The edge's tokens as readable text: decoded (newlines shown as ⏎) or as ids."""
+    """The edge's tokens as text: ids, or decoded with every token visible (⏎ newline, ␣ space)."""
     if tokenizer is None:
         text = " ".join(str(t) for t in key)
     else:
-        text = "".join(tokenizer.id_to_str(t) for t in key).replace("\n", "⏎")
+        text = "".join(tokenizer.id_to_str(t) for t in key).replace("\n", "⏎").replace(" ", "␣")
     lines = _wrap_words(text, MAX_LINE) or [""]
     if len(lines) > MAX_LINES:
         lines = lines[:MAX_LINES - 1] + ["…" + lines[-1][-(MAX_LINE - 1):]]
@@ -109,12 +109,12 @@ def edge_text(key: Sequence[int], tokenizer: Any = None) -> str:
 
 
 def _wrap_words(text: str, width: int) -> list[str]:
-    """Lines of at most ``width`` characters, broken after a space where there is one, so that
-    a city's name is not cut in two ("R" / "ome"); only a word longer than a line is split.
+    """Lines of at most ``width`` characters, broken after a space or ␣ where there is one, so
+    that a city's name is not cut in two ("R" / "ome"); only a word longer than a line is split.
     Every character is kept, spaces included: the lines joined give back ``text``."""
     lines: list[str] = []
     while len(text) > width:
-        cut = text.rfind(" ", 0, width) + 1  # after the last space that fits, or 0
+        cut = max(text.rfind(" ", 0, width), text.rfind("␣", 0, width)) + 1  # 0: none fits
         cut = cut if cut > 0 else width
         lines.append(text[:cut])
         text = text[cut:]
@@ -308,7 +308,7 @@ def event_explorer(events: Sequence[RecordedEvent], tokenizer: Any = None,
         return Frame([to_graphviz(recorded, tokenizer, rankdir=rankdir)], numbers,
                      caption=f"Afterwards the cache holds {numbers['cached tokens']} tokens "
                              f"in {numbers['nodes']} node{'s' * (numbers['nodes'] != 1)}, "
-                             f"{numbers['locked nodes']} locked.")
+                             f"{numbers['locked nodes']} of them locked.")
 
     return explorer(draw, [("event", "event", list(range(len(events))), start)],
                     live=lambda: event_widget(events, tokenizer, start))
