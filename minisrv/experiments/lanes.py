@@ -83,6 +83,43 @@ def _per_step(name: str, value: float | Sequence[float], n_steps: int) -> list[f
     return values
 
 
+def _lane_times(gpu_step: float | Sequence[float], cpu_step: float | Sequence[float],
+                n_steps: int, overlap: bool) -> tuple[list[float], list[float]]:
+    """``timeline``'s arguments checked, its step times as one list per lane (kept apart so
+    that ``timeline`` reads as the loop the overlap chapter shows)."""
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
+        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    return (_per_step("gpu_step", gpu_step, int(n_steps)),
+            _per_step("cpu_step", cpu_step, int(n_steps)))
+
+
+def _check_ratio_args(gpu_step: float, cpu_step: float, mean_output_len: float | None,
+                      waste_step: float) -> None:
+    """``throughput_ratio``'s arguments: finite times >= 0, not both 0, one count of waste
+    (kept apart so that ``throughput_ratio`` reads as its formula)."""
+    if isinstance(waste_step, bool) or not isinstance(waste_step, numbers.Real) \
+            or not (math.isfinite(waste_step) and waste_step >= 0):
+        raise ValueError(f"waste_step must be a finite number >= 0, got {waste_step!r}")
+    if waste_step and mean_output_len is not None:
+        raise ValueError("give mean_output_len (waste counted in tokens) or waste_step "
+                         "(waste counted in time), not both")
+    for name, value in (("gpu_step", gpu_step), ("cpu_step", cpu_step)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    if max(gpu_step, cpu_step) == 0:
+        raise ValueError("gpu_step and cpu_step are both 0: a step must take some time")
+    if mean_output_len is not None and (
+        isinstance(mean_output_len, bool)
+        or not isinstance(mean_output_len, numbers.Real)
+        or not (math.isfinite(mean_output_len) and mean_output_len > 0)
+    ):
+        raise ValueError(f"mean_output_len must be a number > 0 or None, got {mean_output_len!r}")
+
+
 def timeline(
     gpu_step: float | Sequence[float],
     cpu_step: float | Sequence[float],
@@ -101,12 +138,7 @@ def timeline(
     start. With constant times the totals are ``n (gpu + cpu)`` and
     ``min(gpu, cpu) + n max(gpu, cpu)``.
     """
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
-        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
-    if not isinstance(overlap, bool):
-        raise ValueError(f"overlap must be True or False, got {overlap!r}")
-    gpu = _per_step("gpu_step", gpu_step, int(n_steps))
-    cpu = _per_step("cpu_step", cpu_step, int(n_steps))
+    gpu, cpu = _lane_times(gpu_step, cpu_step, n_steps, overlap)
     cpu_lane: list[Interval] = []
     dev_lane: list[Interval] = []
     for i, (g, c) in enumerate(zip(gpu, cpu)):
@@ -141,29 +173,10 @@ def throughput_ratio(
     ``max(gpu + waste_step, cpu)``. In a memory-bound decode step an extra row adds only its
     own KV read, far less than an average row's share of the step. Give one or the other.
     """
-    if isinstance(waste_step, bool) or not isinstance(waste_step, numbers.Real) \
-            or not (math.isfinite(waste_step) and waste_step >= 0):
-        raise ValueError(f"waste_step must be a finite number >= 0, got {waste_step!r}")
-    if waste_step and mean_output_len is not None:
-        raise ValueError("give mean_output_len (waste counted in tokens) or waste_step "
-                         "(waste counted in time), not both")
-    for name, value in (("gpu_step", gpu_step), ("cpu_step", cpu_step)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-    slower = max(gpu_step, cpu_step)
-    if slower == 0:
-        raise ValueError("gpu_step and cpu_step are both 0: a step must take some time")
+    _check_ratio_args(gpu_step, cpu_step, mean_output_len, waste_step)
     ratio = (gpu_step + cpu_step) / max(gpu_step + waste_step, cpu_step)
     if mean_output_len is None:
         return float(ratio)
-    if (
-        isinstance(mean_output_len, bool)
-        or not isinstance(mean_output_len, numbers.Real)
-        or not (math.isfinite(mean_output_len) and mean_output_len > 0)
-    ):
-        raise ValueError(f"mean_output_len must be a number > 0 or None, got {mean_output_len!r}")
     return float(ratio * mean_output_len / (mean_output_len + 1))
 
 
