@@ -101,6 +101,15 @@ def test_mask_cost_and_the_step_are_positive_and_the_step_grows(vocab) -> None:
     assert 0 < st.decode_step_ms(1) < st.decode_step_ms(64)
 
 
+def test_the_gpu_part_of_the_mask_is_its_bytes_over_the_h100s_links() -> None:
+    from minisrv.configs import H100
+
+    # 64 rows of 32,000 tokens: a 256 kB bitmask copied, 8.2 MB of logits read and written
+    want = 256_000 / H100.host_bandwidth + (256_000 + 2 * 8_192_000) / H100.bandwidth
+    assert st.gpu_mask_ms(64, 32_000) == pytest.approx(want * 1e3)
+    assert st.gpu_mask_ms(64, 32_000) < st.decode_step_ms(64) / 100
+
+
 def test_the_synthetic_vocabulary_has_the_size_asked() -> None:
     vocab = st.synthetic_vocabulary(2_000)
     assert vocab.size == 2_000 and vocab.stop_ids == (0,)

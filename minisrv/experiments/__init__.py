@@ -204,6 +204,7 @@ _PUBLIC = {
     "in_process_server": "structured",
     "json_runs": "structured",
     "fill_cost_us": "structured",
+    "gpu_mask_ms": "structured",
     "mask_cost_us": "structured",
     "mask_trace": "structured",
     "step_probabilities": "structured",

@@ -10,7 +10,8 @@ character by character or compressed into chains (SGLang's compressed finite-sta
 machine). ``step_probabilities`` compares the model's own probability of each chosen token
 with the renormalised one under the mask. ``json_runs`` samples a JSON schema over seeds and
 temperatures and validates every output.
-``mask_cost_us`` times one step's fill and apply, ``fill_cost_us`` the fill alone.
+``mask_cost_us`` times one step's fill and apply, ``fill_cost_us`` the fill alone, and
+``gpu_mask_ms`` prices the part servers move to the GPU (the bitmask's copy and the apply).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ __all__ = [
     "in_process_server",
     "json_runs",
     "fill_cost_us",
+    "gpu_mask_ms",
     "mask_cost_us",
     "mask_trace",
     "served_masks",
@@ -364,6 +366,19 @@ def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
     states = _states_in_flight(grammar, vocab, batch)
     processor = GrammarLogitsProcessor(vocab.size)
     return _median_us(processor.fill, repeats, lambda: (states,))
+
+
+def gpu_mask_ms(batch: int, vocab_size: int) -> float:
+    """Milliseconds on the simulated H100 for the part of a step's mask that servers run on
+    the GPU: copying ``batch`` rows of the bitmask (one bit per token) over the host link,
+    then one kernel that reads them and the float32 logits and writes the logits back.
+    Roofline times without the kernel's launch, so a lower bound; beside ``fill_cost_us`` it
+    prices the mask as a server pays it, where ``mask_cost_us`` applies it on the CPU."""
+    from minisrv.configs import H100
+
+    bitmask = batch * -(-vocab_size // 32) * 4  # int32 words of 32 tokens
+    logits = batch * vocab_size * 4
+    return (bitmask / H100.host_bandwidth + (bitmask + 2 * logits) / H100.bandwidth) * 1e3
 
 
 def decode_step_ms(batch: int, context: int = 1000) -> float:

@@ -29,6 +29,7 @@ class GrammarLogitsProcessor:
     def __init__(self, vocab_size: int, threads: int = 1, skip_terminated: bool = False) -> None:
         self.vocab_size = vocab_size
         self.skip_terminated = skip_terminated
+        self.threads = threads  # the fill's CPU threads (xgrammar's own default: half the cores)
         self.batch = xgr.BatchGrammarMatcher(threads)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.dead_ends = 0  # rows that met an empty mask (see GrammarState.mark_dead_end)

@@ -173,7 +173,7 @@ def plot_mask_cost(step_ms: Mapping[int, float], mask_ms: Mapping[str, Mapping[i
     ax.set_xticks(x, [str(b) for b in batches])
     ax.set_yscale("log")
     label_axes(ax, title, "requests in the batch", "time per step (ms, log scale)")
-    legend_below(fig, ncol=min(3, len(series)))
+    legend_below(fig, ncol=2)  # labels say where each part runs: too long for three columns
     return fig
 
 
@@ -261,15 +261,21 @@ def step_images(steps: Sequence[MaskStep], token_text: Sequence[str], title: str
     return images
 
 
+def _probability(p: float) -> str:
+    """Three decimals (at two significant digits 0.996 reads as 1, as if the mask had
+    nothing left to add), or two digits and an exponent below 1%, as the text quotes them."""
+    return f"{p:.3f}" if p >= 0.01 else f"{p:.1e}"
+
+
 def _step_table(run: MaskRun, step: int, token_text: Sequence[str]) -> pd.DataFrame:
     """One row: the token taken at ``step`` (1-based), how many tokens the mask allowed,
     their share of the model's probability, and the token's probability alone and masked."""
     mask, prob = run.steps[step - 1], run.probabilities[step - 1]
     row = {"step": step, "token taken": _show(token_text[mask.token]),
            "tokens allowed": int(mask.allowed.sum()),
-           "probability allowed": f"{prob.allowed_mass:.2g}",
-           "p(token), model alone": f"{prob.free:.2g}",
-           "p(token), masked": f"{prob.masked:.2g}"}
+           "probability allowed": _probability(prob.allowed_mass),
+           "p(token), model alone": _probability(prob.free),
+           "p(token), masked": _probability(prob.masked)}
     return one_header_row(pd.DataFrame([row]).set_index("step"))
 
 
