@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from minisrv.configs import H100, LLAMA3_8B, GPUSpec, ModelConfig
+from minisrv.core import BatchResult
 from minisrv.engine import Engine
 from minisrv.experiments.radix import chat_workload
 from minisrv.kv import NodeView
@@ -26,6 +27,7 @@ from minisrv.kv.hiradix import HiRadixCache
 from minisrv.kv.host import HOST_POLICIES
 from minisrv.kvsize import kv_bytes_per_token
 from minisrv.sim import SimBackend
+from minisrv.sim.backend import SimStep
 from minisrv.sim.roofline import step_cost_from_totals
 from minisrv.workloads import Workload
 
@@ -36,6 +38,7 @@ outgrow LLaMA-3's 8K window, and the roofline depends on the shapes alone."""
 
 __all__ = [
     "LONG_CONTEXT_8B",
+    "TierLimits",
     "TierRun",
     "TierWalk",
     "break_even",
@@ -47,6 +50,7 @@ __all__ = [
     "long_chats",
     "prefill_seconds",
     "prefill_step_seconds",
+    "sim_tier_limits",
     "sim_tier_run",
     "sim_tier_runs",
     "sim_tier_table",
@@ -177,6 +181,13 @@ class _SerialBackupSim(SimBackend):
         super().charge_host_copies(loaded + backed_up, 0)
 
 
+def _sim_engine(backend: SimBackend, host_tokens: int, policy: str, device_tokens: int,
+                max_running: int, record_trace: bool = False) -> Engine:
+    return Engine(backend, kv_capacity=device_tokens, max_running=max_running, cache="radix",
+                  host_cache_tokens=host_tokens, host_cache_policy=policy,
+                  chunked_prefill_size=8192, record_trace=record_trace)
+
+
 def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_through",
                  device_tokens: int = 200_000, cfg: ModelConfig = LONG_CONTEXT_8B,
                  gpu: GPUSpec = H100, max_running: int = 64,
@@ -185,10 +196,56 @@ def sim_tier_run(workload: Workload, host_tokens: int, policy: str = "write_thro
     ``device_tokens`` and a host tier of ``host_tokens``, load-backs charged at the host
     link's bandwidth (and backups too, before the next step, with ``serial_backups``)."""
     backend = (_SerialBackupSim if serial_backups else SimBackend)(cfg, gpu)
-    engine = Engine(backend, kv_capacity=device_tokens, max_running=max_running,
-                    cache="radix", host_cache_tokens=host_tokens, host_cache_policy=policy,
-                    chunked_prefill_size=8192, record_trace=False)
+    engine = _sim_engine(backend, host_tokens, policy, device_tokens, max_running)
     return _run(engine, workload)[0]
+
+
+class TierLimits(NamedTuple):
+    """What holds a tiered run back (``sim_tier_limits``); means are over the clock."""
+    mean_running: float  # requests computing in a step
+    max_running: int
+    kv_use: float  # device slots held by requests / the device pool
+    busy_s: float  # clock time in steps
+    load_s: float  # of it, load-backs over the host link
+    prefill_rate: float  # prompt tokens computed per busy second
+    mirrored: float  # host slots whose node is on the device too (a copy of device KV)
+
+
+class _MirrorSim(SimBackend):
+    """Every ``every`` steps, counts the host tokens whose node is on the device too,
+    weighted by the clock (``tree`` is set once the engine exists)."""
+
+    def __init__(self, cfg: ModelConfig, gpu: GPUSpec, every: int = 25) -> None:
+        super().__init__(cfg, gpu)
+        self.tree: Any = None
+        self.every, self.steps, self.weighted, self.time = every, 0, 0.0, 0.0
+
+    def compute(self, step: SimStep, resolve: Any = None, store: Any = None) -> BatchResult:
+        result = super().compute(step, resolve, store)
+        self.steps += 1
+        if isinstance(self.tree, HiRadixCache) and self.steps % self.every == 0:
+            both = sum(len(node.key) for node in self.tree.nodes()
+                       if self.tree.tier_of(node) == "both")
+            self.weighted += both * result.elapsed
+            self.time += result.elapsed
+        return result
+
+
+def sim_tier_limits(workload: Workload, host_tokens: int, policy: str = "write_through",
+                    device_tokens: int = 200_000, cfg: ModelConfig = LONG_CONTEXT_8B,
+                    gpu: GPUSpec = H100, max_running: int = 64) -> TierLimits:
+    """``sim_tier_run``'s run, traced: requests running at once, device pool use, time in
+    load-backs, and host tokens mirroring KV still on the device."""
+    backend = _MirrorSim(cfg, gpu)
+    engine = _sim_engine(backend, host_tokens, policy, device_tokens, max_running, True)
+    backend.tree = engine.tree
+    trace = engine.run_workload(workload).trace
+    busy = sum(step.duration for step in trace)
+    return TierLimits(
+        sum(step.batch_size * step.duration for step in trace) / busy, max_running,
+        sum(step.kv_used * step.duration for step in trace) / busy / device_tokens, busy,
+        backend.host_copy_seconds(engine.stats.loaded_tokens), engine.stats.prefill_tokens / busy,
+        backend.weighted / backend.time if backend.time else 0.0)
 
 
 def sim_tier_runs(workload: Workload, host_sizes: Sequence[int] = (0, 1_000_000, 4_000_000),

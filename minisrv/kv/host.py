@@ -124,7 +124,7 @@ class HostPool:
                 if stream is None:
                     device_kv[:, torch.from_numpy(dst).to(device_kv.device)] = rows
                 else:  # on the copy stream, after the steps queued so far: a slot freed
-                    # at once (the overlapped loop) may still be read by the step in flight;
+                    # at once (the overlapped loop) may still be written by the step in flight;
                     # the next step's stream waits for the copy below
                     stream.wait_stream(torch.cuda.current_stream(device_kv.device))
                     with torch.cuda.stream(stream):
