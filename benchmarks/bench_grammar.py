@@ -22,7 +22,7 @@ import time
 import torch
 import xgrammar as xgr
 
-from minisrv.experiments.structured import synthetic_vocabulary
+from minisrv.experiments.mask_cost import synthetic_vocabulary
 from minisrv.grammar import (
     GrammarLogitsProcessor,
     GrammarState,

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from minisrv.experiments import mask_cost  # noqa: E402
 from minisrv.experiments import structured as st  # noqa: E402
 from minisrv.grammar import citylm_vocabulary, compile_grammar  # noqa: E402
 from minisrv.grammar.reference import constrained_generate  # noqa: E402
@@ -266,7 +267,7 @@ def test_the_batched_fill_timed_beside_ours_fills_the_same_masks(vocab) -> None:
 
     from minisrv.grammar import compile_grammar
 
-    states = st._states_in_flight(compile_grammar(vocab, regex=st.THREE_CITIES), vocab, 6)
+    states = mask_cost._states_in_flight(compile_grammar(vocab, regex=st.THREE_CITIES), vocab, 6)
     bitmask = xgr.allocate_token_bitmask(len(states), vocab.size)
     xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([s.matcher for s in states],
                                                              bitmask)

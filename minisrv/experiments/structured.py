@@ -10,17 +10,15 @@ character by character or compressed into chains (SGLang's compressed finite-sta
 machine). ``step_probabilities`` compares the model's own probability of each chosen token
 with the renormalised one under the mask. ``json_runs`` samples a JSON schema over seeds and
 temperatures and validates every output.
-``mask_cost_us`` times one step's fill and apply, ``fill_cost_us`` the fill alone, and
-``gpu_mask_ms`` prices the part servers move to the GPU (the bitmask's copy and the apply).
+The mask's timings (``mask_cost_us``, ``fill_cost_us``, ``gpu_mask_ms``) live in
+``mask_cost.py`` and are re-exported here, so the chapter reaches every run through one name.
 """
 
 from __future__ import annotations
 
 import json
-import random
-import string
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +28,15 @@ import torch
 
 from minisrv.checks import check_int
 from minisrv.engine import Engine
+from minisrv.experiments.mask_cost import (  # noqa: F401  (the chapter's ``st.`` names)
+    decode_step_ms,
+    fill_cost_us,
+    gpu_mask_ms,
+    mask_cost_us,
+    synthetic_vocabulary,
+)
 from minisrv.grammar import (
     CompiledGrammar,
-    GrammarLogitsProcessor,
     GrammarState,
     Vocabulary,
     compile_grammar,
@@ -51,16 +55,11 @@ __all__ = [
     "MaskStep",
     "StepProbability",
     "automaton",
-    "decode_step_ms",
     "in_process_server",
     "json_runs",
-    "fill_cost_us",
-    "gpu_mask_ms",
-    "mask_cost_us",
     "mask_trace",
     "served_masks",
     "step_probabilities",
-    "synthetic_vocabulary",
 ]
 
 THREE_CITIES = r"( [A-Z][a-z]+,){3}"
@@ -295,101 +294,6 @@ def served_masks(model: Any, vocab: Vocabulary, prompt: Sequence[int],
         runs[name] = MaskRun(regexes[name], list(out), mask_trace(grammar, out),
                              step_probabilities(model, prompt, grammar, out), out == alone)
     return runs
-
-
-def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:
-    """A vocabulary of a real tokenizer's size: printable ASCII plus random letter strings
-    (a third with a leading space, as in BPE vocabularies), eos first."""
-    import xgrammar as xgr
-
-    rng = random.Random(seed)
-    tokens = ["</s>", *string.printable]
-    seen = set(tokens)
-    while len(tokens) < size:
-        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8)))
-        word = (" " + word) if rng.random() < 0.33 else word
-        if word not in seen:
-            seen.add(word)
-            tokens.append(word)
-    info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, stop_token_ids=[0])
-    return Vocabulary(info, f"synthetic-{size // 1000}k")
-
-
-def _states_in_flight(grammar: Any, vocab: Vocabulary, batch: int) -> list[GrammarState]:
-    """``batch`` matchers of ``grammar``, each a few random allowed tokens in (seeded), as
-    the rows of a step find them mid-answer."""
-    rng = random.Random(0)
-    states = []
-    for _ in range(batch):
-        state = GrammarState(grammar)
-        for _ in range(rng.randint(0, 6)):
-            allowed = [i for i in torch.nonzero(state.allowed_mask()).flatten().tolist()
-                       if i not in vocab.stop_ids]
-            if not allowed:
-                break
-            state.accept(rng.choice(allowed))
-        states.append(state)
-    return states
-
-
-def _median_us(run: Callable[..., Any], repeats: int, fresh: Callable[[], tuple] = tuple) -> float:
-    """Median microseconds of ``run(*fresh())``; ``fresh`` makes each call's arguments (a
-    copy of what ``run`` changes in place) outside the timing."""
-    times = []
-    for _ in range(repeats):
-        args = fresh()
-        start = time.perf_counter()
-        run(*args)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e6
-
-
-def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str | None = None,
-                 json_schema: dict[str, Any] | None = None) -> float:
-    """Median microseconds of one step's mask as minisrv computes it (``GrammarLogitsProcessor``:
-    XGrammar's batched fill, then its apply on CPU float32 logits) for ``batch`` constrained
-    rows, each a few random allowed tokens into its grammar. Each call masks a fresh copy of
-    the logits, copied outside the timing."""
-    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
-    states = _states_in_flight(grammar, vocab, batch)
-    processor = GrammarLogitsProcessor(vocab.size)
-    logits = torch.randn(batch, vocab.size)
-    return _median_us(processor, repeats, lambda: (logits.clone(), states))
-
-
-def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
-                 regex: str | None = None, json_schema: dict[str, Any] | None = None) -> float:
-    """Median microseconds of the fill alone over the same rows as ``mask_cost_us``
-    (``GrammarLogitsProcessor.fill``: XGrammar's batched fill, every row's bitmask in one
-    call), so that ``mask_cost_us`` minus it is the apply on the logits."""
-    grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
-    states = _states_in_flight(grammar, vocab, batch)
-    processor = GrammarLogitsProcessor(vocab.size)
-    return _median_us(processor.fill, repeats, lambda: (states,))
-
-
-def gpu_mask_ms(batch: int, vocab_size: int) -> float:
-    """Milliseconds on the simulated H100 for the part of a step's mask that servers run on
-    the GPU: copying ``batch`` rows of the bitmask (one bit per token) over the host link,
-    then one kernel that reads them and the float32 logits and writes the logits back.
-    Roofline times without the kernel's launch, so a lower bound; beside ``fill_cost_us`` it
-    prices the mask as a server pays it, where ``mask_cost_us`` applies it on the CPU."""
-    from minisrv.configs import H100
-
-    bitmask = batch * -(-vocab_size // 32) * 4  # int32 words of 32 tokens
-    logits = batch * vocab_size * 4
-    return (bitmask / H100.host_bandwidth + (bitmask + 2 * logits) / H100.bandwidth) * 1e3
-
-
-def decode_step_ms(batch: int, context: int = 1000) -> float:
-    """A decode step's time on the simulated H100 (roofline) for LLaMA-3-8B in bf16:
-    ``batch`` requests each at ``context`` tokens."""
-    from minisrv.configs import H100, LLAMA3_8B
-    from minisrv.sim.roofline import step_cost_from_totals
-
-    cost = step_cost_from_totals(LLAMA3_8B, H100, batch, batch * (context + 1),
-                                 batch * context, 2)
-    return cost.time_s * 1e3
 
 
 @contextmanager
