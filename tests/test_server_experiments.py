@@ -23,6 +23,7 @@ from minisrv.experiments.server import (  # noqa: E402
     read_metrics,
 )
 from minisrv.experiments.server_walk import (  # noqa: E402
+    first_event_runs,
     first_token_parts,
     layout_hit_rates,
     slot_ranges,
@@ -173,6 +174,23 @@ def test_timed_steps_set_each_step_of_a_streamed_request_before_its_event(server
         first_token_parts(sse, stamps, steps[:-1], req)
 
 
+def test_first_event_runs_time_each_run_s_first_two_events_after_its_prefill(citylm):
+    """The walk's request sent again and again to a server of its own: per run, its first
+    and second events and the end of its first decode step, in ms after its prefill step
+    ended (each event after the step that computed its token), and each run's text, the
+    request's reference."""
+    model, tok = citylm
+    body = {"prompt": "FR: Paris,", "max_tokens": 4, "temperature": 0, "stream": True}
+    runs, texts = first_event_runs(
+        Layout(EngineOptions(**OPTIONS, engine_kwargs={"record_trace": True})), body, 3)
+    assert list(runs.index) == [1, 2, 3]
+    assert list(runs.columns) == ["first event", "next step ends", "second event"]
+    assert (runs["first event"] > 0).all()
+    assert (runs["second event"] > runs["next step ends"]).all()
+    assert (runs["second event"] >= runs["first event"]).all()
+    assert texts == [tok.decode(model.reference_generate(tok.encode("FR: Paris,"), 4))] * 3
+
+
 def test_ttft_split_counts_the_queue_from_when_the_engine_loop_took_each_request(citylm):
     """Two places for four requests: the first two are prefilled at once, the last two wait
     through the first pair's three steps and are prefilled together. Step k is stamped from
@@ -250,9 +268,8 @@ def test_layout_hit_rates_one_engine_per_part_and_the_arrival_gap(citylm):
                for tail in ("IT:", "ES:", "JP:")]
     layouts = {"one": ([range(6)], 8), "by group": ([range(3), range(3, 6)], 8),
                "alone": ([[i] for i in range(6)], 8)}
-    served: dict = {}
-    hits, fed = layout_hit_rates(model, prompts, [2] * 6, layouts,
-                                 {"all at once": 0, "one per step": 1}, served=served)
+    hits, fed, served = layout_hit_rates(model, prompts, [2] * 6, layouts,
+                                         {"all at once": 0, "one per step": 1})
     assert [len(fed["one per step", name]) for name in layouts] == [1, 2, 6]
     alone = [model.reference_generate(p, 2) for p in prompts]
     assert served.keys() == fed.keys() and all(out == alone for out in served.values())
@@ -545,8 +562,9 @@ def test_the_rate_caption_calls_goodputs_within_five_percent_alike():
 
 def test_the_rate_explorer_labels_the_ringed_point_with_its_rate():
     """The text promises a label on the chosen rate's point, but the figure labels only the
-    lowest, middle and highest rates: a ring at another rate stood unnamed. Each ring at such
-    a rate now carries its rate; at a labelled rate the figure's own label suffices."""
+    lowest, middle and highest rates: a ring at another rate stood unnamed. Such a rate is now
+    written once, beside its highest ring (one label per ring stacked up where the rings lie
+    close); at a labelled rate the figure's own label suffices."""
     pytest.importorskip("matplotlib")
     from minisrv.experiments.server import policy_rate_sweep, prefix_heavy_requests
     from minisrv.tokenizer import Tokenizer
@@ -560,7 +578,7 @@ def test_the_rate_explorer_labels_the_ringed_point_with_its_rate():
     sweep = policy_rate_sweep(prompts, 8, (4.0, 16.0, 64.0, 512.0), configs, kv_capacity=2000)
     html = rate_explorer(sweep, (20.0,), rate=16.0, ttft_slo_ms=20.0).html
     labels = re.findall(r'sans-serif;color:#[0-9a-f]{6}\\?">([0-9.]+)<', html)
-    assert sorted(labels) == ["16", "16"]  # one per configuration's ring; 4, 64, 512 labelled
+    assert labels == ["16"]  # once, for both rings; 4, 64, 512 labelled by the figure
 
 
 def test_the_rate_explorer_keeps_two_fcfs_orders_apart_and_names_them_as_its_legend_does():
@@ -784,7 +802,9 @@ def test_the_rate_widget_builds():
 
 def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
     """Issue 38: the spread table had three sub-columns per metric and ran off the page; one
-    cell per metric now holds the median and [min, max], and the figure draws the same."""
+    cell per metric now holds the median and [min, max], and the figure draws the same. Where
+    min and max read the same, the value alone (``0.00 [0.00, 0.00]`` wrapped its cell), and
+    no-break spaces keep the others on one line."""
     pytest.importorskip("matplotlib")
     from minisrv.experiments.server import spread_summary
     from minisrv.viz.server import plot_spread
@@ -793,8 +813,8 @@ def test_spread_summary_and_plot_show_each_configuration_s_median_and_range():
     table = spread_summary(repeated, {"ttft median (ms)": "{:,.0f}", "hit rate": "{:.2f}"})
     assert list(table.columns) == ["TTFT median (ms)", "hit rate"]
     assert table.columns.name == "configuration" and table.index.name is None
-    assert table.loc["LPM, radix", "TTFT median (ms)"] == "300 [250, 600]"
-    assert table.loc["FCFS, radix", "hit rate"] == "0.00 [0.00, 0.00]"
+    assert table.loc["LPM, radix", "TTFT median (ms)"] == "300\u00a0[250,\u00a0600]"  # one line
+    assert table.loc["FCFS, radix", "hit rate"] == "0.00"
     fig = plot_spread(repeated, {"ttft median (ms)": "TTFT (ms)", "hit rate": "hit rate"},
                       "title")
     ttft, hit = fig.axes

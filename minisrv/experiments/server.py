@@ -252,7 +252,9 @@ def beyond_spread(runs: pd.DataFrame, column: str, a: str, b: str) -> bool:
 
 def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFrame:
     """Per configuration, one cell per column: its median over the runs and, in brackets,
-    its min and max, formatted with ``columns[column]`` (``"{:,.0f}"``).
+    its min and max, formatted with ``columns[column]`` (``"{:,.0f}"``); the value alone where
+    min and max read the same (``"0.00 [0.00, 0.00]"`` only widened the table). No-break
+    spaces keep a cell on one line: a page's narrow column wrapped ``[min, max]`` onto two.
 
     One header row and one column per metric, so the table fits the page where ``spread``'s
     three sub-columns per metric did not; a metric's abbreviation is capitalised in its
@@ -261,7 +263,8 @@ def spread_summary(runs: pd.DataFrame, columns: Mapping[str, str]) -> pd.DataFra
     cells = {}
     for column, fmt in columns.items():
         median, low, high = (stats[(column, s)] for s in ("median", "min", "max"))
-        cells[column] = [f"{fmt.format(m)} [{fmt.format(a)}, {fmt.format(b)}]"
+        cells[column] = [fmt.format(m) if fmt.format(a) == fmt.format(b)
+                         else f"{fmt.format(m)}\u00a0[{fmt.format(a)},\u00a0{fmt.format(b)}]"
                          for m, a, b in zip(median, low, high, strict=True)]
     out = pd.DataFrame(cells, index=stats.index)
     out.columns = [_headline(column) for column in out.columns]

@@ -7,8 +7,9 @@ hold its tokens after it finished (``tree_path_frame``). Nodes are named by thei
 splits a first token's time by them and by the moment the engine loop took the request
 (``first_token_parts`` for the walk, ``ttft_split`` for a load's requests), and
 ``step_frame`` / ``step_totals`` tabulate a run's steps; ``warm_up`` runs prompts once
-untimed. ``layout_hit_rates`` feeds data-parallel layouts of engines outside HTTP and reads
-their prefix-cache hit rates."""
+untimed; ``first_event_runs`` sends one streamed request again and again and times its first
+two events against its steps. ``layout_hit_rates`` feeds data-parallel layouts of engines
+outside HTTP and reads their prefix-cache hit rates."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
-__all__ = ["EventStream", "first_token_parts", "layout_hit_rates", "slot_ranges", "sse_frame",
-           "step_frame", "step_totals", "stream_completion", "timed_steps", "tree_event_frame",
-           "tree_path_frame", "ttft_parts", "ttft_split", "warm_up"]
+__all__ = ["EventStream", "LayoutRuns", "first_event_runs", "first_token_parts",
+           "layout_hit_rates", "slot_ranges", "sse_frame", "step_frame", "step_totals",
+           "stream_completion", "timed_steps", "tree_event_frame", "tree_path_frame",
+           "ttft_parts", "ttft_split", "warm_up"]
 
 
 def slot_ranges(slots: Sequence[int]) -> str:
@@ -141,6 +143,41 @@ def first_token_parts(sse: Any, stamps: dict[int, tuple[float, float]],
             "step to event": statistics.median(lags), "step to event, longest": max(lags)}
 
 
+def first_event_runs(layout: Any, body: Mapping[str, Any], runs: int
+                     ) -> tuple[pd.DataFrame, list[str]]:
+    """Send the streamed completion ``body`` ``runs`` times, one after another, to a server of
+    its own (``layout``: one engine, in a thread of this process, with ``record_trace``), after
+    one untimed send that puts its prompt in the radix tree, so that every timed run prefills
+    the same token. Returns, per run (numbered from 1), in ms after its prefill step ended:
+    the arrival of its first event, the end of the next step (its first decode step) and the
+    arrival of its second event; and each run's streamed text.
+
+    The first event's way to the client overlaps that next step, in the same process: how long
+    it waits there for Python's lock, and so whether it arrives before the step ends or only
+    with the second event, varies from run to run."""
+    from minisrv.experiments.server import open_server
+
+    rows, texts = [], []
+    with open_server(layout) as (url, engines):
+        loop = engines.loop
+        stream_completion(url, body)  # untimed: its prompt goes into the tree
+        for _ in range(runs):
+            with timed_steps(loop.engine) as stamps:
+                sse = stream_completion(url, body)
+            req = loop.finished[-1]  # the one request in flight, finished with its stream
+            steps = [s.index for s in loop.engine.trace if req.rid in s.prefill
+                     or req.rid in s.decode]
+            events = [t for t, c in sse if c != "[DONE]" and c["choices"]
+                      and c["choices"][0]["text"]]
+            ended = (stamps[steps[0]][1] - sse.sent) * 1e3  # ms after the request was sent
+            rows.append({"first event": events[0] - ended,
+                         "next step ends": (stamps[steps[1]][1] - sse.sent) * 1e3 - ended,
+                         "second event": events[1] - ended})
+            texts.append("".join(c["choices"][0]["text"] for _, c in sse
+                                 if c != "[DONE]" and c["choices"]))
+    return pd.DataFrame(rows, index=pd.RangeIndex(1, runs + 1, name="run")), texts
+
+
 def ttft_split(reqs: Sequence[Any], trace: Sequence[Any], stamps: dict[int, tuple[float, float]],
                sent: Sequence[float], first_events: Sequence[float]) -> dict[str, float]:
     """Where the first tokens of a load went: ``ttft_parts`` of each of ``reqs`` (finished
@@ -203,22 +240,30 @@ def warm_up(model: Any, prompts: Sequence[Sequence[int]], **engine_kwargs: Any) 
     return engine
 
 
+class LayoutRuns(NamedTuple):
+    """``layout_hit_rates``' result: ``hits``, the share of the prompt tokens found in the
+    cache (one row per pattern, one column per layout); ``engines``, each run's engines, and
+    ``outputs``, its outputs in request order (for the check against each request alone),
+    both by ``(pattern, layout)``."""
+
+    hits: pd.DataFrame
+    engines: dict[tuple[str, str], list[Any]]
+    outputs: dict[tuple[str, str], list[list[int]]]
+
+
 def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                      layouts: dict[str, tuple[Sequence[Sequence[int]], int]],
-                     patterns: dict[str, int], slots_per_place: int = 125,
-                     served: dict[tuple[str, str], list[list[int]]] | None = None,
-                     ) -> tuple[pd.DataFrame, dict[tuple[str, str], list[Any]]]:
+                     patterns: dict[str, int], slots_per_place: int = 125) -> LayoutRuns:
     """Feed data-parallel layouts outside HTTP, so that the order requests reach the steps is
     fixed. A layout is ``(parts, places)``: one fresh radix-cache engine per part (the indices
     of the requests its worker receives), each with ``places`` running slots (``max_running``) and
     ``slots_per_place`` KV slots a place. A pattern is a gap: request ``i`` arrives at step
     ``gap * i`` (0, all at once). Returns the hit rates (share of the prompt tokens found in
-    the cache over a layout's engines; one row per pattern, one column per layout) and the
-    engines, by ``(pattern, layout)``. ``served``, if given, receives each run's outputs in
-    request order, by ``(pattern, layout)``, for the check against each request alone."""
+    the cache over a layout's engines), each run's engines and its outputs (``LayoutRuns``)."""
     from minisrv import Engine
 
     fed: dict[tuple[str, str], list[Any]] = {}
+    served: dict[tuple[str, str], list[list[int]]] = {}
     for pattern, gap in patterns.items():
         for name, (parts, places) in layouts.items():
             engines = [Engine(model, kv_capacity=slots_per_place * places, max_running=places,
@@ -230,12 +275,11 @@ def layout_hit_rates(model: Any, prompts: Sequence[Sequence[int]], max_tokens: S
                                       arrival_steps=[gap * i for i in indices])
                 outputs.update(zip(indices, got))
             fed[pattern, name] = engines
-            if served is not None:
-                served[pattern, name] = [outputs[i] for i in sorted(outputs)]
+            served[pattern, name] = [outputs[i] for i in sorted(outputs)]
     hits = pd.DataFrame({name: [sum(e.stats.cached_prompt_tokens for e in fed[p, name])
                                 / sum(e.stats.prompt_tokens for e in fed[p, name])
                                 for p in patterns] for name in layouts}, index=list(patterns))
-    return hits, fed
+    return LayoutRuns(hits, fed, served)
 
 
 def _node_text(tree: Any, tok: Any, node_id: int) -> str:

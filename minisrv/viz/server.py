@@ -166,21 +166,27 @@ MARK_COLOR = "#212529"
 def _rate_marks(fig: BookFigure, sweep: pd.DataFrame) -> dict[float, str]:
     """For each rate of ``sweep``, the marks laid over ``fig``'s image
     (``plot_policy_rate_sweep``, in a ``marks.figure_box``) that show the rate, and the box's
-    end: a ring round each configuration's point of that rate on the latency curve (left), a
-    vertical line at the rate on the goodput panel (right). The explorer draws the figure once
-    per target; once per target and rate would cost seven times the drawing."""
+    end: a ring round each configuration's point of that rate on the latency curve (left), the
+    rate written once beside the highest ring where the figure does not label it (a label per
+    ring stacked up where the rings lie close), a vertical line at the rate on the goodput
+    panel (right). The explorer draws the figure once per target; once per target and rate
+    would cost seven times the drawing."""
     left, right = fig.axes
     labelled = _labelled_rates(sweep.index.unique(level=1))
-    return {rate: "".join([*(marks.ring(fig, left, x, y, MARK_COLOR)
-                             + ("" if rate in labelled else _ring_label(fig, left, x, y, rate))
-                             for x, y in sweep.xs(rate, level=1)[["out tok/s", "ttft p99 (ms)"]]
-                             .itertuples(index=False)),
-                           marks.vline(fig, right, rate, MARK_COLOR), marks.CLOSE])
-            for rate in sweep.index.unique(level=1)}
+    out = {}
+    for rate in sweep.index.unique(level=1):
+        points = list(sweep.xs(rate, level=1)[["out tok/s", "ttft p99 (ms)"]]
+                      .itertuples(index=False))
+        rings = [marks.ring(fig, left, x, y, MARK_COLOR) for x, y in points]
+        top = max(points, key=lambda p: p[1])  # the highest ring: its label is clear of the others
+        label = "" if rate in labelled else _ring_label(fig, left, *top, rate)
+        out[rate] = "".join([*rings, label, marks.vline(fig, right, rate, MARK_COLOR),
+                             marks.CLOSE])
+    return out
 
 
 def _ring_label(fig: BookFigure, ax: Any, x: float, y: float, rate: float) -> str:
-    """The rate written beside its ring, above and to the left, where the figure labels
+    """The rate written beside a ring, above and to the left, where the figure labels
     only the lowest, middle and highest rates (``_labelled_rates``): the curves run up and
     to the right, so the upper left of a point is where they are not."""
     left, top = marks._place(fig, ax, x, y)
@@ -274,7 +280,8 @@ REQUEST_MESSAGES: tuple[tuple[str, str, str], ...] = (
     ("client", "http", "POST\n/v1/completions"),
     ("http", "http", "validate the body,\nencode the prompt"),
     ("http", "router", "submit(key,\nids, params)"),
-    ("router", "worker", "Router.route\npicks a worker;\nSubmit into\nits inbox"),
+    ("router", "worker",
+     "Submit into the\nworker's inbox\n(--dp ≥ 2: the one\nRouter.route picks)"),
     ("worker", "router", "Taken(key)"),
     ("worker", "engine", "EngineLoop.submit:\na command\nin its queue"),
     ("engine", "engine", "between two steps:\nadd_request,\nthen step()"),
