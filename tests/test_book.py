@@ -761,6 +761,21 @@ def test_verdicts_are_caught() -> None:
     assert _verdicts(_shown_output_lines(frames)) == ["12 of 12"]
 
 
+_PRINTED_BOOLEAN = re.compile(r"\b(?:True|False)\]?\s*$", re.M)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_hidden_checks_assert_rather_than_print_a_boolean(path: Path) -> None:
+    """A hidden cell that prints "...: True" for nbval to compare checks only that the saved
+    output says the same; an ``assert`` says what it checks and fails by itself."""
+    hidden = [(i, c) for i, c in enumerate(_cells(path)) if c.cell_type == "code"
+              and set(c.metadata.get("tags", [])) & _HIDDEN_OUTPUT]
+    bad = {i: lines for i, cell in hidden for output in cell.get("outputs", [])
+           if output.get("output_type") == "stream"
+           and (lines := _PRINTED_BOOLEAN.findall(output.get("text", "")))}
+    assert not bad, f"{path.name}: assert in these hidden cells instead of printing: {bad}"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_visible_outputs_show_values_not_verdicts(path: Path) -> None:
     """No visible output line reads as a passed check (listings of source code excepted)."""
