@@ -20,7 +20,7 @@ from minisrv.experiments.speculative import (
     speedup_frame,
 )
 from minisrv.model import CityLM
-from minisrv.sim.speedup import breakeven_batch, speculative_speedup
+from minisrv.sim.speedup import breakeven_batch, max_speculative_requests, speculative_speedup
 from minisrv.spec import NgramDrafter, load_draft
 from minisrv.tokenizer import Tokenizer
 
@@ -123,7 +123,12 @@ def test_speedup_frame_and_breakeven_agree_with_speedup() -> None:
     table = breakeven_table(0.7, ks=(1, 8), contexts=(256, 1024),
                             drafts={"free": None, "1B": LLAMA32_1B})
     assert table.loc[("free", 256), "k = 8"] == breakeven_batch(LLAMA3_8B, H100, 256, 8, 0.7)
-    assert table.loc[("1B", 1024), "k = 8"] < table.loc[("free", 1024), "fits in memory"]
+    assert table.loc[("1B", 1024), "k = 8"] < table.loc[("1B", 1024), "fits in memory"]
+    for c in (256, 1024):  # the draft's weights and KV leave room for fewer requests
+        assert table.loc[("free", c), "fits in memory"] == max_speculative_requests(
+            LLAMA3_8B, H100, c)
+        assert table.loc[("1B", c), "fits in memory"] == max_speculative_requests(
+            LLAMA3_8B, H100, c, LLAMA32_1B) < table.loc[("free", c), "fits in memory"]
     assert table.loc[("free", 1024)].isna()["k = 1"]  # pays at every batch that fits
     never = breakeven_table(0.0, ks=(2,), contexts=(256,))
     assert never.iloc[0]["k = 2"] == 0  # no guess ever accepted: a check only costs

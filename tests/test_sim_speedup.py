@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from minisrv.configs import H100, LLAMA3_8B, LLAMA32_1B
+from minisrv.configs import H100, L4, LLAMA3_8B, LLAMA32_1B
 from minisrv.sim.roofline import batch_step_cost, decode_step_cost
+from minisrv.sim.sizing import kv_bytes_per_request, max_concurrent_requests, weight_bytes
 from minisrv.sim.speedup import (
     acceptance_by_position,
     breakeven_batch,
@@ -17,6 +18,7 @@ from minisrv.sim.speedup import (
     conditional_acceptance,
     expected_tokens_by_position,
     expected_tokens_per_check,
+    max_speculative_requests,
     positions_reached,
     speculative_speedup,
     speedup_table,
@@ -77,6 +79,19 @@ def test_breakeven_batch_is_where_the_speedup_crosses_one() -> None:
     assert breakeven_batch(LLAMA3_8B, H100, 1024, 8, 0.7, draft=LLAMA32_1B) < \
         breakeven_batch(LLAMA3_8B, H100, 1024, 4, 0.7, draft=LLAMA32_1B)
     assert breakeven_batch(LLAMA3_8B, H100, 1024, 1, 0.7, max_batch=64) is None
+
+
+def test_a_draft_model_takes_its_weights_and_kv_out_of_the_memory_budget() -> None:
+    """A draft model's weights and its KV of every request's context share the card."""
+    for context in (256, 512, 1024):
+        assert max_speculative_requests(LLAMA3_8B, H100, context) == \
+            max_concurrent_requests(LLAMA3_8B, H100, context)
+        left = H100.memory_bytes - weight_bytes(LLAMA3_8B) - weight_bytes(LLAMA32_1B)
+        both = kv_bytes_per_request(LLAMA3_8B, context) + kv_bytes_per_request(LLAMA32_1B, context)
+        assert max_speculative_requests(LLAMA3_8B, H100, context, LLAMA32_1B) == left // both
+    assert max_speculative_requests(LLAMA3_8B, H100, 1024, LLAMA32_1B) == 366  # 476 alone
+    with pytest.raises(ValueError, match="LLaMA-3.2-1B"):
+        max_speculative_requests(LLAMA3_8B, L4, 100_000, LLAMA32_1B)
 
 
 def test_table_and_bad_arguments() -> None:

@@ -28,11 +28,11 @@ from minisrv.experiments.batching import alone_outputs
 from minisrv.model import CityLM
 from minisrv.request import Req
 from minisrv.sampling import SamplingParams, nucleus_probs
-from minisrv.sim.sizing import max_concurrent_requests
 from minisrv.sim.speedup import (
     acceptance_by_position,
     breakeven_batch,
     conditional_acceptance,
+    max_speculative_requests,
     positions_reached,
     speculative_speedup,
 )
@@ -332,12 +332,13 @@ def breakeven_table(acceptance: float, ks: Sequence[int] = (1, 2, 4, 8),
                     cfg: ModelConfig = LLAMA3_8B, gpu: GPUSpec = H100) -> pd.DataFrame:
     """The smallest batch at which speculation no longer pays, one row per (draft, context),
     one column per k; ``<NA>`` where it still pays at every batch that fits in memory
-    (``max_concurrent_requests``), 0 where it never pays. The last column is that limit."""
+    (``max_speculative_requests``: a draft model's weights and KV take their share), 0 where
+    it never pays. The last column is that limit."""
     drafts = drafts if drafts is not None else {"free guesses": None}
     rows = {}
     for name, d in drafts.items():
         for c in contexts:
-            fits = max_concurrent_requests(cfg, gpu, c)
+            fits = max_speculative_requests(cfg, gpu, c, d)
             row: dict[str, int | None] = {}
             for k in ks:
                 if speculative_speedup(cfg, gpu, 1, c, k, acceptance, d) <= 1:

@@ -23,6 +23,13 @@ from collections.abc import Sequence
 from minisrv.checks import check_int, check_number
 from minisrv.configs import GPUSpec, ModelConfig
 from minisrv.sim.roofline import StepCost, decode_step_time, step_cost_from_totals
+from minisrv.sim.sizing import (
+    gb,
+    kv_budget_bytes,
+    kv_bytes_per_request,
+    max_concurrent_requests,
+    weight_bytes,
+)
 
 
 def expected_tokens_per_check(acceptance: float, k: int) -> float:
@@ -106,6 +113,33 @@ def speculative_speedup(
         check += k * decode_step_time(draft, gpu, batch_size, context_len, dtype_bytes)
     plain = decode_step_time(cfg, gpu, batch_size, context_len, dtype_bytes)
     return expected_tokens_per_check(acceptance, k) * plain / check
+
+
+def max_speculative_requests(
+    cfg: ModelConfig, gpu: GPUSpec, context_len: int, draft: ModelConfig | None = None,
+    dtype_bytes: float = 2,
+) -> int:
+    """How many requests of ``context_len`` tokens fit in memory while they speculate.
+
+    Free guesses (``draft=None``, n-gram) take no memory: ``max_concurrent_requests``. A draft
+    model shares the card: its weights come off the KV budget, and it keeps its own KV for
+    every request's context, so each request costs both models' KV per token. LLaMA-3-8B
+    with a LLaMA-3.2-1B draft on an H100 at 1,024 tokens: 366 requests, against 476 alone.
+    Raises ValueError when not one request fits.
+    """
+    if draft is None:
+        return max_concurrent_requests(cfg, gpu, context_len, dtype_bytes)
+    budget = kv_budget_bytes(cfg, gpu, dtype_bytes) - weight_bytes(draft, dtype_bytes)
+    per_request = (kv_bytes_per_request(cfg, context_len, dtype_bytes)
+                   + kv_bytes_per_request(draft, context_len, dtype_bytes))
+    count = int(max(budget, 0.0) // per_request)
+    if count < 1:
+        raise ValueError(
+            f"a {context_len}-token request of {cfg.name} with a {draft.name} draft needs "
+            f"{gb(per_request)} of KV cache, but only {gb(max(budget, 0.0))} of {gpu.name} is "
+            f"left after both models' weights"
+        )
+    return count
 
 
 def breakeven_batch(
