@@ -25,6 +25,7 @@ from minisrv.experiments.chunked import (
 from minisrv.metrics import itl_values
 from minisrv.scheduler import StepRecord
 from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.radix import RecordedEvent
 from minisrv.viz.style import (
     BookFigure,
     label_axes,
@@ -36,8 +37,8 @@ from minisrv.viz.style import (
 )
 
 __all__ = ["EXPLORER_REQUESTS", "EXPLORER_SHARES", "chunk_explorer", "chunk_widget",
-           "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_table", "share_title",
-           "step_table", "tradeoff_table"]
+           "chunk_handovers", "plot_chunk_choice", "plot_spike", "plot_tradeoff", "share_table",
+           "share_title", "step_table", "tradeoff_table"]
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd")
 
@@ -81,6 +82,17 @@ def step_table(trace: Sequence[StepRecord], budget: int, rid_names: dict[int, st
                      "decodes": ", ".join(decodes) or "-",
                      "budget used": f"{s.prefill_tokens + len(decodes)} / {budget}"})
     return one_header_row(pd.DataFrame(rows).set_index("step"))
+
+
+def chunk_handovers(events: Sequence[RecordedEvent], rid: int
+                    ) -> list[tuple[RecordedEvent, RecordedEvent]]:
+    """Each chunk of request ``rid`` in a ``TreeRecorder``'s ``events``: the insert of its KV
+    into the tree, and the unlock after it, whose tree shows the request's lock moved onto
+    the new leaf (the insert alone still holds the old lock)."""
+    tag = f"r{rid}"
+    inserts = [i for i, e in enumerate(events) if e.op == "insert" and e.label == tag]
+    return [(events[i], next(e for e in events[i:] if e.op == "unlock" and e.label == tag))
+            for i in inserts]
 
 
 def _defaults_at(size: int, mode: str) -> str:
@@ -150,6 +162,7 @@ def plot_tradeoff(sweep: pd.DataFrame, throughput: pd.DataFrame | None = None,
     gaps.set_yscale("log")
     plain_log_ticks(gaps)
     gaps.margins(y=0.1)
+    ttft.set_ylim(0, 1.15 * ttft.get_ylim()[1])  # from zero: a cut axis made +14% a cliff
     rate.margins(y=0.3)  # room above the tallest bar for its label
     labels = ["none", *(_size_label(c) for c in sizes)]
     for ax, title, ylabel in ((gaps, "Inter-token gap", "gap (ms)"),
