@@ -14,7 +14,6 @@ visible, with the logits on the GPU.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
@@ -22,7 +21,7 @@ import time
 import torch
 import xgrammar as xgr
 
-from minisrv.experiments.mask_cost import synthetic_vocabulary
+from minisrv.experiments.mask_cost import states_in_flight, synthetic_vocabulary
 from minisrv.grammar import (
     GrammarLogitsProcessor,
     GrammarState,
@@ -47,22 +46,6 @@ def bpe_vocabulary() -> Vocabulary:
 
     folder = write_json_llama(tempfile.mkdtemp())
     return hf_vocabulary(AutoTokenizer.from_pretrained(str(folder)))
-
-
-def advanced_states(vocab: Vocabulary, grammar, batch: int, seed: int) -> list[GrammarState]:
-    """``batch`` states of ``grammar``, each 0-10 random allowed tokens in."""
-    rng = random.Random(seed)
-    states = []
-    for _ in range(batch):
-        state = GrammarState(grammar)
-        for _ in range(rng.randint(0, 10)):
-            allowed = [i for i in state.allowed_mask().nonzero().flatten().tolist()
-                       if i not in vocab.stop_ids]
-            if not allowed:
-                break
-            state.accept(rng.choice(allowed))
-        states.append(state)
-    return states
 
 
 def time_step(vocab: Vocabulary, states: list[GrammarState], device: str,
@@ -102,7 +85,7 @@ def main() -> None:
         compile_ms = (time.perf_counter() - start) * 1e3
         kind = next(iter(kwargs))
         for batch in args.batches:
-            states = advanced_states(vocab, grammar, batch, seed=batch)
+            states = states_in_flight(grammar, vocab, batch, seed=batch, most=10)
             for device in devices:
                 fill, apply = time_step(vocab, states, device, args.repeats)
                 print(f"{vocab.name:>14} {vocab.size:>7} {kind:>11} {device:>6} {batch:>5} "

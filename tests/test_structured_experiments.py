@@ -267,7 +267,7 @@ def test_the_batched_fill_timed_beside_ours_fills_the_same_masks(vocab) -> None:
 
     from minisrv.grammar import compile_grammar
 
-    states = mask_cost._states_in_flight(compile_grammar(vocab, regex=st.THREE_CITIES), vocab, 6)
+    states = mask_cost.states_in_flight(compile_grammar(vocab, regex=st.THREE_CITIES), vocab, 6)
     bitmask = xgr.allocate_token_bitmask(len(states), vocab.size)
     xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([s.matcher for s in states],
                                                              bitmask)

@@ -30,6 +30,7 @@ __all__ = [
     "fill_cost_us",
     "gpu_mask_ms",
     "mask_cost_us",
+    "states_in_flight",
     "synthetic_vocabulary",
 ]
 
@@ -52,14 +53,15 @@ def synthetic_vocabulary(size: int = 32_000, seed: int = 0) -> Vocabulary:
     return Vocabulary(info, f"synthetic-{size // 1000}k")
 
 
-def _states_in_flight(grammar: Any, vocab: Vocabulary, batch: int) -> list[GrammarState]:
-    """``batch`` matchers of ``grammar``, each a few random allowed tokens in (seeded), as
-    the rows of a step find them mid-answer."""
-    rng = random.Random(0)
+def states_in_flight(grammar: Any, vocab: Vocabulary, batch: int, seed: int = 0,
+                     most: int = 6) -> list[GrammarState]:
+    """``batch`` matchers of ``grammar``, each 0 to ``most`` random allowed tokens in (seeded
+    by ``seed``), as the rows of a step find them mid-answer."""
+    rng = random.Random(seed)
     states = []
     for _ in range(batch):
         state = GrammarState(grammar)
-        for _ in range(rng.randint(0, 6)):
+        for _ in range(rng.randint(0, most)):
             allowed = [i for i in torch.nonzero(state.allowed_mask()).flatten().tolist()
                        if i not in vocab.stop_ids]
             if not allowed:
@@ -88,7 +90,7 @@ def mask_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *, regex: str
     rows, each a few random allowed tokens into its grammar. Each call masks a fresh copy of
     the logits, copied outside the timing."""
     grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
-    states = _states_in_flight(grammar, vocab, batch)
+    states = states_in_flight(grammar, vocab, batch)
     processor = GrammarLogitsProcessor(vocab.size)
     logits = torch.randn(batch, vocab.size)
     return _median_us(processor, repeats, lambda: (logits.clone(), states))
@@ -100,7 +102,7 @@ def fill_cost_us(vocab: Vocabulary, batch: int, repeats: int = 20, *,
     (``GrammarLogitsProcessor.fill``: XGrammar's batched fill, every row's bitmask in one
     call), so that ``mask_cost_us`` minus it is the apply on the logits."""
     grammar = compile_grammar(vocab, regex=regex, json_schema=json_schema)
-    states = _states_in_flight(grammar, vocab, batch)
+    states = states_in_flight(grammar, vocab, batch)
     processor = GrammarLogitsProcessor(vocab.size)
     return _median_us(processor.fill, repeats, lambda: (states,))
 

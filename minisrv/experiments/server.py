@@ -1,9 +1,10 @@
 """The server chapter's experiments: a running server looked at from both sides.
 
-``open_server`` builds the same app ``minisrv serve`` runs, in this process, so the caller
-can read its engine while it serves (its trace, its radix tree, the requests it finished);
-``server_walk`` sends one streamed request, timestamps every server-sent event and tabulates
-them, and the radix tree's side of the same request;
+``open_server`` (in ``server_walk``, whose repeated walk opens its own) builds the same app
+``minisrv serve`` runs, in this process, so the caller can read its engine while it serves
+(its trace, its radix tree, the requests it finished); ``server_walk`` sends one streamed
+request, timestamps every server-sent event and tabulates them, and the radix tree's side
+of the same request;
 ``bench_layouts`` serves each of several layouts in turn and replays the same requests
 against each with ``run_bench``; ``bench_frame`` lays their results out as one table.
 ``sim_server_runs`` serves a prefix-heavy workload (``prefix_heavy_requests``) over the
@@ -22,9 +23,9 @@ import itertools
 import math
 import random
 import string
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,11 +33,12 @@ import numpy as np
 import pandas as pd
 
 from minisrv.checks import check_int
+from minisrv.experiments.server_walk import open_server
 from minisrv.server.bench import BenchRequest, BenchResult, run_bench
 from minisrv.server.config import EngineOptions
 
 __all__ = ["SIM_CONFIGS", "Layout", "LayoutRun", "bench_frame", "bench_layouts", "beyond_spread",
-           "open_server", "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
+           "policy_rate_sweep", "prefix_heavy_requests", "read_metrics",
            "request_timelines", "run_sync", "sim_server_runs", "spread", "spread_summary"]
 
 T = TypeVar("T")
@@ -60,36 +62,6 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     (a notebook's): in a fresh loop on a helper thread."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
-
-
-@contextmanager
-def open_server(layout: Layout, startup_s: float = 120.0) -> Iterator[tuple[str, Any]]:
-    """Serve ``layout`` (its options name the model) on a free local port; yield
-    ``(base URL, engines)`` (a ``LocalEngine``, whose ``loop.engine`` is the engine, or
-    ``DataParallelEngines``).
-    The server and its workers are always stopped on exit."""
-    from minisrv.server.app import create_app
-    from minisrv.server.config import check_engine_options, model_name
-    from minisrv.server.dataparallel import DataParallelEngines
-    from minisrv.server.launch import serving_app
-    from minisrv.server.worker import LocalEngine
-    from minisrv.sim.served import sim_config, simulated_pace
-    from minisrv.tokenizer import load_tokenizer
-
-    options = layout.options
-    check_engine_options(options)
-    simulated = simulated_pace(options.model) is not None
-    if simulated:  # the simulated H100 (minisrv.sim.served)
-        options = sim_config(options)
-    engines: Any
-    if layout.dp == 1 and not layout.engine_process:
-        engines = LocalEngine(options)
-    else:
-        engines = DataParallelEngines(options, layout.dp, {})
-    codec = load_tokenizer("citylm" if simulated else options.model)  # sim: CityLM's letters
-    app = create_app(engines, codec, model_name(options.model))
-    with serving_app(app, startup_s) as url:
-        yield url, engines
 
 
 WARM_UP = BenchRequest("US:", 2)

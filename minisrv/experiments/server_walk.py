@@ -23,10 +23,40 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-__all__ = ["EventStream", "LayoutRuns", "first_event_runs", "first_token_parts",
+__all__ = ["EventStream", "LayoutRuns", "first_event_runs", "open_server", "first_token_parts",
            "layout_hit_rates", "slot_ranges", "sse_frame", "step_frame", "step_totals",
            "stream_completion", "timed_steps", "tree_event_frame", "tree_path_frame",
            "ttft_parts", "ttft_split", "warm_up"]
+
+
+@contextmanager
+def open_server(layout: Any, startup_s: float = 120.0) -> Iterator[tuple[str, Any]]:
+    """Serve ``layout`` (a ``server.Layout``: its options name the model) on a free local
+    port; yield ``(base URL, engines)`` (a ``LocalEngine``, whose ``loop.engine`` is the engine, or
+    ``DataParallelEngines``).
+    The server and its workers are always stopped on exit."""
+    from minisrv.server.app import create_app
+    from minisrv.server.config import check_engine_options, model_name
+    from minisrv.server.dataparallel import DataParallelEngines
+    from minisrv.server.launch import serving_app
+    from minisrv.server.worker import LocalEngine
+    from minisrv.sim.served import sim_config, simulated_pace
+    from minisrv.tokenizer import load_tokenizer
+
+    options = layout.options
+    check_engine_options(options)
+    simulated = simulated_pace(options.model) is not None
+    if simulated:  # the simulated H100 (minisrv.sim.served)
+        options = sim_config(options)
+    engines: Any
+    if layout.dp == 1 and not layout.engine_process:
+        engines = LocalEngine(options)
+    else:
+        engines = DataParallelEngines(options, layout.dp, {})
+    codec = load_tokenizer("citylm" if simulated else options.model)  # sim: CityLM's letters
+    app = create_app(engines, codec, model_name(options.model))
+    with serving_app(app, startup_s) as url:
+        yield url, engines
 
 
 def slot_ranges(slots: Sequence[int]) -> str:
@@ -155,7 +185,6 @@ def first_event_runs(layout: Any, body: Mapping[str, Any], runs: int
     The first event's way to the client overlaps that next step, in the same process: how long
     it waits there for Python's lock, and so whether it arrives before the step ends or only
     with the second event, varies from run to run."""
-    from minisrv.experiments.server import open_server
 
     rows, texts = [], []
     with open_server(layout) as (url, engines):
