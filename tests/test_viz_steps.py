@@ -114,4 +114,6 @@ def test_the_pool_legend_swatch_is_the_colour_of_the_request_s_held_slots(citylm
     assert held and held <= colors
     assert all(p.get_alpha() == viz.HELD_ALPHA for p in swatches[:-1])
     written = {to_rgba(p.get_facecolor()) for p in cells if p.get_alpha() == viz.WRITTEN_ALPHA}
-    assert to_rgba(swatches[-1].get_facecolor()) in written  # "darker": a written cell's shade
+    assert len(written) == 2  # step 1 writes a slot of r0 and one of r1, each in its colour,
+    red, green, blue, alpha = to_rgba(swatches[-1].get_facecolor())  # so "darker" is grey
+    assert red == green == blue and alpha == viz.WRITTEN_ALPHA

@@ -119,9 +119,8 @@ def plot_kv_pool(run: StepByStep, step: int, tok: Any) -> BookFigure:
     handles = [Patch(facecolor=f"C{r.rid % 10}", alpha=HELD_ALPHA, edgecolor="0.4",
                      label=f"{_name(r.rid)} {_prompt(run, r.rid, tok)}")
                for r in view.requests]
-    writers = [r.rid for r in view.requests if _written(r)]  # its swatch: a written cell's
-    handles.append(Patch(facecolor=f"C{writers[0] % 10}" if writers else "0.25",
-                         alpha=WRITTEN_ALPHA, edgecolor="0.4",
+    # neutral grey: a step can write slots of several requests, each in its own colour
+    handles.append(Patch(facecolor="0.25", alpha=WRITTEN_ALPHA, edgecolor="0.4",
                          label="darker: written in this step"))
     legend_below(fig, handles, ncol=len(handles))
     return fig

@@ -149,11 +149,12 @@ def repeated_prefill(prompts: Sequence[Sequence[int]],
     is a prefix of what an earlier request computed: its prompt, and with ``outputs`` its
     prompt + output but the last output token. The last sampled token never went through a
     forward pass, so it has no KV; SGLang caches a finished request's
-    ``(input + output)[:-1]`` for the same reason. A prompt matched to its end still
-    computes its last token, whose forward pass yields the logits of the first new token, so
-    at most ``len(prompt) - 1`` of its tokens count (SGLang's prefix match and minisrv's
-    ``KVManager.match`` stop one token short likewise). This is what an unlimited prefix cache
-    would skip; a trie of token ids finds it in O(total tokens).
+    ``(input + output)[:-1]`` for the same reason. (A ``chat_turns`` answer ends in a newline
+    the model never sampled, where the cached sequence parts from it: no KV either.) A prompt
+    matched to its end still computes its last token, whose forward pass yields the logits of
+    the first new token, so at most ``len(prompt) - 1`` of its tokens count (SGLang's prefix
+    match and minisrv's ``KVManager.match`` stop one token short likewise). This is what an
+    unlimited prefix cache would skip; a trie of token ids finds it in O(total tokens).
     """
     if outputs is not None and len(outputs) != len(prompts):
         raise ValueError(f"got {len(outputs)} outputs for {len(prompts)} prompts")
