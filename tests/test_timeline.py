@@ -29,6 +29,17 @@ def test_trace_table_names_who_did_what() -> None:
     assert table.drop(columns="cost").columns.name == "step"
 
 
+def test_trace_compare_stacks_each_run_under_its_label_and_step_count() -> None:
+    engine = Engine(SimBackend(), kv_capacity=1000, max_running=2)
+    run = engine.run_workload(Workload("w", [[5, 6, 7]] * 3, [3, 5, 3], [0.0] * 3))
+    table = tl.trace_compare({"prefill-first": run, "again": run})
+    label = f"prefill-first, {len(run.trace)} steps"
+    assert list(table.index.get_level_values(0).unique()) == [label,
+                                                              f"again, {len(run.trace)} steps"]
+    assert table.loc[(label, 0), "prefill"] == "r0, r1" and "cost" not in table.columns
+    assert table.columns.name == "mode / step"
+
+
 def test_request_states_cover_every_step_of_every_request() -> None:
     engine, reqs = notes_run()
     states = tl.request_states(engine.trace, reqs)
