@@ -3,13 +3,20 @@ real CityLM cluster generates exactly what each request generates alone."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisrv.engine import Engine
-from minisrv.experiments.routing import run_cluster, serve_cluster, simulate_cluster
+from minisrv.experiments.routing import (
+    hot_group_latency,
+    run_cluster,
+    serve_cluster,
+    simulate_cluster,
+)
 from minisrv.router import POLICIES, Router
 from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
@@ -42,7 +49,8 @@ def check_conserved(result, workload: Workload) -> None:
     # in flight on a worker = routed there and not finished: recompute the maximum
     assert trace.max() <= max(result.worker_requests)
     assert sum(result.decisions.values()) == n
-    assert result.load_ratio == pytest.approx(max(result.worker_requests) / (n / k))
+    assert Counter(result.branches) == Counter(result.decisions)  # one branch per request
+    assert result.request_ratio == pytest.approx(max(result.worker_requests) / (n / k))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,6 +109,39 @@ def test_cache_aware_keeps_groups_together() -> None:
     assert len(placement) == 2  # one worker per group
     assert aware.hit_rate > 0.9 > 0.5 > rr.hit_rate  # rr: the 150-token caches thrash
     assert aware.decisions == {"miss": 2, "cache": 38}
+    firsts = {groups.index(g) for g in groups}  # each group's first request
+    assert {i for i, b in enumerate(aware.branches) if b == "miss"} == firsts
+
+
+def test_a_tree_trimmed_to_the_cache_forgets_groups_the_cache_cannot_hold() -> None:
+    """Three groups on one worker whose cache holds two prefixes: the untrimmed tree remembers
+    all three (so every request is sent by the cache branch, and many find their prefix gone);
+    trimmed to the cache's size it forgets the least recently sent one, whose next request is
+    a miss again. The tree never holds more than ``max_tree_size`` tokens per worker."""
+    workload = prefix_groups_workload(n=60, n_groups=3, prefix_len=60, question_range=(2, 4),
+                                      mean_output=4, output_cv=0.0, rate=1.0, vocab_size=500)
+    whole = simulate_cluster(workload, n_workers=1, kv_capacity=150, max_running=2)
+    trimmed = simulate_cluster(workload, n_workers=1, kv_capacity=150, max_running=2,
+                               max_tree_size=150)
+    assert whole.decisions["miss"] == 3 and whole.tree_sizes[0] > 180  # every prefix, kept
+    assert trimmed.decisions["miss"] > 3 and trimmed.tree_sizes[0] <= 150
+    gone = [r.cached_prompt_tokens < 60 for r, b in zip(whole.requests, whole.branches,
+                                                       strict=True) if b == "cache"]
+    assert sum(gone) > 0  # sent by the tree's belief to a cache that had lost the prefix
+
+
+def test_hot_group_latency_splits_the_requests_by_the_most_common_prefix() -> None:
+    workload = small_workload(30, 3, 20, 0.6, 20.0, seed=2)
+    run = simulate_cluster(workload, n_workers=2, kv_capacity=200, max_running=4)
+    keys = [tuple(p[:20]) for p in workload.prompts]
+    hot_key = Counter(keys).most_common(1)[0][0]
+    hot, others = hot_group_latency(run, workload, key_len=20)
+    in_hot = [r.latency for r, k in zip(run.requests, keys, strict=True) if k == hot_key]
+    rest = [r.latency for r, k in zip(run.requests, keys, strict=True) if k != hot_key]
+    assert hot == pytest.approx(np.mean(in_hot)) and others == pytest.approx(np.mean(rest))
+    one = small_workload(5, 1, 20, None, 20.0, seed=0)
+    with pytest.raises(ValueError, match="no others"):
+        hot_group_latency(simulate_cluster(one, n_workers=1), one, key_len=20)
 
 
 def test_run_cluster_rejects_mismatched_engines() -> None:

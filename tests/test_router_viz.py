@@ -24,7 +24,7 @@ def test_table_and_plots_describe_the_runs() -> None:
     assert list(table.index) == ["round-robin", "cache-aware"]
     assert table.loc["cache-aware", "hit rate (%)"] == round(100 * runs["cache-aware"].hit_rate, 1)
     assert table.loc["round-robin", "requests per worker"] == "20 / 20"
-    assert table.loc["round-robin", "load ratio"] == "1.00"  # two decimals, not "1.0"
+    assert table.loc["round-robin", "request ratio"] == "1.00"  # two decimals, not "1.0"
     assert table.columns.name == "run" and table.index.name is None  # one header row
     for label, run in runs.items():  # whole tokens/s where there are hundreds of them
         shown = table.loc[label, "output tok/s"]
@@ -42,11 +42,31 @@ def test_threshold_sweep_rows() -> None:
     wl, _ = small_runs()
     sweep = rv.threshold_sweep(wl, [math.inf, 1], n_workers=2, kv_capacity=150, max_running=4)
     assert list(sweep.index) == ["round robin", "cache-aware, abs inf", "cache-aware, abs 1"]
-    assert sweep["load ratio"].min() >= 1.0
+    assert sweep["request ratio"].min() >= 1.0
     fig = rv.plot_threshold_sweep(sweep, "sweep")
     assert len(fig.axes) == 2  # two panels, no twin axis
     assert all(ax.get_xlabel().startswith("balance_abs_threshold") for ax in fig.axes)
     assert [ax.get_ylabel() for ax in fig.axes] == ["output tokens/s", "prefix-cache hit rate (%)"]
+
+
+def test_hot_group_draws_and_their_spread() -> None:
+    draws = []
+    for seed in (0, 1):
+        wl = prefix_groups_workload(n=40, n_groups=3, prefix_len=50, question_range=(2, 4),
+                                    mean_output=4, rate=20.0, hot_share=0.6, vocab_size=300,
+                                    seed=seed)
+        draws.append((wl, {p: simulate_cluster(wl, n_workers=2, policy=p, kv_capacity=150,
+                                                max_running=4)
+                           for p in ("round-robin", "cache-aware")}))
+    per_draw = rv.hot_group_draws(draws)
+    assert list(per_draw.index) == [(d, p) for d in (0, 1) for p in ("round-robin", "cache-aware")]
+    assert per_draw.loc[(1, "cache-aware"), "output tok/s"] == draws[1][1]["cache-aware"].throughput
+    spread = rv.spread_table(per_draw)
+    assert list(spread.columns) == ["round-robin", "cache-aware"]
+    assert spread.columns.name == "mean (range) of 2 draws" and spread.index.name is None
+    ratios = per_draw.xs("cache-aware", level="run")["request ratio"]
+    assert spread.loc["request ratio", "cache-aware"] == (
+        f"{ratios.mean():.2f} ({ratios.min():.2f}\u2013{ratios.max():.2f})")
 
 
 def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_workers() -> None:
@@ -61,7 +81,7 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_worker
             for run in ("round robin", "cache-aware"):
                 assert state[f"{run} hit rate"] == table.loc[run, "hit rate (%)"] / 100
                 assert state[f"{run} throughput"] == table.loc[run, "output tok/s"]
-                assert state[f"{run} load ratio"] == float(table.loc[run, "load ratio"])
+                assert state[f"{run} request ratio"] == float(table.loc[run, "request ratio"])
     # a hot group keeps its prefix in every worker's cache, even under round robin
     assert ex.metrics(hot_share=0.6, n_workers=3)["round robin hit rate"] > ex.metrics(
         hot_share=0.0, n_workers=3)["round robin hit rate"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ from minisrv.sim import SimBackend
 from minisrv.sim.run import collector_paused
 from minisrv.workloads import Workload
 
-__all__ = ["ClusterResult", "run_cluster", "simulate_cluster", "serve_cluster"]
+__all__ = ["ClusterResult", "hot_group_latency", "run_cluster", "simulate_cluster",
+           "serve_cluster"]
 
 @dataclass(frozen=True)
 class ClusterResult:
@@ -39,9 +41,12 @@ class ClusterResult:
     ``requests[i]`` is workload request ``i`` (its output, token times, cached prefix) and
     ``workers[i]`` the worker that served it. ``hit_rate``: cached prompt tokens over all
     prompt tokens, over every worker; ``throughput``: output tokens per clock unit from the
-    first arrival to the last token; ``load_ratio``: the most requests any worker served over
-    the mean per worker (1.0 is perfectly even). ``load_times``/``load_trace`` hold the
-    requests in flight per worker after every arrival and completion.
+    first arrival to the last token; ``request_ratio``: the most requests any worker served
+    over the mean per worker (1.0 is perfectly even). ``load_times``/``load_trace`` hold the
+    requests in flight per worker after every arrival and completion. ``branches[i]`` is the
+    router's reason for request ``i``'s worker (``BRANCHES``), and ``tree_sizes`` the tokens
+    of the router's tree each worker held at the end: with them a run shows how often the
+    tree's belief sent a request to a cache that had lost its prefix.
     """
 
     policy: str
@@ -57,10 +62,12 @@ class ClusterResult:
     worker_prefill_tokens: list[int]
     worker_hit_rates: list[float]
     worker_busy: list[float]
-    load_ratio: float
+    request_ratio: float
     load_times: np.ndarray
     load_trace: np.ndarray
     decisions: dict[str, int]
+    branches: list[str]
+    tree_sizes: list[int]
 
     @property
     def n_workers(self) -> int:
@@ -69,7 +76,7 @@ class ClusterResult:
     def summary(self) -> dict[str, float]:
         """The headline numbers, e.g. for one row of a comparison table."""
         return {"policy": self.policy, "hit_rate": self.hit_rate, "throughput": self.throughput,
-                "mean_latency": self.mean_latency, "load_ratio": self.load_ratio,
+                "mean_latency": self.mean_latency, "request_ratio": self.request_ratio,
                 "makespan": self.makespan}
 
 def run_cluster(engines: Sequence[Engine], router: Router, workload: Workload) -> ClusterResult:
@@ -152,6 +159,7 @@ class _ClusterLoop:
         ]
         self.requests: list[Req | None] = [None] * n
         self.workers = [-1] * n
+        self.branches = [""] * n
         self.wake = [math.inf] * len(engines)  # earliest arrival not yet seen by each worker
         self.finishes: list[tuple[float, int, int]] = []  # heap: (time, worker, request)
         self.times: list[float] = []
@@ -194,6 +202,7 @@ class _ClusterLoop:
         # next step, and its latency still counts from ``t``.
         self.engines[w].add_request(req, checked=True)  # checked in run_cluster
         self.requests[i], self.workers[i] = req, w
+        self.branches[i] = self.router.last_branch or ""
         self.wake[w] = min(self.wake[w], t)
         self._record(t)
 
@@ -244,11 +253,29 @@ class _ClusterLoop:
             worker_prefill_tokens=[s.prefill_tokens for s in stats],
             worker_hit_rates=[s.hit_rate for s in stats],
             worker_busy=[s.busy_time for s in stats],
-            load_ratio=max(counts) / mean if mean else 0.0,
+            request_ratio=max(counts) / mean if mean else 0.0,
             load_times=np.asarray(self.times, dtype=float),
             load_trace=np.asarray(self.trace, dtype=int).reshape(len(self.times), n_workers),
             decisions=dict(self.router.decisions),
+            branches=list(self.branches),
+            tree_sizes=self.router.tree.sizes,
         )
+
+
+def hot_group_latency(run: ClusterResult, workload: Workload,
+                      key_len: int = 64) -> tuple[float, float]:
+    """Mean latency of the hot group's requests and of all the others', in ``run``'s clock
+    unit. The hot group is the prompt start (its first ``key_len`` tokens) that most of
+    ``workload``'s requests share: balancing moves wait from the one to the others, which a
+    mean over all requests hides."""
+    keys = [tuple(p[:key_len]) for p in workload.prompts]
+    hot = Counter(keys).most_common(1)[0][0]
+    split: dict[bool, list[float]] = {True: [], False: []}
+    for key, req in zip(keys, run.requests, strict=True):
+        split[key == hot].append(req.latency)
+    if not split[False]:
+        raise ValueError("every request is in the hot group: there are no others to compare")
+    return float(np.mean(split[True])), float(np.mean(split[False]))
 
 
 def _as_list(tokens: Sequence[int]) -> list[int]:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from minisrv.experiments.routing import ClusterResult, simulate_cluster
+from minisrv.experiments.routing import ClusterResult, hot_group_latency, simulate_cluster
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.style import (
     BookFigure,
@@ -24,7 +24,7 @@ from minisrv.viz.style import (
     styled,
 )
 from minisrv.viz.widgets import panel
-from minisrv.workloads import prefix_groups_workload
+from minisrv.workloads import Workload, prefix_groups_workload
 
 __all__ = [
     "cluster_table",
@@ -32,6 +32,8 @@ __all__ = [
     "plot_loads_over_time",
     "plot_threshold_sweep",
     "threshold_sweep",
+    "hot_group_draws",
+    "spread_table",
     "routing_report",
     "routing_widget",
     "routing_explorer",
@@ -42,8 +44,8 @@ def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
     """One row per labelled run: hit rate (percent, one decimal), throughput, latency, load
     ratio, requests per worker. Units are the cluster's clock unit (seconds for simulated GPUs,
     steps for CityLM). The throughput column is labelled "output" since it counts generated
-    tokens only, not the prompt tokens some benchmarks add. Latency and load ratio are text with
-    two decimals: as numbers, pandas shows a column of 1.0 and 1.1 with one."""
+    tokens only, not the prompt tokens some benchmarks add. Latency and request ratio are text
+    with two decimals: as numbers, pandas shows a column of 1.0 and 1.1 with one."""
     rows = []
     for label, r in results.items():
         rows.append({
@@ -51,7 +53,7 @@ def cluster_table(results: Mapping[str, ClusterResult]) -> pd.DataFrame:
             "hit rate (%)": round(100 * r.hit_rate, 1),
             f"output tok/{r.time_unit}": _tokens_per_unit(r.throughput),
             f"mean latency ({r.time_unit})": f"{r.mean_latency:.2f}",
-            "load ratio": f"{r.load_ratio:.2f}",
+            "request ratio": f"{r.request_ratio:.2f}",
             "requests per worker": " / ".join(str(n) for n in r.worker_requests),
         })
     return one_header_row(pd.DataFrame(rows).set_index("run"))
@@ -100,7 +102,7 @@ def plot_loads_over_time(results: Mapping[str, ClusterResult], title: str) -> Bo
             ax.step(r.load_times, r.load_trace[:, w], where="post", lw=1, color=f"C{w}",
                     label=f"worker {w}")
         counts = ", ".join(str(k) for k in r.worker_requests)
-        label_axes(ax, f"{label}: load ratio {r.load_ratio:.2f}; requests {counts}",
+        label_axes(ax, f"{label}: request ratio {r.request_ratio:.2f}; requests {counts}",
                    None, "requests in flight")
     axes[-1].set_xlabel(f"time ({next(iter(results.values())).time_unit})")
     # One row of up to six workers; eight in one row ran past the figure's edges and lost
@@ -126,8 +128,45 @@ def threshold_sweep(workload: Any, thresholds: Sequence[float], *, n_workers: in
                              kv_capacity=kv_capacity, max_running=max_running, **opts)
         rows.append({"run": label, "abs threshold": opts.get("balance_abs_threshold", np.nan),
                      "hit rate": r.hit_rate, "throughput (tok/s)": r.throughput,
-                     "mean latency (s)": r.mean_latency, "load ratio": r.load_ratio})
+                     "mean latency (s)": r.mean_latency, "request ratio": r.request_ratio})
     return pd.DataFrame(rows).set_index("run")
+
+
+HOT_GROUP_COLUMNS: dict[str, str] = {
+    "request ratio": "{:.2f}", "output tok/s": "{:,.0f}", "hot group's latency (s)": "{:.2f}",
+    "other groups' latency (s)": "{:.2f}", "mean latency (s)": "{:.2f}"}
+"""The quantities of ``hot_group_draws`` and how ``spread_table`` writes them."""
+
+
+def hot_group_draws(draws: Sequence[tuple[Workload, Mapping[str, ClusterResult]]],
+                    ) -> pd.DataFrame:
+    """One row per draw and labelled run (index ``draw``, ``run``): the ``HOT_GROUP_COLUMNS``,
+    the hot group's and the other groups' mean latency by ``hot_group_latency``. ``draws``:
+    each a workload and its runs, under the same labels in every draw."""
+    rows = []
+    for draw, (workload, runs) in enumerate(draws):
+        for label, r in runs.items():
+            hot, others = hot_group_latency(r, workload)
+            values = (r.request_ratio, r.throughput, hot, others, r.mean_latency)
+            rows.append({"draw": draw, "run": label, **dict(zip(HOT_GROUP_COLUMNS, values))})
+    return pd.DataFrame(rows).set_index(["draw", "run"])
+
+
+def spread_table(per_draw: pd.DataFrame) -> pd.DataFrame:
+    """``hot_group_draws``' frame summed up: for each run (a column) and quantity (a row), the
+    mean over the draws and, in brackets, the range (joined by an en dash), so that a reader
+    sees how far one draw is from another. Runs as columns keep each cell on one line."""
+    runs = list(dict.fromkeys(per_draw.index.get_level_values("run")))
+    columns = {}
+    for run in runs:
+        values = per_draw.xs(run, level="run")
+        columns[run] = {quantity: f"{fmt.format(values[quantity].mean())} "
+                                  f"({fmt.format(values[quantity].min())}\u2013"
+                                  f"{fmt.format(values[quantity].max())})"
+                        for quantity, fmt in HOT_GROUP_COLUMNS.items()}
+    draws = per_draw.index.get_level_values("draw").nunique()
+    table = pd.DataFrame(columns).rename_axis(f"mean (range) of {draws} draws")
+    return one_header_row(table)
 
 
 @styled
@@ -241,7 +280,7 @@ def routing_explorer(n: int = 300, seed: int = 0,
                    for run in table.index
                    for name, column, scale in (("hit rate", "hit rate (%)", 100),
                                                ("throughput", tput, 1),
-                                               ("load ratio", "load ratio", 1))}
+                                               ("request ratio", "request ratio", 1))}
         gain = table.loc["cache-aware", tput] / table.loc["round robin", tput]
         return Frame([table, figure], numbers,
                      caption=f"Cache-aware routing delivers {gain:.2f} times round robin's "
