@@ -125,6 +125,7 @@ _PUBLIC = {
     "scheduling_cost": "cache_aware",
     "ClusterResult": "routing",
     "run_cluster": "routing",
+    "hot_group_latency": "routing",
     "serve_cluster": "routing",
     "simulate_cluster": "routing",
     "LOOPS": "overlap",
