@@ -51,6 +51,7 @@ def check_conserved(result, workload: Workload) -> None:
     assert sum(result.decisions.values()) == n
     assert Counter(result.branches) == Counter(result.decisions)  # one branch per request
     assert result.request_ratio == pytest.approx(max(result.worker_requests) / (n / k))
+    assert result.widest_gap == max((row.max() - row.min() for row in trace), default=0)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,6 +63,8 @@ def test_simulated_cluster_conserves_requests(n, groups, prefix, hot, rate, k, p
     result = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
                               max_running=4, balance_abs_threshold=2)
     check_conserved(result, workload)
+    if result.decisions.get("balance"):  # balanced only past the absolute threshold, 2
+        assert result.widest_gap > 2
     again = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
                              max_running=4, balance_abs_threshold=2)
     assert again.workers == result.workers  # deterministic for a seed
@@ -128,6 +131,8 @@ def test_a_tree_trimmed_to_the_cache_forgets_groups_the_cache_cannot_hold() -> N
     gone = [r.cached_prompt_tokens < 60 for r, b in zip(whole.requests, whole.branches,
                                                        strict=True) if b == "cache"]
     assert sum(gone) > 0  # sent by the tree's belief to a cache that had lost the prefix
+    assert whole.lost_prefix_share(60) == pytest.approx(sum(gone) / len(gone))
+    assert whole.lost_prefix_share(60) > trimmed.lost_prefix_share(60)
 
 
 def test_hot_group_latency_splits_the_requests_by_the_most_common_prefix() -> None:

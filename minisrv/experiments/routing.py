@@ -73,6 +73,24 @@ class ClusterResult:
     def n_workers(self) -> int:
         return len(self.worker_requests)
 
+    @property
+    def widest_gap(self) -> int:
+        """The largest difference in requests in flight between the busiest and the idlest
+        worker at any arrival or completion: the quantity ``balance_abs_threshold`` is compared
+        with, so a run whose widest gap stays below a threshold would never have balanced."""
+        if not len(self.load_trace):
+            return 0
+        return int((self.load_trace.max(axis=1) - self.load_trace.min(axis=1)).max())
+
+    def lost_prefix_share(self, prefix_len: int) -> float:
+        """Share of the requests the cache branch routed that found fewer than ``prefix_len``
+        tokens cached when they started: how often the router's tree named a worker whose
+        cache had already evicted the prefix, the cost of a tree larger than the caches."""
+        sent = [r for r, b in zip(self.requests, self.branches, strict=True) if b == "cache"]
+        if not sent:
+            return 0.0
+        return sum(r.cached_prompt_tokens < prefix_len for r in sent) / len(sent)
+
     def summary(self) -> dict[str, float]:
         """The headline numbers, e.g. for one row of a comparison table."""
         return {"policy": self.policy, "hit_rate": self.hit_rate, "throughput": self.throughput,

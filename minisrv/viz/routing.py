@@ -133,7 +133,8 @@ def threshold_sweep(workload: Any, thresholds: Sequence[float], *, n_workers: in
 
 
 HOT_GROUP_COLUMNS: dict[str, str] = {
-    "request ratio": "{:.2f}", "output tok/s": "{:,.0f}", "hot group's latency (s)": "{:.2f}",
+    "request ratio": "{:.2f}", "requests balanced": "{:.0f}", "widest gap in flight": "{:.0f}",
+    "output tok/s": "{:,.0f}", "hot group's latency (s)": "{:.2f}",
     "other groups' latency (s)": "{:.2f}", "mean latency (s)": "{:.2f}"}
 """The quantities of ``hot_group_draws`` and how ``spread_table`` writes them."""
 
@@ -141,13 +142,16 @@ HOT_GROUP_COLUMNS: dict[str, str] = {
 def hot_group_draws(draws: Sequence[tuple[Workload, Mapping[str, ClusterResult]]],
                     ) -> pd.DataFrame:
     """One row per draw and labelled run (index ``draw``, ``run``): the ``HOT_GROUP_COLUMNS``,
-    the hot group's and the other groups' mean latency by ``hot_group_latency``. ``draws``:
+    the requests the balance branch routed and the widest gap in flight (what the absolute
+    threshold is compared with) beside the hot group's and the other groups' mean latency by
+    ``hot_group_latency``. ``draws``:
     each a workload and its runs, under the same labels in every draw."""
     rows = []
     for draw, (workload, runs) in enumerate(draws):
         for label, r in runs.items():
             hot, others = hot_group_latency(r, workload)
-            values = (r.request_ratio, r.throughput, hot, others, r.mean_latency)
+            values = (r.request_ratio, r.decisions.get("balance", 0), r.widest_gap,
+                      r.throughput, hot, others, r.mean_latency)
             rows.append({"draw": draw, "run": label, **dict(zip(HOT_GROUP_COLUMNS, values))})
     return pd.DataFrame(rows).set_index(["draw", "run"])
 
