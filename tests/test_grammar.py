@@ -9,6 +9,7 @@ compile time, naming the missing characters; each grammar compiles once.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -252,10 +253,9 @@ def test_a_grammar_citylm_cannot_spell_is_refused_naming_what_is_missing(kwargs,
     assert vocab.compiles == 0 and vocab.cache == {}  # nothing half-compiled kept
 
 
-def test_a_search_out_of_budget_is_refused_as_undecided_not_as_missing_characters() -> None:
-    """A free-text field tried in token-id order ('a', 'aa', ...) swallows the witness search's
-    budget on a vocabulary that has every character the grammar needs; the refusal must say
-    that, not name "characters outside ASCII" it does not need (review 54)."""
+def letters_vocabulary(*extra: str):
+    """Printable ASCII and every two-letter word, plus ``extra`` tokens: every character a
+    free-text field asks for, in a vocabulary of 777 tokens and more."""
     import itertools
     import string
 
@@ -264,12 +264,35 @@ def test_a_search_out_of_budget_is_refused_as_undecided_not_as_missing_character
     from minisrv.grammar.vocab import Vocabulary
 
     words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
-    info = xgr.TokenizerInfo(["</s>", *string.printable, *words], xgr.VocabType.RAW,
+    info = xgr.TokenizerInfo(["</s>", *string.printable, *words, *extra], xgr.VocabType.RAW,
                              stop_token_ids=[0])
-    vocab = Vocabulary(info, "letters")
+    return Vocabulary(info, "letters")
+
+
+def test_a_free_text_field_is_spelled_from_a_short_ascii_text() -> None:
+    """The witness comes from the ASCII probe (a closing quote tried before another letter),
+    spelled in the vocabulary's tokens: found at once where the search in token-id order
+    ('a', 'aa', ...) runs out of budget (test below)."""
+    vocab = letters_vocabulary()
+    witness = compile_grammar(vocab, regex=r'\{"n": "[a-z]+"\}').witness
+    assert re.fullmatch(r'\{"n": "[a-z]+"\}', witness)
+    schema = {"type": "object", "required": ["name", "tags"],
+              "properties": {"name": {"type": "string"},
+                             "tags": {"type": "array", "items": {"type": "string"}}}}
+    answer = json.loads(compile_grammar(vocab, json_schema=schema).witness)
+    assert set(answer) == {"name", "tags"} and isinstance(answer["name"], str)
+    assert isinstance(answer["tags"], list)
+
+
+def test_a_search_out_of_budget_is_refused_as_undecided_not_as_missing_characters() -> None:
+    """A free-text field tried in token-id order ('a', 'aa', ...) swallows the witness search's
+    budget on a vocabulary that has every character the grammar needs (here the probe cannot
+    help: the grammar ends in 'é', outside ASCII); the refusal must say that, not name
+    "characters outside ASCII" it does not need (review 54)."""
+    vocab = letters_vocabulary("é")
     with pytest.raises(ValueError, match="undecided whether the letters vocabulary can spell "
                        "this regex: no complete text found within the search budget") as err:
-        compile_grammar(vocab, regex=r'\{"n": "[a-z]+"\}')
+        compile_grammar(vocab, regex=r'\{"n": "[a-z]+"\}é')
     assert "outside ASCII" not in str(err.value) and "cannot spell" not in str(err.value)
     assert "has every character" in str(err.value)
     assert vocab.cache == {}

@@ -135,11 +135,11 @@ def _compile_checked(vocab: Vocabulary, kind: str, text: str) -> CompiledGrammar
     compiled = _xgr_compile(vocab.compiler, kind, text)
     if vocab.byte_complete:
         return CompiledGrammar(kind, text, compiled, vocab, None)
-    spelling = find_spelling(compiled, vocab)
+    probe = _xgr_compile(probe_vocabulary().compiler, kind, text)
+    spelling = find_spelling(compiled, vocab, compile_probe=probe)
     if spelling.witness is not None:
         witness = b"".join(vocab.token_bytes[i] for i in spelling.witness)
         return CompiledGrammar(kind, text, compiled, vocab, witness.decode("utf-8", "replace"))
-    probe = _xgr_compile(probe_vocabulary().compiler, kind, text)
     missing = missing_chars(probe, vocab, spelling.dead_ends)
     if spelling.out_of_budget and not missing:
         # The search stopped on one path (a free-text field tried in token-id order can take
