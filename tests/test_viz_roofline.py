@@ -231,7 +231,7 @@ def test_gpu_explorer_offers_every_recorded_batch_and_both_calls_over_the_roofli
     ragged = steps[steps["attention"] == "flex"].set_index("batch")["step_ms"]
     for (_, batch), state in ex.states.items():
         assert state["measured_ragged_ms"] == ragged[batch]
-    roof_us = decode_step_cost(SMOLLM2_135M, H200, 128, 512).time_s * 1e6
+    roof_us = round(decode_step_cost(SMOLLM2_135M, H200, 128, 512).time_s * 1e6, 1)  # shown
     times = float(f"{ragged[128] * 1e3 / roof_us:.2g}")
     assert f"the ragged step 243.6 ms, about {times:,.0f} times" in ex.html
 
@@ -265,6 +265,9 @@ def test_gpu_explorer_caption_rounds_the_gap_as_the_prose_does() -> None:
     ex = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=(1, 256))
     assert "took 28.9 ms, about 490 times that, the ragged step 41.0 ms, about 700 times" in ex.html
     assert "took 50.0 ms, about 73 times that" in ex.html  # 72.8 at batch 256
+    # the ratio of the values shown: 34.8 ms over 95.4 µs is 365, about 360 (not 370)
+    at16 = gpu_roofline_explorer(steps, "recorded", contexts=(512,), batches=(16,)).html
+    assert "step is 95.4 " in at16 and "the ragged step 34.8 ms, about 360 times" in at16
     assert "494x" not in ex.html and "494 times" not in ex.html  # the images are base64
 
 
