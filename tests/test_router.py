@@ -40,7 +40,12 @@ def test_match_reports_partial_edges_and_holders() -> None:
     assert tree.match([1, 2, 3]).length == 3
     assert tree.match([1, 2, 3]).workers == (1, 0)  # both hold "abc"; worker 1 most recent
     assert tree.match([1, 2]).workers == (2, 1, 0)
+    assert tree.match([1, 2], order="first").workers == (0, 1, 2)  # in the order first sent
+    tree.insert([1, 2, 3], 0)  # worker 0 again: now the most recent, and still the first
+    assert tree.match([1, 2, 3]).workers == (0, 1) == tree.match([1, 2, 3], "first").workers
     assert tree.match([9]) == (0, ())
+    with pytest.raises(ValueError, match="order must be 'recent' or 'first'"):
+        tree.match([1], order="last")
     assert tree.match_worker([1, 2, 3, 4, 5], 2) == 2  # worker 2 holds only "ab" of it
     assert tree.sizes == [5, 5, 4]
     assert tree.nodes() == 5  # ab, c, de, xy, fg
@@ -210,6 +215,23 @@ def test_the_older_miss_rule_picks_the_smallest_tree() -> None:
         Router(2, miss_rule="random")
 
 
+def test_the_first_holder_rule_sends_a_balanced_group_back() -> None:
+    """The chapter's hand example: group A's fifth request is balanced onto worker 1; the
+    next A goes to worker 1 under minisrv's rule and back to worker 0 under the gateway's."""
+    picks = {}
+    for rule in ("most-recent", "first-holder"):
+        router = Router(2, balance_abs_threshold=2, balance_rel_threshold=1.5, match_rule=rule)
+        router.route([2, 2, 2, 2, 5])  # group B first: worker 0
+        steps = [router.route([1, 1, 1, 1, 6 + i]) for i in range(6)]  # group A
+        picks[rule] = (steps, router.last_branch)
+    assert picks["most-recent"][0][:5] == picks["first-holder"][0][:5]
+    assert picks["most-recent"][0][4] != picks["most-recent"][0][0]  # the balanced one
+    assert picks["most-recent"] == (picks["most-recent"][0][:5] + [picks["most-recent"][0][4]],
+                                    "cache")
+    assert picks["first-holder"] == (picks["first-holder"][0][:5] + [picks["first-holder"][0][0]],
+                                     "cache")
+
+
 def test_balance_branch_needs_both_thresholds() -> None:
     r = Router(2, balance_abs_threshold=2, balance_rel_threshold=1.5)
     for _ in range(3):
@@ -247,6 +269,8 @@ def test_router_rejects_bad_arguments_and_stays_intact() -> None:
         Router(2, balance_rel_threshold=-1)
     with pytest.raises(ValueError, match="n_workers"):
         Router(0)
+    with pytest.raises(ValueError, match="unknown match_rule 'last'; supported: most-recent"):
+        Router(2, match_rule="last")
     r = Router(2)
     with pytest.raises(ValueError, match="no request in flight"):
         r.finish(0)
@@ -261,13 +285,14 @@ def test_router_rejects_bad_arguments_and_stays_intact() -> None:
 @given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.booleans()),
                 min_size=1, max_size=40),
        st.integers(0, 3), st.sampled_from([1.0, 1.5, 3.0]), st.sampled_from([0.0, 0.5, 0.9]),
-       st.sampled_from(["least-load", "smallest-tree"]))
+       st.sampled_from(["least-load", "smallest-tree"]),
+       st.sampled_from(["most-recent", "first-holder"]))
 def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t: float,
-                                         miss_rule: str) -> None:
+                                         miss_rule: str, match_rule: str) -> None:
     """Against an independent statement of SGLang's rule, at every step of a random run of
-    routes and completions, with either miss rule."""
+    routes and completions, with either miss rule and either match rule."""
     r = Router(3, balance_abs_threshold=abs_t, balance_rel_threshold=rel_t,
-               cache_threshold=cache_t, miss_rule=miss_rule)
+               cache_threshold=cache_t, miss_rule=miss_rule, match_rule=match_rule)
     sent: list[tuple[list[int], int]] = []
     for tokens, finish in ops:
         if finish and any(r.loads):
@@ -282,9 +307,10 @@ def test_every_decision_follows_the_rule(ops, abs_t: int, rel_t: float, cache_t:
             assert (w, r.last_branch) == (least, "balance")
         elif max(best) / len(tokens) > cache_t:
             assert r.last_branch == "cache" and best[w] == max(best)
-            # the holder most recently sent the matched prefix
-            recent = max(i for i, (p, k) in enumerate(sent) if lcp(p, tokens) >= max(best))
-            assert w == sent[recent][1]
+            # the holder most recently (or first) sent the matched prefix
+            senders = [i for i, (p, k) in enumerate(sent) if lcp(p, tokens) >= max(best)]
+            pick = max(senders) if match_rule == "most-recent" else min(senders)
+            assert w == sent[pick][1]
         else:
             smallest = min(range(3), key=lambda j: (sizes[j], loads[j], j))
             assert (w, r.last_branch) == (least if miss_rule == "least-load" else smallest,

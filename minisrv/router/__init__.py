@@ -6,13 +6,21 @@ behind it); the routing chapter's cluster simulation, ``simulate_cluster`` and
 ``serve_cluster``, lives on the book side in ``minisrv.experiments.routing``.
 """
 
-from minisrv.router.policy import BRANCHES, LAUNCHER_DEFAULTS, MISS_RULES, POLICIES, Router
+from minisrv.router.policy import (
+    BRANCHES,
+    LAUNCHER_DEFAULTS,
+    MATCH_RULES,
+    MISS_RULES,
+    POLICIES,
+    Router,
+)
 from minisrv.router.tree import ApproxTree, TreeMatch, common_prefix_length
 
 __all__ = [
     "ApproxTree",
     "BRANCHES",
     "LAUNCHER_DEFAULTS",
+    "MATCH_RULES",
     "MISS_RULES",
     "POLICIES",
     "Router",

@@ -26,11 +26,14 @@ policy chooses among the workers up, and the tree forgets what the dead worker h
 its cache died with it; a request it never received is ``reroute``d (moved off its load and
 routed again). With every worker up the choices are exactly those above.
 
-Choices that SGLang leaves to hash-map order are made deterministic here: among several
-workers holding the match, the one most recently sent it (its copy is the freshest, so the
-likeliest to be still cached; a group the balancer moved stays where it went); among
-equally loaded workers, the smallest tree (the most room: sgl-router's older miss rule), then
-the lowest index.
+Among several workers holding the match, minisrv sends the prompt to the one most recently
+sent it (its copy is the freshest, so the likeliest to be still cached; a group the balancer
+moved stays where it went). SGLang's gateway sends it to the worker that was sent it first
+(``tree.rs`` keeps a node's creator as its ``last_tenant``; once that worker is trimmed from
+the node, whichever holder its hash map yields first): ``Router(...,
+match_rule="first-holder")`` follows that rule (``MATCH_RULES``), with the oldest remaining
+holder for the hash map's pick. Among equally loaded workers, the smallest tree (the most
+room: sgl-router's older miss rule), then the lowest index.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from minisrv.router.tree import ApproxTree
+from minisrv.router.tree import ApproxTree, TreeMatch
 
-__all__ = ["POLICIES", "BRANCHES", "MISS_RULES", "LAUNCHER_DEFAULTS", "Router"]
+__all__ = ["POLICIES", "BRANCHES", "MISS_RULES", "MATCH_RULES", "LAUNCHER_DEFAULTS", "Router"]
 
 POLICIES: tuple[str, ...] = ("round-robin", "random", "least-load", "cache-aware")
 
@@ -51,6 +54,10 @@ MISS_RULES: tuple[str, ...] = ("least-load", "smallest-tree")
 """Where the cache-aware policy sends a miss: the least-loaded worker (sgl-model-gateway 0.3,
 the default) or the worker with the smallest approximate tree (``sgl-router`` before the
 rename, ``get_smallest_tenant``; among equal trees the least loaded, then the lowest index)."""
+
+MATCH_RULES: tuple[str, ...] = ("most-recent", "first-holder")
+"""Which holder of a match the cache-aware policy picks: the worker most recently sent the
+prefix (minisrv's default) or the one first sent it (sgl-model-gateway's ``tree.rs``)."""
 
 BRANCHES: tuple[str, ...] = ("balance", "cache", "miss", "policy")
 """Why a request went where it went: the cache-aware rule's three branches, or ``"policy"``
@@ -72,12 +79,15 @@ class Router:
     def __init__(self, n_workers: int, policy: str = "cache-aware", *, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
                  max_tree_size: int = 2**20, seed: int = 0,
-                 miss_rule: str = "least-load") -> None:
+                 miss_rule: str = "least-load", match_rule: str = "most-recent") -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; supported: {', '.join(POLICIES)}")
         if miss_rule not in MISS_RULES:
             raise ValueError(f"unknown miss_rule {miss_rule!r}; supported: "
                              f"{', '.join(MISS_RULES)}")
+        if match_rule not in MATCH_RULES:
+            raise ValueError(f"unknown match_rule {match_rule!r}; supported: "
+                             f"{', '.join(MATCH_RULES)}")
         _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         _check_number("balance_abs_threshold", balance_abs_threshold, 0.0, math.inf)
         _check_number("balance_rel_threshold", balance_rel_threshold, 0.0, math.inf)
@@ -87,6 +97,7 @@ class Router:
         self.n_workers = n_workers
         self.policy = policy
         self.miss_rule = miss_rule
+        self.match_rule = match_rule
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
@@ -164,7 +175,7 @@ class Router:
             return min(range(self.n_workers), key=loads.__getitem__), "policy"
         if self.imbalanced():
             return self.least_loaded(), "balance"
-        match = self.tree.match(tokens)
+        match = self.holders_match(tokens)
         if tokens and match.length / len(tokens) > self.cache_threshold:
             return match.workers[0], "cache"
         return self.miss_target(range(self.n_workers)), "miss"
@@ -189,11 +200,15 @@ class Router:
         high, low = max(loads[w] for w in live), min(loads[w] for w in live)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
             return least, "balance"
-        match = self.tree.match(tokens)
+        match = self.holders_match(tokens)
         holders = [w for w in match.workers if self.up[w]]
         if tokens and holders and match.length / len(tokens) > self.cache_threshold:
             return holders[0], "cache"
         return self.miss_target(live), "miss"
+
+    def holders_match(self, tokens: Sequence[int]) -> TreeMatch:
+        """The tree's longest match of ``tokens``, its holders in ``match_rule``'s order."""
+        return self.tree.match(tokens, "first" if self.match_rule == "first-holder" else "recent")
 
     def imbalanced(self) -> bool:
         """SGLang's test: the busiest worker is ahead of the idlest by more than

@@ -59,7 +59,9 @@ class _Node:
         self.tokens = tokens
         self.children: dict[int, _Node] = {}
         self.parent = parent
-        self.seen: dict[int, int] = {}  # worker -> last access (insert counter)
+        # worker -> last access (insert counter), in the order the workers were first sent
+        # this edge (a dict keeps insertion order; a trimmed worker that returns goes last)
+        self.seen: dict[int, int] = {}
 
 
 class TreeMatch(NamedTuple):
@@ -67,7 +69,8 @@ class TreeMatch(NamedTuple):
 
     ``length`` counts tokens, including a partial match into the last edge (a worker sent
     ``abcd`` has cached ``abc`` too). ``workers`` hold the whole matched prefix, the one most
-    recently sent it first (its copy is the likeliest to be still cached).
+    recently sent it first (its copy is the likeliest to be still cached), or with
+    ``match(..., order="first")`` the one first sent it first.
     """
 
     length: int
@@ -105,13 +108,17 @@ class ApproxTree:
         """``size(w)`` for every worker."""
         return list(self._sizes)
 
-    def match(self, tokens: Sequence[int]) -> TreeMatch:
+    def match(self, tokens: Sequence[int], order: str = "recent") -> TreeMatch:
         """Walk down the tree along ``tokens``; report how far it got and who holds that.
 
         The walk stops inside an edge where the tokens differ; the partial edge still counts,
         and its holders are the answer (the deepest node reached holds a subset of its
-        ancestors' workers, so they hold the whole matched prefix).
+        ancestors' workers, so they hold the whole matched prefix). ``order``: holders most
+        recently sent the prefix first (``"recent"``), or in the order they were first sent
+        it (``"first"``: SGLang's gateway keeps the node's creator as its ``last_tenant``).
         """
+        if order not in ("recent", "first"):
+            raise ValueError(f"order must be 'recent' or 'first', got {order!r}")
         node, i, n = self.root, 0, len(tokens)
         holder = self.root
         while i < n:
@@ -127,6 +134,8 @@ class ApproxTree:
         if holder is self.root:
             return TreeMatch(0, ())
         seen = holder.seen
+        if order == "first":
+            return TreeMatch(i, tuple(seen))
         return TreeMatch(i, tuple(sorted(seen, key=seen.__getitem__, reverse=True)))
 
     def match_worker(self, tokens: Sequence[int], worker: int) -> int:
