@@ -173,6 +173,10 @@ class Router:
         if self.policy == "least-load":
             loads = self.loads
             return min(range(self.n_workers), key=loads.__getitem__), "policy"
+        return self.cache_aware(tokens)
+
+    def cache_aware(self, tokens: Sequence[int]) -> tuple[int, str]:
+        """SGLang's three steps with every worker up: balance, follow the cache, or a miss."""
         if self.imbalanced():
             return self.least_loaded(), "balance"
         match = self.holders_match(tokens)

@@ -257,8 +257,9 @@ ROUTING_HOT_SHARES = (0.0, 0.2, 0.4, 0.6, 0.8)
 the cache nearly doubles throughput, through the 40% of the chapter's section on hot prefixes,
 to 80%, where round robin keeps the hot prefix in every worker's cache and nearly catches up."""
 ROUTING_WORKERS = (2, 3, 4, 6, 8)
-"""Workers of the explorer: round robin spreads each group over all of them, so its hit rate
-falls as they multiply, while cache-aware routing keeps each group on one."""
+"""Workers of the explorer: round robin spreads each group over all of them, so every cache
+holds the same few groups at a time and its hit rate stays flat as they multiply, while
+cache-aware routing keeps each group on one and gains a cache with every worker."""
 
 
 def routing_explorer(n: int = 300, seed: int = 0,
