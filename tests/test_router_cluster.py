@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from minisrv.engine import Engine
 from minisrv.experiments.routing import (
+    groups_started,
     hot_group_latency,
     run_cluster,
     serve_cluster,
@@ -204,3 +205,14 @@ def test_a_run_pauses_the_collector_and_gives_it_back_as_it_found_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_groups_started_counts_where_each_groups_first_request_went() -> None:
+    workload = small_workload(40, 4, 20, None, 20.0, seed=3)
+    run = simulate_cluster(workload, n_workers=3, kv_capacity=200, max_running=4)
+    firsts: dict[tuple[int, ...], int] = {}
+    for prompt, worker in zip(workload.prompts, run.workers, strict=True):
+        firsts.setdefault(tuple(prompt[:20]), worker)
+    started = groups_started(run, workload, key_len=20)
+    assert started == [list(firsts.values()).count(w) for w in range(3)]
+    assert sum(started) == len(firsts) == 4

@@ -126,6 +126,7 @@ _PUBLIC = {
     "ClusterResult": "routing",
     "run_cluster": "routing",
     "hot_group_latency": "routing",
+    "groups_started": "routing",
     "serve_cluster": "routing",
     "simulate_cluster": "routing",
     "LOOPS": "overlap",

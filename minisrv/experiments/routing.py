@@ -31,8 +31,8 @@ from minisrv.sim import SimBackend
 from minisrv.sim.run import collector_paused
 from minisrv.workloads import Workload
 
-__all__ = ["ClusterResult", "hot_group_latency", "run_cluster", "simulate_cluster",
-           "serve_cluster"]
+__all__ = ["ClusterResult", "groups_started", "hot_group_latency", "run_cluster",
+           "simulate_cluster", "serve_cluster"]
 
 @dataclass(frozen=True)
 class ClusterResult:
@@ -294,6 +294,17 @@ def hot_group_latency(run: ClusterResult, workload: Workload,
     if not split[False]:
         raise ValueError("every request is in the hot group: there are no others to compare")
     return float(np.mean(split[True])), float(np.mean(split[False]))
+
+
+def groups_started(run: ClusterResult, workload: Workload, key_len: int = 64) -> list[int]:
+    """How many of ``workload``'s groups (prompts alike in their first ``key_len`` tokens)
+    began on each worker of ``run``: where each group's first request, its miss, was sent.
+    The miss rule decides it, and the rest of a group mostly follows its prefix there."""
+    first: dict[tuple[int, ...], int] = {}
+    for prompt, worker in zip(workload.prompts, run.workers, strict=True):
+        first.setdefault(tuple(prompt[:key_len]), worker)
+    counts = Counter(first.values())
+    return [counts[w] for w in range(run.n_workers)]
 
 
 def _as_list(tokens: Sequence[int]) -> list[int]:
