@@ -28,9 +28,9 @@ routed again). With every worker up the choices are exactly those above.
 
 Among several workers holding the match, minisrv sends the prompt to the one most recently
 sent it (its copy is the freshest, so the likeliest to be still cached; a group the balancer
-moved stays where it went). SGLang's gateway sends it to the worker that was sent it first
-(``tree.rs`` keeps a node's creator as its ``last_tenant``; once that worker is trimmed from
-the node, whichever holder its hash map yields first): ``Router(...,
+moved stays where it went). SGLang's gateway sends it to the first holder of the deepest node
+the prompt reaches (``tree.rs`` keeps a node's creator as its ``last_tenant``; once that worker
+is trimmed from the node, whichever holder its hash map yields first): ``Router(...,
 match_rule="first-holder")`` follows that rule (``MATCH_RULES``), with the oldest remaining
 holder for the hash map's pick. Among equally loaded workers, the smallest tree (the most
 room: sgl-router's older miss rule), then the lowest index.
