@@ -66,12 +66,17 @@ class Frame:
 
 @dataclass
 class Control:
-    """A control of the page: the values it holds, the one shown first, its label."""
+    """A control of the page: the values it holds, the one shown first, its label, and the
+    format its values are shown in (``","``: 8,192, as the prose writes it)."""
 
     name: str
     label: str
     values: list[Any]
     default: Any
+    fmt: str = ""
+
+    def shown(self, value: Any) -> str:
+        return format(value, self.fmt) if self.fmt else _shown(value)
 
     def __post_init__(self) -> None:
         if not self.values:
@@ -258,7 +263,7 @@ class Explorer:
             states.append({"parts": refs, "metrics": dict(frame.metrics),
                            "caption": html.escape(frame.caption)})
         data = {"controls": [{"name": c.name, "values": c.values,
-                              "shown": [_shown(v) for v in c.values]} for c in self.controls],
+                              "shown": [c.shown(v) for v in c.values]} for c in self.controls],
                 "states": states, "parts": parts}
         payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
         uid = "mx-" + uuid.uuid4().hex[:12]
@@ -268,11 +273,11 @@ class Explorer:
             if c.numeric:
                 widget = (f'<input type="range" data-control="{c.name}" min="0" '
                           f'max="{len(c.values) - 1}" step="1" value="{start}">'
-                          f'<output data-value-of="{c.name}">{_shown(c.default)}</output>')
+                          f'<output data-value-of="{c.name}">{c.shown(c.default)}</output>')
             else:
                 options = "".join(
                     f'<option value="{i}"{" selected" if i == start else ""}>'
-                    f"{html.escape(_shown(v))}</option>" for i, v in enumerate(c.values))
+                    f"{html.escape(c.shown(v))}</option>" for i, v in enumerate(c.values))
                 widget = f'<select data-control="{c.name}">{options}</select>'
             inputs.append(f"<label>{html.escape(c.label)} {widget}</label>")
         heading = f'<p class="mx-title"><b>{html.escape(self.title)}</b></p>' if self.title else ""
@@ -310,20 +315,21 @@ def _widget_bundle(widget: Any) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k != "text/plain"}
 
 
-def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[str, str, Sequence[Any], Any]],
+def explorer(draw: Callable[..., Frame], controls: Sequence[tuple[Any, ...]],
              live: Callable[[], Any] | None = None, title: str = "",
              runs: Any = None) -> Explorer:
     """Run ``draw(**values)`` for every combination of the controls' values and return the
     ``Explorer`` that switches between them.
 
-    ``controls``: ``(name, label, values, default)`` per control, in the order they appear;
+    ``controls``: ``(name, label, values, default)`` per control, in the order they appear,
+    with the values' format after them where it is not ``str`` (``","`` for thousands);
     ``draw`` returns a ``Frame`` (the experiment's figure or table and its numbers) and is
     the same code the chapter's static figure and kernel widget run. ``live`` builds the
     kernel widget (called only where a kernel can show it). ``runs``: what ``draw`` reads,
     kept on the explorer (``Explorer.runs``) for the cells after it.
     """
-    made = [Control(name, label, list(values), default)
-            for name, label, values, default in controls]
+    made = [Control(name, label, list(values), default, *fmt)
+            for name, label, values, default, *fmt in controls]
     names = [c.name for c in made]
     if len(set(names)) != len(names):
         raise ValueError(f"control names repeat: {names}")

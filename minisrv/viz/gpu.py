@@ -261,7 +261,8 @@ def gpu_roofline_widget(measured: pd.DataFrame, title: str, batch: int = 16, con
 
     common = {"style": {"description_width": "initial"}, "continuous_update": False}
     return panel(redraw, {
-        "context": widgets.SelectionSlider(options=[2**k for k in range(3, 16)], value=context,
+        "context": widgets.SelectionSlider(options=[(f"{2**k:,}", 2**k) for k in range(3, 16)],
+                                           value=context,
                                            description="context (tokens)", **common),
         "batch": widgets.SelectionSlider(options=batches, value=batch,
                                          description="batch (requests)", **common)})
@@ -320,6 +321,7 @@ def gpu_roofline_explorer(measured: pd.DataFrame, title: str, batch: int = 16, c
         return Frame([box, lines[batch], _shown(table)], metrics,
                      caption=_caption(cfg, gpu, table, measured, batch, context))
 
-    return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context),
-                           ("batch", "batch (requests)", batches, batch)],
+    return explorer(draw, [("context", "context (tokens)", sorted({*contexts, context}), context,
+                            ","),
+                           ("batch", "batch (requests)", batches, batch, ",")],
                     live=lambda: gpu_roofline_widget(measured, title, batch, context, cfg, gpu))
