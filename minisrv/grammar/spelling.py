@@ -229,11 +229,11 @@ def spell_text(compiled: xgr.CompiledGrammar, vocab: Vocabulary, text: bytes,
 
 
 def _token_table(vocab: Vocabulary) -> dict[bytes, int]:
-    """Each token text of ``vocab`` and the first ordinary token id that has it."""
+    """Each token text of ``vocab`` and the first ordinary token id that has it (a special
+    token spelled like an ordinary one never shadows it: no mask allows it)."""
     table: dict[bytes, int] = {}
-    for i, piece in enumerate(vocab.token_bytes):
-        if piece and i not in vocab.stop_ids:
-            table.setdefault(piece, i)
+    for i, piece in vocab.ordinary.items():
+        table.setdefault(piece, i)
     return table
 
 

@@ -20,7 +20,8 @@ class Vocabulary:
     """A tokenizer's tokens as xgrammar sees them, the compiler bound to them, and its cache.
 
     ``size`` is the width of the model's logits (it may exceed the tokenizer's own count:
-    padding ids are then special tokens, never allowed by a mask). ``start_chars`` holds the
+    padding ids are then special tokens, never allowed by a mask). ``ordinary`` maps each
+    other token id with text to its bytes: what a spelling may use. ``start_chars`` holds the
     ASCII characters some ordinary token begins with: a character outside it can never be
     written next, which is how ``compile_grammar`` names what is missing. ``byte_complete``
     is true when every one of the 256 bytes is a token, so any byte string can be spelled
@@ -34,7 +35,9 @@ class Vocabulary:
         self.stop_ids: tuple[int, ...] = tuple(info.stop_token_ids)
         special = set(info.special_token_ids) | set(self.stop_ids)
         self.token_bytes: list[bytes] = list(info.decoded_vocab)
-        ordinary = [b for i, b in enumerate(self.token_bytes) if b and i not in special]
+        self.ordinary: dict[int, bytes] = {i: b for i, b in enumerate(self.token_bytes)
+                                           if b and i not in special}
+        ordinary = list(self.ordinary.values())
         self.byte_complete: bool = len({b for b in ordinary if len(b) == 1}) == 256
         self.start_chars: frozenset[str] = frozenset(chr(b[0]) for b in ordinary if b[0] < 128)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

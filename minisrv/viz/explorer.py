@@ -75,9 +75,6 @@ class Control:
     default: Any
     fmt: str = ""
 
-    def shown(self, value: Any) -> str:
-        return format(value, self.fmt) if self.fmt else _shown(value)
-
     def __post_init__(self) -> None:
         if not self.values:
             raise ValueError(f"control {self.name!r} has no values")
@@ -86,6 +83,10 @@ class Control:
         if self.default not in self.values:
             raise ValueError(f"control {self.name!r}: default {self.default!r} is not one of "
                              f"its values {self.values}")
+
+    def shown(self, value: Any) -> str:
+        """``value`` as the control's label and options write it."""
+        return format(value, self.fmt) if self.fmt else _shown(value)
 
     @property
     def numeric(self) -> bool:
