@@ -1,6 +1,6 @@
-"""The hybrid backend (``minisrv.runner.attention.hybrid``): a step of decodes only goes
-through the padded call, a step with a prefill through flex's ragged call, chosen on the
-host before layer 0; an engine over it gives every request's tokens alone."""
+"""The hybrid backend (``minisrv.runner.attention.hybrid``): decodes go through the padded
+call, prefills through flex's ragged call, a mixed step split between the two on the host
+before layer 0; an engine over it gives every request's tokens alone."""
 
 from __future__ import annotations
 
@@ -27,21 +27,25 @@ def _request(rid: int, prompt: list[int], runner: ModelRunner) -> Req:
 
 
 def test_the_steps_kind_picks_the_call(model) -> None:
-    """Prefills (and a prefill beside a decode) run flex's ragged call; a step of decodes,
-    however many, runs the padded call: the choice is made once per step, in prepare."""
+    """Prefills run flex's ragged call; a step of decodes, however many, the padded call; a
+    step of both kinds one of each, the prefills' rows first: the split is made once per
+    step, in prepare."""
     runner = ModelRunner(model, "hybrid")
     runner.attach_kv(64)
     first, second = _request(0, [0, 5, 9, 13], runner), _request(1, [0, 7, 3], runner)
     prefill = runner.prepare(Batch.of([first, second], []))
-    assert isinstance(prefill.metadata.backend, FlexAttention)
+    assert prefill.metadata.calls == ("flex",)
+    assert isinstance(prefill.metadata.parts[0].backend, FlexAttention)
     for req, tokens in zip((first, second), runner.compute(prefill).tokens, strict=True):
         req.output.extend(tokens)
         req.kv_slots += runner.pool.alloc(1)
     decodes = runner.prepare(Batch.of([], [first, second]))
-    assert isinstance(decodes.metadata.backend, PaddedAttention)
+    assert decodes.metadata.calls == ("padded",)
+    assert isinstance(decodes.metadata.parts[0].backend, PaddedAttention)
     third = _request(2, [0, 8, 8, 8], runner)
     mixed = runner.prepare(Batch((Entry(third, 0, 4), Entry(first, 4, 1)), n_prefill=1))
-    assert isinstance(mixed.metadata.backend, FlexAttention)
+    assert mixed.metadata.calls == ("flex", "padded")
+    assert [p.rows for p in mixed.metadata.parts] == [slice(0, 4), slice(4, 5)]
 
 
 def test_an_engine_over_the_hybrid_gives_each_requests_tokens_alone(model) -> None:
@@ -57,10 +61,11 @@ def test_an_engine_over_the_hybrid_gives_each_requests_tokens_alone(model) -> No
 
 
 def test_the_book_names_the_call_each_step_took(model) -> None:
-    """``hybrid_step_calls`` (the GPU appendix's table): a row per step, ``flex`` exactly
-    where the step computes more tokens than it has requests (a prefill, alone or beside
-    decodes), ``padded`` where it only decodes or its one prefill is one token (request 2,
-    its ``0`` cached); the tokens are each request's alone; any other attention is refused."""
+    """``hybrid_step_calls`` (the GPU appendix's table): a row per step, ``flex`` where the
+    step computes more tokens than it has requests and decodes none, ``flex + padded`` where
+    a prefill runs beside decodes, ``padded`` where it only decodes or its one prefill is
+    one token (request 2, its ``0`` cached); the tokens are each request's alone; any other
+    attention is refused."""
     from minisrv.experiments.gpu import hybrid_step_calls
 
     engine = Engine(model, attention="hybrid", kv_capacity=200, max_running=2, mode="mixed",
@@ -69,8 +74,10 @@ def test_the_book_names_the_call_each_step_took(model) -> None:
     assert outputs == [model.reference_generate(p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert steps["step"].tolist() == list(range(1, len(engine.trace) + 1))
     ragged = steps["tokens"] > steps["prefills"] + steps["decodes"]
-    assert ((steps["call"] == "flex") == ragged).all()
-    assert (ragged & (steps["decodes"] > 0)).any()  # a prefill beside a decode: flex
+    both = ragged & (steps["decodes"] > 0)
+    assert both.any()  # a prefill beside a decode: one call of each
+    assert (steps["call"][both] == "flex + padded").all()
+    assert (steps["call"][ragged & ~both] == "flex").all()
     assert (~ragged & (steps["prefills"] > 0)).any()  # a one-token prefill: padded
     assert "prepare" not in vars(engine.backend.attn)  # the recording is taken off again
     with pytest.raises(ValueError, match="not the hybrid"):

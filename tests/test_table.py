@@ -235,13 +235,14 @@ def test_aborted_requests_give_their_rows_back(model) -> None:
 
 
 @given(spec=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)), min_size=1, max_size=6),
-       kind=st.sampled_from(["padded", "loop", "flex"]), split=st.booleans())
-@settings(max_examples=40, deadline=None)
+       kind=st.sampled_from(["padded", "loop", "flex", "hybrid"]), split=st.booleans())
+@settings(max_examples=60, deadline=None)
 def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None:
     """Every backend over a ``TableBatch`` (rows out of order) equals its teaching form over
     the ``FlatBatch`` of the same slots (the padded one also with its decodes cut by
-    context), and so does the backend over a table of the slot lists' own
-    (``TableBatch.of_slots``, what a runner driven by hand builds)."""
+    context; the hybrid, whose mixed steps make a call of each kind, the padded form), and
+    so does the backend over a table of the slot lists' own (``TableBatch.of_slots``, what a
+    runner driven by hand builds)."""
     gen = torch.Generator().manual_seed(len(spec))
     capacity = sum(n + c for n, c in spec)
     order = torch.randperm(capacity, generator=gen).tolist()  # slots out of order
@@ -262,9 +263,10 @@ def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None
     kv = torch.randn(capacity + 1, 2, 2, 16, generator=gen, dtype=torch.float64)
     q = torch.randn(flat.num_tokens, 4, 16, generator=gen, dtype=torch.float64)
     attn = make_attention(kind, torch.device("cpu"), torch.float64, 16, 2)
-    if split:
-        attn.split_cost = 0.0  # type: ignore[union-attr]  # cut wherever contexts differ
-    want = ATTENTION_FUNCTIONS[kind](q, flat, kv[:, 0], kv[:, 1])
+    if split:  # cut wherever contexts differ
+        getattr(attn, "decode", attn).split_cost = 0.0  # type: ignore[union-attr]
+    want = ATTENTION_FUNCTIONS["padded" if kind == "hybrid" else kind](q, flat, kv[:, 0],
+                                                                        kv[:, 1])
     torch.testing.assert_close(attn.forward(q, kv, attn.prepare(tabled)), want)
     own = TableBatch.of_slots(new_ids, slot_lists, fill=capacity)
     assert own.table.shape == (len(spec) + 1, max(map(len, slot_lists)))
@@ -372,3 +374,32 @@ def test_the_prepare_benchmark_computes_the_same_tokens_both_ways() -> None:
     old, new, same = bench.both_ways(runner, batch, table, repeat=1, runs=1)
     assert same and old > 0 and new > 0
     assert runner.table is table and table.used == 4
+
+
+@given(spec=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)), min_size=1, max_size=6),
+       data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_a_part_of_a_batch_is_the_batch_of_its_requests_alone(spec, data) -> None:
+    """``TableBatch.part(lo, hi)`` (the hybrid's prefills or decodes of a mixed step) reads
+    the same ids, positions, write slots, lengths and key slots as a batch built of those
+    requests alone, and its tokens are the rows ``token_rows`` names."""
+    lo = data.draw(st.integers(0, len(spec) - 1))
+    hi = data.draw(st.integers(lo + 1, len(spec)))
+    slot_lists, at = [], 0
+    for n, c in spec:
+        slot_lists.append(list(range(at, at + n + c)))
+        at += n + c
+    new_ids = [[10 * r + t for t in range(n)] for r, (n, _) in enumerate(spec)]
+    whole = TableBatch.of_slots(new_ids, slot_lists, fill=at)
+    part = whole.part(lo, hi)
+    alone = TableBatch.of_slots(new_ids[lo:hi], slot_lists[lo:hi], fill=at)
+    for name in ("ids", "positions", "write_slots", "ends", "news"):
+        assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name
+    for name in ("contexts", "new_lens", "cached_lens", "starts"):
+        assert getattr(part, name) == getattr(alone, name), name
+    assert part.ragged_key_slots().tolist() == alone.ragged_key_slots().tolist()
+    every = slice(0, len(part))
+    assert part.key_slots(every).tolist() == alone.key_slots(every).tolist()
+    assert part.ids.tolist() == whole.ids[whole.token_rows(lo, hi)].tolist()
+    with pytest.raises(ValueError, match="not a part"):
+        whole.part(hi, hi)

@@ -97,7 +97,7 @@ def test_gpu_appendix_figure_labels_every_curve_with_its_device() -> None:
     # a roofline drawn at another context than the measurement's says so in its title
     elsewhere = roofline_step_times(SMOLLM2_135M, [H100], (1, 2), 8192)
     title = plot_step_times_vs_roofline(measured, elsewhere, "CityLM")._suptitle.get_text()
-    assert title == "CityLM: measured at context 4, roofline at context 8192"
+    assert title == "CityLM: measured at context 4, roofline at context 8,192"
 
 
 def test_roofline_explorer_holds_the_roofline_of_every_context_and_batch() -> None:

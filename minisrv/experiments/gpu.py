@@ -217,8 +217,8 @@ def hybrid_step_calls(engine: Engine, prompts: Sequence[Sequence[int]],
                       max_new_tokens: int | Sequence[int]) -> tuple[list[list[int]], pd.DataFrame]:
     """Serve ``prompts`` on ``engine``, whose attention is ``"hybrid"``: each request's
     tokens, and one row per step (``step`` from 1, how many requests it ``prefills`` and
-    ``decodes``, the ``tokens`` it computes, the ``call`` its attention took: ``padded`` or
-    ``flex``; a step of one token a request is a decode step to the hybrid).
+    ``decodes``, the ``tokens`` it computes, the ``call`` its attention took: ``padded``,
+    ``flex``, or ``flex + padded``; a request of one new token is a decode to the hybrid).
 
     The call is read from what the backend's ``prepare`` returned, not worked out again from
     the step's kind, so the table shows what ran. Static decode steps (``cuda_graph=True``)
@@ -231,7 +231,7 @@ def hybrid_step_calls(engine: Engine, prompts: Sequence[Sequence[int]],
 
     def recorded(batch: Any) -> Any:
         step = prepare(batch)
-        calls.append(step.backend.kind)
+        calls.append(" + ".join(step.calls))
         return step
 
     attn.prepare = recorded  # type: ignore[method-assign]  # this engine's backend only

@@ -19,6 +19,7 @@ slot lists (a runner driven by hand, tests) get a table of their own: ``slot_tab
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 
@@ -102,6 +103,29 @@ class TableBatch:
         return cls(new_ids, range(len(slots)), [len(s) for s in slots],
                    slot_table(slots, fill, device),
                    [s[len(s) - len(i):] for s, i in zip(slots, new_ids)])
+
+    def token_rows(self, lo: int, hi: int) -> slice:
+        """The rows of the flat batch that requests ``lo .. hi - 1`` compute."""
+        return slice(self.starts[lo], self.starts[hi - 1] + self.new_lens[hi - 1])
+
+    def part(self, lo: int, hi: int) -> TableBatch:
+        """Requests ``lo .. hi - 1`` as a batch of their own, its tensors views of this
+        one's: nothing copied, nothing moved (the hybrid attention gives a mixed step's
+        prefills and decodes to two calls). ``id_range`` stays the whole step's, which the
+        forward checks once."""
+        if not 0 <= lo < hi <= len(self):
+            raise ValueError(f"requests {lo} to {hi - 1} are not a part of {len(self)}")
+        rows = self.token_rows(lo, hi)
+        part = copy.copy(self)
+        part.ids, part.positions = self.ids[rows], self.positions[rows]
+        part.write_slots = self.write_slots[rows]
+        part.rows, part.ends, part.news = self.rows[lo:hi], self.ends[lo:hi], self.news[lo:hi]
+        part.host_news, part.host_ends = self.host_news[lo:hi], self.host_ends[lo:hi]
+        part.host_cached = self.host_cached[lo:hi]
+        part.row_list, part.contexts = self.row_list[lo:hi], self.contexts[lo:hi]
+        part.new_lens, part.cached_lens = self.new_lens[lo:hi], self.cached_lens[lo:hi]
+        part.starts = [start - rows.start for start in self.starts[lo:hi]]
+        return part
 
     def __len__(self) -> int:
         """Requests in the batch."""

@@ -66,7 +66,7 @@ def plot_step_times_vs_roofline(
     contexts = sorted(set(measured["context"]) | set(predicted["context"]))
 
     def at(rows: pd.DataFrame) -> str:
-        return f", context {rows['context'].iloc[0]}" if len(contexts) > 1 else ""
+        return f", context {rows['context'].iloc[0]:,}" if len(contexts) > 1 else ""
 
     for (device, dtype, attention), rows in measured.groupby(
         ["device", "dtype", "attention"], sort=False
@@ -90,11 +90,11 @@ def plot_step_times_vs_roofline(
     label_axes(left, "One decode step", ylabel="decode step time (ms)")
     label_axes(right, "Per generated token", ylabel="time per token (µs)")
     if len(contexts) > 1:  # say in the title that the two were drawn at different contexts
-        timed = ", ".join(map(str, sorted(set(measured["context"]))))
-        drawn = ", ".join(map(str, sorted(set(predicted["context"]))))
+        timed = ", ".join(f"{c:,}" for c in sorted(set(measured["context"])))
+        drawn = ", ".join(f"{c:,}" for c in sorted(set(predicted["context"])))
         fig.suptitle(f"{model_name}: measured at context {timed}, roofline at context {drawn}")
     else:
-        fig.suptitle(f"{model_name}, context {', '.join(map(str, contexts))}")
+        fig.suptitle(f"{model_name}, context {', '.join(f'{c:,}' for c in contexts)}")
     legend_below(fig, ncol=1)
     return fig
 
@@ -223,7 +223,7 @@ def _timed_roofline(cfg: ModelConfig, gpu: GPUSpec, measured: pd.DataFrame,
 def _caption(cfg: ModelConfig, gpu: GPUSpec, table: pd.DataFrame, measured: pd.DataFrame,
              batch: int, context: int) -> str:
     roof_us = table.loc[gpu.name, "step (µs)"]
-    text = (f"{cfg.name} at batch {batch}, context {context}: the {gpu.name}'s roofline step "
+    text = (f"{cfg.name} at batch {batch}, context {context:,}: the {gpu.name}'s roofline step "
             f"is {roof_us:,.1f} µs, {table.loc[gpu.name, 'bound by']}-bound")
     ms = _measured_ms(measured, batch)
     timed = _timed_roofline(cfg, gpu, measured, batch)

@@ -13,8 +13,8 @@ them). Every backend gives the tokens of ``CityLM.forward_flat`` (``minisrv.mode
 * ``padded.py``: masked SDPA per group of requests, and the static decode hooks;
 * ``loop.py``: one call per request; ``flex.py``: one ragged flex_attention call (these two
   have no static decode hooks: their metadata depends on the contexts' lengths);
-* ``hybrid.py``: decode-only steps through the padded call, steps with prefills through
-  flex's (SGLang's prefill and decode backends, split by the step's kind);
+* ``hybrid.py``: decodes through the padded call, prefills through flex's, a mixed step
+  split between them (after SGLang's prefill and decode backends, which split by step);
 * ``triton.py``: the Triton kernels of ``triton_ops.py``, over the pool in place, and
   their static decode hooks;
 * ``choice.py``: the table ``"auto"`` reads, from what the device declares.

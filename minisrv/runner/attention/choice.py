@@ -6,17 +6,17 @@ Each row says why, from a recorded run where there is one:
 * CPU: ``padded``. flex_attention runs unfused there (it builds the whole score matrix), so
   one padded SDPA call per group is as fast and needs no compiler; Triton only interprets.
 * CUDA, compute capability 8.0 and up, 16- or 32-bit weights, heads of at least 16:
-  ``hybrid``: decode-only steps through the padded call, steps with prefills through flex's
-  ragged call (``hybrid.py``). The one recorded GPU run is of an H200, SmolLM2-135M's shape
-  in bf16, of an earlier eager step. Its decode step sweep
+  ``hybrid``: decodes through the padded call, prefills through flex's ragged call, a mixed
+  step split between the two (``hybrid.py``). The one recorded GPU run is of an H200,
+  SmolLM2-135M's shape in bf16, of an earlier eager step. Its decode step sweep
   (``minisrv/measured/h200_decode_steps.csv``, the forward alone at context 512) timed the
   ragged call at 1.5x the padded one's time (geometric mean over batches 1-256; 2.6x at 64,
   5.4x at 256, faster only at 2-16), where the compiled kernel walks one query tile's key
   tiles one after another: the decode half follows it. Its engine run
   (``h200_engine_throughput.csv``) timed decode steps too, and put flex ahead only at batch
   64, where the padded engine spent 44 ms a step outside its forward that the run does not
-  account for. No run has timed a step with prefills: those take the ragged call because it
-  pads nothing, where the padded call pads each request to the step's longest. No run has
+  account for. No run has timed a step with prefills: prefills take the ragged call because
+  it pads nothing, where the padded call pads each request to the step's longest. No run has
   timed the hybrid itself; ``benchmarks/bench_gpu.py`` does. With ``cuda_graph=True`` the
   decode steps run the padded backend's static buffers whatever the backend. The Triton
   backend has not been measured on a GPU, so it is chosen nowhere until a recorded run puts
@@ -80,9 +80,9 @@ def choose_attention(device_type: str, capability: tuple[int, int] | None,
     if dtype not in FLEX_DTYPES or head_dim < FLEX_MIN_HEAD_DIM:
         return AttentionChoice(PADDED, f"{cc}: the compiled flex kernel takes 16/32-bit "
                                          f"heads of >= 16, not {dtype} x {head_dim}")
-    return AttentionChoice(HYBRID, f"{cc}: hybrid, decode-only steps padded (the recorded "
-                                     f"step sweep), steps with prefills flex (it pads "
-                                     f"nothing); Triton not yet measured on a GPU")
+    return AttentionChoice(HYBRID, f"{cc}: hybrid, decodes padded (the recorded step "
+                                     f"sweep), prefills flex (it pads nothing); Triton not "
+                                     f"yet measured on a GPU")
 
 
 _logged: set[tuple[str, tuple[int, int] | None, torch.dtype, int]] = set()
