@@ -26,7 +26,10 @@ and, in the full run only, the two tables the GPU appendix draws (``decode_steps
 ``engine_throughput.csv``, read by ``minisrv.experiments.gpu.recorded_gpu_run``): the padded
 against the ragged (flex) attention's decode step beside the roofline, and the engine's
 decode throughput for both and for the hybrid (decodes padded, prefills flex: ``auto``'s
-pick from compute capability 8.0 on).
+pick from compute capability 8.0 on); and ``mixed_steps.csv``: the GPU appendix's mixed
+step (a prefill of ``MIXED_PREFILL`` new tokens beside decodes at ``--context``) with each
+of the three, which says whether splitting a mixed step (the hybrid) beats sending it whole
+to the ragged call, as the appendix's tile count predicts.
 
     python benchmarks/bench_gpu.py [--quick] [--context 512] [--repeats 20] [--out DIR]
 
@@ -59,7 +62,7 @@ import pandas as pd
 import torch
 
 from minisrv.configs import LLAMA32_1B, SMOLLM2_135M, ModelConfig
-from minisrv.core import Batch
+from minisrv.core import Batch, Entry
 from minisrv.engine import Engine
 from minisrv.request import Req
 from minisrv.runner import ModelRunner
@@ -72,6 +75,7 @@ OVERLAP_BATCHES = (1, 4, 16, 64)
 HOST_SHARE = 0.3  # the overlap comparison's batch: the first whose host share reaches this
 HF_BATCH = 32  # Hugging Face generate's static batch in the workload table
 HF_SEQS = 64  # the most workload sequences HF generate runs (at ~1 batch a minute)
+MIXED_PREFILL, MIXED_DECODES = 1000, (15, 63, 127)
 STEP_VARIANTS = (("padded", False), ("padded", True), ("triton", False))
 """(attention, CUDA graphs) of the step table; Triton graphs wait for the backends' hooks."""
 
@@ -158,8 +162,40 @@ def decode_batch(runner: ModelRunner, batch: int, context: int, seed: int = 0) -
     return Batch.of([], reqs)
 
 
+def mixed_batch(runner: ModelRunner, decodes: int, context: int, prefill: int,
+                seed: int = 0) -> Batch:
+    """A prompt of ``prefill`` tokens, none cached, beside ``decode_batch``'s ``decodes``
+    requests: one mixed step, its prefill first, as the scheduler lists one."""
+    step = decode_batch(runner, decodes, context, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompt = torch.randint(0, runner.model.config.vocab_size, (prefill,), generator=gen)
+    req = Req(rid=decodes, prompt=prompt.tolist(),
+              params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    req.kv_slots = runner.pool.alloc(prefill)
+    return Batch((Entry(req, 0, prefill), *step.entries), n_prefill=1)
+
+
+def mixed_table(context: int, repeats: int) -> pd.DataFrame:
+    """Table 6: the mixed step against its decodes, with each attention of the hybrid."""
+    model, rows = random_bf16(SMOLLM2_135M), []
+    for attention in ("padded", "flex", "hybrid"):
+        runner = runner_for(model, False, max(MIXED_DECODES) + 1, context, attention)
+        runner.attach_kv(max(MIXED_DECODES) * (context + 1) + MIXED_PREFILL)
+        for decodes in MIXED_DECODES:
+            step = mixed_batch(runner, decodes, context, MIXED_PREFILL)
+            ms = step_ms(runner, step, repeats)
+            runner.pool.free([s for entry in step.entries for s in entry.req.kv_slots])
+            rows.append({"model": SMOLLM2_135M.name, "dtype": "bfloat16", "context": context,
+                         "prefill": MIXED_PREFILL, "decodes": decodes, "attention": attention,
+                         "step_ms": ms})
+            print(f"  prefill {MIXED_PREFILL} + {decodes:3d} decodes {attention:6s} {ms:8.3f} ms")
+        del runner
+        torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
 def step_ms(runner: ModelRunner, batch: Batch, repeats: int) -> float:
-    """Median milliseconds of one decode step (prepare + compute, tokens on the host)."""
+    """Median milliseconds of one step (prepare + compute, tokens on the host)."""
     times = []
     for i in range(repeats + 3):
         torch.cuda.synchronize()
@@ -414,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quick:
         print("\n5. padded vs flex attention (the GPU appendix's tables)")
         tables.update(attention_tables(args.context, args.repeats))
+        print("\n6. a mixed step: padded, flex, hybrid")
+        tables["mixed_steps.csv"] = mixed_table(args.context, args.repeats)
     for name, table in tables.items():
         print("wrote", save(table, args.out, name))
     return 0

@@ -88,3 +88,24 @@ def test_every_row_names_the_triton_version(bench, monkeypatch) -> None:
     assert label["gpu"] == "NVIDIA H200" and label["triton"] == bench.triton_version()
     assert label["triton"] == "none" or label["triton"][0].isdigit()
     assert [attention for attention, _ in bench.STEP_VARIANTS].count("triton") == 1
+
+
+def test_its_mixed_step_runs_on_a_cpu_runner_and_the_hybrid_splits_it(bench) -> None:
+    """The mixed-step table's batch: one prompt, none of it cached, then decodes; the hybrid
+    gives it one call of each kind, and every attention computes the same tokens."""
+    from minisrv.configs import CITYLM
+    from minisrv.model import CityLM
+
+    torch.manual_seed(0)
+    model = CityLM(CITYLM.with_(n_layers=1, max_seq_len=32)).eval()
+    tokens = {}
+    for attention in ("padded", "flex", "hybrid"):
+        runner = bench.ModelRunner(model, attention, max_running=4)
+        runner.attach_kv(64)
+        batch = bench.mixed_batch(runner, 3, 12, 9)
+        assert [(e.start, e.n_tokens) for e in batch.entries] == [(0, 9)] + [(11, 1)] * 3
+        step = runner.prepare(batch)
+        if attention == "hybrid":
+            assert step.metadata.calls == ("flex", "padded")
+        tokens[attention] = runner.compute(step).tokens
+    assert tokens["flex"] == tokens["padded"] == tokens["hybrid"]
