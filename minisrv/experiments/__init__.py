@@ -32,7 +32,8 @@ larger than the chapter does by passing other arguments.
   probabilities, JSON runs validated against their schema; ``mask_cost``: the mask's cost
   per step;
 * ``gpu`` (the GPU appendix): step times and decode throughput on a device, recorded runs,
-  the call each step of the hybrid attention took.
+  the call each step of the hybrid attention took; ``call_work``: what each attention
+  call computes and copies for a step, from its lengths.
 
 Names are imported lazily (``from minisrv.experiments import rate_sweep`` loads only the
 scheduler chapter's module). The serving runtime never imports this package.
@@ -227,6 +228,12 @@ _PUBLIC = {
     "device_label": "gpu",
     "engine_decode_throughput": "gpu",
     "hybrid_step_calls": "gpu",
+    "CallWork": "call_work",
+    "attention_work": "call_work",
+    "hybrid_work": "call_work",
+    "ms_per_key_tile": "call_work",
+    "padded_work": "call_work",
+    "ragged_work": "call_work",
     "predicted_decode_throughput": "gpu",
     "ragged_vs_padded": "gpu",
     "random_model": "gpu",

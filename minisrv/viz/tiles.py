@@ -87,11 +87,12 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
         ax.hlines([row + 0.5 for row in range(len(cached))], starts[:-1], starts[1:],
                   color="black", linewidths=widths, clip_on=False, zorder=3)
         if alone:
-            # one request far longer than the rest: its row can sit on the strip's edge
+            # one request far longer than the rest: its row can sit on the strip's edge; the
+            # label ends where its keys begin, inside the axes whichever request is last
             mid = (starts[longest] + starts[longest + 1]) / 2
             ax.annotate(f"the request at context {cached[longest]:,}: "
                         f"{cached[longest] + 1:,} keys needed", xy=(mid, longest + 0.5),
-                        xytext=(mid, 0.35 * block), ha="center", va="center",
+                        xytext=(starts[longest], 0.35 * block), ha="right", va="center",
                         fontsize="small", bbox={"facecolor": "white", "edgecolor": "none"},
                         arrowprops={"arrowstyle": "->", "color": "black"})
         ax.grid(False)

@@ -1,0 +1,140 @@
+"""One step's attention work under each call, for any mix of a prefill and decodes (the GPU
+appendix's step-mix explorer).
+
+The appendix's work table counts four fixed steps; here a reader sets a prefill's length,
+how many decodes run beside it and their context, and sees what each call computes
+(scores), copies (keys) and walks (the key tiles its busiest query tile visits one after
+another, which set the ragged call's time in the recorded decode steps), with the walk
+priced at the recorded cost of a key tile. The counts are ``minisrv.experiments.call_work``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matplotlib.ticker import NullFormatter
+
+from minisrv.experiments.call_work import hybrid_work, padded_work, ragged_work
+from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.style import (
+    FONT_SIZES,
+    BookFigure,
+    label_axes,
+    page_figure,
+    styled,
+)
+
+__all__ = ["STEP_MIX_CONTROLS", "plot_step_mix", "step_mix_caption", "step_mix_explorer",
+           "step_mix_metrics", "step_mix_widget"]
+
+STEP_MIX_CONTROLS: tuple[tuple[str, str, list[int], int, str], ...] = (
+    ("prefill", "prefill (new tokens)", [0, 100, 1000, 4000], 1000, ","),
+    ("decodes", "decodes beside it", [1, 16, 64, 127, 256], 127, ","),
+    ("context", "decodes' context (tokens)", [128, 512, 2048], 512, ","),
+)
+"""The page's states: the work table's mixed step (1,000 beside 127 at 512) at first."""
+CALLS: tuple[tuple[str, str], ...] = (("padded", "#868e96"), ("ragged (flex)", "#f76707"),
+                                      ("hybrid", "#1c7ed6"))
+
+
+def _step(prefill: int, decodes: int, context: int) -> list[tuple[int, int]]:
+    return ([(0, prefill)] if prefill else []) + [(context, 1)] * decodes
+
+
+def step_mix_metrics(prefill: int, decodes: int, context: int) -> dict[str, int]:
+    """Each call's scores, keys copied and busiest walk, and what the requests need."""
+    step = _step(prefill, decodes, context)
+    works = {"padded": padded_work(step), "ragged": ragged_work(step),
+             "hybrid": hybrid_work(step)}
+    metrics = {f"{what}_{call}": getattr(work, what)
+               for call, work in works.items() for what in ("scores", "keys", "walk")}
+    metrics["scores_needed"] = sum(n * c + n * (n + 1) // 2 for c, n in step)
+    metrics["keys_needed"] = sum(c + n for c, n in step)
+    return metrics
+
+
+@styled
+def plot_step_mix(metrics: dict[str, float], title: str, ms_per_tile: float) -> BookFigure:
+    """Three panels of bars, one bar per call: scores computed and keys copied (log scale,
+    a dashed line at what the requests need), and the busiest query tile's walk in key
+    tiles, with its time at ``ms_per_tile``."""
+    fig, axes = page_figure(2.7, cols=3)
+    names = [name for name, _ in CALLS]
+    panels = (("scores", "scores computed"), ("keys", "keys copied"),
+              ("walk", "key tiles walked in turn"))
+    for ax, (what, label) in zip(axes, panels, strict=True):
+        values = [metrics[f"{what}_{key}"] for key in ("padded", "ragged", "hybrid")]
+        ax.barh(names, values, color=[color for _, color in CALLS])
+        if what == "walk":
+            texts = [f"{v:,} ({v * ms_per_tile:,.0f} ms)" if v else "none" for v in values]
+            ax.set_xlim(0, 1.9 * max(max(values), 1))
+            ax.set_xlabel(f"at {ms_per_tile:.2f} ms a tile")
+        else:
+            texts = [f"{v:,}" for v in values]
+            needed = metrics[f"{what}_needed"]
+            ax.axvline(needed, color="black", linestyle="--", linewidth=1)
+            ax.set_xscale("log")
+            ax.set_xlim(min(*values, needed) / 3, max(values) * 30)
+            ax.xaxis.set_major_formatter(NullFormatter())  # the bars carry their numbers
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("log scale; dashed: needed")
+        for y, (v, text) in enumerate(zip(values, texts, strict=True)):
+            ax.annotate(text, (v, y), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=FONT_SIZES["legend"])
+        ax.invert_yaxis()
+        label_axes(ax, label)
+        if ax is not axes[0]:
+            ax.tick_params(axis="y", labelleft=False)
+    fig.suptitle(title, x=0.01, ha="left", fontsize=FONT_SIZES["title"])
+    return fig
+
+
+def step_mix_caption(prefill: int, decodes: int, context: int, metrics: dict[str, int],
+                     ms_per_tile: float) -> str:
+    """The state in words: the two walks priced at ``ms_per_tile``, and the scores."""
+    whole, split = metrics["walk_ragged"], metrics["walk_hybrid"]
+    text = (f"Whole to the ragged call, the busiest query tile walks {whole:,} key tiles, "
+            f"about {whole * ms_per_tile:,.1f} ms at {ms_per_tile:.2f} ms a tile")
+    if prefill:
+        text += (f"; the hybrid's prefill call walks {split:,} ({split * ms_per_tile:,.1f} ms) "
+                 f"and its {decodes:,} decodes take the padded call")
+    else:
+        text += "; with no prefill the hybrid is the padded call"
+    return (text + f". Scores: padded {metrics['scores_padded']:,}, ragged "
+            f"{metrics['scores_ragged']:,}, hybrid {metrics['scores_hybrid']:,}; "
+            f"{metrics['scores_needed']:,} needed (the dashed line).")
+
+
+def _title(prefill: int, decodes: int, context: int) -> str:
+    first = f"a prefill of {prefill:,} beside " if prefill else ""
+    return f"{first}{decodes:,} decode{'s' * (decodes != 1)} at context {context:,}"
+
+
+def step_mix_explorer(ms_per_tile: float) -> Explorer:
+    """Every state of ``STEP_MIX_CONTROLS``: the bars, the caption and the counts."""
+    def draw(prefill: int, decodes: int, context: int) -> Frame:
+        metrics = step_mix_metrics(prefill, decodes, context)
+        return Frame([plot_step_mix(metrics, _title(prefill, decodes, context), ms_per_tile)],
+                     {**metrics, "walk_ragged_ms": metrics["walk_ragged"] * ms_per_tile},
+                     caption=step_mix_caption(prefill, decodes, context, metrics,
+                                              ms_per_tile))
+
+    return explorer(draw, STEP_MIX_CONTROLS, live=lambda: step_mix_widget(ms_per_tile))
+
+
+def step_mix_widget(ms_per_tile: float) -> Any:
+    """Sliders for any prefill, decode count and context (a kernel redraws)."""
+    from IPython.display import display
+
+    from minisrv.viz.widgets import panel, slider
+
+    def redraw(prefill: int, decodes: int, context: int) -> None:
+        if prefill + decodes == 0:
+            raise ValueError("a step needs a prefill or a decode")
+        metrics = step_mix_metrics(prefill, decodes, context)
+        display(plot_step_mix(metrics, _title(prefill, decodes, context), ms_per_tile))
+        print(step_mix_caption(prefill, decodes, context, metrics, ms_per_tile))
+
+    return panel(redraw, {"prefill": slider(1000, 0, 8000, "prefill (new tokens)", 100),
+                          "decodes": slider(127, 0, 512, "decodes beside it"),
+                          "context": slider(512, 16, 8192, "decodes' context (tokens)", 16)})
