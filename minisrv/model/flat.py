@@ -149,10 +149,8 @@ def flat_attention_padded(
     Decodes and prefills are padded apart (``padded_groups``), so a step of both
     makes two calls; otherwise a long prefill would pad every decode beside it to its
     length. What padding remains (prompts of different lengths, contexts of different
-    lengths) is wasted work. Ragged kernels (FlashInfer, ``flat_attention_flex`` on a GPU)
-    skip it, though not always for less: flex's 128-row query tiles hold one query of up to
-    128 decodes each, so on decodes at unequal contexts they compute more scores than this
-    padding does while reading fewer keys (the GPU appendix counts both).
+    lengths) is wasted work, which ragged kernels (FlashInfer, ``flat_attention_flex`` on a
+    GPU) skip.
     """
     outs = [padded_attention(q[group.tokens], group, k_layer, v_layer)
             for group in padded_groups(batch, q.dtype)]
