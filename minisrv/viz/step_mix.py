@@ -67,7 +67,7 @@ def plot_step_mix(metrics: dict[str, float], title: str, ms_per_tile: float) -> 
         ax.barh(names, values, color=[color for _, color in CALLS])
         if what == "walk":
             texts = [f"{v:,} ({v * ms_per_tile:,.0f} ms)" if v else "none" for v in values]
-            ax.set_xlim(0, 1.9 * max(max(values), 1))
+            ax.set_xlim(0, 2.5 * max(max(values), 1))  # room for the longest label
             ax.set_xlabel(f"at {ms_per_tile:.2f} ms a tile")
         else:
             texts = [f"{v:,}" for v in values]
@@ -96,8 +96,10 @@ def step_mix_caption(prefill: int, decodes: int, context: int, metrics: dict[str
     text = (f"Whole to the ragged call, the busiest query tile walks {whole:,} key tiles, "
             f"about {whole * ms_per_tile:,.1f} ms at {ms_per_tile:.2f} ms a tile")
     if prefill:
-        text += (f"; the hybrid's prefill call walks {split:,} ({split * ms_per_tile:,.1f} ms) "
-                 f"and its {decodes:,} decodes take the padded call")
+        text += (f"; the hybrid's prefill call walks {split:,} (at most "
+                 f"{split * ms_per_tile:,.1f} ms: some of a prefill's tiles are full, which "
+                 f"skip the mask the decodes' tiles were timed with) and its {decodes:,} "
+                 f"decodes take the padded call")
     else:
         text += "; with no prefill the hybrid is the padded call"
     return (text + f". Scores: padded {metrics['scores_padded']:,}, ragged "
