@@ -99,7 +99,7 @@ def step_mix_caption(prefill: int, decodes: int, context: int, metrics: dict[str
         text += (f"; the hybrid's prefill call walks {split:,} (at most "
                  f"{split * ms_per_tile:,.1f} ms: some of a prefill's tiles are full, which "
                  f"skip the mask the decodes' tiles were timed with) and its {decodes:,} "
-                 f"decodes take the padded call")
+                 f"decode{'s' * (decodes != 1)} take{'s' * (decodes == 1)} the padded call")
     else:
         text += "; with no prefill the hybrid is the padded call"
     return (text + f". Scores: padded {metrics['scores_padded']:,}, ragged "

@@ -94,7 +94,8 @@ def plot_decode_block_masks(steps: Sequence[tuple[str, Sequence[int]]],
                         f"{cached[longest] + 1:,} keys needed", xy=(mid, longest + 0.5),
                         xytext=(starts[longest], 0.35 * block), ha="right", va="center",
                         fontsize="small", bbox={"facecolor": "white", "edgecolor": "none"},
-                        arrowprops={"arrowstyle": "->", "color": "black"})
+                        arrowprops={"arrowstyle": "->", "color": "#868e96",
+                                    "linestyle": "--"})  # grey: not a row of scores
         ax.grid(False)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
         counts = f"{int(partial.sum()):,} partial and {int(full.sum()):,} full key tiles"
