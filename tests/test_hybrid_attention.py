@@ -80,5 +80,9 @@ def test_the_book_names_the_call_each_step_took(model) -> None:
     assert (steps["call"][ragged & ~both] == "flex").all()
     assert (~ragged & (steps["prefills"] > 0)).any()  # a one-token prefill: padded
     assert "prepare" not in vars(engine.backend.attn)  # the recording is taken off again
+    again = Engine(model, attention="hybrid", kv_capacity=200, max_running=2, mode="mixed",
+                   cache="radix")
+    _, named = hybrid_step_calls(again, PROMPTS, LENGTHS, names={"flex": "ragged"})
+    assert named["call"].tolist() == steps["call"].str.replace("flex", "ragged").tolist()
     with pytest.raises(ValueError, match="not the hybrid"):
         hybrid_step_calls(Engine(model, kv_capacity=200), PROMPTS, 2)

@@ -7,8 +7,7 @@
   device. Step time depends on shapes, not on weight values, so no download is needed to time.
 * ``step_time_sweep``, ``roofline_step_times`` and ``engine_decode_throughput`` measure decode
   on whatever device the model is on and put the roofline's prediction for a GPU beside it.
-* ``hybrid_step_calls`` serves prompts through the hybrid attention and names the call each
-  step took.
+* ``hybrid_step_calls`` serves prompts through the hybrid attention: the call each step took.
 * ``show_triton_kernel`` shows a kernel of ``minisrv.runner.attention.triton_ops`` without
   importing Triton, which a CPU-only torch does not bring.
 
@@ -21,7 +20,7 @@ import ast
 import importlib.util
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -214,11 +213,12 @@ def ragged_vs_padded(
 
 
 def hybrid_step_calls(engine: Engine, prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int | Sequence[int]) -> tuple[list[list[int]], pd.DataFrame]:
+                      max_new_tokens: int | Sequence[int], names: Mapping[str, str] | None = None,
+                      ) -> tuple[list[list[int]], pd.DataFrame]:
     """Serve ``prompts`` on ``engine``, whose attention is ``"hybrid"``: each request's
     tokens, and one row per step (``step`` from 1, how many requests it ``prefills`` and
     ``decodes``, the ``tokens`` it computes, the ``call`` its attention took: ``padded``,
-    ``flex``, or ``flex + padded``; a request of one new token is a decode to the hybrid).
+    ``flex`` or ``flex + padded``, as ``names`` calls each kind; one new token is a decode).
 
     The call is read from what the backend's ``prepare`` returned, not worked out again from
     the step's kind, so the table shows what ran. Static decode steps (``cuda_graph=True``)
@@ -231,7 +231,7 @@ def hybrid_step_calls(engine: Engine, prompts: Sequence[Sequence[int]],
 
     def recorded(batch: Any) -> Any:
         step = prepare(batch)
-        calls.append(" + ".join(step.calls))
+        calls.append(" + ".join((names or {}).get(kind, kind) for kind in step.calls))
         return step
 
     attn.prepare = recorded  # type: ignore[method-assign]  # this engine's backend only
