@@ -4,6 +4,8 @@ the walks it shows."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from minisrv.experiments import hybrid_work, padded_work, ragged_work
@@ -15,16 +17,19 @@ from minisrv.viz.step_mix import (
 )
 
 
-@pytest.mark.parametrize("prefill, decodes, context", [(1000, 127, 512), (0, 16, 128),
-                                                       (4000, 1, 2048)])
-def test_a_state_counts_its_step(prefill, decodes, context) -> None:
-    step = ([(0, prefill)] if prefill else []) + [(context, 1)] * decodes
-    metrics = step_mix_metrics(prefill, decodes, context)
+@pytest.mark.parametrize("prefill, decodes, context, longest", [
+    (1000, 127, 512, None), (0, 16, 128, None), (4000, 1, 2048, None), (1000, 127, 512, 8192)])
+def test_a_state_counts_its_step(prefill, decodes, context, longest) -> None:
+    """The step is the prefill then the decodes, the last at ``longest`` when it is given."""
+    contexts = [context] * (decodes - 1) + [longest or context]
+    step = ([(0, prefill)] if prefill else []) + [(c, 1) for c in contexts]
+    metrics = step_mix_metrics(prefill, decodes, context, longest)
     for call, work in (("padded", padded_work(step)), ("ragged", ragged_work(step)),
                        ("hybrid", hybrid_work(step))):
         assert (metrics[f"scores_{call}"], metrics[f"keys_{call}"],
                 metrics[f"walk_{call}"]) == tuple(work)
-    assert metrics["keys_needed"] == prefill + decodes * (context + 1)
+    assert metrics["keys_needed"] == prefill + sum(c + 1 for c in contexts)
+    assert (metrics["keys_padded"] > metrics["keys_ragged"]) == (longest is not None)
     caption = step_mix_caption(prefill, decodes, context, metrics, 0.5)
     assert f"walks {metrics['walk_ragged']:,} key tiles, about " \
            f"{metrics['walk_ragged'] * 0.5:,.1f} ms" in caption
@@ -36,8 +41,9 @@ def test_a_state_counts_its_step(prefill, decodes, context) -> None:
 def test_the_page_opens_on_the_work_tables_mixed_step_within_the_state_limit() -> None:
     from minisrv.viz.explorer import MAX_STATES
 
-    defaults = {name: default for name, _, _, default, _ in STEP_MIX_CONTROLS}
-    assert defaults == {"prefill": 1000, "decodes": 127, "context": 512}
-    values = {name: vals for name, _, vals, _, _ in STEP_MIX_CONTROLS}
+    defaults = {control[0]: control[3] for control in STEP_MIX_CONTROLS}
+    assert defaults == {"prefill": 1000, "decodes": 127, "context": 512,
+                        "longest": "as the others"}
+    values = {control[0]: control[2] for control in STEP_MIX_CONTROLS}
     assert min(values["decodes"]) >= 1  # no empty step among the states
-    assert len(values["prefill"]) * len(values["decodes"]) * len(values["context"]) <= MAX_STATES
+    assert math.prod(len(v) for v in values.values()) <= MAX_STATES

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import LogLocator, NullFormatter
 
 from minisrv.experiments.call_work import hybrid_work, padded_work, ragged_work
 from minisrv.viz.explorer import Explorer, Frame, explorer
@@ -27,23 +27,33 @@ from minisrv.viz.style import (
 __all__ = ["STEP_MIX_CONTROLS", "plot_step_mix", "step_mix_caption", "step_mix_explorer",
            "step_mix_metrics", "step_mix_widget"]
 
-STEP_MIX_CONTROLS: tuple[tuple[str, str, list[int], int, str], ...] = (
+LONG_CONTEXT = 8192
+"""The one decode that may run far longer than the rest (the work table's unequal decodes)."""
+AS_THE_OTHERS = "as the others"
+STEP_MIX_CONTROLS: tuple[tuple[Any, ...], ...] = (
     ("prefill", "prefill (new tokens)", [0, 100, 1000, 4000], 1000, ","),
     ("decodes", "decodes beside it", [1, 16, 64, 127, 256], 127, ","),
     ("context", "decodes' context (tokens)", [128, 512, 2048], 512, ","),
+    ("longest", "one decode's context", [AS_THE_OTHERS, f"{LONG_CONTEXT:,}"], AS_THE_OTHERS),
 )
-"""The page's states: the work table's mixed step (1,000 beside 127 at 512) at first."""
+"""The page's states: the work table's mixed step (1,000 beside 127 at 512) at first; one
+decode at 8,192 makes the padded call copy every decode's keys up to it."""
 CALLS: tuple[tuple[str, str], ...] = (("padded", "#868e96"), ("ragged (flex)", "#f76707"),
                                       ("hybrid", "#1c7ed6"))
 
 
-def _step(prefill: int, decodes: int, context: int) -> list[tuple[int, int]]:
-    return ([(0, prefill)] if prefill else []) + [(context, 1)] * decodes
+def _step(prefill: int, decodes: int, context: int, longest: int | None) -> list[tuple[int, int]]:
+    """The prefill first, then the decodes, the last of them at ``longest`` if given."""
+    contexts = [context] * decodes
+    if longest is not None and decodes:
+        contexts[-1] = longest
+    return ([(0, prefill)] if prefill else []) + [(c, 1) for c in contexts]
 
 
-def step_mix_metrics(prefill: int, decodes: int, context: int) -> dict[str, int]:
+def step_mix_metrics(prefill: int, decodes: int, context: int,
+                     longest: int | None = None) -> dict[str, int]:
     """Each call's scores, keys copied and busiest walk, and what the requests need."""
-    step = _step(prefill, decodes, context)
+    step = _step(prefill, decodes, context, longest)
     works = {"padded": padded_work(step), "ragged": ragged_work(step),
              "hybrid": hybrid_work(step)}
     metrics = {f"{what}_{call}": getattr(work, what)
@@ -75,7 +85,7 @@ def plot_step_mix(metrics: dict[str, float], title: str, ms_per_tile: float) -> 
             ax.axvline(needed, color="black", linestyle="--", linewidth=1)
             ax.set_xscale("log")
             ax.set_xlim(min(*values, needed) / 3, max(values) * 30)
-            ax.xaxis.set_major_formatter(NullFormatter())  # the bars carry their numbers
+            ax.xaxis.set_major_locator(LogLocator(base=10, numticks=4))  # sparse decades
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("log scale; dashed: needed")
         for y, (v, text) in enumerate(zip(values, texts, strict=True)):
@@ -103,20 +113,27 @@ def step_mix_caption(prefill: int, decodes: int, context: int, metrics: dict[str
     else:
         text += "; with no prefill the hybrid is the padded call"
     return (text + f". Scores: padded {metrics['scores_padded']:,}, ragged "
-            f"{metrics['scores_ragged']:,}, hybrid {metrics['scores_hybrid']:,}; "
-            f"{metrics['scores_needed']:,} needed (the dashed line).")
+            f"{metrics['scores_ragged']:,}, hybrid {metrics['scores_hybrid']:,}, "
+            f"{metrics['scores_needed']:,} needed; keys copied: padded "
+            f"{metrics['keys_padded']:,}, hybrid {metrics['keys_hybrid']:,}, ragged "
+            f"{metrics['keys_ragged']:,} (each needed key once).")
 
 
-def _title(prefill: int, decodes: int, context: int) -> str:
+def _title(prefill: int, decodes: int, context: int, longest: int | None) -> str:
     first = f"a prefill of {prefill:,} beside " if prefill else ""
-    return f"{first}{decodes:,} decode{'s' * (decodes != 1)} at context {context:,}"
+    if longest is not None and decodes > 1:
+        return f"{first}{decodes - 1:,} decodes at context {context:,}, one at {longest:,}"
+    at = context if longest is None else longest
+    return f"{first}{decodes:,} decode{'s' * (decodes != 1)} at context {at:,}"
 
 
 def step_mix_explorer(ms_per_tile: float) -> Explorer:
     """Every state of ``STEP_MIX_CONTROLS``: the bars, the caption and the counts."""
-    def draw(prefill: int, decodes: int, context: int) -> Frame:
-        metrics = step_mix_metrics(prefill, decodes, context)
-        return Frame([plot_step_mix(metrics, _title(prefill, decodes, context), ms_per_tile)],
+    def draw(prefill: int, decodes: int, context: int, longest: str) -> Frame:
+        long = None if longest == AS_THE_OTHERS else LONG_CONTEXT
+        metrics = step_mix_metrics(prefill, decodes, context, long)
+        title = _title(prefill, decodes, context, long)
+        return Frame([plot_step_mix(metrics, title, ms_per_tile)],
                      {**metrics, "walk_ragged_ms": metrics["walk_ragged"] * ms_per_tile},
                      caption=step_mix_caption(prefill, decodes, context, metrics,
                                               ms_per_tile))
@@ -125,18 +142,22 @@ def step_mix_explorer(ms_per_tile: float) -> Explorer:
 
 
 def step_mix_widget(ms_per_tile: float) -> Any:
-    """Sliders for any prefill, decode count and context (a kernel redraws)."""
+    """Sliders for any prefill, decode count, context and one longer decode (a kernel
+    redraws)."""
     from IPython.display import display
 
     from minisrv.viz.widgets import panel, slider
 
-    def redraw(prefill: int, decodes: int, context: int) -> None:
+    def redraw(prefill: int, decodes: int, context: int, longest: int) -> None:
         if prefill + decodes == 0:
             raise ValueError("a step needs a prefill or a decode")
-        metrics = step_mix_metrics(prefill, decodes, context)
-        display(plot_step_mix(metrics, _title(prefill, decodes, context), ms_per_tile))
+        long = longest if longest > context else None
+        metrics = step_mix_metrics(prefill, decodes, context, long)
+        display(plot_step_mix(metrics, _title(prefill, decodes, context, long), ms_per_tile))
         print(step_mix_caption(prefill, decodes, context, metrics, ms_per_tile))
 
     return panel(redraw, {"prefill": slider(1000, 0, 8000, "prefill (new tokens)", 100),
                           "decodes": slider(127, 0, 512, "decodes beside it"),
-                          "context": slider(512, 16, 8192, "decodes' context (tokens)", 16)})
+                          "context": slider(512, 16, 8192, "decodes' context (tokens)", 16),
+                          "longest": slider(512, 16, 32768, "one decode's context (tokens)",
+                                            16)})
