@@ -32,7 +32,7 @@ LONG_CONTEXT = 8192
 AS_THE_OTHERS = "as the others"
 STEP_MIX_CONTROLS: tuple[tuple[Any, ...], ...] = (
     ("prefill", "prefill (new tokens)", [0, 100, 1000, 4000], 1000, ","),
-    ("decodes", "decodes beside it", [1, 16, 64, 127, 256], 127, ","),
+    ("decodes", "decodes beside it", [1, 64, 127, 256], 127, ","),
     ("context", "decodes' context (tokens)", [128, 512, 2048], 512, ","),
     ("longest", "one decode's context", [AS_THE_OTHERS, f"{LONG_CONTEXT:,}"], AS_THE_OTHERS),
 )
