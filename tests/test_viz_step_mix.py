@@ -18,7 +18,7 @@ from minisrv.viz.step_mix import (
 
 
 @pytest.mark.parametrize("prefill, decodes, context, longest", [
-    (1000, 127, 512, None), (0, 16, 128, None), (4000, 1, 2048, None), (1000, 127, 512, 8192)])
+    (1000, 127, 512, None), (0, 16, 128, None), (4000, 1, 2048, None), (1000, 127, 512, 8000)])
 def test_a_state_counts_its_step(prefill, decodes, context, longest) -> None:
     """The step is the prefill then the decodes, the last at ``longest`` when it is given."""
     contexts = [context] * (decodes - 1) + [longest or context]

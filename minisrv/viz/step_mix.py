@@ -27,7 +27,7 @@ from minisrv.viz.style import (
 __all__ = ["STEP_MIX_CONTROLS", "plot_step_mix", "step_mix_caption", "step_mix_explorer",
            "step_mix_metrics", "step_mix_widget"]
 
-LONG_CONTEXT = 8192
+LONG_CONTEXT = 8000
 """The one decode that may run far longer than the rest (the work table's unequal decodes)."""
 AS_THE_OTHERS = "as the others"
 STEP_MIX_CONTROLS: tuple[tuple[Any, ...], ...] = (
@@ -37,7 +37,7 @@ STEP_MIX_CONTROLS: tuple[tuple[Any, ...], ...] = (
     ("longest", "one decode's context", [AS_THE_OTHERS, f"{LONG_CONTEXT:,}"], AS_THE_OTHERS),
 )
 """The page's states: the work table's mixed step (1,000 beside 127 at 512) at first; one
-decode at 8,192 makes the padded call copy every decode's keys up to it."""
+decode at 8,000 makes the padded call copy every decode's keys up to it."""
 CALLS: tuple[tuple[str, str], ...] = (("padded", "#868e96"), ("ragged (flex)", "#f76707"),
                                       ("hybrid", "#1c7ed6"))
 
