@@ -120,3 +120,39 @@ def test_default_dtype() -> None:
     assert default_dtype(torch.device("cpu")) == torch.float32
     if torch.cuda.is_available():
         assert default_dtype(torch.device("cuda")) in (torch.bfloat16, torch.float16)
+
+
+def test_a_byte_level_bpe_folder_with_tied_embeddings_generates_as_transformers(
+        tmp_path: Path) -> None:
+    """SmolLM2's kind of checkpoint (the GPU appendix offers it on Colab): a byte-level BPE
+    tokenizer, as GPT-2's, and an output layer tied to the embedding. Trained and saved here,
+    offline; ``load_model`` reads it, round-trips text and generates what transformers does."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    text = ["a server batches requests, and a cache keeps their keys and values"] * 20
+    raw.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok_hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    eos = tok_hf.eos_token_id
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=raw.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp_path)
+    tok_hf.save_pretrained(tmp_path)
+    model, tok = load_model(tmp_path, device="cpu")
+    assert model.config.tie_embeddings and model.lm_head.weight is model.embed.weight
+    words = "a cache keeps keys, batches requests"
+    ids = tok.encode(words, bos=False)
+    assert ids == tok_hf.encode(words) and tok.decode(ids) == words
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.reference_generate(ids, 12) == hf_greedy(hf, ids, 12)[:12]

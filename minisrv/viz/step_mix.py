@@ -84,7 +84,7 @@ def plot_step_mix(metrics: dict[str, float], title: str, ms_per_tile: float) -> 
             needed = metrics[f"{what}_needed"]
             ax.axvline(needed, color="black", linestyle="--", linewidth=1)
             ax.set_xscale("log")
-            ax.set_xlim(min(*values, needed) / 3, max(values) * 30)
+            ax.set_xlim(min(*values, needed) / 3, max(values) * 80)  # room for the labels
             ax.xaxis.set_major_locator(LogLocator(base=10, numticks=4))  # sparse decades
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("log scale; dashed: needed")
