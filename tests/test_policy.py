@@ -334,13 +334,14 @@ def test_every_round_is_a_permutation_and_follows_its_rule(cached, queue, policy
         assert result.deprioritized == expect
     if policy in ("lpm", "fcfs"):
         deferred = set(result.deprioritized)
-        key = [(i in deferred, -result.matched[i] if policy == "lpm" else 0, i)
-               for i in range(n)]
+        # deferred requests keep queue order among themselves (SGLang's key: inf)
+        key = [(i in deferred, 0 if i in deferred or policy == "fcfs"
+                else -result.matched[i], i) for i in range(n)]
         assert result.order == sorted(range(n), key=lambda i: key[i])
-    if policy == "hrrn":  # highest waited / uncached first, deferred last, ties in order
+    if policy == "hrrn":  # highest waited / uncached first, deferred last in queue order
         deferred = set(result.deprioritized)
-        key = [(i in deferred, -waits[i] / (len(queue[i]) - result.matched[i]), i)
-               for i in range(n)]
+        key = [(i in deferred, 0 if i in deferred
+                else -waits[i] / (len(queue[i]) - result.matched[i]), i) for i in range(n)]
         assert result.order == sorted(range(n), key=lambda i: key[i])
     if policy == "dfs-weight":
         nodes = [tree.match_prefix(p).node for p in queue]  # the tree is split already
