@@ -2,7 +2,8 @@
 appendix's step-mix explorer).
 
 The appendix's work table counts four fixed steps; here a reader sets a prefill's length,
-how many decodes run beside it and their context, and sees what each call computes
+how many decodes run beside it, their context and whether one of them runs far longer (the
+table's unequal decodes), and sees what each call computes
 (scores), copies (keys) and walks (the key tiles its busiest query tile visits one after
 another, which set the ragged call's time in the recorded decode steps), with the walk
 priced at the recorded cost of a key tile. The counts are ``minisrv.experiments.call_work``'s.
@@ -17,6 +18,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from minisrv.experiments.call_work import hybrid_work, padded_work, ragged_work
 from minisrv.viz.explorer import Explorer, Frame, explorer
+from minisrv.viz.gpu import ATTENTION_LABELS
 from minisrv.viz.style import (
     FONT_SIZES,
     BookFigure,
@@ -39,7 +41,7 @@ STEP_MIX_CONTROLS: tuple[tuple[Any, ...], ...] = (
 )
 """The page's states: the work table's mixed step (1,000 beside 127 at 512) at first; one
 decode at 8,000 makes the padded call copy every decode's keys up to it."""
-CALLS: tuple[tuple[str, str], ...] = (("padded", "#868e96"), ("ragged (flex)", "#f76707"),
+CALLS: tuple[tuple[str, str], ...] = (("padded", "#868e96"), (ATTENTION_LABELS["flex"], "#f76707"),
                                       ("hybrid", "#1c7ed6"))
 
 
