@@ -34,7 +34,7 @@ def _padded_counts(metadata) -> tuple[int, int]:
             sum(g.key_slots.numel() for g in metadata.groups))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(prefills, decodes)
 def test_the_counts_are_what_the_padded_backend_builds(pre, dec) -> None:
     """Scores and keys: the padded groups' bias and slots, decodes uncut (as on a GPU)."""
@@ -49,7 +49,7 @@ def test_the_counts_are_what_the_padded_backend_builds(pre, dec) -> None:
 
 
 @pytest.mark.skipif(not FLEX_AVAILABLE, reason="the block mask needs flex_attention")
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(prefills, decodes)
 def test_the_ragged_and_hybrid_counts_are_what_their_backends_build(pre, dec) -> None:
     """The ragged call's touched tiles and busiest walk are its block mask's; the hybrid

@@ -236,7 +236,7 @@ def test_aborted_requests_give_their_rows_back(model) -> None:
 
 @given(spec=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)), min_size=1, max_size=6),
        kind=st.sampled_from(["padded", "loop", "flex", "hybrid"]), split=st.booleans())
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 def test_table_and_slot_lists_give_the_same_attention(spec, kind, split) -> None:
     """Every backend over a ``TableBatch`` (rows out of order) equals its teaching form over
     the ``FlatBatch`` of the same slots (the padded one also with its decodes cut by
