@@ -232,6 +232,7 @@ _PUBLIC = {
     "attention_work": "call_work",
     "hybrid_work": "call_work",
     "ms_per_key_tile": "call_work",
+    "needed_work": "call_work",
     "padded_work": "call_work",
     "ragged_work": "call_work",
     "predicted_decode_throughput": "gpu",

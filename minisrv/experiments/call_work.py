@@ -24,8 +24,8 @@ from typing import NamedTuple
 from minisrv.model.attention_metadata import group_bounds
 from minisrv.model.ragged import FLEX_BLOCK_SIZE, ragged_tiles
 
-__all__ = ["CallWork", "attention_work", "hybrid_work", "ms_per_key_tile", "padded_work",
-           "ragged_work"]
+__all__ = ["CallWork", "attention_work", "hybrid_work", "ms_per_key_tile", "needed_work",
+           "padded_work", "ragged_work"]
 
 Step = Sequence[tuple[int, int]]  # (cached, new) per request
 
@@ -44,6 +44,13 @@ class CallWork(NamedTuple):
 
 
 NO_WORK = CallWork(0, 0, 0)
+
+
+def needed_work(step: Step) -> CallWork:
+    """What the requests need: each new token's scores against its own visible keys, and
+    every key once (what the ragged call copies); no tiles walked."""
+    return CallWork(sum(n * c + n * (n + 1) // 2 for c, n in step),
+                    sum(c + n for c, n in step), 0)
 
 
 def padded_work(step: Step) -> CallWork:
@@ -80,8 +87,8 @@ def attention_work(step: Step, tile: int = FLEX_BLOCK_SIZE) -> dict[str, int]:
     calls = {"padded groups": padded_work(step), "ragged tiles": ragged_work(step, tile),
              "hybrid": hybrid_work(step, tile)}
     return {**{f"scores, {name}": work.scores for name, work in calls.items()},
-            "scores needed": sum(n * c + n * (n + 1) // 2 for c, n in step),
-            "keys needed": sum(c + n for c, n in step),  # all copied by the ragged call
+            "scores needed": needed_work(step).scores,
+            "keys needed": needed_work(step).keys,  # all copied by the ragged call
             **{f"keys copied, {name}": work.keys for name, work in calls.items()
                if name != "ragged tiles"},
             "key tiles walked, ragged call": calls["ragged tiles"].walk,

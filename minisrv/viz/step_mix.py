@@ -16,7 +16,7 @@ from typing import Any
 
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-from minisrv.experiments.call_work import hybrid_work, padded_work, ragged_work
+from minisrv.experiments.call_work import hybrid_work, needed_work, padded_work, ragged_work
 from minisrv.viz.explorer import Explorer, Frame, explorer
 from minisrv.viz.gpu import ATTENTION_LABELS
 from minisrv.viz.style import (
@@ -61,8 +61,8 @@ def step_mix_metrics(prefill: int, decodes: int, context: int,
              "hybrid": hybrid_work(step)}
     metrics = {f"{what}_{call}": getattr(work, what)
                for call, work in works.items() for what in ("scores", "keys", "walk")}
-    metrics["scores_needed"] = sum(n * c + n * (n + 1) // 2 for c, n in step)
-    metrics["keys_needed"] = sum(c + n for c, n in step)
+    needed = needed_work(step)
+    metrics["scores_needed"], metrics["keys_needed"] = needed.scores, needed.keys
     return metrics
 
 
