@@ -15,9 +15,10 @@ SGLang's ``evict_tenant_by_size`` does. A node that no worker holds any longer i
 Differences from SGLang, all for a deterministic single-threaded simulation: edges hold
 token ids instead of characters, time is a counter of inserts instead of the wall clock,
 and trimming runs right after the insert that overflows a worker (SGLang trims in a
-background thread, every 30 s by its policy's default and every 120 s by its launcher's,
-``sgl-model-gateway/src/policies/mod.rs`` and ``main.rs``). SGLang's default size limits,
-10,000 characters in the policy and 67,108,864 in the launcher, are characters, not tokens.
+background thread, every 30 s by its policy's default, every 120 s as the gateway binary
+starts it and every 60 s as the Python launcher does: ``sgl-model-gateway/src/policies/mod.rs``,
+``main.rs`` and ``sglang_router/router_args.py``, 0.3.2). SGLang's default size limits, 10,000
+characters in the policy and 67,108,864 in either launcher, are characters, not tokens.
 """
 
 from __future__ import annotations
