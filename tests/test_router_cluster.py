@@ -53,6 +53,8 @@ def check_conserved(result, workload: Workload) -> None:
     assert Counter(result.branches) == Counter(result.decisions)  # one branch per request
     assert result.request_ratio == pytest.approx(max(result.worker_requests) / (n / k))
     assert result.widest_gap == max((row.max() - row.min() for row in trace), default=0)
+    assert len(result.worker_steps) == len(result.worker_decode_tokens) == k
+    assert 0 <= result.decodes_per_step <= 4  # the runs' max_running
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,3 +218,17 @@ def test_groups_started_counts_where_each_groups_first_request_went() -> None:
     started = groups_started(run, workload, key_len=20)
     assert started == [list(firsts.values()).count(w) for w in range(3)]
     assert sum(started) == len(firsts) == 4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_one_worker_cluster_steps_as_its_engine_alone(seed: int) -> None:
+    """The cluster loop drives an engine as ``run_workload`` does: with one worker, the same
+    steps, decodes and token times, and ``decodes_per_step`` is the engine's decode batch."""
+    workload = small_workload(40, 3, 50, None, 50.0, seed)
+    result = simulate_cluster(workload, n_workers=1, kv_capacity=300, max_running=4)
+    engine = Engine(SimBackend(), kv_capacity=300, max_running=4, cache="radix")
+    alone = engine.run_workload(workload)
+    assert result.worker_steps == [engine.stats.steps]
+    assert result.worker_decode_tokens == [engine.stats.decode_tokens]
+    assert result.decodes_per_step == pytest.approx(engine.stats.decode_tokens / engine.stats.steps)
+    assert [r.token_times for r in result.requests] == [r.token_times for r in alone.requests]

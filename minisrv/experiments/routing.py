@@ -46,7 +46,10 @@ class ClusterResult:
     requests in flight per worker after every arrival and completion. ``branches[i]`` is the
     router's reason for request ``i``'s worker (``BRANCHES``), and ``tree_sizes`` the tokens
     of the router's tree each worker held at the end: with them a run shows how often the
-    tree's belief sent a request to a cache that had lost its prefix.
+    tree's belief sent a request to a cache that had lost its prefix. ``worker_steps`` and
+    ``worker_decode_tokens`` count each worker's steps and the decodes they computed: a policy
+    that finds prefixes cached also fits more requests in the same pool, and
+    ``decodes_per_step`` shows it.
     """
 
     policy: str
@@ -62,6 +65,8 @@ class ClusterResult:
     worker_prefill_tokens: list[int]
     worker_hit_rates: list[float]
     worker_busy: list[float]
+    worker_steps: list[int]
+    worker_decode_tokens: list[int]
     request_ratio: float
     load_times: np.ndarray
     load_trace: np.ndarray
@@ -81,6 +86,12 @@ class ClusterResult:
         if not len(self.load_trace):
             return 0
         return int((self.load_trace.max(axis=1) - self.load_trace.min(axis=1)).max())
+
+    @property
+    def decodes_per_step(self) -> float:
+        """Decodes computed per step, over every worker: the mean decode batch."""
+        steps = sum(self.worker_steps)
+        return sum(self.worker_decode_tokens) / steps if steps else 0.0
 
     def lost_prefix_share(self, prefix_len: int) -> float:
         """Share of the requests the cache branch routed that found fewer than ``prefix_len``
@@ -271,6 +282,8 @@ class _ClusterLoop:
             worker_prefill_tokens=[s.prefill_tokens for s in stats],
             worker_hit_rates=[s.hit_rate for s in stats],
             worker_busy=[s.busy_time for s in stats],
+            worker_steps=[s.steps for s in stats],
+            worker_decode_tokens=[s.decode_tokens for s in stats],
             request_ratio=max(counts) / mean if mean else 0.0,
             load_times=np.asarray(self.times, dtype=float),
             load_trace=np.asarray(self.trace, dtype=int).reshape(len(self.times), n_workers),
