@@ -86,9 +86,10 @@ def attention_work(step: Step, tile: int = FLEX_BLOCK_SIZE) -> dict[str, int]:
     the scores and keys the requests need."""
     calls = {"padded groups": padded_work(step), "ragged tiles": ragged_work(step, tile),
              "hybrid": hybrid_work(step, tile)}
+    needed = needed_work(step)
     return {**{f"scores, {name}": work.scores for name, work in calls.items()},
-            "scores needed": needed_work(step).scores,
-            "keys needed": needed_work(step).keys,  # all copied by the ragged call
+            "scores needed": needed.scores,
+            "keys needed": needed.keys,  # all copied by the ragged call
             **{f"keys copied, {name}": work.keys for name, work in calls.items()
                if name != "ragged tiles"},
             "key tiles walked, ragged call": calls["ragged tiles"].walk,
