@@ -74,7 +74,8 @@ test: setup
 	  $(BIN)/python -m pytest $(TIMED_CHAPTERS); }
 
 colab-check: setup
-	MINISRV_COLAB_CHECK=1 $(BIN)/python -m pytest tests/test_colab.py
+	MINISRV_COLAB_CHECK=1 MINISRV_TIMED_CHAPTERS="$(TIMED_CHAPTERS)" $(BIN)/python -m pytest \
+	  tests/test_colab.py
 
 # Refuses to run (exit 1) where torch sees no CUDA GPU: a CPU-only pass would prove nothing.
 gpu-check: setup

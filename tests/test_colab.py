@@ -11,6 +11,12 @@ venv, as one Colab runtime would serve them; a chapter with other extras gets a 
 
 It takes minutes (three venvs, every chapter executed), so ``make test`` skips it and
 ``make colab-check`` (run by CI) runs it: ``MINISRV_COLAB_CHECK=1 pytest tests/test_colab.py``.
+
+The chapters whose verdicts compare wall-clock runs (the Makefile's ``TIMED_CHAPTERS``, passed
+as ``MINISRV_TIMED_CHAPTERS``) get one more run when a cell fails, as ``make test`` gives
+them: one stall of a shared machine can fail a comparison that holds on every other run (08's
+bench median gap against one streamed request's failed so once), and a real regression fails
+both runs.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from cell_guard import execute
+from nbclient.exceptions import CellExecutionError
 
 from minisrv import book
 
@@ -32,6 +39,9 @@ CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 KERNEL = "minisrv-colab"
 INSTALL_TIMEOUT = 600
 """Seconds for a chapter's setup cell in a bare runtime: pip downloads and installs its extras."""
+
+TIMED = {Path(name).stem for name in os.environ.get("MINISRV_TIMED_CHAPTERS", "").split()}
+"""Chapters with wall-clock verdicts, run a second time if the first run fails."""
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("MINISRV_COLAB_CHECK") != "1",
@@ -101,16 +111,26 @@ def test_chapter_runs_in_a_bare_colab_like_runtime(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runtime = runtimes[book.chapter_extras(path.stem)]
-    nb = nbformat.read(path, as_version=4)
-    nb.cells[0].source = pointed_at(nb.cells[0].source, checkout)
     for variable in ("PYTHONPATH", "MINISRV_DEVICE", "VIRTUAL_ENV"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("JUPYTER_PATH", str(runtime / "share" / "jupyter"))
     monkeypatch.setenv("PATH", f"{runtime / 'venv' / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    # A cell silent for 120 s fails, naming the chapter and the cell (tests/cell_guard.py);
-    # the setup cell, which pip-installs the chapter's extras here, gets INSTALL_TIMEOUT.
-    execute(nb, path, timeouts={0: INSTALL_TIMEOUT}, kernel_name=KERNEL,
-            resources={"metadata": {"path": str(tmp_path)}})
+
+    def run() -> None:
+        nb = nbformat.read(path, as_version=4)
+        nb.cells[0].source = pointed_at(nb.cells[0].source, checkout)
+        # A cell silent for 120 s fails, naming the chapter and the cell (tests/cell_guard.py);
+        # the setup cell, which pip-installs the chapter's extras here, gets INSTALL_TIMEOUT.
+        execute(nb, path, timeouts={0: INSTALL_TIMEOUT}, kernel_name=KERNEL,
+                resources={"metadata": {"path": str(tmp_path)}})
+
+    try:
+        run()
+    except CellExecutionError as first:
+        if path.stem not in TIMED:
+            raise
+        print(f"{path.stem}: run again after\n{first}")
+        run()
     probe = subprocess.run(
         [str(runtime / "venv" / "bin" / "python"), "-c", "import minisrv; print(minisrv.__file__)"],
         cwd=tmp_path, check=True, capture_output=True, text=True,

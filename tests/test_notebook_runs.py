@@ -148,3 +148,16 @@ def test_execution_times_name_a_missing_cache(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert _execution_times().main([str(tmp_path / "nothing")]) == 1
     assert "no jupyter-cache at" in capsys.readouterr().err
+
+
+def test_the_timed_chapters_are_chapters_and_get_their_rerun_in_both_checks() -> None:
+    """A renamed timed chapter would lose its second run (and its place after the others in
+    ``make book``) without a word: the Makefile's list must name chapters that exist, and
+    ``make colab-check`` must pass it to ``tests/test_colab.py``."""
+    makefile = (ROOT / "Makefile").read_text()
+    timed = makefile.split("\nTIMED_CHAPTERS := ")[1].split("\n")[0].split()
+    assert timed and all((ROOT / name).is_file() for name in timed), timed
+    colab = makefile.split("\ncolab-check:")[1].split("\n\n")[0]
+    assert 'MINISRV_TIMED_CHAPTERS="$(TIMED_CHAPTERS)"' in colab
+    test = makefile.split("\ntest:")[1].split("\n\n")[0]
+    assert test.count("pytest $(TIMED_CHAPTERS)") == 2  # the run, and the run again
