@@ -117,6 +117,8 @@ def test_cache_aware_keeps_groups_together() -> None:
     assert aware.decisions == {"miss": 2, "cache": 38}
     firsts = {groups.index(g) for g in groups}  # each group's first request
     assert {i for i, b in enumerate(aware.branches) if b == "miss"} == firsts
+    # only those first requests compute their prefix; round robin's thrashing caches, many more
+    assert aware.prefixes_computed(100) == len(firsts) < rr.prefixes_computed(100)
 
 
 def test_a_tree_trimmed_to_the_cache_forgets_groups_the_cache_cannot_hold() -> None:

@@ -71,6 +71,8 @@ def test_hot_group_draws_and_their_spread() -> None:
 
 def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_workers() -> None:
     given = rv.routing_report(60, n_workers=3)
+    assert list(given[0].columns) == ["hit rate (%)", "prefixes computed", "output tok/s",
+                                      "run length (s)", "mean latency (s)", "request ratio"]
     ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6), workers=(2, 3), n_workers=3,
                              reports={(0.0, 3): given})
     assert ex.default == {"hot_share": 0.0, "n_workers": 3}  # uniform groups
@@ -87,3 +89,21 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_worker
         hot_share=0.0, n_workers=3)["round robin hit rate"]
     with pytest.raises(ValueError, match="default 0.0 is not one of"):
         rv.routing_explorer(n=60, hot_shares=(0.4, 0.8))
+
+
+def test_the_routing_report_counts_prefixes_computed_and_each_runs_length() -> None:
+    table, _ = rv.routing_report(60, n_workers=3, hot_share=0.6, prefix_len=500, seed=1)
+    workload = prefix_groups_workload(n=60, rate=300.0, mean_output=32, hot_share=0.6,
+                                      prefix_len=500, seed=1)
+    runs = {"round robin": simulate_cluster(workload, 3, "round-robin", kv_capacity=10_000,
+                                            max_running=16),
+            "cache-aware": simulate_cluster(workload, 3, "cache-aware", kv_capacity=10_000,
+                                            max_running=16, balance_abs_threshold=32,
+                                            balance_rel_threshold=1.1)}
+    for name, run in runs.items():
+        assert table.loc[name, "prefixes computed"] == run.prefixes_computed(500)
+        assert table.loc[name, "run length (s)"] == f"{run.makespan:.2f}"
+    groups = len({tuple(p[:500]) for p in workload.prompts})  # each group's first computes it
+    assert groups <= table.loc["cache-aware", "prefixes computed"]
+    arrivals = workload.arrivals
+    assert table.attrs["arrivals span (s)"] == pytest.approx(max(arrivals) - min(arrivals))

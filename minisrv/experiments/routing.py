@@ -102,6 +102,13 @@ class ClusterResult:
             return 0.0
         return sum(r.cached_prompt_tokens < prefix_len for r in sent) / len(sent)
 
+    def prefixes_computed(self, prefix_len: int) -> int:
+        """Requests that found fewer than ``prefix_len`` tokens cached when they started, so
+        computed (part of) their prefix again. Two routers can find the same share of tokens
+        cached through as many such misses on different workers; this count tells that apart
+        from one router copying the other."""
+        return sum(r.cached_prompt_tokens < prefix_len for r in self.requests)
+
     def summary(self) -> dict[str, float]:
         """The headline numbers, e.g. for one row of a comparison table."""
         return {"policy": self.policy, "hit_rate": self.hit_rate, "throughput": self.throughput,
