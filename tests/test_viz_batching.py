@@ -204,4 +204,4 @@ def test_the_ledger_table_shows_each_term_and_what_is_left_after_it() -> None:
     assert list(table["left for newcomers"]) == ["", "", "93", "80.3", "45.3", "45.3"]
     assert list(table["decision"][-2:]) == ["admitted", "refused: 54 > 45.3"]
     assert table.index[1] == "held by the 3 running requests"
-    assert table.index[-1] == "waiting request 2: prompt 4 + limit 50"
+    assert table.index[-1] == "waiting request #8: prompt 4 + limit 50"  # by id, step to step

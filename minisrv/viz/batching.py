@@ -241,7 +241,9 @@ def pool_explorer(
 def ledger_table(decision: Admission) -> pd.DataFrame:
     """One admission decision as a ledger, a line per term of the budget and per waiting
     request looked at, in slots: what each line takes and what is left for newcomers after
-    it. Formatted as text, so that a line with no budget effect stays blank."""
+    it. Formatted as text, so that a line with no budget effect stays blank. A waiting request
+    is named by its id (``#rid``), so that it can be followed from one step's ledger to the
+    next, where a refused request comes first."""
     promised = decision.ratio * decision.remaining
     lines = [
         ("pool", f"{decision.capacity}", "", ""),
@@ -251,10 +253,10 @@ def ledger_table(decision: Admission) -> pd.DataFrame:
          " remaining limits",
          f"{promised:.1f}", f"{decision.budget:.1f}", ""),
     ]
-    for i, c in enumerate(decision.candidates, 1):
+    for c in decision.candidates:
         left = c["left"] - c["need"] if c["admitted"] else c["left"]
         verdict = "admitted" if c["admitted"] else f"refused: {c['need']:g} > {c['left']:.1f}"
-        lines.append((f"waiting request {i}: prompt {c['prompt']} + limit {c['limit']}",
+        lines.append((f"waiting request #{c['rid']}: prompt {c['prompt']} + limit {c['limit']}",
                       f"{c['need']:g}", f"{left:.1f}", verdict))
     frame = pd.DataFrame(lines, columns=["ledger", "slots", "left for newcomers", "decision"])
     return frame.set_index("ledger")
