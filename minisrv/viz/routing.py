@@ -35,6 +35,8 @@ __all__ = [
     "hot_group_draws",
     "spread_table",
     "routing_report",
+    "routing_runs",
+    "runs_report",
     "routing_widget",
     "routing_explorer",
 ]
@@ -195,13 +197,34 @@ def plot_threshold_sweep(table: pd.DataFrame, title: str) -> BookFigure:
     return fig
 
 
-def routing_report(n: int = 1000, n_workers: int = 4, hot_share: float | None = None,
-                   kv_capacity: int = 10_000, rate: float = 300.0, cache_threshold: float = 0.5,
-                   balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
-                   seed: int = 0, prefix_len: int = 2000) -> tuple[pd.DataFrame, BookFigure]:
+def routing_runs(n: int = 1000, n_workers: int = 4, hot_share: float | None = None,
+                 kv_capacity: int = 10_000, rate: float = 300.0, cache_threshold: float = 0.5,
+                 balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1,
+                 seed: int = 0, prefix_len: int = 2000,
+                 round_robin: ClusterResult | None = None,
+                 ) -> tuple[Workload, dict[str, ClusterResult]]:
     """Round robin and cache-aware routing on ``n`` requests of 16 groups of ``prefix_len``-
-    token prefixes (``hot_share``: group 0's share, ``None`` for uniform): their table and their
-    loads over time. What the widget draws for each setting.
+    token prefixes (``hot_share``: group 0's share, ``None`` for uniform): the workload and the
+    two runs. ``round_robin``: this workload's round-robin run, already made, used instead of
+    simulating it again (the thresholds do not change where round robin sends a request)."""
+    workload = prefix_groups_workload(n=n, rate=rate, mean_output=32, hot_share=hot_share,
+                                      prefix_len=prefix_len, seed=seed)
+    if round_robin is None:
+        round_robin = simulate_cluster(workload, n_workers, "round-robin",
+                                       kv_capacity=kv_capacity, max_running=16)
+    elif len(round_robin.requests) != n or round_robin.n_workers != n_workers:
+        raise ValueError(f"round_robin ran {len(round_robin.requests)} requests on "
+                         f"{round_robin.n_workers} workers, not {n} on {n_workers}")
+    aware = simulate_cluster(
+        workload, n_workers, "cache-aware", kv_capacity=kv_capacity, max_running=16,
+        cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
+        balance_rel_threshold=balance_rel_threshold)
+    return workload, {"round robin": round_robin, "cache-aware": aware}
+
+
+def runs_report(workload: Workload, results: Mapping[str, ClusterResult], title: str,
+                prefix_len: int = 2000) -> tuple[pd.DataFrame, BookFigure]:
+    """``routing_runs``' runs as a table and their loads over time.
 
     The table counts the prefixes each run computed again (two runs can find the same share
     cached with their misses on different workers) and each run's length, from the first
@@ -209,24 +232,24 @@ def routing_report(n: int = 1000, n_workers: int = 4, hot_share: float | None = 
     run of a few hundred requests gains or loses with its last, longest answers. The table's
     ``attrs["arrivals span (s)"]`` is the time from the first arrival to the last. The requests
     per worker are in the figure's panel titles."""
-    workload = prefix_groups_workload(n=n, rate=rate, mean_output=32, hot_share=hot_share,
-                                      prefix_len=prefix_len, seed=seed)
-    results = {
-        "round robin": simulate_cluster(workload, n_workers, "round-robin",
-                                        kv_capacity=kv_capacity, max_running=16),
-        "cache-aware": simulate_cluster(
-            workload, n_workers, "cache-aware", kv_capacity=kv_capacity, max_running=16,
-            cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
-            balance_rel_threshold=balance_rel_threshold),
-    }
     table = cluster_table(results).drop(columns="requests per worker")
     table.insert(1, "prefixes computed",
                  [run.prefixes_computed(prefix_len) for run in results.values()])
     table.insert(3, "run length (s)", [f"{run.makespan:.2f}" for run in results.values()])
     table.attrs["arrivals span (s)"] = max(workload.arrivals) - min(workload.arrivals)
+    return table, plot_loads_over_time(results, title)
+
+
+def routing_report(n: int = 1000, n_workers: int = 4, hot_share: float | None = None,
+                   rate: float = 300.0, prefix_len: int = 2000,
+                   **settings: Any) -> tuple[pd.DataFrame, BookFigure]:
+    """``routing_runs`` (``settings``: its cache, thresholds and seed) drawn by
+    ``runs_report``: what the widget draws for each setting."""
+    workload, results = routing_runs(n, n_workers, hot_share, rate=rate, prefix_len=prefix_len,
+                                     **settings)
     skew = "uniform groups" if hot_share is None else f"hot group {hot_share:.0%}"
     title = f"{n} requests, {n_workers} workers, {skew}, {rate:g} req/s"
-    return table, plot_loads_over_time(results, title)
+    return runs_report(workload, results, title, prefix_len)
 
 
 def routing_widget(n: int = 1000, seed: int = 0):
@@ -272,26 +295,44 @@ ROUTING_WORKERS = (2, 3, 4, 6, 8)
 """Workers of the explorer: round robin spreads each group over all of them, so every cache
 holds the same few groups at a time and its hit rate stays flat as they multiply, while
 cache-aware routing keeps each group on one and gains a cache with every worker."""
+ROUTING_BALANCE = ("off", "32", "8")
+"""Absolute balance thresholds of the explorer, from following the cache alone ("off") through
+the policy's default (32) to balancing at the first small gap (8), which gives locality up."""
 
 
 def routing_explorer(n: int = 300, seed: int = 0,
                      hot_shares: Sequence[float] = ROUTING_HOT_SHARES,
                      workers: Sequence[int] = ROUTING_WORKERS, n_workers: int = 4,
-                     reports: Mapping[tuple[float, int], tuple[pd.DataFrame, Any]] | None = None,
-                     ) -> Explorer:
+                     balance: Sequence[str] = ROUTING_BALANCE, default_balance: str = "32",
+                     reports: Mapping[tuple[float, int, str], tuple[pd.DataFrame, Any]]
+                     | None = None) -> Explorer:
     """``routing_widget`` for the page: ``routing_report`` (round robin against cache-aware
-    routing with the widget's default cache and thresholds) for each hot group's share of
-    ``hot_shares`` (0: uniform groups, the default state) and each number of ``workers``.
+    routing with the widget's default cache and relative threshold) for each hot group's share
+    of ``hot_shares`` (0: uniform groups, the default state), each number of ``workers`` and
+    each ``balance_abs_threshold`` of ``balance`` ("off": never balance).
 
-    A state simulates ``n`` requests twice; 300 keep 25 states within seconds of CPU and still
-    show every effect of the chapter's 1,000 or 2,000. ``reports``: reports the chapter has
-    already made, by ``(hot_share, n_workers)``, drawn instead of simulated again."""
+    A state simulates ``n`` requests with cache-aware routing, beside the round-robin run of
+    its share and workers (made once for all thresholds); 300 keep 75 states within seconds of
+    CPU and still show every effect of the chapter's 1,000 or 2,000. ``reports``: reports the
+    chapter has already made, by ``(hot_share, n_workers, balance)``, drawn instead of
+    simulated again."""
     reports = {} if reports is None else reports
+    round_robin: dict[tuple[float, int], ClusterResult] = {}
 
-    def draw(hot_share: float, n_workers: int) -> Frame:
-        key = (hot_share, n_workers)
-        table, figure = reports[key] if key in reports else routing_report(
-            n, n_workers=n_workers, hot_share=hot_share or None, seed=seed)
+    def report(hot_share: float, n_workers: int, threshold: str) -> tuple[pd.DataFrame, Any]:
+        if (hot_share, n_workers, threshold) in reports:
+            return reports[(hot_share, n_workers, threshold)]
+        workload, results = routing_runs(
+            n, n_workers, hot_share or None, seed=seed,
+            balance_abs_threshold=float("inf") if threshold == "off" else float(threshold),
+            round_robin=round_robin.get((hot_share, n_workers)))
+        round_robin[(hot_share, n_workers)] = results["round robin"]
+        skew = "uniform groups" if not hot_share else f"hot group {hot_share:.0%}"
+        return runs_report(workload, results, f"{n} requests, {n_workers} workers, {skew}, "
+                                              f"balance_abs_threshold {threshold}")
+
+    def draw(hot_share: float, n_workers: int, balance_abs_threshold: str) -> Frame:
+        table, figure = report(hot_share, n_workers, balance_abs_threshold)
         tput = next(c for c in table.columns if c.startswith("output tok"))
         numbers = {f"{run} {name}": float(table.loc[run, column]) / scale
                    for run in table.index
@@ -319,5 +360,7 @@ def routing_explorer(n: int = 300, seed: int = 0,
 
     return explorer(draw, [("hot_share", "hot group's share (0%: uniform)", sorted(hot_shares),
                             0.0, ".0%"),
-                           ("n_workers", "workers", sorted(workers), n_workers)],
+                           ("n_workers", "workers", sorted(workers), n_workers),
+                           ("balance_abs_threshold", "balance_abs_threshold", list(balance),
+                            default_balance)],
                     live=lambda: routing_widget(n, seed))
