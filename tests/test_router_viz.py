@@ -69,26 +69,45 @@ def test_hot_group_draws_and_their_spread() -> None:
         f"{ratios.mean():.2f} ({ratios.min():.2f}\u2013{ratios.max():.2f})")
 
 
-def test_the_routing_explorer_states_are_the_report_of_each_hot_share_and_workers() -> None:
+def test_the_routing_explorer_states_are_the_report_of_each_hot_share_workers_and_threshold(
+) -> None:
     given = rv.routing_report(60, n_workers=3)
     assert list(given[0].columns) == ["hit rate (%)", "prefixes computed", "output tok/s",
                                       "run length (s)", "mean latency (s)", "request ratio"]
     ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6), workers=(2, 3), n_workers=3,
-                             reports={(0.0, 3): given})
-    assert ex.default == {"hot_share": 0.0, "n_workers": 3}  # uniform groups
+                             balance=("off", "32", "8"), reports={(0.0, 3, "32"): given})
+    # uniform groups, the policy's default threshold
+    assert ex.default == {"hot_share": 0.0, "n_workers": 3, "balance_abs_threshold": "32"}
     for hot_share in (0.0, 0.6):
         for workers in (2, 3):
-            table, _ = rv.routing_report(60, n_workers=workers, hot_share=hot_share or None)
-            state = ex.metrics(hot_share=hot_share, n_workers=workers)
-            for run in ("round robin", "cache-aware"):
-                assert state[f"{run} hit rate"] == table.loc[run, "hit rate (%)"] / 100
-                assert state[f"{run} throughput"] == table.loc[run, "output tok/s"]
-                assert state[f"{run} request ratio"] == float(table.loc[run, "request ratio"])
+            for balance, threshold in (("off", math.inf), ("32", 32), ("8", 8)):
+                table, _ = rv.routing_report(60, n_workers=workers, hot_share=hot_share or None,
+                                             balance_abs_threshold=threshold)
+                state = ex.metrics(hot_share=hot_share, n_workers=workers,
+                                   balance_abs_threshold=balance)
+                for run in ("round robin", "cache-aware"):
+                    assert state[f"{run} hit rate"] == table.loc[run, "hit rate (%)"] / 100
+                    assert state[f"{run} throughput"] == table.loc[run, "output tok/s"]
+                    assert state[f"{run} request ratio"] == float(table.loc[run,
+                                                                            "request ratio"])
     # a hot group keeps its prefix in every worker's cache, even under round robin
-    assert ex.metrics(hot_share=0.6, n_workers=3)["round robin hit rate"] > ex.metrics(
-        hot_share=0.0, n_workers=3)["round robin hit rate"]
+    hot, uniform = ({"hot_share": share, "n_workers": 3, "balance_abs_threshold": "32"}
+                    for share in (0.6, 0.0))
+    assert ex.metrics(**hot)["round robin hit rate"] > ex.metrics(**uniform)["round robin hit rate"]
     with pytest.raises(ValueError, match="default 0.0 is not one of"):
         rv.routing_explorer(n=60, hot_shares=(0.4, 0.8))
+
+
+def test_routing_runs_reuses_a_round_robin_run_only_of_the_same_shape() -> None:
+    workload, runs = rv.routing_runs(40, n_workers=2, hot_share=0.5)
+    again, reused = rv.routing_runs(40, n_workers=2, hot_share=0.5, balance_abs_threshold=8,
+                                    round_robin=runs["round robin"])
+    assert reused["round robin"] is runs["round robin"] and again.prompts == workload.prompts
+    fresh = rv.routing_runs(40, n_workers=2, hot_share=0.5, balance_abs_threshold=8)[1]
+    assert fresh["round robin"].workers == runs["round robin"].workers  # thresholds: no effect
+    assert fresh["cache-aware"].workers == reused["cache-aware"].workers
+    with pytest.raises(ValueError, match="not 40 on 3"):
+        rv.routing_runs(40, n_workers=3, round_robin=runs["round robin"])
 
 
 def test_the_routing_report_counts_prefixes_computed_and_each_runs_length() -> None:
