@@ -112,17 +112,18 @@ def test_every_frame_takes_the_layout_of_the_first_of_its_shape(monkeypatch) -> 
         figures[top, lines] = plot(top, lines)
         return Frame([figures[top, lines]], {"top": top})
 
-    # ticks of two digits up to 40, 60 and 80; of four up to 4000
-    explorer(draw, [("top", "top", [40, 60, 80, 4000], 40), ("lines", "lines", [1, 8], 1)])
+    # ticks of two digits up to 40, 60 and 80; of three up to 200, of four up to 4000 (each
+    # axis also has a tick of three characters outside its view, "-10" or "-50", before a draw)
+    explorer(draw, [("top", "top", [40, 60, 80, 200, 4000], 40), ("lines", "lines", [1, 8], 1)])
     places = {key: fig.axes[0].get_position().bounds for key, fig in figures.items()}
     assert places[40, 1] == places[60, 1] == places[80, 1]
     assert places[40, 8] == places[80, 8] != places[40, 1]
-    assert places[4000, 1] != places[40, 1]
+    assert len({places[top, 1] for top in (40, 200, 4000)}) == 3
     assert not any(isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
                    for fig in figures.values())  # no solve left for savefig
     # one draw per frame and one solve per shape: savefig draws a figure that keeps any
     # layout engine (even "none"'s placeholder) twice
-    assert len(draws) == len(figures) + 4
+    assert len(draws) == len(figures) + 6
     alone = plot(40, 1)  # the default's layout is the one it has alone
     alone.draw_without_rendering()
     assert alone.axes[0].get_position().bounds == pytest.approx(places[40, 1])

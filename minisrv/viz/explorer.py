@@ -117,8 +117,7 @@ class _Layouts:
         if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
             return
         shape = (tuple(fig.get_size_inches()), tuple(type(ax).__name__ for ax in fig.axes),
-                 tuple(max((len(t.get_text()) for t in ax.get_yticklabels()), default=0)
-                       for ax in fig.axes),
+                 tuple(_ytick_width(ax) for ax in fig.axes),
                  tuple(len(legend.get_texts()) for legend in fig.legends))
         if shape not in self.places:
             fig.draw_without_rendering()  # the one solve of this shape
@@ -130,6 +129,17 @@ class _Layouts:
             fig.set_layout_engine(None)
         for ax, place in zip(fig.axes, self.places[shape], strict=True):
             ax.set_position(place)
+
+
+def _ytick_width(ax: Any) -> int:
+    """Characters of the longest y tick label the axes shows. Ticks outside the view count
+    for nothing: before a draw the locator also returns one beyond each limit ("-10" under
+    0 to 70), which gave a 0-70 axis the width of a 0-200 one and chapter 06's explorer
+    the two-digit layout for its three-digit states."""
+    low, high = sorted(ax.get_ylim())
+    shown = [t for t in ax.get_yticks() if low <= t <= high]
+    return max((len(text) for text in ax.yaxis.get_major_formatter().format_ticks(shown)),
+               default=0)
 
 
 def _figure_html(fig: Any, layouts: _Layouts | None = None) -> str:
