@@ -73,7 +73,8 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_workers_an
 ) -> None:
     given = rv.routing_report(60, n_workers=3)
     assert list(given[0].columns) == ["hit rate (%)", "prefixes computed", "output tok/s",
-                                      "run length (s)", "mean latency (s)", "request ratio"]
+                                      "run length (s)", "mean latency (s)", "request ratio",
+                                      "busiest worker's compute (s)"]
     ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6), workers=(2, 3), n_workers=3,
                              balance=("off", "32", "8"), reports={(0.0, 3, "32"): given})
     # uniform groups, the policy's default threshold
@@ -90,6 +91,8 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_workers_an
                     assert state[f"{run} throughput"] == table.loc[run, "output tok/s"]
                     assert state[f"{run} request ratio"] == float(table.loc[run,
                                                                             "request ratio"])
+                    assert state[f"{run} busiest compute"] == float(
+                        table.loc[run, "busiest worker's compute (s)"])
     # a hot group keeps its prefix in every worker's cache, even under round robin
     hot, uniform = ({"hot_share": share, "n_workers": 3, "balance_abs_threshold": "32"}
                     for share in (0.6, 0.0))
@@ -110,7 +113,7 @@ def test_routing_runs_reuses_a_round_robin_run_only_of_the_same_shape() -> None:
         rv.routing_runs(40, n_workers=3, round_robin=runs["round robin"])
 
 
-def test_the_routing_report_counts_prefixes_computed_and_each_runs_length() -> None:
+def test_the_routing_report_counts_prefixes_computed_each_runs_length_and_busiest_worker() -> None:
     table, _ = rv.routing_report(60, n_workers=3, hot_share=0.6, prefix_len=500, seed=1)
     workload = prefix_groups_workload(n=60, rate=300.0, mean_output=32, hot_share=0.6,
                                       prefix_len=500, seed=1)
@@ -122,6 +125,9 @@ def test_the_routing_report_counts_prefixes_computed_and_each_runs_length() -> N
     for name, run in runs.items():
         assert table.loc[name, "prefixes computed"] == run.prefixes_computed(500)
         assert table.loc[name, "run length (s)"] == f"{run.makespan:.2f}"
+        busiest = float(table.loc[name, "busiest worker's compute (s)"])
+        assert busiest == pytest.approx(max(run.worker_busy), abs=0.005)
+        assert max(run.worker_busy) <= run.makespan + 1e-9  # no worker computes longer than the run
     groups = len({tuple(p[:500]) for p in workload.prompts})  # each group's first computes it
     assert groups <= table.loc["cache-aware", "prefixes computed"]
     arrivals = workload.arrivals
