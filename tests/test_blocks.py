@@ -307,3 +307,16 @@ def test_the_server_flags_choose_the_block_cache() -> None:
         config("--cache", "blocks", "--policy", "dfs-weight")
     with pytest.raises(ValueError, match="blocks"):
         config("--cache", "lru")  # the message lists the caches there are
+
+
+@pytest.mark.parametrize("kind", ["radix", "blocks", "none"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cached_length_is_the_match_length_of_every_cache(kind, page_size) -> None:
+    cache = make_cache(kind, page_size=page_size)
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5]):
+        cache.insert(prompt)
+    for query in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5], [7], []):
+        length = cache.cached_length(query)
+        assert length == cache.match_prefix(query).length
+        assert length % page_size == 0
+

@@ -469,3 +469,21 @@ def test_a_busy_step_makes_loading_back_win_from_the_first_tokens() -> None:
     assert prefill_step_seconds([(100, 20)]) == prefill_seconds(100, 20)
     both = prefill_step_seconds([(2048, 0), (100, 0)])
     assert both > prefill_seconds(2048)  # a compute-bound step grows with every token
+
+
+def test_cached_length_counts_only_what_is_on_the_device() -> None:
+    """A router reading this cache finds what a request would reuse without a load: the host
+    copy of an evicted turn is not counted, and reading moves nothing between tiers."""
+    tree = scripted("write_through")
+    on_host_only = 0
+    for chat in (0, 1):
+        for turn in range(1, 4):
+            tokens = [chat * 100 + t for t in range(4 * turn)]
+            before = tree.snapshot()
+            length = tree.cached_length(tokens)
+            assert tree.snapshot() == before
+            match = tree.match_prefix(tokens)
+            assert length == match.length
+            on_host_only += tree.host_match_length(match.node, tokens, match.length)
+    assert on_host_only > 0  # the evicted turn was there to be miscounted
+

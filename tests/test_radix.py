@@ -77,6 +77,14 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.prefix_of(result.node) == tuple(tokens[:expected])
 
     @rule(tokens=tokens_st)
+    def peek(self, tokens: list[int]) -> None:
+        """What a router fed by the cache's events reads: the match's length, and nothing in
+        the tree moves (no split, no LRU stamp, so the next eviction is the same)."""
+        before = self.cache.snapshot()
+        assert self.cache.cached_length(tokens) == lcp_with(self.prefixes, tokens, self.PAGE)
+        assert self.cache.snapshot() == before
+
+    @rule(tokens=tokens_st)
     def lock(self, tokens: list[int]) -> None:
         result = self.cache.match_prefix(tokens)
         self.cache.lock(result.node)

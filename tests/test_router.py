@@ -172,6 +172,30 @@ def test_match_at_threshold_is_a_miss() -> None:
     assert r2.route([1, 1, 9, 9]) == 0 and r2.last_branch == "cache"
 
 
+def test_a_router_reading_the_caches_follows_what_they_hold_not_what_it_sent() -> None:
+    r = Router(3, match_source="caches")
+    prompt = [1, 1, 1, 1, 5]
+    # sent nothing yet, but workers 1 and 2 hold four tokens: the less loaded of the two
+    r.loads[1] = 2
+    assert r.route(prompt, cached=[0, 4, 4]) == 2 and r.last_branch == "cache"
+    # the tree now says worker 2; the caches say worker 0 holds more (worker 2 evicted it)
+    assert r.route(prompt, cached=[4, 0, 0]) == 0 and r.last_branch == "cache"
+    # 2 of 5 is under the threshold: a miss, to the least-loaded worker
+    r.finish(2)
+    assert r.route(prompt, cached=[2, 0, 0]) == 2 and r.last_branch == "miss"
+    assert r.loads == [1, 2, 1] and r.decisions == {"cache": 2, "miss": 1}
+    r.mark_down(0)  # a dead worker's cache counts for nothing
+    assert r.route(prompt, cached=[5, 4, 0]) == 1 and r.last_branch == "cache"
+    with pytest.raises(ValueError, match="needs cached="):
+        r.route(prompt)
+    with pytest.raises(ValueError, match="needs cached="):
+        r.route(prompt, cached=[0, 6, 0])  # more than the prompt
+    with pytest.raises(ValueError, match="needs cached="):
+        r.reroute(prompt, 1, cached=[0, 0])
+    assert r.loads == [1, 3, 1]
+    assert Router(2, "round-robin", match_source="caches").route(prompt) == 0  # not read
+
+
 def test_a_miss_goes_to_the_least_loaded_worker_not_the_smallest_tree() -> None:
     """sgl-model-gateway's rule (the renamed sgl-router): a miss goes to the least-loaded
     worker. sgl-router before it sent a miss to the smallest approximate tree
@@ -271,6 +295,8 @@ def test_router_rejects_bad_arguments_and_stays_intact() -> None:
         Router(0)
     with pytest.raises(ValueError, match="unknown match_rule 'last'; supported: most-recent"):
         Router(2, match_rule="last")
+    with pytest.raises(ValueError, match="unknown match_source 'events'; supported: sent"):
+        Router(2, match_source="events")
     r = Router(2)
     with pytest.raises(ValueError, match="no request in flight"):
         r.finish(0)

@@ -18,7 +18,7 @@ from minisrv.experiments.routing import (
     serve_cluster,
     simulate_cluster,
 )
-from minisrv.router import POLICIES, Router
+from minisrv.router import MATCH_SOURCES, POLICIES, Router
 from minisrv.sim import SimBackend
 from minisrv.tokenizer import Tokenizer
 from minisrv.workloads import Workload, prefix_groups_workload
@@ -60,16 +60,18 @@ def check_conserved(result, workload: Workload) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 5), st.integers(0, 60),
        st.sampled_from([None, 0.6]), st.sampled_from([5.0, 50.0, 1e4]),
-       st.integers(1, 4), st.sampled_from(POLICIES), st.integers(0, 3))
-def test_simulated_cluster_conserves_requests(n, groups, prefix, hot, rate, k, policy, seed):
+       st.integers(1, 4), st.sampled_from(POLICIES), st.integers(0, 3),
+       st.sampled_from(MATCH_SOURCES))
+def test_simulated_cluster_conserves_requests(n, groups, prefix, hot, rate, k, policy, seed,
+                                              source):
     workload = small_workload(n, groups, prefix, hot if groups > 1 else None, rate, seed)
     result = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
-                              max_running=4, balance_abs_threshold=2)
+                              max_running=4, balance_abs_threshold=2, match_source=source)
     check_conserved(result, workload)
     if result.decisions.get("balance"):  # balanced only past the absolute threshold, 2
         assert result.widest_gap > 2
     again = simulate_cluster(workload, n_workers=k, policy=policy, kv_capacity=200,
-                             max_running=4, balance_abs_threshold=2)
+                             max_running=4, balance_abs_threshold=2, match_source=source)
     assert again.workers == result.workers  # deterministic for a seed
     assert [r.token_times for r in again.requests] == [r.token_times for r in result.requests]
     assert again.summary() == result.summary()
@@ -140,6 +142,20 @@ def test_a_tree_trimmed_to_the_cache_forgets_groups_the_cache_cannot_hold() -> N
     assert whole.lost_prefix_share(60) > trimmed.lost_prefix_share(60)
 
 
+def test_a_router_reading_the_caches_misses_what_is_still_queued() -> None:
+    """Two requests of one group arrive together: the tree sends the second after the first,
+    but no cache holds their prefix yet, so a router reading the caches calls it a miss and
+    sends it to the other worker. A third, arriving once the prefix is cached, follows it."""
+    prefix = [7] * 50
+    workload = Workload("burst", [prefix + [1], prefix + [2], prefix + [3]], [4, 4, 4],
+                        [0.0, 0.0, 10.0])
+    sent = simulate_cluster(workload, 2, kv_capacity=200, max_running=4)
+    read = simulate_cluster(workload, 2, kv_capacity=200, max_running=4, match_source="caches")
+    assert sent.workers == [0, 0, 0] and sent.branches == ["miss", "cache", "cache"]
+    assert read.workers[:2] == [0, 1] and read.branches == ["miss", "miss", "cache"]
+    assert read.requests[2].cached_prompt_tokens == 50  # its worker held the prefix
+
+
 def test_hot_group_latency_splits_the_requests_by_the_most_common_prefix() -> None:
     workload = small_workload(30, 3, 20, 0.6, 20.0, seed=2)
     run = simulate_cluster(workload, n_workers=2, kv_capacity=200, max_running=4)
@@ -170,8 +186,9 @@ def test_run_cluster_rejects_mismatched_engines() -> None:
     assert all(e.scheduler.idle and e.stats.steps == 0 for e in engines)
 
 
-@pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])
-def test_real_cluster_equals_each_request_alone(model, policy: str) -> None:
+@pytest.mark.parametrize("policy, source", [("cache-aware", "sent"), ("round-robin", "sent"),
+                                            ("cache-aware", "caches")])
+def test_real_cluster_equals_each_request_alone(model, policy: str, source: str) -> None:
     tok = Tokenizer()
     heads = ["FR: Paris, Lyon\nDE: Berlin\n", "JP: Tokyo\nIT: Rome, Milan\n"]
     asks = ["US:", "GB:", "ES:", "CN:", "BR:"]
@@ -179,7 +196,7 @@ def test_real_cluster_equals_each_request_alone(model, policy: str) -> None:
     lens = [3 + i % 4 for i in range(10)]
     workload = Workload("real", prompts, lens, [float(i // 2) for i in range(10)])
     result = serve_cluster(model, workload, n_workers=2, policy=policy, kv_capacity=200,
-                           max_running=3)
+                           max_running=3, match_source=source)
     for req, prompt, m in zip(result.requests, prompts, lens, strict=True):
         assert req.output == model.reference_generate(prompt, m)
     assert sum(result.worker_requests) == 10

@@ -233,7 +233,9 @@ class _ClusterLoop:
 
     def _route(self, i: int, t: float) -> None:
         req = self.pending[i]
-        w = self.router.route(req.prompt)
+        cached = ([e.tree.cached_length(req.prompt) for e in self.engines]
+                  if self.router.match_source == "caches" else None)  # the caches, as events tell
+        w = self.router.route(req.prompt, cached)
         # The engine's clock may be past ``t`` (it is mid-step): the request then joins at its
         # next step, and its latency still counts from ``t``.
         self.engines[w].add_request(req, checked=True)  # checked in run_cluster

@@ -141,6 +141,10 @@ class BlockCache(PrefixCache):
         values = [value for block in chain for value in block.value]
         return MatchResult(len(values), chain[-1] if chain else self.root, values)
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """``match_prefix``'s length: a lookup by hash changes nothing here either."""
+        return len(self._chain(tuple(tokens))) * self.page_size
+
     def _chain(self, key: tuple[int, ...]) -> list[Block]:
         """The cached blocks of ``key``'s leading full blocks, in order, up to the first miss:
         each found by the hash of its parent's hash and its tokens."""

@@ -128,6 +128,13 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` ``match_prefix`` would find on the device,
+        changing nothing: no edge split, no LRU stamp. It is what a router fed by the cache's
+        events could know (``Router(match_source="caches")``); a lookup that touched the path
+        would change what the cache evicts next."""
+
+    @abstractmethod
     def lock(self, node: TreeNode, *, tag: str = "") -> None:
         """Protect ``node`` and its ancestors from eviction (one more user)."""
 
@@ -193,6 +200,10 @@ class NoCache(PrefixCache):
     def match_prefix(self, tokens: Sequence[int], *, tag: str = "") -> MatchResult:
         """Nothing is ever cached: length 0 at the root."""
         return MatchResult(0, self.root, [])
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """Nothing is ever cached."""
+        return 0
 
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "", inserted_len: int = 0) -> int:

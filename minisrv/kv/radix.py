@@ -28,12 +28,11 @@ is how the book draws it and the tests drive it; the engine passes real KV slot 
 ``on_evict`` callback that returns evicted slots to the pool. ``NoCache`` is a twin with the
 same interface that caches nothing (``Engine(cache="none")``, ``minisrv.kv.cache``).
 
-The tree draws nothing and records nothing itself. Like SGLang publishing KV-cache events,
-it reports each operation (what it matched, split, inserted, locked or evicted) to an
-optional ``listener`` (``minisrv.kv.events``); ``minisrv.viz.radix.TreeRecorder`` is the
-listener that keeps the log and the snapshots the book draws. Every operation takes an
-optional ``tag`` (e.g. the request it serves) that is passed through to the listener and
-used for nothing else.
+The tree draws nothing and records nothing itself. Like SGLang publishing KV-cache events, it
+reports each operation (what it matched, split, inserted, locked or evicted) to an optional
+``listener`` (``minisrv.kv.events``); ``minisrv.viz.radix.TreeRecorder`` is the listener that
+keeps the log and the snapshots the book draws. Every operation takes an optional ``tag``
+(e.g. the request it serves) that is passed through to the listener and used for nothing else.
 """
 
 from __future__ import annotations
@@ -111,6 +110,10 @@ class RadixCache(PrefixCache):
         self._report("match", tag, length, node, (node.id,) if split else ())
         return MatchResult(length, node, self._values_to(node))
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """``match_prefix``'s length, walked without splitting an edge or renewing a stamp."""
+        return self._walk(self._pages.whole(tuple(tokens)), change=False)[1]
+
     def insert(self, tokens: Sequence[int], values: Sequence[Any] | None = None, *,
                tag: str = "", inserted_len: int = 0) -> int:
         """Cache ``tokens`` with their ``values`` (one per token; ``None``: standalone mode).
@@ -147,22 +150,24 @@ class RadixCache(PrefixCache):
         self._push(leaf)
         return leaf
 
-    def _walk(self, key: tuple[int, ...]) -> tuple[TreeNode, int, bool]:
+    def _walk(self, key: tuple[int, ...], change: bool = True) -> tuple[TreeNode, int, bool]:
         """Follow ``key`` down from the root, one edge at a time, as far as the tree holds it;
         where the match ends inside an edge, split the edge there and stop on its upper part.
-        Every node passed counts as just used (LRU).
+        Every node passed counts as just used (LRU). ``change=False`` (``cached_length``) does
+        neither: only the length it returns is meaningful then.
 
         Returns (the node where the match ends, the matched length, whether it split an edge).
         """
         node, pos = self.root, 0
-        node.last_access = self.clock
+        if change:
+            node.last_access = self.clock
         split = False
         while pos < len(key) and (child := self._next(node, key, pos)) is not None:
             matched = self._pages.matched(child.key, key, pos)  # tokens of the edge that match
             split = matched < len(child.key)  # the match ends inside this edge
-            if split:
-                child = self._split(child, matched)
-            self._touch(child)
+            if change:
+                child = self._split(child, matched) if split else child
+                self._touch(child)
             node, pos = child, pos + matched
             if split:
                 break
@@ -266,15 +271,10 @@ class RadixCache(PrefixCache):
     # ------------------------------------------------------------------ eviction
     @reports_evicted
     def evict(self, n_tokens: int, *, tag: str = "") -> int:
-        """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed.
-
-        Whole leaves are removed, so slightly more than ``n_tokens`` may be freed; fewer when
-        the tree has not enough evictable tokens. A parent left as an unlocked leaf becomes a
-        candidate in turn. Each removed node's values go to ``on_evict``.
-
-        Returns:
-            The number of tokens freed.
-        """
+        """Remove least-recently-used unlocked leaves until ``n_tokens`` are freed; return
+        the tokens freed: slightly more, since whole leaves go, or fewer when the tree has not
+        enough evictable tokens. A parent left as an unlocked leaf becomes a candidate in
+        turn. Each removed node's values go to ``on_evict``."""
         n_tokens = check_int("evict's token count", n_tokens, minimum=0)
         freed = 0
         while freed < n_tokens and self._heap:

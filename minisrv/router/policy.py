@@ -34,6 +34,13 @@ is trimmed from the node, whichever holder its hash map yields first): ``Router(
 match_rule="first-holder")`` follows that rule (``MATCH_RULES``), with the oldest remaining
 holder for the hash map's pick. Among equally loaded workers, the smallest tree (the most
 room: sgl-router's older miss rule), then the lowest index.
+
+The tree is only an estimate of the caches. ``Router(..., match_source="caches")`` matches each
+prompt against the workers' caches themselves instead, given to ``route`` as ``cached`` (each
+worker's cached prefix of the prompt, ``PrefixCache.cached_length``): what a router fed by
+the workers' KV events, with no delay, would know. Among the workers holding the longest
+cached prefix it picks the least loaded. It is the yardstick for the tree, not a policy
+SGLang's router 0.3.2 has.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from collections.abc import Sequence
 
 from minisrv.router.tree import ApproxTree, TreeMatch
 
-__all__ = ["POLICIES", "BRANCHES", "MISS_RULES", "MATCH_RULES", "LAUNCHER_DEFAULTS", "Router"]
+__all__ = ["POLICIES", "BRANCHES", "MISS_RULES", "MATCH_RULES", "MATCH_SOURCES",
+           "LAUNCHER_DEFAULTS", "Router"]
 
 POLICIES: tuple[str, ...] = ("round-robin", "random", "least-load", "cache-aware")
 
@@ -58,6 +66,10 @@ rename, ``get_smallest_tenant``; among equal trees the least loaded, then the lo
 MATCH_RULES: tuple[str, ...] = ("most-recent", "first-holder")
 """Which holder of a match the cache-aware policy picks: the worker most recently sent the
 prefix (minisrv's default) or the one first sent it (sgl-model-gateway's ``tree.rs``)."""
+
+MATCH_SOURCES: tuple[str, ...] = ("sent", "caches")
+"""What the cache-aware policy matches a prompt against: the tree of the prompts it sent
+(SGLang's router) or the workers' caches, passed to ``route`` as ``cached``."""
 
 BRANCHES: tuple[str, ...] = ("balance", "cache", "miss", "policy")
 """Why a request went where it went: the cache-aware rule's three branches, or ``"policy"``
@@ -79,7 +91,8 @@ class Router:
     def __init__(self, n_workers: int, policy: str = "cache-aware", *, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
                  max_tree_size: int = 2**20, seed: int = 0,
-                 miss_rule: str = "least-load", match_rule: str = "most-recent") -> None:
+                 miss_rule: str = "least-load", match_rule: str = "most-recent",
+                 match_source: str = "sent") -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; supported: {', '.join(POLICIES)}")
         if miss_rule not in MISS_RULES:
@@ -88,6 +101,9 @@ class Router:
         if match_rule not in MATCH_RULES:
             raise ValueError(f"unknown match_rule {match_rule!r}; supported: "
                              f"{', '.join(MATCH_RULES)}")
+        if match_source not in MATCH_SOURCES:
+            raise ValueError(f"unknown match_source {match_source!r}; supported: "
+                             f"{', '.join(MATCH_SOURCES)}")
         _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         _check_number("balance_abs_threshold", balance_abs_threshold, 0.0, math.inf)
         _check_number("balance_rel_threshold", balance_rel_threshold, 0.0, math.inf)
@@ -98,6 +114,7 @@ class Router:
         self.policy = policy
         self.miss_rule = miss_rule
         self.match_rule = match_rule
+        self.match_source = match_source
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
@@ -109,11 +126,14 @@ class Router:
         self._rng = random.Random(seed)
         self._turn = 0
 
-    def route(self, tokens: Sequence[int]) -> int:
-        """Choose the worker for a prompt, count it in flight there, insert it under it."""
+    def route(self, tokens: Sequence[int], cached: Sequence[int] | None = None) -> int:
+        """Choose the worker for a prompt, count it in flight there, insert it under it.
+
+        ``cached[w]``: how many leading tokens of the prompt worker ``w``'s cache holds, needed
+        (and only read) by a cache-aware router with ``match_source="caches"``."""
         if isinstance(tokens, str) or not isinstance(tokens, Sequence):
             raise ValueError(f"tokens must be a sequence of token ids, got {type(tokens).__name__}")
-        worker, branch = self.choose(tokens)
+        worker, branch = self.choose(tokens, cached)
         self.tree.insert(tokens, worker)
         self.loads[worker] += 1
         self.routed[worker] += 1
@@ -128,15 +148,17 @@ class Router:
             raise ValueError(f"worker {worker} has no request in flight to finish")
         self.loads[worker] -= 1
 
-    def reroute(self, tokens: Sequence[int], worker: int) -> int:
+    def reroute(self, tokens: Sequence[int], worker: int,
+                cached: Sequence[int] | None = None) -> int:
         """A request routed to ``worker`` never reached it (the worker died first): count it
         off there and ``route`` it again; return the new worker. ValueError, with nothing
         changed, if no worker is up."""
         self._check_worker(worker)
         if not any(self.up):
             raise ValueError("no worker is up")
+        self._check_cached(tokens, cached)
         self.finish(worker)
-        return self.route(tokens)
+        return self.route(tokens, cached)
 
     def mark_down(self, worker: int) -> None:
         """Take ``worker`` out (its process died): no request goes there until ``mark_up``,
@@ -151,19 +173,31 @@ class Router:
         self._check_worker(worker)
         self.up[worker] = True
 
+    def _check_cached(self, tokens: Sequence[int], cached: Sequence[int] | None) -> None:
+        if self.policy != "cache-aware" or self.match_source != "caches":
+            return
+        if cached is None or len(cached) != self.n_workers or any(
+                isinstance(n, bool) or not isinstance(n, numbers.Integral)
+                or not 0 <= n <= len(tokens) for n in cached):
+            raise ValueError(f"a router with match_source='caches' needs cached=: each of the "
+                             f"{self.n_workers} workers' cached prefix, 0..{len(tokens)} tokens; "
+                             f"got {cached!r}")
+
     def _check_worker(self, worker: int) -> None:
         if isinstance(worker, bool) or not isinstance(worker, int) \
                 or not 0 <= worker < self.n_workers:
             raise ValueError(f"worker must be an int in 0..{self.n_workers - 1}, got {worker!r}")
 
     # ----------------------------------------------------------------- the rule
-    def choose(self, tokens: Sequence[int]) -> tuple[int, str]:
+    def choose(self, tokens: Sequence[int],
+               cached: Sequence[int] | None = None) -> tuple[int, str]:
         """The worker ``route`` would pick now and the branch that picked it.
 
         Changes nothing (but the random policy's generator). ValueError if no
-        worker is up."""
+        worker is up, or if ``cached`` is missing where ``route`` needs it."""
+        self._check_cached(tokens, cached)
         if not all(self.up):
-            return self.choose_among_up(tokens)
+            return self.choose_among_up(tokens, cached)
         if self.policy == "round-robin":
             worker = self._turn
             self._turn = (self._turn + 1) % self.n_workers
@@ -173,18 +207,20 @@ class Router:
         if self.policy == "least-load":
             loads = self.loads
             return min(range(self.n_workers), key=loads.__getitem__), "policy"
-        return self.cache_aware(tokens)
+        return self.cache_aware(tokens, cached)
 
-    def cache_aware(self, tokens: Sequence[int]) -> tuple[int, str]:
+    def cache_aware(self, tokens: Sequence[int],
+                    cached: Sequence[int] | None = None) -> tuple[int, str]:
         """SGLang's three steps with every worker up: balance, follow the cache, or a miss."""
         if self.imbalanced():
             return self.least_loaded(), "balance"
-        match = self.holders_match(tokens)
+        match = self.holders_match(tokens, cached)
         if tokens and match.length / len(tokens) > self.cache_threshold:
             return match.workers[0], "cache"
         return self.miss_target(range(self.n_workers)), "miss"
 
-    def choose_among_up(self, tokens: Sequence[int]) -> tuple[int, str]:
+    def choose_among_up(self, tokens: Sequence[int],
+                        cached: Sequence[int] | None = None) -> tuple[int, str]:
         """``choose`` while some worker is down: the same rule over the workers up."""
         live = [w for w in range(self.n_workers) if self.up[w]]
         if not live:
@@ -204,14 +240,25 @@ class Router:
         high, low = max(loads[w] for w in live), min(loads[w] for w in live)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
             return least, "balance"
-        match = self.holders_match(tokens)
+        match = self.holders_match(tokens, cached)
         holders = [w for w in match.workers if self.up[w]]
         if tokens and holders and match.length / len(tokens) > self.cache_threshold:
             return holders[0], "cache"
         return self.miss_target(live), "miss"
 
-    def holders_match(self, tokens: Sequence[int]) -> TreeMatch:
-        """The tree's longest match of ``tokens``, its holders in ``match_rule``'s order."""
+    def holders_match(self, tokens: Sequence[int],
+                      cached: Sequence[int] | None = None) -> TreeMatch:
+        """The longest match of ``tokens`` and its holders: in the tree, in ``match_rule``'s
+        order; in the caches (``match_source="caches"``), the workers up whose cache holds the
+        longest prefix, least loaded first."""
+        if self.match_source == "caches":
+            if cached is None:
+                raise ValueError("a router with match_source='caches' needs cached=")
+            live = [w for w in range(self.n_workers) if self.up[w]]
+            length = max((cached[w] for w in live), default=0)
+            holders = sorted((w for w in live if cached[w] == length),
+                             key=lambda w: (self.loads[w], w)) if length else []
+            return TreeMatch(length, tuple(holders))
         return self.tree.match(tokens, "first" if self.match_rule == "first-holder" else "recent")
 
     def imbalanced(self) -> bool:
