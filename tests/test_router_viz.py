@@ -132,3 +132,31 @@ def test_the_routing_report_counts_prefixes_computed_each_runs_length_and_busies
     assert groups <= table.loc["cache-aware", "prefixes computed"]
     arrivals = workload.arrivals
     assert table.attrs["arrivals span (s)"] == pytest.approx(max(arrivals) - min(arrivals))
+
+
+def test_router_draws_give_each_run_over_its_own_draws_baseline() -> None:
+    draws = []
+    for seed in (0, 1):
+        workload = prefix_groups_workload(n=30, n_groups=3, prefix_len=20, mean_output=4,
+                                          rate=20.0, seed=seed)
+        draws.append({label: simulate_cluster(workload, n_workers=2, policy=policy,
+                                              kv_capacity=200, max_running=4, **opts)
+                      for label, policy, opts in (("round robin", "round-robin", {}),
+                                                  ("tree", "cache-aware", {}),
+                                                  ("caches", "cache-aware",
+                                                   {"match_source": "caches"}))})
+    per_draw = rv.router_draws(draws)
+    assert list(per_draw.index) == [(d, r) for d in (0, 1) for r in ("tree", "caches")]
+    for d, runs in enumerate(draws):
+        row = per_draw.loc[(d, "caches")]
+        assert row["over round robin"] == pytest.approx(
+            runs["caches"].throughput / runs["round robin"].throughput)
+        assert row["hit rate (%)"] == pytest.approx(100 * runs["caches"].hit_rate)
+        assert row["misses"] == runs["caches"].decisions.get("miss", 0)
+    spread = rv.spread_table(per_draw, rv.ROUTER_DRAW_COLUMNS)
+    assert list(spread.index) == list(rv.ROUTER_DRAW_COLUMNS) and list(spread.columns) == [
+        "tree", "caches"]
+    over = per_draw.xs("tree", level="run")["over round robin"]
+    assert spread.loc["over round robin", "tree"] == (
+        f"{over.mean():.2f} ({over.min():.2f}\u2013{over.max():.2f})")
+

@@ -34,6 +34,8 @@ __all__ = [
     "threshold_sweep",
     "hot_group_draws",
     "spread_table",
+    "router_draws",
+    "ROUTER_DRAW_COLUMNS",
     "routing_report",
     "routing_runs",
     "runs_report",
@@ -158,10 +160,34 @@ def hot_group_draws(draws: Sequence[tuple[Workload, Mapping[str, ClusterResult]]
     return pd.DataFrame(rows).set_index(["draw", "run"])
 
 
-def spread_table(per_draw: pd.DataFrame) -> pd.DataFrame:
-    """``hot_group_draws``' frame summed up: for each run (a column) and quantity (a row), the
-    mean over the draws and, in brackets, the range (joined by an en dash), so that a reader
-    sees how far one draw is from another. Runs as columns keep each cell on one line."""
+ROUTER_DRAW_COLUMNS: dict[str, str] = {
+    "hit rate (%)": "{:.1f}", "misses": "{:.0f}", "over round robin": "{:.2f}"}
+"""The quantities of ``router_draws`` and how ``spread_table`` writes them."""
+
+
+def router_draws(draws: Sequence[Mapping[str, ClusterResult]],
+                 baseline: str = "round robin") -> pd.DataFrame:
+    """One row per draw and labelled run (index ``draw``, ``run``; the ``baseline`` run left
+    out): the ``ROUTER_DRAW_COLUMNS``, the throughput as a multiple of the same draw's
+    ``baseline`` run. One draw of arrivals can put two routers either way round; the
+    frame's ``spread_table`` shows by how much they move."""
+    rows = []
+    for draw, runs in enumerate(draws):
+        base = runs[baseline].throughput
+        for label, r in runs.items():
+            if label != baseline:
+                values = (100 * r.hit_rate, r.decisions.get("miss", 0), r.throughput / base)
+                rows.append({"draw": draw, "run": label,
+                             **dict(zip(ROUTER_DRAW_COLUMNS, values))})
+    return pd.DataFrame(rows).set_index(["draw", "run"])
+
+
+def spread_table(per_draw: pd.DataFrame,
+                 formats: Mapping[str, str] = HOT_GROUP_COLUMNS) -> pd.DataFrame:
+    """``hot_group_draws``' (or, with ``ROUTER_DRAW_COLUMNS``, ``router_draws``') frame summed
+    up: for each run (a column) and quantity (a row), the mean over the draws and, in brackets,
+    the range (joined by an en dash), so that a reader sees how far one draw is from another.
+    Runs as columns keep each cell on one line."""
     runs = list(dict.fromkeys(per_draw.index.get_level_values("run")))
     columns = {}
     for run in runs:
@@ -169,7 +195,7 @@ def spread_table(per_draw: pd.DataFrame) -> pd.DataFrame:
         columns[run] = {quantity: f"{fmt.format(values[quantity].mean())} "
                                   f"({fmt.format(values[quantity].min())}\u2013"
                                   f"{fmt.format(values[quantity].max())})"
-                        for quantity, fmt in HOT_GROUP_COLUMNS.items()}
+                        for quantity, fmt in formats.items()}
     draws = per_draw.index.get_level_values("draw").nunique()
     table = pd.DataFrame(columns).rename_axis(f"mean (range) of {draws} draws")
     return one_header_row(table)
