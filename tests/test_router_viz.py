@@ -74,7 +74,7 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_workers_an
     given = rv.routing_report(60, n_workers=3)
     assert list(given[0].columns) == ["hit rate (%)", "prefixes computed", "output tok/s",
                                       "run length (s)", "mean latency (s)", "request ratio",
-                                      "busiest worker's compute (s)"]
+                                      "compute per worker (s)"]
     ex = rv.routing_explorer(n=60, hot_shares=(0.0, 0.6), workers=(2, 3), n_workers=3,
                              balance=("off", "32", "8"), reports={(0.0, 3, "32"): given})
     # uniform groups, the policy's default threshold
@@ -92,7 +92,7 @@ def test_the_routing_explorer_states_are_the_report_of_each_hot_share_workers_an
                     assert state[f"{run} request ratio"] == float(table.loc[run,
                                                                             "request ratio"])
                     assert state[f"{run} busiest compute"] == float(
-                        table.loc[run, "busiest worker's compute (s)"])
+                        table.loc[run, "compute per worker (s)"].split("\u2013")[1])
     # a hot group keeps its prefix in every worker's cache, even under round robin
     hot, uniform = ({"hot_share": share, "n_workers": 3, "balance_abs_threshold": "32"}
                     for share in (0.6, 0.0))
@@ -125,8 +125,9 @@ def test_the_routing_report_counts_prefixes_computed_each_runs_length_and_busies
     for name, run in runs.items():
         assert table.loc[name, "prefixes computed"] == run.prefixes_computed(500)
         assert table.loc[name, "run length (s)"] == f"{run.makespan:.2f}"
-        busiest = float(table.loc[name, "busiest worker's compute (s)"])
+        idlest, busiest = map(float, table.loc[name, "compute per worker (s)"].split("\u2013"))
         assert busiest == pytest.approx(max(run.worker_busy), abs=0.005)
+        assert idlest == pytest.approx(min(run.worker_busy), abs=0.005)
         assert max(run.worker_busy) <= run.makespan + 1e-9  # no worker computes longer than the run
     groups = len({tuple(p[:500]) for p in workload.prompts})  # each group's first computes it
     assert groups <= table.loc["cache-aware", "prefixes computed"]
